@@ -1,0 +1,5 @@
+import sys
+
+from hpcpar.cli import main
+
+sys.exit(main())

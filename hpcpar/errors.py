@@ -1,0 +1,29 @@
+"""User-facing errors: one line, what is wrong and what would be right.
+
+Everything raised as `HpcparError` is reported by the CLI as a single line
+(`hpcpar: error: ...`) with exit status 2 and no traceback unless `--debug`.
+Anything else is a bug or a fault and takes the fail-together path (traceback
+tagged with the rank, then MPI_Abort).
+"""
+
+
+class HpcparError(Exception):
+    """An error in what the user asked for (config, flags, paths, checkpoints)."""
+
+    exit_status = 2
+
+
+class ConfigError(HpcparError):
+    """A configuration value or combination that cannot work."""
+
+
+class MeshError(HpcparError):
+    """The requested (dp, tp, pp) mesh does not fit the world."""
+
+
+class DataError(HpcparError):
+    """A corpus path that is missing, empty or unreadable."""
+
+
+class CheckpointError(HpcparError):
+    """A checkpoint that is missing, corrupt, truncated or of another model."""

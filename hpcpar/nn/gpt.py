@@ -1,0 +1,191 @@
+"""GPT (nanoGPT architecture and parameter names), whole or as one pipeline stage.
+
+Layout of activations: idx [B, T] int -> h [B, T, C] -> logits [B, T, V].
+Pre-LayerNorm blocks: h = h + attn(ln_1(h)); h = h + mlp(ln_2(h)). The LM head is
+tied to `transformer.wte.weight`.
+
+A pipeline stage is `GPT(config, layers=range(a, b), embed=..., head=...)`: blocks
+keep their global index in their names (`transformer.h.5.attn.c_attn.weight`), so a
+stage's parameters are named exactly as in the whole model. When the head lives on a
+stage without the embedding, it owns a copy `lm_head.weight` with
+`tied_to = "transformer.wte.weight"`, initialised identically; the pipeline keeps
+the two equal by summing their gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hpcpar import backend, ops
+from hpcpar.nn import init
+from hpcpar.nn.layers import Embedding, LayerNorm, Linear
+from hpcpar.nn.module import Module, Parameter
+from hpcpar.tensor import Tensor
+
+DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256      # byte-level tokens
+    block_size: int = 128      # maximum sequence length T
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    bias: bool = True          # biases in Linear and LayerNorm
+    dropout: float = 0.0       # residual and embedding dropout (attention probabilities: none)
+    dtype: str = "float32"     # parameter and compute dtype
+
+
+class CausalSelfAttention(Module):
+    """c_attn: [3C, C] rows [q; k; v] -> fused causal attention -> c_proj: [C, C]."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, cfg.bias, cfg.dtype)
+        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, cfg.bias, cfg.dtype)
+
+    def forward(self, x):
+        return self.c_proj(ops.causal_attention(self.c_attn(x), self.n_head))
+
+
+class MLP(Module):
+    """c_fc: [4C, C] -> GELU(tanh) -> c_proj: [C, 4C]."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, cfg.bias, cfg.dtype)
+        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, cfg.bias, cfg.dtype)
+
+    def forward(self, x):
+        return self.c_proj(ops.gelu(self.c_fc(x)))
+
+
+class Block(Module):
+    def __init__(self, cfg: GPTConfig, index: int, attn: Module, mlp: Module, dropout_sites):
+        super().__init__()
+        self.index = index
+        self.ln_1 = LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
+        self.attn = attn
+        self.ln_2 = LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
+        self.mlp = mlp
+        self._dropout = dropout_sites
+
+    def forward(self, h):
+        h = h + self._dropout(self.attn(self.ln_1(h)), 2 * self.index + 1)
+        return h + self._dropout(self.mlp(self.ln_2(h)), 2 * self.index + 2)
+
+
+class Blocks(Module):
+    """Transformer blocks registered under their global layer index ("5", "6", ...)."""
+
+    def __init__(self, blocks: list):
+        super().__init__()
+        for block in blocks:
+            setattr(self, str(block.index), block)
+        self.items = blocks
+
+
+class Transformer(Module):
+    """Container matching nanoGPT's `transformer.*` names."""
+
+
+class GPT(Module):
+    """The model or one pipeline stage of it.
+
+    Args:
+        config: the architecture.
+        tp_comm: tensor-parallel Communicator (None or size 1: plain layers).
+        layers: global indices of the blocks on this stage (default: all).
+        embed: this stage holds wte/wpe and takes token ids.
+        head: this stage holds ln_f and the LM head and returns logits or the loss.
+        sequence_parallel: Megatron-SP (with tp > 1).
+        seed: initialisation seed (values depend only on seed, name and global shape).
+    """
+
+    def __init__(self, config: GPTConfig, tp_comm=None, layers=None, embed: bool = True,
+                 head: bool = True, sequence_parallel: bool = False, seed: int = 0):
+        super().__init__()
+        if config.dtype not in DTYPES:
+            raise ValueError(f"model dtype {config.dtype!r} not supported here; choose one of {DTYPES}")
+        self.config = config
+        self.embed, self.head = embed, head
+        self.layer_ids = list(range(config.n_layer) if layers is None else layers)
+        self.rng_context = None  # (seed, step, sample_ids) for dropout masks; set by the trainer
+        cfg = config
+        self.transformer = Transformer()
+        if embed:
+            self.transformer.wte = Embedding(cfg.vocab_size, cfg.n_embd, cfg.dtype)
+            self.transformer.wpe = Embedding(cfg.block_size, cfg.n_embd, cfg.dtype)
+        self.transformer.h = Blocks([
+            Block(cfg, i, CausalSelfAttention(cfg), MLP(cfg), self._dropout) for i in self.layer_ids])
+        if head:
+            self.transformer.ln_f = LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
+            if embed:
+                object.__setattr__(self, "head_weight", self.transformer.wte.weight)
+            else:
+                self.lm_head = Module()
+                self.lm_head.weight = Parameter(backend.xp.zeros((cfg.vocab_size, cfg.n_embd), dtype=cfg.dtype),
+                                                tied_to="transformer.wte.weight")
+                object.__setattr__(self, "head_weight", self.lm_head.weight)
+        self.init_weights(seed)
+
+    # -- initialisation -----------------------------------------------------------------
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 init: N(0, 0.02) weights and embeddings, residual projections
+        N(0, 0.02/sqrt(2 n_layer)), zero biases, LayerNorm weight 1."""
+        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():
+            key = p.tied_to or name
+            if name.endswith(".bias") or ".ln_" in name or name.startswith("transformer.ln_f"):
+                continue  # zeros / ones from construction
+            std = resid_std if name.endswith("c_proj.weight") else 0.02
+            full = init.normal(seed, key, p.layout.global_shape, std)
+            p.data[...] = backend.to_device(p.layout.take(full).astype(p.dtype))
+
+    # -- forward ------------------------------------------------------------------------
+    def _dropout(self, x, site: int):
+        p = self.config.dropout
+        if p == 0.0 or not self.training:
+            return x
+        if self.rng_context is None:
+            raise RuntimeError("dropout > 0 needs model.rng_context = (seed, step, sample_ids)")
+        seed, step, sample_ids = self.rng_context
+        return ops.dropout(x, p, [(seed, step, int(k), site) for k in sample_ids])
+
+    def forward(self, x, targets=None):
+        """x: idx [B, T] (embed) or activations [B, T, C]; returns loss, logits or activations."""
+        if self.embed:
+            idx = x.data if isinstance(x, Tensor) else x
+            t = idx.shape[1]
+            if t > self.config.block_size:
+                raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
+            tok = ops.embedding(idx, self.transformer.wte.weight)
+            pos = ops.getitem(self.transformer.wpe.weight, slice(0, t))
+            h = self._dropout(tok + pos, 0)
+        else:
+            h = x
+        for block in self.transformer.h.items:
+            h = block(h)
+        if not self.head:
+            return h
+        h = self.transformer.ln_f(h)
+        logits = ops.linear(h, self.head_weight)
+        if targets is None:
+            return logits
+        return ops.cross_entropy(logits, targets)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Global parameter count of this module (non-embedding excludes wte/wpe/lm_head)."""
+        total = 0
+        for name, p in self.named_parameters():
+            if non_embedding and (name.startswith("transformer.wte") or name.startswith("transformer.wpe")
+                                  or p.tied_to):
+                continue
+            n = 1
+            for d in p.layout.global_shape:
+                n *= d
+            total += n
+        return total

@@ -1,0 +1,473 @@
+"""Differentiable ops on Tensors: each forward sits next to its gradient rule.
+
+Every op computes its result with the array module of its inputs (NumPy or CuPy)
+and, when gradients are enabled and an input requires them, returns a Tensor whose
+`_backward(g)` closure maps the output gradient `g` to one gradient per parent (or
+None). Broadcasting ops reduce their gradients back to each input's shape.
+
+The transformer's hot paths are fused into single ops (linear, layer_norm, gelu,
+causal attention, cross_entropy) so that per-op Python overhead stays small and
+no temporary outlives the op that needs it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hpcpar import tensor as _tensor
+from hpcpar.backend import array_module
+from hpcpar.tensor import Tensor
+
+
+def _result(data, parents: tuple, backward) -> Tensor:
+    """Wrap `data`; attach the graph only when some parent needs gradients."""
+    if _tensor._grad_enabled:
+        for p in parents:
+            if p is not None and p.requires_grad:
+                out = Tensor(data, True)
+                out._parents = parents
+                out._backward = backward
+                return out
+    return Tensor(data)
+
+
+def _unbroadcast(g, shape: tuple):
+    """Sum `g` over the dims that broadcasting added or stretched to reach its shape."""
+    if g.shape == shape:
+        return g
+    extra = g.ndim - len(shape)
+    if extra:
+        g = g.sum(axis=tuple(range(extra)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if stretched:
+        g = g.sum(axis=stretched, keepdims=True)
+    return g.reshape(shape)
+
+
+def _data(x):
+    return x.data if isinstance(x, Tensor) else x
+
+
+# ----------------------------------------------------------------------------------------
+# Elementwise arithmetic (with broadcasting; a plain number may stand for either operand)
+# ----------------------------------------------------------------------------------------
+def add(a, b) -> Tensor:
+    a_t, b_t = isinstance(a, Tensor), isinstance(b, Tensor)
+    out = _data(a) + _data(b)
+    a_shape = a.shape if a_t else None
+    b_shape = b.shape if b_t else None
+
+    def backward(g):
+        return (_unbroadcast(g, a_shape) if a_t else None,
+                _unbroadcast(g, b_shape) if b_t else None)
+    return _result(out, (a if a_t else None, b if b_t else None), backward)
+
+
+def sub(a, b) -> Tensor:
+    a_t, b_t = isinstance(a, Tensor), isinstance(b, Tensor)
+    out = _data(a) - _data(b)
+    a_shape = a.shape if a_t else None
+    b_shape = b.shape if b_t else None
+
+    def backward(g):
+        return (_unbroadcast(g, a_shape) if a_t else None,
+                _unbroadcast(-g, b_shape) if b_t else None)
+    return _result(out, (a if a_t else None, b if b_t else None), backward)
+
+
+def mul(a, b) -> Tensor:
+    a_t, b_t = isinstance(a, Tensor), isinstance(b, Tensor)
+    ad, bd = _data(a), _data(b)
+    out = ad * bd
+
+    def backward(g):
+        return (_unbroadcast(g * bd, a.shape) if a_t and a.requires_grad else None,
+                _unbroadcast(g * ad, b.shape) if b_t and b.requires_grad else None)
+    return _result(out, (a if a_t else None, b if b_t else None), backward)
+
+
+def div(a, b) -> Tensor:
+    a_t, b_t = isinstance(a, Tensor), isinstance(b, Tensor)
+    ad, bd = _data(a), _data(b)
+    out = ad / bd
+
+    def backward(g):
+        ga = _unbroadcast(g / bd, a.shape) if a_t and a.requires_grad else None
+        gb = _unbroadcast(-g * out / bd, b.shape) if b_t and b.requires_grad else None
+        return ga, gb
+    return _result(out, (a if a_t else None, b if b_t else None), backward)
+
+
+def neg(x: Tensor) -> Tensor:
+    return _result(-x.data, (x,), lambda g: (-g,))
+
+
+def pow(x: Tensor, exponent: float) -> Tensor:
+    """x ** exponent for a constant exponent."""
+    xd = x.data
+    out = xd ** exponent
+    return _result(out, (x,), lambda g: (g * exponent * xd ** (exponent - 1),))
+
+
+def exp(x: Tensor) -> Tensor:
+    xp = array_module(x.data)
+    out = xp.exp(x.data)
+    return _result(out, (x,), lambda g: (g * out,))
+
+
+def log(x: Tensor) -> Tensor:
+    xp = array_module(x.data)
+    xd = x.data
+    return _result(xp.log(xd), (x,), lambda g: (g / xd,))
+
+
+def tanh(x: Tensor) -> Tensor:
+    xp = array_module(x.data)
+    out = xp.tanh(x.data)
+    return _result(out, (x,), lambda g: (g * (1 - out * out),))
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    xp = array_module(x.data)
+    xd = x.data
+    t = xd * xd
+    t *= 0.044715
+    t += 1.0
+    t *= xd
+    t *= _GELU_C
+    xp.tanh(t, out=t)                 # t = tanh(u)
+    out = t + 1.0
+    out *= xd
+    out *= 0.5
+
+    def backward(g):
+        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2)
+        x2 = xd * xd
+        x2 *= 3 * 0.044715
+        x2 += 1.0
+        x2 *= _GELU_C
+        sech2 = 1.0 - t * t
+        sech2 *= xd
+        sech2 *= x2
+        sech2 += t
+        sech2 += 1.0
+        sech2 *= 0.5
+        sech2 *= g
+        return (sech2,)
+    return _result(out, (x,), backward)
+
+
+# ----------------------------------------------------------------------------------------
+# Matrix products
+# ----------------------------------------------------------------------------------------
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """Batched a @ b over the last two dims, batch dims broadcast (both at least 2-D)."""
+    ad, bd = a.data, b.data
+    out = ad @ bd
+
+    def backward(g):
+        ga = _unbroadcast(g @ bd.swapaxes(-1, -2), a.shape) if a.requires_grad else None
+        gb = _unbroadcast(ad.swapaxes(-1, -2) @ g, b.shape) if b.requires_grad else None
+        return ga, gb
+    return _result(out, (a, b), backward)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x @ weight.T + bias.  x [..., in], weight [out, in] (nn.Linear layout), bias [out]."""
+    xd, wd = x.data, weight.data
+    x2 = xd.reshape(-1, xd.shape[-1])
+    y = x2 @ wd.T
+    if bias is not None:
+        y += bias.data
+    out = y.reshape(xd.shape[:-1] + (wd.shape[0],))
+
+    def backward(g):
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = (g2 @ wd).reshape(xd.shape) if x.requires_grad else None
+        gw = g2.T @ x2 if weight.requires_grad else None
+        gb = g2.sum(axis=0) if bias is not None and bias.requires_grad else None
+        return gx, gw, gb
+    return _result(out, (x, weight, bias), backward)
+
+
+# ----------------------------------------------------------------------------------------
+# Reductions
+# ----------------------------------------------------------------------------------------
+def _expand_reduced(g, shape, axis, keepdims):
+    xp = array_module(g)
+    if axis is None:
+        return xp.broadcast_to(g.reshape((1,) * len(shape)), shape)
+    if not keepdims:
+        axes = (axis,) if isinstance(axis, int) else axis
+        g = xp.expand_dims(g, tuple(a % len(shape) for a in axes))
+    return xp.broadcast_to(g, shape)
+
+
+def sum(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001 (mirrors numpy)
+    shape = x.shape
+    out = x.data.sum(axis=axis, keepdims=keepdims)
+    return _result(out, (x,), lambda g: (_expand_reduced(g, shape, axis, keepdims),))
+
+
+def mean(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:
+    shape = x.shape
+    out = x.data.mean(axis=axis, keepdims=keepdims)
+    count = x.data.size // (out.size or 1)
+    return _result(out, (x,), lambda g: (_expand_reduced(g / count, shape, axis, keepdims),))
+
+
+def max(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    """Maximum; the gradient is shared equally between tied maxima."""
+    xd = x.data
+    out = xd.max(axis=axis, keepdims=keepdims)
+
+    def backward(g):
+        full = _expand_reduced(out, xd.shape, axis, keepdims)
+        mask = (xd == full).astype(xd.dtype)
+        ties = mask.sum(axis=axis, keepdims=True)
+        return (mask * _expand_reduced(g, xd.shape, axis, keepdims) / ties,)
+    return _result(out, (x,), backward)
+
+
+# ----------------------------------------------------------------------------------------
+# Shape ops
+# ----------------------------------------------------------------------------------------
+def reshape(x: Tensor, shape: tuple) -> Tensor:
+    old = x.shape
+    return _result(x.data.reshape(shape), (x,), lambda g: (g.reshape(old),))
+
+
+def transpose(x: Tensor, axes: tuple | None = None) -> Tensor:
+    out = x.data.transpose(axes) if axes is not None else x.data.T
+    if axes is None:
+        return _result(out, (x,), lambda g: (g.T,))
+    inverse = tuple(sorted(range(len(axes)), key=lambda i: axes[i]))
+    return _result(out, (x,), lambda g: (g.transpose(inverse),))
+
+
+def _is_basic(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(isinstance(i, (slice, int)) or i is None or i is Ellipsis for i in parts)
+
+
+def getitem(x: Tensor, index) -> Tensor:
+    """x[index] for basic and advanced indices; repeated indices accumulate gradient."""
+    xd = x.data
+    if isinstance(index, Tensor):
+        index = index.data
+    if _is_basic(index):
+        return _slice(x, index)
+
+    def backward(g):
+        xp = array_module(g)
+        gx = xp.zeros_like(xd)
+        xp.add.at(gx, index, g)
+        return (gx,)
+    return _result(xd[index], (x,), backward)
+
+
+def split(x: Tensor, sections, axis: int = -1) -> list:
+    """Split along `axis` into equal `sections` (int) or pieces of the given sizes (list)."""
+    n = x.shape[axis]
+    if isinstance(sections, int):
+        if n % sections:
+            raise ValueError(f"dim of size {n} does not split into {sections} equal parts")
+        sizes = [n // sections] * sections
+    else:
+        sizes = list(sections)
+    pieces, start = [], 0
+    axis = axis % x.ndim
+    for size in sizes:
+        index = (slice(None),) * axis + (slice(start, start + size),)
+        pieces.append(_slice(x, index))
+        start += size
+    return pieces
+
+
+def _slice(x: Tensor, index: tuple) -> Tensor:
+    """A basic (slice-only) index: gradient written into a zero array, no scatter needed."""
+    xd = x.data
+
+    def backward(g):
+        gx = array_module(g).zeros_like(xd)
+        gx[index] = g
+        return (gx,)
+    return _result(xd[index], (x,), backward)
+
+
+def concat(tensors: list, axis: int = 0) -> Tensor:
+    xp = array_module(tensors[0].data)
+    axis = axis % tensors[0].ndim
+    out = xp.concatenate([t.data for t in tensors], axis=axis)
+    bounds, start = [], 0
+    for t in tensors:
+        bounds.append((start, start + t.shape[axis]))
+        start += t.shape[axis]
+
+    def backward(g):
+        return tuple(g[(slice(None),) * axis + (slice(a, b),)] for a, b in bounds)
+    return _result(out, tuple(tensors), backward)
+
+
+# ----------------------------------------------------------------------------------------
+# Lookup, normalisation, probabilities
+# ----------------------------------------------------------------------------------------
+def embedding(idx, weight: Tensor) -> Tensor:
+    """weight[idx]: idx int [...], weight [V, C] -> [..., C]; gradient is a scatter-add."""
+    ids = idx.data if isinstance(idx, Tensor) else idx
+    wd = weight.data
+
+    def backward(g):
+        xp = array_module(g)
+        gw = xp.zeros_like(wd)
+        xp.add.at(gw, ids.reshape(-1), g.reshape(-1, wd.shape[1]))
+        return (gw,)
+    return _result(wd[ids], (weight,), backward)
+
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    xp = array_module(x.data)
+    out = x.data - x.data.max(axis=axis, keepdims=True)
+    xp.exp(out, out=out)
+    out /= out.sum(axis=axis, keepdims=True)
+
+    def backward(g):
+        gy = g * out
+        gy -= out * gy.sum(axis=axis, keepdims=True)
+        return (gy,)
+    return _result(out, (x,), backward)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the last dim. x [..., C], weight/bias [C]."""
+    xp = array_module(x.data)
+    xd = x.data
+    mu = xd.mean(axis=-1, keepdims=True)
+    xhat = xd - mu
+    var = (xhat * xhat).mean(axis=-1, keepdims=True)
+    rstd = 1.0 / xp.sqrt(var + eps)
+    xhat *= rstd
+    out = xhat * weight.data
+    if bias is not None:
+        out += bias.data
+    c = xd.shape[-1]
+
+    def backward(g):
+        g2 = g.reshape(-1, c)
+        xh2 = xhat.reshape(-1, c)
+        gw = (g2 * xh2).sum(axis=0) if weight.requires_grad else None
+        gb = g2.sum(axis=0) if bias is not None and bias.requires_grad else None
+        gx = None
+        if x.requires_grad:
+            gxhat = g * weight.data
+            gx = gxhat - gxhat.mean(axis=-1, keepdims=True)
+            gx -= xhat * (gxhat * xhat).mean(axis=-1, keepdims=True)
+            gx *= rstd
+        return gx, gw, gb
+    return _result(out, (x, weight, bias), backward)
+
+
+def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
+    """Mean negative log-likelihood of `targets` under softmax(`logits`), fused.
+
+    logits [..., V], targets int [...]; positions equal to `ignore_index` are left
+    out of the mean. Returns a scalar Tensor.
+    """
+    xp = array_module(logits.data)
+    ld = logits.data
+    v = ld.shape[-1]
+    z = ld.reshape(-1, v)
+    t = (targets.data if isinstance(targets, Tensor) else targets).reshape(-1)
+    valid = t != ignore_index
+    safe_t = xp.where(valid, t, 0)
+    rows = xp.arange(z.shape[0])
+    probs = z - z.max(axis=1, keepdims=True)
+    picked = probs[rows, safe_t]
+    xp.exp(probs, out=probs)
+    total = probs.sum(axis=1)
+    # Kept as an array (no device-to-host sync on GPU).
+    count = xp.maximum(valid.sum(), 1).astype(ld.dtype)
+    nll = (xp.log(total) - picked) * valid
+    loss = nll.sum() / count
+
+    def backward(g):
+        grad = probs / total[:, None]
+        grad[rows, safe_t] -= 1.0
+        grad *= (valid * (g / count))[:, None].astype(grad.dtype)
+        return (grad.reshape(ld.shape),)
+    return _result(loss.astype(ld.dtype), (logits,), backward)
+
+
+_causal_bias_cache: dict = {}
+
+
+def _causal_bias(xp, t: int, dtype):
+    """[T, T] additive mask: 0 on and below the diagonal, -inf above (cached)."""
+    key = (xp.__name__, t, str(dtype))
+    bias = _causal_bias_cache.get(key)
+    if bias is None:
+        bias = xp.triu(xp.full((t, t), -xp.inf, dtype=dtype), k=1)
+        _causal_bias_cache[key] = bias
+    return bias
+
+
+def causal_attention(qkv: Tensor, n_head: int) -> Tensor:
+    """Fused causal self-attention.
+
+    qkv [B, T, 3*H*D] holds q, k, v side by side (the c_attn output, rows [q; k; v]);
+    returns [B, T, H*D] with heads merged. Scores, mask, softmax and the weighted sum
+    happen inside; only the [B, H, T, T] probabilities are kept for backward.
+    """
+    xp = array_module(qkv.data)
+    b, t, three_c = qkv.shape
+    c = three_c // 3
+    d = c // n_head
+    scale = 1.0 / math.sqrt(d)
+    heads = qkv.data.reshape(b, t, 3, n_head, d).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, D]
+    q, k, v = heads[0], heads[1], heads[2]
+    probs = q @ k.swapaxes(-1, -2)                                         # [B, H, T, T]
+    probs *= scale
+    probs += _causal_bias(xp, t, probs.dtype)
+    probs -= probs.max(axis=-1, keepdims=True)
+    xp.exp(probs, out=probs)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    y = probs @ v                                                          # [B, H, T, D]
+    out = y.transpose(0, 2, 1, 3).reshape(b, t, c)
+
+    def backward(g):
+        gy = g.reshape(b, t, n_head, d).transpose(0, 2, 1, 3)              # [B, H, T, D]
+        gqkv = xp.empty((3, b, n_head, t, d), dtype=g.dtype)
+        xp.matmul(probs.swapaxes(-1, -2), gy, out=gqkv[2])                 # dV = P^T dY
+        gs = gy @ v.swapaxes(-1, -2)                                       # dP = dY V^T
+        gs -= (gs * probs).sum(axis=-1, keepdims=True)
+        gs *= probs                                                        # dS = P (dP - rowsum(dP P))
+        gs *= scale
+        xp.matmul(gs, k, out=gqkv[0])                                      # dQ = dS K
+        xp.matmul(gs.swapaxes(-1, -2), q, out=gqkv[1])                     # dK = dS^T Q
+        return (gqkv.transpose(1, 3, 0, 2, 4).reshape(b, t, three_c),)
+    return _result(out, (qkv,), backward)
+
+
+def dropout(x: Tensor, p: float, mask_rng_keys=None, training: bool = True) -> Tensor:
+    """Inverted dropout with a seeded mask.
+
+    `mask_rng_keys` is one integer key tuple per row of dim 0 (e.g. per sample:
+    (seed, step, sample_id, site)); the mask of row i is drawn from
+    numpy.random.default_rng(key_i) over x.shape[1:], so a sample's mask does not
+    depend on which other samples share its batch, or on the mesh.
+    """
+    if not training or p == 0.0:
+        return x
+    import numpy as np
+    xp = array_module(x.data)
+    keep = 1.0 - p
+    if mask_rng_keys is None:
+        raise ValueError("dropout needs one rng key per sample (mask_rng_keys)")
+    mask = np.stack([np.random.default_rng(list(k)).random(x.shape[1:]) < keep
+                     for k in mask_rng_keys]).astype(x.dtype) / keep
+    mask = xp.asarray(mask)
+    return _result(x.data * mask, (x,), lambda g: (g * mask,))
