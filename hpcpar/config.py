@@ -1,0 +1,653 @@
+"""Run configuration: one TOML file plus `--set section.key=value` overrides.
+
+A `Config` is seven frozen sections: model, mesh, data, train, pipeline, checkpoint, run.
+Every field carries its documentation in `metadata["doc"]` (and its allowed values in
+`metadata["choices"]` where there is a fixed set); `to_toml` writes those as comments, so the
+shipped `hpcpar/defaults/default.toml` and `docs/config.md` describe the same fields as the code.
+
+Three steps, all pure (no MPI; the only I/O is reading the TOML file), so every rank reaches the
+same verdict before the first collective:
+
+1. `load_config(path, overrides)` parses and type-checks: unknown sections or keys and wrong
+   types are errors;
+2. `validate(cfg, world_size, available_memory_bytes)` checks every value and combination and
+   returns the same `Config` with the mesh degrees resolved (no 0 = "auto" left);
+3. `to_toml(cfg)` writes the config used into the run directory; it round-trips through
+   `load_config`.
+
+Every error is a one-line `ConfigError` (or `MeshError` for a mesh that does not fit the world)
+saying what is wrong and what would be right.
+"""
+
+import dataclasses
+import difflib
+import logging
+import math
+import os
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from hpcpar.errors import ConfigError, MeshError
+
+log = logging.getLogger(__name__)
+
+
+def _field(default: Any, doc: str, choices: tuple | None = None) -> Any:
+    """A config field with its documentation (and fixed set of values) kept next to it."""
+    metadata = {"doc": doc} if choices is None else {"doc": doc, "choices": choices}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The GPT (nanoGPT field names, so `GPT(cfg.model)` reads the same keys)."""
+
+    vocab_size: int = _field(256, "number of token ids; the corpus is bytes, so >= 256; divisible by mesh.tp "
+                                  "(the embedding is split by vocabulary)")
+    block_size: int = _field(128, "context length T in tokens (>= 2); divisible by mesh.tp with "
+                                  "mesh.sequence_parallel")
+    n_layer: int = _field(4, "transformer blocks; at least one per virtual pipeline stage "
+                             "(n_layer >= mesh.pp * pipeline.chunks)")
+    n_head: int = _field(4, "attention heads; divides n_embd; divisible by mesh.tp (a tp rank holds whole heads)")
+    n_embd: int = _field(128, "model width C")
+    bias: bool = _field(True, "biases in Linear and LayerNorm layers")
+    dropout: float = _field(0.0, "dropout probability, 0 <= dropout < 1")
+    dtype: str = _field("float32", "parameter and activation dtype; bfloat16/float16 (mixed precision) "
+                                   "need run.backend = \"cupy\"",
+                        ("float32", "float64", "bfloat16", "float16"))
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Parallel degrees; their product is the number of ranks. 0 = auto (see `resolve_mesh`)."""
+
+    dp: int = _field(0, "data-parallel degree (0 = auto: world // (tp * pp))")
+    tp: int = _field(0, "tensor-parallel degree (0 = auto: 1)")
+    pp: int = _field(0, "pipeline stages (0 = auto: 2 when the world is even and >= 4 and dp, tp "
+                        "are auto, else 1)")
+    sequence_parallel: bool = _field(False, "split LayerNorm/dropout activations along the sequence "
+                                            "across tp ranks (Megatron-SP); a no-op when tp == 1")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    corpus: str = _field("", "text file or directory of text files (\"\" = the Python standard "
+                             "library's source, embedded)")
+    val_fraction: float = _field(0.05, "fraction of the corpus (its tail) held out for evaluation, "
+                                       "0 <= val_fraction < 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _field(600, "optimizer steps")
+    micro_batch_size: int = _field(8, "sequences per micro-batch per data-parallel rank")
+    microbatches: int = _field(2, "micro-batches per step (gradient accumulation / pipeline micro-batches); "
+                                  "global batch = dp * micro_batch_size * microbatches sequences")
+    lr: float = _field(3e-3, "peak learning rate, after warm-up (> 0)")
+    min_lr: float = _field(3e-4, "learning rate at the end of the cosine decay, 0 <= min_lr <= lr")
+    warmup: int = _field(30, "linear warm-up steps (>= 0; a warning when >= steps)")
+    weight_decay: float = _field(0.1, "decoupled weight decay (AdamW; not applied to biases and LayerNorm)")
+    beta1: float = _field(0.9, "AdamW first-moment decay, 0 < beta1 < 1")
+    beta2: float = _field(0.95, "AdamW second-moment decay, 0 < beta2 < 1")
+    eps: float = _field(1e-8, "AdamW denominator epsilon (> 0)")
+    grad_clip: float = _field(1.0, "clip the global gradient norm to this (0 = no clipping)")
+    seed: int = _field(1337, "seed of parameter initialisation and batch sampling (>= 0)")
+    zero: int = _field(0, "ZeRO stage: 0 = replicated optimizer state, 1 = state sharded over dp", (0, 1))
+    optimizer: str = _field("adamw", "optimizer", ("adamw", "sgd"))
+    momentum: float = _field(0.9, "SGD momentum, 0 <= momentum < 1 (optimizer = \"sgd\" only)")
+    bucket_mb: float = _field(25.0, "data-parallel gradient bucket size in MiB (> 0)")
+    grad_wire_dtype: str = _field("float32", "dtype of gradients on the wire in the data-parallel allreduce",
+                                  ("float32", "float16", "bfloat16"))
+    max_bad_steps: int = _field(3, "abort after this many consecutive steps with a NaN/Inf loss or "
+                                   "gradient norm (each is skipped)")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    schedule: str = _field("1f1b", "pipeline schedule", ("gpipe", "1f1b", "interleaved"))
+    chunks: int = _field(1, "model chunks per pipeline rank (> 1 only with schedule = \"interleaved\")")
+    trace: bool = _field(False, "write a per-rank timeline of pipeline actions into the run directory")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = _field("", "checkpoint directory (\"\" = <run.dir>/checkpoints)")
+    every: int = _field(0, "save every this many steps (0 = only at the end)")
+    keep: int = _field(3, "keep the newest this many checkpoints (>= 1)")
+    resume: str = _field("", "\"\" = start fresh, \"auto\" = newest checkpoint in dir if any, "
+                             "or a checkpoint path")
+    async_save: bool = _field(False, "write checkpoints in a background thread while training goes on")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = _field("runs/default", "run directory: metrics.jsonl, config.toml, summary, checkpoints")
+    log_every: int = _field(10, "log training metrics every this many steps (>= 1)")
+    eval_every: int = _field(100, "evaluate on held-out data every this many steps (0 = never)")
+    eval_batches: int = _field(4, "micro-batches per evaluation (>= 1)")
+    timeout: float = _field(300.0, "watchdog: seconds a collective may wait before the job aborts (> 0)")
+    backend: str = _field("numpy", "array backend (numpy on CPU, cupy on GPU)", ("numpy", "cupy"))
+    progress: bool = _field(True, "progress bar on rank 0")
+    debug_check_every: int = _field(0, "every this many ops, check that all ranks issued the same "
+                                       "collectives (0 = off)")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole run configuration; `validate` returns one with the mesh degrees resolved."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where checkpoints go: checkpoint.dir, or <run.dir>/checkpoints when that is ""."""
+        return self.checkpoint.dir or os.path.join(self.run.dir, "checkpoints")
+
+
+# Section name -> section class, in file order.
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_SUGGEST_CUTOFF = 0.6
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _fields(section: str) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+
+
+def _did_you_mean(name: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=_SUGGEST_CUTOFF)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _check_section(section: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r}; {_did_you_mean(section, list(SECTIONS))}"
+                          f"valid sections: {', '.join(SECTIONS)}")
+
+
+def _check_key(section: str, key: str) -> dataclasses.Field:
+    _check_section(section)
+    fields = _fields(section)
+    if key not in fields:
+        hint = _did_you_mean(key, list(fields))
+        raise ConfigError(f"unknown key '{section}.{key}'; {hint}valid keys in [{section}]: {', '.join(fields)}")
+    return fields[key]
+
+
+def _describe(value: Any) -> str:
+    """A value as the user wrote it, with its TOML type (for type errors)."""
+    kinds = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array", dict: "table"}
+    return f"{value!r} ({kinds.get(type(value), type(value).__name__)})"
+
+
+def _coerce(name: str, ftype: type, value: Any) -> Any:
+    """`value` as the field's type, or ConfigError. An integer is accepted where a number is."""
+    if ftype is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    # bool is an int subclass in Python but a separate type in TOML: never mix them.
+    if type(value) is not ftype:
+        raise ConfigError(f"{name} must be {_TYPE_NAMES[ftype]}, got {_describe(value)}")
+    return value
+
+
+def _read_toml(path: str | os.PathLike) -> dict:
+    shown = os.fsdecode(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {shown!r} not found; give an existing TOML file, "
+                          "or none to use the defaults") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {shown!r}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {shown!r} is not UTF-8 text (line {line}); save it as UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        # The message ends with "(at line L, column C)".
+        raise ConfigError(f"config file {shown!r} is not valid TOML: {e}") from None
+
+
+def _section_of_key(key: str) -> str | None:
+    for section in SECTIONS:
+        if key in _fields(section):
+            return section
+    return None
+
+
+def _values_from_file(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    shown = os.fsdecode(path)
+    values: dict[str, dict[str, Any]] = {}
+    for section, table in _read_toml(path).items():
+        if not isinstance(table, dict):
+            home = _section_of_key(section)
+            hint = f"put it under [{home}]" if home else f"sections are {', '.join(SECTIONS)}"
+            raise ConfigError(f"{shown}: top-level key {section!r} must be inside a [section]; {hint}")
+        try:
+            _check_section(section)
+            for key, value in table.items():
+                f = _check_key(section, key)
+                values.setdefault(section, {})[key] = _coerce(f"{section}.{key}", f.type, value)
+        except ConfigError as e:
+            raise ConfigError(f"{shown}: {e}") from None
+    return values
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`"section.key=value"` -> (section, key, typed value).
+
+    The value is read as a TOML value (`8`, `3e-4`, `true`, `"x"`); for a string field anything
+    that is not a TOML string is taken literally, so `data.corpus=/path/x` needs no quotes.
+    """
+    name, sep, raw = text.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. --set model.n_layer=8")
+    try:
+        f = _check_key(section, key)
+    except ConfigError as e:
+        raise ConfigError(f"--set {text!r}: {e}") from None
+    raw = raw.strip()
+    try:
+        parsed = tomllib.loads(f"v = {raw}")
+    except tomllib.TOMLDecodeError:
+        parsed = {}
+    # Anything but exactly one value (a bare word, or text that smuggles in more keys) is a string.
+    value = parsed["v"] if set(parsed) == {"v"} else raw
+    if f.type is str and not isinstance(value, str):
+        value = raw
+    try:
+        return section, key, _coerce(f"{section}.{key}", f.type, value)
+    except ConfigError as e:
+        raise ConfigError(f"--set {text!r}: {e}") from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The defaults, updated by the TOML file at `path` (if given), then by each override in order.
+
+    Checks names and types only; value ranges and combinations are `validate`'s job.
+    Raises ConfigError naming the file (and for TOML syntax the line) or the override.
+    """
+    values = _values_from_file(path) if path is not None else {}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        values.setdefault(section, {})[key] = value
+    return Config(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _toml_string(s: str) -> str:
+    out = []
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:  # control characters must be escaped in TOML
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return _toml_string(value)
+    return repr(value)  # int, or float: repr is valid TOML (0.003, 1e-08, 300.0, inf, nan)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """{section: {key: value}} of plain Python values (for JSON metrics and checkpoint metadata)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """The config as a commented TOML document; `load_config` of it gives back `cfg`."""
+    lines = ["# hpcpar configuration. Every key is optional; see docs/config.md.",
+             "# Override any key on the command line: hpcpar train FILE --set section.key=value"]
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        lines += ["", f"[{name}]"]
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            doc = f.metadata["doc"]
+            if "choices" in f.metadata:
+                doc += " [" + " | ".join(_toml_value(c) for c in f.metadata["choices"]) + "]"
+            if value != f.default:
+                doc += f" (default {_toml_value(f.default)})"
+            lines += textwrap.wrap(doc, width=98, initial_indent="# ", subsequent_indent="#   ")
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- the mesh
+
+
+def resolve_mesh(mesh: MeshConfig, world_size: int) -> tuple[int, int, int]:
+    """(dp, tp, pp) for `world_size` ranks, filling in the degrees given as 0 (auto).
+
+    Rule: tp = 1 when auto; pp = 2 when auto, the world is even and >= 4, and dp and tp are both
+    auto, else 1; dp = world_size // (tp * pp) when auto. So 4 ranks give dp=2 x pp=2 and one
+    rank 1x1x1. Raises MeshError when the degrees do not multiply to `world_size`.
+    """
+    if world_size < 1:
+        raise MeshError(f"world size must be >= 1, got {world_size}")
+    for axis in ("dp", "tp", "pp"):
+        if getattr(mesh, axis) < 0:
+            raise ConfigError(f"mesh.{axis}={getattr(mesh, axis)} is invalid: use a positive degree or 0 (auto)")
+    tp = mesh.tp or 1
+    if mesh.pp:
+        pp = mesh.pp
+    else:
+        pp = 2 if world_size >= 4 and world_size % 2 == 0 and mesh.dp == 0 and mesh.tp == 0 else 1
+    if mesh.dp:
+        dp = mesh.dp
+    elif world_size % (tp * pp):
+        divisors = _divisors(world_size)
+        raise MeshError(f"mesh tp={tp} x pp={pp} = {tp * pp} does not divide the world size {world_size}; "
+                        f"choose tp * pp in {{{', '.join(map(str, divisors))}}} or launch a multiple of "
+                        f"{tp * pp} ranks")
+    else:
+        dp = world_size // (tp * pp)
+    if dp * tp * pp != world_size:
+        shown = ", ".join(f"{axis}={value}{'' if getattr(mesh, axis) else ' (auto)'}"
+                          for axis, value in (("dp", dp), ("tp", tp), ("pp", pp)))
+        raise MeshError(f"mesh {shown}: product {dp * tp * pp} != world size {world_size}; choose degrees "
+                        f"whose product is {world_size}, or set some to 0 (auto)")
+    return dp, tp, pp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# --------------------------------------------------------------------------- memory
+
+
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _stage_parameters(cfg: Config, tp: int, pp: int, stage: int) -> int:
+    """Parameters held by one rank of pipeline stage `stage` (upper bound on layers per stage)."""
+    m = cfg.model
+    c, b = m.n_embd, int(m.bias)
+    # Per block: two LayerNorms and the row-parallel biases (attn.c_proj, mlp.c_proj) are
+    # replicated; c_attn (3C x C), attn.c_proj (C x C), c_fc (4C x C), mlp.c_proj (C x 4C) and
+    # the column-parallel biases (3C, 4C) are split over tp.
+    per_layer = 2 * c * (1 + b) + 2 * c * b + -(-(12 * c * c + 7 * c * b) // tp)
+    layers = -(-m.n_layer // (pp * cfg.pipeline.chunks)) * cfg.pipeline.chunks
+    params = layers * per_layer
+    wte = -(-m.vocab_size * c // tp)
+    if stage == 0:
+        params += wte + m.block_size * c  # token embedding (vocab-parallel) + position embedding
+    if stage == pp - 1:
+        params += c * (1 + b) + (wte if pp > 1 else 0)  # ln_f, and lm_head where wte is on another stage
+    return params
+
+
+def _memory_parts(cfg: Config, dp: int, tp: int, pp: int) -> tuple[int, int]:
+    """(weights + grads + optimizer state, activations) in bytes on the busiest rank."""
+    from hpcpar.parallel import schedule
+
+    m, t = cfg.model, cfg.train
+    s = _DTYPE_BYTES[m.dtype]
+    half = s == 2
+    # Optimizer state per parameter: AdamW two moments, SGD one momentum buffer (none at 0);
+    # kept in float32 (plus a float32 master copy) under mixed precision; sharded over dp by ZeRO-1.
+    n_state = 2 if t.optimizer == "adamw" else int(t.momentum > 0)
+    state_bytes = n_state * (4 if half else s) + (4 if half else 0)
+    shards = dp if t.zero == 1 else 1
+
+    # Activations kept for backward per block per micro-batch, in elements:
+    #   (6 + 2d) B T C / r   LayerNorm inputs/outputs, residuals (+ dropout masks), r = tp under SP
+    #   12 B T C / tp        q, k, v, attention output, MLP hidden before/after GELU
+    #   (2 + d) B H T^2 / tp attention scores and probabilities (+ dropout mask)
+    bsz, seq, c, heads = t.micro_batch_size, m.block_size, m.n_embd, m.n_head
+    d = int(m.dropout > 0)
+    r = tp if cfg.mesh.sequence_parallel else 1
+    per_layer = s * bsz * seq * ((6 + 2 * d) * c / r + 12 * c / tp + (2 + d) * heads * seq / tp)
+    embed = s * bsz * seq * 2 * c                        # token + position embeddings
+    head = s * bsz * seq * (2 * c + 2 * m.vocab_size / tp)  # ln_f, logits and softmax probabilities
+    layers_per_chunk = -(-m.n_layer // (pp * cfg.pipeline.chunks))
+    # Peak stashed chunk activations per pipeline rank, from the schedule itself.
+    stash = schedule.simulate(schedule.build(cfg.pipeline.schedule, pp, t.microbatches,
+                                             cfg.pipeline.chunks)).peak_stash
+    worst_state, worst_act, worst = 0, 0, -1.0
+    for stage in range(pp):
+        p = _stage_parameters(cfg, tp, pp, stage)
+        state = 2 * p * s + -(-p * state_bytes // shards)  # weights + grads + optimizer state
+        microbatches = -(-stash[stage] // cfg.pipeline.chunks)
+        act = stash[stage] * layers_per_chunk * per_layer
+        act += microbatches * ((embed if stage == 0 else 0) + (head if stage == pp - 1 else 0))
+        if state + act > worst:
+            worst_state, worst_act, worst = state, math.ceil(act), state + act
+    return worst_state, worst_act
+
+
+def estimate_memory(cfg: Config, dp: int, tp: int, pp: int) -> int:
+    """Estimated bytes per rank on the busiest pipeline stage (see docs/config.md, "Memory").
+
+    weights + grads (2 P s) + optimizer state (P x 2 moments, / dp with ZeRO-1) + activations
+    stashed by the schedule (peak micro-batches in flight x layers x per-layer activations).
+    P counts the rank's share of parameters under tp and pp; s is the dtype's size.
+    """
+    state, act = _memory_parts(cfg, dp, tp, pp)
+    return state + act
+
+
+def _human(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _check_memory(cfg: Config, available: int) -> None:
+    dp, tp, pp = cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp
+    state, act = _memory_parts(cfg, dp, tp, pp)
+    if state + act <= available:
+        return
+    remedies = []
+    if act >= state:
+        remedies.append("a smaller train.micro_batch_size or model.block_size")
+        if cfg.pipeline.schedule == "gpipe" and pp > 1:
+            remedies.append("pipeline.schedule=\"1f1b\" (stashes <= pp micro-batches, not all)")
+        if tp > 1 and not cfg.mesh.sequence_parallel:
+            remedies.append("mesh.sequence_parallel=true")
+    if cfg.train.zero == 0 and dp > 1:
+        remedies.append("train.zero=1 (shards optimizer state over dp)")
+    remedies.append("more ranks for mesh.tp or mesh.pp")
+    raise ConfigError(f"estimated memory per rank {_human(state + act)} (weights+grads+optimizer {_human(state)}, "
+                      f"activations {_human(act)}) exceeds the available {_human(available)}; try "
+                      + ", or ".join(remedies))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _gt0(v: float) -> bool:
+    return v > 0
+
+
+def _ge0(v: float) -> bool:
+    return v >= 0
+
+
+def _ge1(v: float) -> bool:
+    return v >= 1
+
+
+def _unit(v: float) -> bool:
+    return 0 <= v < 1
+
+
+def _open_unit(v: float) -> bool:
+    return 0 < v < 1
+
+
+# (section.key, test, what it must be) for every single-value range.
+_RANGES: tuple[tuple[str, Any, str], ...] = (
+    ("model.vocab_size", lambda v: v >= 256, ">= 256 (tokens are bytes 0..255)"),
+    ("model.block_size", lambda v: v >= 2, ">= 2"),
+    ("model.n_layer", _ge1, ">= 1"),
+    ("model.n_head", _ge1, ">= 1"),
+    ("model.n_embd", _ge1, ">= 1"),
+    ("model.dropout", _unit, "in [0, 1)"),
+    ("mesh.dp", _ge0, ">= 0 (0 = auto)"),
+    ("mesh.tp", _ge0, ">= 0 (0 = auto)"),
+    ("mesh.pp", _ge0, ">= 0 (0 = auto)"),
+    ("data.val_fraction", _unit, "in [0, 1)"),
+    ("train.steps", _ge1, ">= 1"),
+    ("train.micro_batch_size", _ge1, ">= 1"),
+    ("train.microbatches", _ge1, ">= 1"),
+    ("train.lr", _gt0, "> 0"),
+    ("train.min_lr", _ge0, ">= 0"),
+    ("train.warmup", _ge0, ">= 0"),
+    ("train.weight_decay", _ge0, ">= 0"),
+    ("train.beta1", _open_unit, "in (0, 1)"),
+    ("train.beta2", _open_unit, "in (0, 1)"),
+    ("train.eps", _gt0, "> 0"),
+    ("train.grad_clip", _ge0, ">= 0 (0 = no clipping)"),
+    ("train.seed", _ge0, ">= 0"),
+    ("train.momentum", _unit, "in [0, 1)"),
+    ("train.bucket_mb", _gt0, "> 0"),
+    ("train.max_bad_steps", _ge1, ">= 1"),
+    ("pipeline.chunks", _ge1, ">= 1"),
+    ("checkpoint.every", _ge0, ">= 0 (0 = only at the end)"),
+    ("checkpoint.keep", _ge1, ">= 1"),
+    ("run.dir", bool, "a non-empty directory path"),
+    ("run.log_every", _ge1, ">= 1"),
+    ("run.eval_every", _ge0, ">= 0 (0 = never)"),
+    ("run.eval_batches", _ge1, ">= 1"),
+    ("run.timeout", _gt0, "> 0 seconds"),
+    ("run.debug_check_every", _ge0, ">= 0 (0 = off)"),
+)
+
+
+def _get(cfg: Config, name: str) -> Any:
+    section, key = name.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _check_fields(cfg: Config) -> None:
+    """Types (for configs built in code), finite numbers, UTF-8 text, fixed choices."""
+    for section in SECTIONS:
+        for f in dataclasses.fields(SECTIONS[section]):
+            name = f"{section}.{f.name}"
+            value = _coerce(name, f.type, _get(cfg, name))
+            if f.type is float and not math.isfinite(value):
+                raise ConfigError(f"{name}={value!r} is invalid: must be a finite number")
+            if f.type is str:
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ConfigError(f"{name}={value!r} is not valid UTF-8; the config is saved as TOML "
+                                      "(UTF-8), so use a UTF-8 name") from None
+            choices = f.metadata.get("choices")
+            if choices is not None and value not in choices:
+                hint = _did_you_mean(value, choices) if isinstance(value, str) else ""
+                raise ConfigError(f"{name}={_toml_value(value)} is not one of "
+                                  f"{', '.join(_toml_value(c) for c in choices)}; {hint}".rstrip("; "))
+
+
+def _check_ranges(cfg: Config) -> None:
+    for name, ok, requirement in _RANGES:
+        value = _get(cfg, name)
+        if not ok(value):
+            raise ConfigError(f"{name}={_toml_value(value)} is invalid: must be {requirement}")
+
+
+def _check_model(cfg: Config) -> None:
+    m = cfg.model
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head} (heads split "
+                          f"the width evenly); choose n_head in {{{', '.join(map(str, _divisors(m.n_embd)))}}}")
+    if m.dtype in ("bfloat16", "float16") and cfg.run.backend != "cupy":
+        raise ConfigError(f"model.dtype=\"{m.dtype}\" (mixed precision) needs run.backend=\"cupy\"; with "
+                          f"run.backend=\"{cfg.run.backend}\" use model.dtype=\"float32\" or \"float64\"")
+    t = cfg.train
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr!r} exceeds train.lr={t.lr!r}; the cosine schedule decays "
+                          "from lr down to min_lr, so choose min_lr <= lr")
+    if cfg.run.eval_every > 0 and cfg.data.val_fraction == 0:
+        raise ConfigError(f"run.eval_every={cfg.run.eval_every} needs held-out data but data.val_fraction=0; "
+                          "set data.val_fraction > 0 (e.g. 0.05) or run.eval_every=0")
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _check_tensor_parallel(cfg: Config, tp: int) -> None:
+    # (4 * n_embd) % tp == 0 (the MLP width) follows from n_head % tp == 0 and n_embd % n_head == 0.
+    m = cfg.model
+    if m.n_head % tp:
+        raise ConfigError(f"model.n_head={m.n_head} is not divisible by mesh.tp={tp} (a tp rank holds whole "
+                          f"heads); choose tp in {{{', '.join(map(str, _divisors(m.n_head)))}}}")
+    if m.vocab_size % tp:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by mesh.tp={tp} (the embedding "
+                          f"is split by vocabulary); use vocab_size={_round_up(m.vocab_size, tp)}")
+    if cfg.mesh.sequence_parallel and m.block_size % tp:
+        raise ConfigError(f"model.block_size={m.block_size} is not divisible by mesh.tp={tp} with "
+                          f"mesh.sequence_parallel=true (the sequence is split over tp); use "
+                          f"block_size={_round_up(m.block_size, tp)} or sequence_parallel=false")
+
+
+def _check_pipeline(cfg: Config, pp: int) -> None:
+    from hpcpar.parallel import schedule
+
+    p, t = cfg.pipeline, cfg.train
+    # Schedule-level rules (chunks only with interleaved, interleaved needs m % pp == 0, ...).
+    schedule.validate(p.schedule, pp, t.microbatches, p.chunks)
+    stages = pp * p.chunks
+    if cfg.model.n_layer < stages:
+        raise ConfigError(f"model.n_layer={cfg.model.n_layer} is fewer than mesh.pp={pp} x pipeline.chunks="
+                          f"{p.chunks} = {stages} virtual stages (each needs a layer); use n_layer >= {stages} "
+                          + ("or fewer stages" if cfg.mesh.pp else "or mesh.pp=1 (pp=2 is the auto default)"))
+    if t.microbatches < pp:
+        log.warning("train.microbatches=%d < mesh.pp=%d: most of each step is pipeline bubble, "
+                    "(p-1)/(m+p-1) = %.0f%%; use microbatches >= %d (4 x pp is better)",
+                    t.microbatches, pp, 100 * (pp - 1) / (t.microbatches + pp - 1), pp)
+
+
+def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = None) -> Config:
+    """Check every value and combination for `world_size` ranks; return `cfg` with the mesh resolved.
+
+    Pure (no MPI, no I/O) so that every rank reaches the same verdict before any collective.
+    The returned config has mesh.dp, mesh.tp, mesh.pp >= 1 with product `world_size`; validating
+    it again gives it back unchanged. `available_memory_bytes`, when given, is compared with
+    `estimate_memory` (pass a value every rank agrees on, e.g. the smallest device's memory).
+    Raises ConfigError / MeshError (one line); logs warnings for legal but doubtful settings.
+    """
+    _check_fields(cfg)
+    _check_ranges(cfg)
+    _check_model(cfg)
+    dp, tp, pp = resolve_mesh(cfg.mesh, world_size)
+    _check_tensor_parallel(cfg, tp)
+    _check_pipeline(cfg, pp)
+    if cfg.train.warmup >= cfg.train.steps:
+        log.warning("train.warmup=%d >= train.steps=%d: the learning rate never reaches train.lr",
+                    cfg.train.warmup, cfg.train.steps)
+    resolved = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=dp, tp=tp, pp=pp))
+    if available_memory_bytes is not None:
+        _check_memory(resolved, available_memory_bytes)
+    return resolved

@@ -1,0 +1,76 @@
+"""Numbers a run reports: model FLOPs, the machine's GEMM peak, MFU, memory, JSON lines.
+
+MFU follows the PaLM paper (appendix B): FLOPs per token = 6 N + 12 L d T, with N the
+non-embedding parameters, L layers, d the width and T the sequence length; MFU is the
+achieved model FLOP/s over the peak. The peak is this machine's measured dense GEMM
+rate: every rank times a square matmul at the same moment (so ranks that share cores
+share them while measuring too) and the rates are summed over the world.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+
+
+def flops_per_token(n_params_non_embedding: int, n_layer: int, n_embd: int, block_size: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 N + 12 L d T."""
+    return 6.0 * n_params_non_embedding + 12.0 * n_layer * n_embd * block_size
+
+
+def measure_gemm_flops(dtype: str = "float32", n: int = 512, seconds: float = 0.3) -> float:
+    """This process's dense matmul rate in FLOP/s for `dtype` ([n, n] @ [n, n], host NumPy)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n)).astype(dtype)
+    b = rng.standard_normal((n, n)).astype(dtype)
+    a @ b  # warm-up (thread pool, caches)
+    reps, start = 0, time.perf_counter()
+    while True:
+        a @ b
+        reps += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return 2.0 * n ** 3 * reps / elapsed
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of this node (Linux), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class JsonLines:
+    """Append-only metrics file: one JSON object per line, flushed as written."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_json_lines(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,1 @@
+"""Parallelism across ranks: pipeline schedules and executor, data-parallel gradient sync."""

@@ -1,0 +1,410 @@
+"""Config: loading, overrides, every validation rule with its message, mesh auto rule, round trip."""
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from hpcpar import config
+from hpcpar.config import Config, ConfigError, load_config, resolve_mesh, to_toml, validate
+from hpcpar.errors import HpcparError, MeshError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _validate(overrides, world=1, memory=None):
+    return validate(load_config(None, overrides), world, memory)
+
+
+# (overrides, world size, fragment the one-line message must contain)
+BAD = [
+    # single-value ranges
+    (["model.vocab_size=100"], 1, "model.vocab_size=100 is invalid: must be >= 256"),
+    (["model.block_size=1"], 1, "model.block_size=1 is invalid: must be >= 2"),
+    (["model.n_layer=0"], 1, "model.n_layer=0 is invalid: must be >= 1"),
+    (["model.n_head=0"], 1, "model.n_head=0 is invalid: must be >= 1"),
+    (["model.n_embd=0"], 1, "model.n_embd=0 is invalid: must be >= 1"),
+    (["model.dropout=1.0"], 1, "model.dropout=1.0 is invalid: must be in [0, 1)"),
+    (["model.dropout=-0.1"], 1, "model.dropout=-0.1 is invalid"),
+    (["mesh.tp=-1"], 1, "mesh.tp=-1 is invalid: must be >= 0 (0 = auto)"),
+    (["data.val_fraction=1.0"], 1, "data.val_fraction=1.0 is invalid: must be in [0, 1)"),
+    (["train.steps=0"], 1, "train.steps=0 is invalid: must be >= 1"),
+    (["train.micro_batch_size=0"], 1, "train.micro_batch_size=0 is invalid"),
+    (["train.microbatches=0"], 1, "train.microbatches=0 is invalid: must be >= 1"),
+    (["train.lr=-1e-3"], 1, "train.lr=-0.001 is invalid: must be > 0"),
+    (["train.lr=0"], 1, "train.lr=0.0 is invalid: must be > 0"),
+    (["train.min_lr=-1e-4"], 1, "train.min_lr=-0.0001 is invalid: must be >= 0"),
+    (["train.warmup=-1"], 1, "train.warmup=-1 is invalid: must be >= 0"),
+    (["train.weight_decay=-0.1"], 1, "train.weight_decay=-0.1 is invalid: must be >= 0"),
+    (["train.beta1=1.0"], 1, "train.beta1=1.0 is invalid: must be in (0, 1)"),
+    (["train.beta2=0"], 1, "train.beta2=0.0 is invalid: must be in (0, 1)"),
+    (["train.eps=0"], 1, "train.eps=0.0 is invalid: must be > 0"),
+    (["train.grad_clip=-1"], 1, "train.grad_clip=-1.0 is invalid: must be >= 0"),
+    (["train.seed=-5"], 1, "train.seed=-5 is invalid: must be >= 0"),
+    (["train.momentum=1.5", "train.optimizer=sgd"], 1, "train.momentum=1.5 is invalid: must be in [0, 1)"),
+    (["train.bucket_mb=0"], 1, "train.bucket_mb=0.0 is invalid: must be > 0"),
+    (["train.max_bad_steps=0"], 1, "train.max_bad_steps=0 is invalid: must be >= 1"),
+    (["pipeline.chunks=0"], 1, "pipeline.chunks=0 is invalid: must be >= 1"),
+    (["checkpoint.every=-1"], 1, "checkpoint.every=-1 is invalid: must be >= 0"),
+    (["checkpoint.keep=0"], 1, "checkpoint.keep=0 is invalid: must be >= 1"),
+    (["run.dir="], 1, 'run.dir="" is invalid: must be a non-empty directory path'),
+    (["run.log_every=0"], 1, "run.log_every=0 is invalid: must be >= 1"),
+    (["run.eval_every=-1"], 1, "run.eval_every=-1 is invalid: must be >= 0"),
+    (["run.eval_batches=0"], 1, "run.eval_batches=0 is invalid: must be >= 1"),
+    (["run.timeout=0"], 1, "run.timeout=0.0 is invalid: must be > 0 seconds"),
+    (["run.debug_check_every=-2"], 1, "run.debug_check_every=-2 is invalid"),
+    (["train.lr=nan"], 1, "train.lr=nan is invalid: must be a finite number"),
+    (["run.timeout=inf"], 1, "run.timeout=inf is invalid: must be a finite number"),
+    # fixed choices
+    (["train.zero=2"], 1, "train.zero=2 is not one of 0, 1"),
+    (["train.optimizer=adam"], 1, 'train.optimizer="adam" is not one of "adamw", "sgd"; did you mean \'adamw\'?'),
+    (["pipeline.schedule=1F1B"], 1, 'pipeline.schedule="1F1B" is not one of "gpipe", "1f1b", "interleaved"'),
+    (["model.dtype=float8"], 1, 'model.dtype="float8" is not one of'),
+    (["run.backend=torch"], 1, 'run.backend="torch" is not one of "numpy", "cupy"'),
+    (["train.grad_wire_dtype=int8"], 1, 'train.grad_wire_dtype="int8" is not one of'),
+    # combinations
+    (["model.n_embd=130"], 1, "model.n_embd=130 is not divisible by model.n_head=4"),
+    (["model.dtype=bfloat16"], 1, 'model.dtype="bfloat16" (mixed precision) needs run.backend="cupy"'),
+    (["model.dtype=float16"], 1, 'use model.dtype="float32" or "float64"'),
+    (["train.min_lr=0.01"], 1, "train.min_lr=0.01 exceeds train.lr=0.003"),
+    (["data.val_fraction=0"], 1, "run.eval_every=100 needs held-out data but data.val_fraction=0"),
+    # tensor parallelism
+    (["model.n_head=6", "model.n_embd=96", "mesh.tp=4"], 4,
+     "model.n_head=6 is not divisible by mesh.tp=4 (a tp rank holds whole heads); choose tp in {1, 2, 3, 6}"),
+    (["model.vocab_size=257", "mesh.tp=2"], 2, "model.vocab_size=257 is not divisible by mesh.tp=2"),
+    (["model.vocab_size=257", "mesh.tp=2"], 2, "use vocab_size=258"),
+    (["model.block_size=130", "mesh.tp=4", "mesh.sequence_parallel=true"], 4,
+     "model.block_size=130 is not divisible by mesh.tp=4 with mesh.sequence_parallel=true"),
+    (["model.block_size=130", "mesh.tp=4", "mesh.sequence_parallel=true"], 4, "use block_size=132"),
+    # pipeline
+    (["model.n_layer=1"], 4, "model.n_layer=1 is fewer than mesh.pp=2 x pipeline.chunks=1 = 2 virtual stages"),
+    (["model.n_layer=1"], 4, "or mesh.pp=1 (pp=2 is the auto default)"),
+    (["model.n_layer=1", "mesh.pp=2"], 2, "use n_layer >= 2 or fewer stages"),
+    (["model.n_layer=3", "pipeline.schedule=interleaved", "pipeline.chunks=2", "mesh.pp=2"], 2,
+     "use n_layer >= 4"),
+    (["pipeline.chunks=2"], 4, "set pipeline.chunks=1 (got 2) or pipeline.schedule=interleaved"),
+    (["pipeline.schedule=interleaved", "pipeline.chunks=2", "train.microbatches=3"], 4,
+     "needs train.microbatches (3) to be a multiple of mesh.pp (2), e.g. 4"),
+    (["pipeline.schedule=interleaved", "pipeline.chunks=2"], 1, "needs mesh.pp >= 2"),
+]
+
+MESH_BAD = [
+    (["mesh.dp=2", "mesh.tp=2", "mesh.pp=2"], 4, "mesh dp=2, tp=2, pp=2: product 8 != world size 4"),
+    (["mesh.dp=3"], 4, "mesh dp=3, tp=1 (auto), pp=1 (auto): product 3 != world size 4"),
+    (["mesh.tp=3"], 4, "mesh tp=3 x pp=1 = 3 does not divide the world size 4; choose tp * pp in {1, 2, 4}"),
+    (["mesh.pp=2"], 3, "mesh tp=1 x pp=2 = 2 does not divide the world size 3"),
+]
+
+
+def test_at_least_25_bad_inputs():
+    assert len(BAD) + len(MESH_BAD) >= 25
+
+
+@pytest.mark.parametrize("overrides, world, fragment", BAD, ids=[" ".join(o) for o, _, _ in BAD])
+def test_bad_config(overrides, world, fragment):
+    with pytest.raises(ConfigError) as info:
+        _validate(overrides, world)
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+    assert info.value.exit_status == 2
+
+
+@pytest.mark.parametrize("overrides, world, fragment", MESH_BAD, ids=[" ".join(o) for o, _, _ in MESH_BAD])
+def test_bad_mesh(overrides, world, fragment):
+    with pytest.raises(MeshError) as info:
+        _validate(overrides, world)
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_every_range_rule_is_tested():
+    tested = {o.split("=")[0] for overrides, _, _ in BAD for o in overrides[:1]}
+    untested = [name for name, _, _ in config._RANGES if name not in tested and name not in ("mesh.dp", "mesh.pp")]
+    assert untested == []
+
+
+def test_defaults_are_valid_at_every_small_world():
+    for world in (1, 2, 3, 4, 8):
+        validate(Config(), world)
+
+
+@pytest.mark.parametrize("world, expected", [(1, (1, 1, 1)), (2, (2, 1, 1)), (3, (3, 1, 1)),
+                                             (4, (2, 1, 2)), (8, (4, 1, 2)), (6, (3, 1, 2))])
+def test_mesh_auto_rule(world, expected):
+    assert resolve_mesh(config.MeshConfig(), world) == expected
+    resolved = validate(Config(), world)
+    assert (resolved.mesh.dp, resolved.mesh.tp, resolved.mesh.pp) == expected
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    (["mesh.tp=2"], 4, (2, 2, 1)),         # tp given: pp stays 1
+    (["mesh.dp=4"], 4, (4, 1, 1)),         # dp given: pp stays 1
+    (["mesh.pp=4"], 4, (1, 1, 4)),
+    (["mesh.tp=2", "mesh.pp=2"], 8, (2, 2, 2)),
+    (["mesh.dp=1", "mesh.tp=2", "mesh.pp=2"], 4, (1, 2, 2)),
+])
+def test_mesh_partial_degrees(overrides, world, expected):
+    assert resolve_mesh(load_config(None, overrides).mesh, world) == expected
+
+
+def test_validate_returns_resolved_config_and_is_idempotent():
+    cfg = load_config(None, ["train.steps=7"])
+    resolved = validate(cfg, 4)
+    assert resolved.mesh == dataclasses.replace(cfg.mesh, dp=2, tp=1, pp=2)
+    assert resolved.train == cfg.train
+    assert validate(resolved, 4) == resolved
+    with pytest.raises(MeshError):
+        validate(resolved, 2)  # explicit degrees no longer fit
+
+
+def test_sequence_parallel_is_a_no_op_at_tp_1():
+    validate(load_config(None, ["mesh.sequence_parallel=true", "model.block_size=129"]), 1)
+
+
+def test_mixed_precision_accepted_with_cupy():
+    # Validation is pure: it does not import CuPy, so this runs on any machine.
+    cfg = validate(load_config(None, ["model.dtype=bfloat16", "run.backend=cupy"]), 1)
+    assert cfg.model.dtype == "bfloat16"
+
+
+def test_warnings(caplog):
+    with caplog.at_level(logging.WARNING, logger="hpcpar.config"):
+        _validate(["train.warmup=10", "train.steps=10"])
+        _validate(["train.microbatches=1"], world=4)
+    text = caplog.text
+    assert "train.warmup=10 >= train.steps=10" in text
+    assert "train.microbatches=1 < mesh.pp=2" in text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hpcpar.config"):
+        _validate([], world=4)
+    assert caplog.text == ""
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+@pytest.mark.parametrize("text, section, key, value", [
+    ("model.n_layer=8", "model", "n_layer", 8),
+    ("train.lr=3e-4", "train", "lr", 3e-4),
+    ("train.lr=1", "train", "lr", 1.0),                      # an integer where a number is expected
+    ("pipeline.trace=true", "pipeline", "trace", True),
+    ("mesh.sequence_parallel = false", "mesh", "sequence_parallel", False),
+    ("data.corpus=/path/x", "data", "corpus", "/path/x"),    # bare string
+    ('data.corpus="/path with space"', "data", "corpus", "/path with space"),
+    ("run.dir=2024-01-01", "run", "dir", "2024-01-01"),      # TOML would read a date: kept as text
+    ("run.dir=123", "run", "dir", "123"),
+    ("checkpoint.resume=auto", "checkpoint", "resume", "auto"),
+    ("checkpoint.dir=", "checkpoint", "dir", ""),
+    ("train.max_bad_steps=1_000", "train", "max_bad_steps", 1000),
+])
+def test_override_parsing(text, section, key, value):
+    cfg = load_config(None, [text])
+    got = getattr(getattr(cfg, section), key)
+    assert got == value and type(got) is type(value)
+
+
+def test_later_override_wins_over_earlier_and_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\nn_layer = 2\n")
+    cfg = load_config(path, ["model.n_layer=6", "model.n_layer=5"])
+    assert cfg.model.n_layer == 5
+    assert load_config(path, []).model.n_layer == 2
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("model.n_layers=8", ["unknown key 'model.n_layers'", "did you mean 'n_layer'?",
+                          "valid keys in [model]: vocab_size, block_size"]),
+    ("modle.n_layer=8", ["unknown config section 'modle'", "did you mean 'model'?",
+                         "valid sections: model, mesh, data, train, pipeline, checkpoint, run"]),
+    ("train.learning_rate=1", ["unknown key 'train.learning_rate'", "valid keys in [train]"]),
+    ("model.n_layer=8.5", ["model.n_layer must be an integer, got 8.5 (float)"]),
+    ("model.n_layer=eight", ["model.n_layer must be an integer, got 'eight' (string)"]),
+    ("model.n_layer=true", ["model.n_layer must be an integer, got True (boolean)"]),
+    ("train.lr=fast", ["train.lr must be a number, got 'fast' (string)"]),
+    ("pipeline.trace=yes", ["pipeline.trace must be true or false, got 'yes' (string)"]),
+    ("pipeline.trace=1", ["pipeline.trace must be true or false, got 1 (integer)"]),
+    ("model.n_layer=[1, 2]", ["model.n_layer must be an integer, got [1, 2] (array)"]),
+    ("model.n_layer=8\nn_head=2", ["model.n_layer must be an integer"]),
+    ("model.n_layer", ["expected SECTION.KEY=VALUE, e.g. --set model.n_layer=8"]),
+    ("n_layer=8", ["expected SECTION.KEY=VALUE"]),
+    ("=8", ["expected SECTION.KEY=VALUE"]),
+])
+def test_bad_override(text, fragments):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [text])
+    message = str(info.value)
+    assert message.startswith(f"--set {text!r}: ")
+    for fragment in fragments:
+        assert fragment in message
+
+
+# --------------------------------------------------------------------------- files
+
+
+def test_file_values_and_int_as_float(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nlr = 1\nsteps = 20\n[data]\ncorpus = "x.txt"\n[mesh]\ntp = 1\n')
+    cfg = load_config(str(path), [])
+    assert cfg.train.lr == 1.0 and type(cfg.train.lr) is float
+    assert cfg.train.steps == 20 and cfg.data.corpus == "x.txt" and cfg.mesh.tp == 1
+    assert cfg.model == config.ModelConfig()
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("[model]\nn_layer = 4\nn_head = = 2\n", ["is not valid TOML", "line 3"]),
+    ("[model\nn_layer = 4\n", ["is not valid TOML", "line 1"]),
+    ("[train]\nlr = 1e-3\n\n[model]\nn_layer = 4\nn_layer = 5\n", ["is not valid TOML", "line 6"]),
+    ("[model]\nn_layers = 4\n", ["unknown key 'model.n_layers'", "did you mean 'n_layer'?"]),
+    ("[trian]\nsteps = 4\n", ["unknown config section 'trian'", "did you mean 'train'?"]),
+    ("steps = 4\n", ["top-level key 'steps' must be inside a [section]; put it under [train]"]),
+    ("colour = 4\n", ["top-level key 'colour' must be inside a [section]; sections are model, mesh"]),
+    ("[model]\nn_layer = \"4\"\n", ["model.n_layer must be an integer, got '4' (string)"]),
+    ("[model.n_layer]\nx = 1\n", ["model.n_layer must be an integer", "(table)"]),
+    ("[run]\ntimeout = true\n", ["run.timeout must be a number, got True (boolean)"]),
+])
+def test_bad_file(tmp_path, text, fragments):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), [])
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="not found; give an existing TOML file") as info:
+        load_config(str(path), [])
+    assert str(path) in str(info.value)
+
+
+def test_directory_and_non_utf8_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(str(tmp_path), [])
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b"[data]\ncorpus = \"caf\xe9\"\n")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(line 2\)"):
+        load_config(str(path), [])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file(tmp_path):
+    path = tmp_path / "secret.toml"
+    path.write_text("[model]\n")
+    path.chmod(0)
+    with pytest.raises(ConfigError, match="cannot read config file .*Permission denied"):
+        load_config(str(path), [])
+
+
+def test_non_utf8_path_rejected_by_validate():
+    # A path argument with undecodable bytes arrives as surrogate escapes (os.fsdecode).
+    bad = os.fsdecode(b"/data/caf\xe9")
+    cfg = dataclasses.replace(Config(), data=config.DataConfig(corpus=bad))
+    with pytest.raises(ConfigError, match="data.corpus=.* is not valid UTF-8"):
+        validate(cfg, 1)
+
+
+def test_wrong_type_built_in_code_is_caught_by_validate():
+    cfg = dataclasses.replace(Config(), train=dataclasses.replace(Config().train, steps="10"))
+    with pytest.raises(ConfigError, match="train.steps must be an integer, got '10' \\(string\\)"):
+        validate(cfg, 1)
+
+
+def test_errors_are_hpcpar_errors():
+    assert issubclass(ConfigError, HpcparError) and issubclass(MeshError, HpcparError)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def test_round_trip(tmp_path):
+    cfg = load_config(None, ["model.n_layer=8", "train.lr=3e-4", "train.eps=1e-12", "pipeline.trace=true",
+                             'data.corpus=/tmp/we"ird\\path\tx\x7f', "run.dir=runs/é", "mesh.tp=2",
+                             "run.timeout=1.5", "train.seed=0", "checkpoint.resume=auto"])
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg), encoding="utf-8")
+    assert load_config(path, []) == cfg
+    assert load_config(path, []).data.corpus == '/tmp/we"ird\\path\tx\x7f'
+    resolved = validate(cfg, 4)
+    path.write_text(to_toml(resolved), encoding="utf-8")
+    assert load_config(path, []) == resolved
+
+
+def test_to_toml_marks_changed_values():
+    text = to_toml(load_config(None, ["model.n_layer=8"]))
+    assert "n_layer = 8" in text and "(default 4)" in text
+    assert "(default" not in to_toml(Config())
+
+
+def test_to_dict():
+    d = config.to_dict(load_config(None, ["train.steps=9"]))
+    assert d["train"]["steps"] == 9 and d["model"]["n_embd"] == 128
+    assert set(d) == set(config.SECTIONS)
+
+
+def test_shipped_default_toml_is_current():
+    shipped = REPO / "hpcpar" / "defaults" / "default.toml"
+    assert shipped.read_text() == to_toml(Config()), "regenerate with to_toml(Config()) (docs/config.md)"
+    assert load_config(shipped, []) == Config()
+
+
+def test_docs_cover_every_key():
+    text = (REPO / "docs" / "config.md").read_text()
+    for section, cls in config.SECTIONS.items():
+        assert f"[{section}]" in text
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in text, f"{section}.{f.name} missing from docs/config.md"
+
+
+def test_checkpoint_dir():
+    assert Config().checkpoint_dir == os.path.join("runs/default", "checkpoints")
+    assert load_config(None, ["checkpoint.dir=/scratch/ck"]).checkpoint_dir == "/scratch/ck"
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_memory_estimate_scales_as_documented():
+    base = Config()
+    m0 = config.estimate_memory(base, 1, 1, 1)
+    wide = load_config(None, ["model.n_embd=256", "model.n_head=4"])
+    assert config.estimate_memory(wide, 1, 1, 1) > m0
+    # ZeRO-1 shards only the optimizer state: the saving is 2 moments x (1 - 1/dp) of the params.
+    zero = load_config(None, ["train.zero=1"])
+    state, _ = config._memory_parts(base, 4, 1, 1)
+    state_z, _ = config._memory_parts(zero, 4, 1, 1)
+    params = config._stage_parameters(base, 1, 1, 0)
+    assert state == 4 * params * 4 and state_z == 2 * params * 4 + params * 2 * 4 // 4
+    # tp splits the matrices; pp splits the layers; the busiest rank holds less.
+    assert config.estimate_memory(base, 1, 2, 1) < m0
+    assert config._stage_parameters(base, 1, 2, 1) < config._stage_parameters(base, 1, 1, 0)
+    # GPipe stashes every micro-batch; 1F1B at most pp.
+    many = ["train.microbatches=8"]
+    gpipe = load_config(None, many + ["pipeline.schedule=gpipe"])
+    one_f = load_config(None, many + ["pipeline.schedule=1f1b"])
+    assert config._memory_parts(gpipe, 1, 1, 2)[1] > config._memory_parts(one_f, 1, 1, 2)[1]
+
+
+def test_parameter_count_matches_nanogpt_formula():
+    # Whole model, tied embedding: 12 L C^2 + 13 L C (biases, LayerNorms) + V C + T C + 2 C.
+    cfg = Config()
+    c, layers, v, t = 128, 4, 256, 128
+    assert config._stage_parameters(cfg, 1, 1, 0) == 12 * layers * c * c + 13 * layers * c + v * c + t * c + 2 * c
+
+
+def test_memory_check():
+    need = config.estimate_memory(validate(Config(), 1), 1, 1, 1)
+    validate(Config(), 1, available_memory_bytes=need)
+    with pytest.raises(ConfigError) as info:
+        validate(Config(), 1, available_memory_bytes=need - 1)
+    message = str(info.value)
+    assert "estimated memory per rank" in message and "exceeds the available" in message
+    assert "smaller train.micro_batch_size" in message and "MiB" in message
+    with pytest.raises(ConfigError, match="train.zero=1"):
+        _validate(["model.n_embd=1024", "model.n_layer=8", "model.n_head=8", "train.micro_batch_size=1",
+                   "model.block_size=16", "mesh.dp=4"], world=4, memory=2**20)
