@@ -236,9 +236,12 @@ def _section_of_key(key: str) -> str | None:
 
 
 def _values_from_file(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    shown = os.fsdecode(path)
+    return _values_from_tables(_read_toml(path), os.fsdecode(path))
+
+
+def _values_from_tables(tables: dict, shown: str) -> dict[str, dict[str, Any]]:
     values: dict[str, dict[str, Any]] = {}
-    for section, table in _read_toml(path).items():
+    for section, table in tables.items():
         if not isinstance(table, dict):
             home = _section_of_key(section)
             hint = f"put it under [{home}]" if home else f"sections are {', '.join(SECTIONS)}"
@@ -292,6 +295,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     for text in overrides:
         section, key, value = parse_override(text)
         values.setdefault(section, {})[key] = value
+    return Config(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
+
+
+def loads(text: str, origin: str = "<text>") -> Config:
+    """A Config from TOML text (e.g. the copy stored in a checkpoint); `origin` names it in errors."""
+    try:
+        tables = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{origin}: not valid TOML: {e}") from None
+    values = _values_from_tables(tables, origin)
     return Config(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
 
 

@@ -4,6 +4,11 @@ Layout of activations: idx [B, T] int -> h [B, T, C] -> logits [B, T, V].
 Pre-LayerNorm blocks: h = h + attn(ln_1(h)); h = h + mlp(ln_2(h)). The LM head is
 tied to `transformer.wte.weight`.
 
+With a tensor-parallel communicator of size tp > 1 the blocks, wte and the head are the
+layers of `tensor_parallel.py` (same names, parameters are shards of the same global
+tensors); with `sequence_parallel` the activations between blocks (and a stage's input
+and output) are sequence shards [B, T/tp, C].
+
 A pipeline stage is `GPT(config, layers=range(a, b), embed=..., head=...)`: blocks
 keep their global index in their names (`transformer.h.5.attn.c_attn.weight`), so a
 stage's parameters are named exactly as in the whole model. When the head lives on a
@@ -18,6 +23,8 @@ import math
 from dataclasses import dataclass
 
 from hpcpar import backend, ops
+from hpcpar.errors import ConfigError
+from hpcpar.layout import Layout
 from hpcpar.nn import init
 from hpcpar.nn.layers import Embedding, LayerNorm, Linear
 from hpcpar.nn.module import Module, Parameter
@@ -64,12 +71,12 @@ class MLP(Module):
 
 
 class Block(Module):
-    def __init__(self, cfg: GPTConfig, index: int, attn: Module, mlp: Module, dropout_sites):
+    def __init__(self, index: int, ln_1: Module, attn: Module, ln_2: Module, mlp: Module, dropout_sites):
         super().__init__()
         self.index = index
-        self.ln_1 = LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
+        self.ln_1 = ln_1
         self.attn = attn
-        self.ln_2 = LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
+        self.ln_2 = ln_2
         self.mlp = mlp
         self._dropout = dropout_sites
 
@@ -115,22 +122,55 @@ class GPT(Module):
         self.layer_ids = list(range(config.n_layer) if layers is None else layers)
         self.rng_context = None  # (seed, step, sample_ids) for dropout masks; set by the trainer
         cfg = config
+        # Tensor parallelism only when there is more than one tp rank (size 1: the plain layers,
+        # and no import of the communication stack).
+        self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
+        self.sequence_parallel = bool(sequence_parallel) and self.tp_comm is not None
+        if self.tp_comm is not None:
+            from hpcpar.nn import tensor_parallel as tpl
+            tpl.check_config(cfg, self.tp_comm.size)
         self.transformer = Transformer()
         if embed:
-            self.transformer.wte = Embedding(cfg.vocab_size, cfg.n_embd, cfg.dtype)
+            self.transformer.wte = self._layer("wte")
             self.transformer.wpe = Embedding(cfg.block_size, cfg.n_embd, cfg.dtype)
         self.transformer.h = Blocks([
-            Block(cfg, i, CausalSelfAttention(cfg), MLP(cfg), self._dropout) for i in self.layer_ids])
+            Block(i, self._layer("norm"), self._layer("attn"), self._layer("norm"), self._layer("mlp"),
+                  self._dropout)
+            for i in self.layer_ids])
         if head:
-            self.transformer.ln_f = LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
+            self.transformer.ln_f = self._layer("norm")
             if embed:
                 object.__setattr__(self, "head_weight", self.transformer.wte.weight)
             else:
+                layout = (Layout.replicated((cfg.vocab_size, cfg.n_embd)) if self.tp_comm is None
+                          else tpl.vocab_layout(cfg.vocab_size, cfg.n_embd, self.tp_comm))
                 self.lm_head = Module()
-                self.lm_head.weight = Parameter(backend.xp.zeros((cfg.vocab_size, cfg.n_embd), dtype=cfg.dtype),
-                                                tied_to="transformer.wte.weight")
+                self.lm_head.weight = Parameter(backend.xp.zeros(layout.local_shape, dtype=cfg.dtype),
+                                                layout, tied_to="transformer.wte.weight")
                 object.__setattr__(self, "head_weight", self.lm_head.weight)
         self.init_weights(seed)
+
+    def _layer(self, kind: str) -> Module:
+        """A new "wte", "attn", "mlp" or "norm" layer: plain, or tensor-parallel when tp > 1."""
+        cfg, tp, sp = self.config, self.tp_comm, self.sequence_parallel
+        if tp is None:
+            if kind == "wte":
+                return Embedding(cfg.vocab_size, cfg.n_embd, cfg.dtype)
+            if kind == "attn":
+                return CausalSelfAttention(cfg)
+            if kind == "mlp":
+                return MLP(cfg)
+            return LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
+        from hpcpar.nn import tensor_parallel as tpl
+        if kind == "wte":
+            return tpl.VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp, cfg.dtype, sp)
+        if kind == "attn":
+            return tpl.ParallelSelfAttention(cfg, tp, sp)
+        if kind == "mlp":
+            return tpl.ParallelMLP(cfg, tp, sp)
+        if sp:  # LayerNorm on the sequence shard: its weight/bias grads are summed over tp
+            return tpl.SequenceParallelLayerNorm(cfg.n_embd, tp, cfg.bias, cfg.dtype)
+        return LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
 
     # -- initialisation -----------------------------------------------------------------
     def init_weights(self, seed: int) -> None:
@@ -153,17 +193,28 @@ class GPT(Module):
         if self.rng_context is None:
             raise RuntimeError("dropout > 0 needs model.rng_context = (seed, step, sample_ids)")
         seed, step, sample_ids = self.rng_context
-        return ops.dropout(x, p, [(seed, step, int(k), site) for k in sample_ids])
+        keys = [(seed, step, int(k), site) for k in sample_ids]
+        if self.sequence_parallel:  # x is a sequence shard: use my rows of the full-sequence mask
+            from hpcpar.nn import tensor_parallel as tpl
+            return tpl.sequence_parallel_dropout(x, p, keys, self.tp_comm)
+        return ops.dropout(x, p, keys)
 
     def forward(self, x, targets=None):
-        """x: idx [B, T] (embed) or activations [B, T, C]; returns loss, logits or activations."""
+        """x: idx [B, T] (embed) or activations [B, T, C] ([B, T/tp, C] under sequence
+        parallelism); returns the loss, logits [B, T, V] or activations (same layout as x)."""
         if self.embed:
             idx = x.data if isinstance(x, Tensor) else x
             t = idx.shape[1]
             if t > self.config.block_size:
                 raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
-            tok = ops.embedding(idx, self.transformer.wte.weight)
+            if self.sequence_parallel and t % self.tp_comm.size:
+                raise ConfigError(f"sequence length {t} is not divisible by tp={self.tp_comm.size} with "
+                                  f"sequence parallelism; use a multiple of {self.tp_comm.size}")
+            tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
             pos = ops.getitem(self.transformer.wpe.weight, slice(0, t))
+            if self.sequence_parallel:
+                from hpcpar.comm import split_to
+                pos = split_to(pos, self.tp_comm, 0)   # my rows [T/tp, C]; grad all-gathered back
             h = self._dropout(tok + pos, 0)
         else:
             h = x
@@ -172,6 +223,9 @@ class GPT(Module):
         if not self.head:
             return h
         h = self.transformer.ln_f(h)
+        if self.tp_comm is not None:
+            from hpcpar.nn import tensor_parallel as tpl
+            return tpl.parallel_lm_head(h, self.head_weight, targets, self.tp_comm, self.sequence_parallel)
         logits = ops.linear(h, self.head_weight)
         if targets is None:
             return logits

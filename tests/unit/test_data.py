@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pathlib
 import sysconfig
-import time
 
 import numpy as np
 import pytest
@@ -40,15 +39,12 @@ def test_default_corpus_is_the_stdlib_source():
     assert b"def " in tok[:100_000].tobytes()
 
 
-def test_default_corpus_is_deterministic_cached_and_fast(monkeypatch):
+def test_default_corpus_is_deterministic_and_cached(monkeypatch):
     first = data.load_corpus()
     assert data.load_corpus() is first  # cached per process
     assert not first.flags.writeable    # nobody can corrupt the shared cache
     monkeypatch.setattr(data, "_default_cache", None)
-    start = time.perf_counter()
     again = data.load_corpus("")
-    # A generous bound: catches pathological regressions (e.g. per-byte Python loops), not noise.
-    assert time.perf_counter() - start < 10.0
     assert again is not first and np.array_equal(again, first)
 
 

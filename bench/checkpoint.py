@@ -1,0 +1,126 @@
+"""Checkpoint save/load throughput vs plain NumPy files, side by side in one run.
+
+    mpiexec -n 4 python bench/checkpoint.py [--mib 256] [--repeats 3] [--dir /scratch/x]
+
+`--mib` MiB of float32 tensors (16 tensors, split on dim 0 across the ranks) are saved and
+loaded with `hpcpar.checkpoint` (HDF5 rank files, fletcher32 chunks, sha256 manifest, fsync,
+atomic commit) and, as the reference, with `np.save`/`np.load` of the same local arrays into
+one file per rank (+ fsync). Throughput is global bytes / wall time of the slowest rank
+(barrier to barrier); best of `--repeats`. Reads are mostly served from the page cache for
+both. Results are printed and merged into bench/results/checkpoint.json under "ranks=N".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hpcpar import checkpoint as ck  # noqa: E402
+from hpcpar.layout import Layout  # noqa: E402
+
+N_TENSORS = 16
+
+
+def timed(comm, fn) -> float:
+    comm.Barrier()
+    t0 = time.perf_counter()
+    fn()
+    comm.Barrier()
+    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="total MiB of float32 tensors")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir in /tmp)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                      "results", "checkpoint.json"))
+    args = parser.parse_args()
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    base = comm.bcast(tempfile.mkdtemp(prefix="hpcpar-bench-ckpt-", dir=args.dir) if rank == 0 else None)
+
+    cols = 1024  # each tensor [rows, 1024] float32, rows a multiple of the world size
+    rows = max(size, (args.mib << 20) // (N_TENSORS * cols * 4) // size * size)
+    nbytes = N_TENSORS * rows * cols * 4
+    rng = np.random.default_rng(rank)
+    tensors = {}
+    for i in range(N_TENSORS):
+        layout = Layout.split((rows, cols), 0, rank, size)
+        tensors[f"model/layer{i}.weight"] = (rng.standard_normal(layout.local_shape, dtype=np.float32), layout)
+    wanted = {name: layout for name, (_, layout) in tensors.items()}
+    resharded = {name: Layout.split((rows, cols), 1, (rank + 1) % size, size) for name in tensors}
+    ckpt_dir = os.path.join(base, "ckpt")
+    npy_file = os.path.join(base, f"numpy-rank{rank:05d}.npy")
+
+    def np_save():
+        with open(npy_file, "wb") as f:
+            for array, _ in tensors.values():
+                np.save(f, array)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def np_load():
+        with open(npy_file, "rb") as f:
+            for _ in tensors:
+                np.load(f)
+
+    def async_save():
+        t0 = time.perf_counter()
+        handle = ck.save(ckpt_dir, step, tensors, {}, comm, keep=1, async_save=True)
+        # What training waits for before it may go on: the snapshot and the plan.
+        times["hpcpar async: call returns"].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        handle.wait()
+
+    times: dict[str, list[float]] = {k: [] for k in
+                                     ("numpy save", "hpcpar save", "hpcpar save async", "hpcpar async: call returns",
+                                      "numpy load", "hpcpar load", "hpcpar load resharded")}
+    for step in range(args.repeats):
+        times["numpy save"].append(timed(comm, np_save))
+        times["hpcpar save"].append(timed(comm, lambda: ck.save(ckpt_dir, step, tensors, {}, comm, keep=1)))
+        times["hpcpar save async"].append(timed(comm, async_save))
+        times["numpy load"].append(timed(comm, np_load))
+        times["hpcpar load"].append(timed(comm, lambda: ck.load(ckpt_dir, wanted, comm)))
+        times["hpcpar load resharded"].append(timed(comm, lambda: ck.load(ckpt_dir, resharded, comm)))
+
+    comm.Barrier()
+    if rank == 0:
+        shutil.rmtree(base, ignore_errors=True)
+        best = {k: min(v) for k, v in times.items()}
+        gbs = {k: nbytes / t / 1e9 for k, t in best.items()}
+        ratio = {"save": gbs["hpcpar save"] / gbs["numpy save"],
+                 "load": gbs["hpcpar load"] / gbs["numpy load"],
+                 "load resharded": gbs["hpcpar load resharded"] / gbs["numpy load"]}
+        print(f"checkpoint throughput: {nbytes / 2**20:.0f} MiB float32 in {N_TENSORS} tensors, "
+              f"{size} rank(s), best of {args.repeats}")
+        print(f"{'method':<28}{'seconds':>10}{'GB/s':>10}{'vs numpy':>10}")
+        for k in times:
+            ref = gbs["numpy load" if "load" in k else "numpy save"]
+            print(f"{k:<28}{best[k]:>10.3f}{gbs[k]:>10.2f}{gbs[k] / ref:>10.2f}")
+        result = {"ranks": size, "bytes": nbytes, "tensors": N_TENSORS, "repeats": args.repeats,
+                  "seconds_best": best, "gb_per_s": gbs, "ratio_vs_numpy": ratio,
+                  "seconds_all": times}
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        merged = {}
+        if os.path.exists(args.out):
+            with open(args.out) as f:
+                merged = json.load(f)
+        merged[f"ranks={size}"] = result
+        with open(args.out, "w") as f:
+            json.dump(merged, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Weak scaling of data parallelism: tokens/s at dp=2 vs dp=1, and how much of the gradient
+communication hides behind backward.
+
+    python bench/scaling.py [--ranks 1,2] [--steps 8] [--repeats 2] [--bucket-mb 1]
+
+The script launches itself under `mpiexec -n 1` and `mpiexec -n 2` (1 BLAS thread per rank,
+the same per-rank batch: weak scaling), alternating the launches `--repeats` times so that
+load from other work on the machine hits both alike; for each world size the best repeat is
+kept (the run least disturbed by others). Each worker trains a float32 GPT with the local
+step loop (GPT + DataParallel + AdamW) for a warm-up step and `--steps` timed steps, twice:
+
+  overlap on   reductions start from grad hooks during backward (the normal mode);
+  overlap off  every reduction starts in `finish_backward` (the baseline: nothing hidden).
+
+Time per step is the slowest rank's. tokens/s = dp * micro_batch * block / step time.
+On a machine shared with other work (load average above the core count) wall time mostly
+measures the scheduler's share for each process, so the script also reports tokens per
+CPU-second of the busiest rank (process_time): the rate each rank would reach with a core to
+itself, which charges DP its real costs (communication, waiting spins, extra work).
+Communication is timed in two more runs with a barrier between backward and
+`finish_backward` (so rank skew is not counted as communication): with overlap off,
+`finish_backward` is the whole reduction (launch + wait); with overlap on it is only the part
+left unhidden, so
+    hidden fraction = 1 - finish_backward(overlap on) / finish_backward(overlap off).
+Results: bench/results/scaling.json and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = "1"  # 1 thread per rank, before NumPy
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One mpiexec launch: both modes on Mesh(dp=world); rank 0 writes a JSON row to args.out."""
+    from mpi4py import MPI
+
+    from hpcpar import data
+    from hpcpar.mesh import Mesh
+    from hpcpar.nn import GPT, GPTConfig
+    from hpcpar.optim import AdamW
+    from hpcpar.parallel.data_parallel import DataParallel
+
+    world = MPI.COMM_WORLD
+    cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.embd,
+                    dtype="float32")
+    tokens = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
+    mesh = Mesh(dp=world.Get_size(), comm=world)
+    row = {"dp": mesh.size("dp"), "micro_batch": args.batch, "block": args.block}
+
+    def run(overlap: bool, sync: bool) -> dict:
+        """Medians over the timed steps; `sync` puts a barrier between backward and
+        finish_backward, so that finish_backward times communication, not rank skew."""
+        model = GPT(cfg, seed=0)
+        named = list(model.named_parameters())
+        dp = DataParallel(named, mesh, bucket_mb=args.bucket_mb, overlap=overlap,
+                          make_optimizer=lambda ps: AdamW(ps, lr=1e-3))
+        row["params"], row["buckets"] = sum(p.data.size for _, p in named), len(dp.buckets)
+        step_s, wait_s, cpu_s = [], [], []
+        for step in range(args.steps + 1):
+            x, y = data.get_batch(tokens, 0, step, data.microbatch_sample_ids(mesh.rank("dp"), mesh.size("dp"),
+                                                                              args.batch, 0), cfg.block_size)
+            world.Barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            dp.begin_step(microbatches=1)
+            model(x, y).backward()
+            if sync:
+                world.Barrier()
+            dp.finish_backward()
+            dp.clip_grad_norm(1.0)
+            dp.step(1e-3)
+            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if step:  # step 0 warms up allocators and connections
+                step_s.append(world.allreduce(elapsed, op=MPI.MAX))
+                wait_s.append(world.allreduce(dp.wait_s, op=MPI.MAX))
+                cpu_s.append(world.allreduce(cpu, op=MPI.MAX))
+        return {"step_s": statistics.median(step_s), "finish_backward_s": statistics.median(wait_s),
+                "cpu_s": statistics.median(cpu_s)}
+
+    row["overlap"] = run(overlap=True, sync=False)          # the throughput figure
+    row["no_overlap"] = run(overlap=False, sync=False)
+    row["comm_overlap"] = run(overlap=True, sync=True)      # unhidden communication
+    row["comm_no_overlap"] = run(overlap=False, sync=True)  # all of the communication
+    t = row["overlap"]["step_s"]
+    row["tokens_per_s"] = mesh.size("dp") * args.batch * args.block / t
+    # Per CPU-second of the busiest rank: what the rate would be with a core per rank to itself
+    # (on a machine shared with other work, wall time mostly measures the scheduler).
+    row["tokens_per_cpu_s"] = mesh.size("dp") * args.batch * args.block / row["overlap"]["cpu_s"]
+    if world.Get_rank() == 0:
+        Path(args.out).write_text(json.dumps(row))
+    mesh.free()
+
+
+def launch(n: int, args: argparse.Namespace) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    cmd = [mpiexec, "-n", str(n), sys.executable, __file__, "--worker", "--out", out,
+           "--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb), "--batch", str(args.batch),
+           "--block", str(args.block), "--layers", str(args.layers), "--embd", str(args.embd)]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run(cmd, check=True, timeout=args.timeout, env=env)
+    row = json.loads(Path(out).read_text())
+    os.unlink(out)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="1,2", help="world sizes to launch (the first is the baseline)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--bucket-mb", type=float, default=1.0)
+    parser.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--embd", type=int, default=128)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "scaling.json"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+
+    ranks = [int(r) for r in args.ranks.split(",")]
+    runs: dict[int, list] = {n: [] for n in ranks}
+    started = time.perf_counter()
+    for _ in range(args.repeats):
+        for n in ranks:
+            runs[n].append(launch(n, args))
+    best = {n: max(rs, key=lambda r: r["tokens_per_s"]) for n, rs in runs.items()}
+    base = best[ranks[0]]["tokens_per_s"]
+    rows = []
+    print(f"\n# weak scaling, GPT {args.layers}x{args.embd} float32, {best[ranks[0]]['params'] / 1e6:.2f}M params, "
+          f"micro-batch {args.batch}x{args.block} tokens per rank, buckets of {args.bucket_mb} MiB")
+    cpu_base = best[ranks[0]]["tokens_per_cpu_s"]
+    print(f"{'dp':>3} {'tokens/s':>10} {'speedup':>8} {'eff':>6} | {'tok/cpu-s':>10} {'speedup':>8} | "
+          f"{'step ms':>8} {'comm ms':>8} {'unhidden ms':>11} {'hidden':>7} | {'step ms (no overlap)':>20}")
+    for n in ranks:
+        r = best[n]
+        comm = r["comm_no_overlap"]["finish_backward_s"]
+        left = r["comm_overlap"]["finish_backward_s"]
+        hidden = max(0.0, 1.0 - left / comm) if n > 1 and comm > 0 else None
+        row = {**r, "speedup": r["tokens_per_s"] / base, "efficiency": r["tokens_per_s"] / base / (n / ranks[0]),
+               "cpu_speedup": r["tokens_per_cpu_s"] / cpu_base,
+               "comm_s": comm, "unhidden_comm_s": left, "hidden_fraction": hidden,
+               "all_repeats_tokens_per_s": [x["tokens_per_s"] for x in runs[n]]}
+        rows.append(row)
+        print(f"{n:>3} {r['tokens_per_s']:>10.0f} {row['speedup']:>7.2f}x {row['efficiency']:>6.1%} | "
+              f"{r['tokens_per_cpu_s']:>10.0f} {row['cpu_speedup']:>7.2f}x | {1e3 * r['overlap']['step_s']:>8.1f} {1e3 * comm:>8.2f} {1e3 * left:>11.2f} "
+              f"{'-' if hidden is None else f'{hidden:.0%}':>7} | {1e3 * r['no_overlap']['step_s']:>20.1f}")
+    meta = {"argv": sys.argv[1:], "cores": os.cpu_count(), "threads_per_rank": 1,
+            "load_average": os.getloadavg(), "wall_s": time.perf_counter() - started,
+            "note": "comm = finish_backward after a barrier with every reduction launched there (overlap "
+                    "off); unhidden = the same with overlap on; best of the repeats per world size"}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {out} (load average {meta['load_average'][0]:.1f} on {meta['cores']} cores)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The array module: NumPy on CPU, CuPy on GPU.
+
+`backend.xp` is the module new arrays are made with: NumPy unless the environment
+says `HPCPAR_BACKEND=cupy` or a caller runs `backend.use("cupy")`. Operations on
+existing arrays take their module from the arrays (`array_module`), so one
+process can hold both kinds. CuPy is imported only when asked for, so a CPU-only
+machine never needs it. Nothing else in hpcpar imports numpy-vs-cupy specifics.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import numpy
+
+from hpcpar.errors import ConfigError
+
+BACKENDS = ("numpy", "cupy")
+
+xp: ModuleType = numpy
+_name = "numpy"
+
+
+def _import_cupy() -> ModuleType:
+    try:
+        import cupy
+    except ImportError as err:
+        raise ConfigError(f"backend 'cupy' was asked for but CuPy cannot be imported ({err}); "
+                          "install hpcpar[gpu] or use backend 'numpy'") from None
+    return cupy
+
+
+def use(name: str) -> ModuleType:
+    """Make `name` ("numpy" or "cupy") the module new arrays are created with; returns it."""
+    global xp, _name
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    xp = _import_cupy() if name == "cupy" else numpy
+    _name = name
+    return xp
+
+
+def name() -> str:
+    """The current backend's name: "numpy" or "cupy"."""
+    return _name
+
+
+def is_device_array(a) -> bool:
+    """True for a CuPy (GPU) array. Decided from the type, so CuPy is never imported here."""
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def array_module(*arrays) -> ModuleType:
+    """The module of the given arrays: cupy if any is a CuPy array, else numpy."""
+    for a in arrays:
+        if is_device_array(a):
+            return _import_cupy()
+    return numpy
+
+
+def to_host(a) -> numpy.ndarray:
+    """A NumPy array with the values of `a` (the same object when it already is one)."""
+    if is_device_array(a):
+        return a.get()
+    return numpy.asarray(a)
+
+
+def to_device(a):
+    """`a` as an array of the current backend (a GPU copy under cupy; unchanged under numpy)."""
+    if _name == "cupy":
+        return xp.asarray(a)
+    return to_host(a)
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work on the current stream (nothing to wait for under numpy)."""
+    if _name == "cupy":
+        xp.cuda.get_current_stream().synchronize()
+
+
+_mpi_types: dict = {}  # numpy dtype -> MPI datatype or None (looked up once: ops are latency-bound)
+
+
+def mpi_datatype(dtype):
+    """The MPI datatype for a NumPy dtype, or None when the MPI library has none (e.g. bfloat16)."""
+    try:
+        return _mpi_types[dtype]
+    except KeyError:
+        pass
+    from mpi4py import MPI  # here, not at the top: array code must not pull in MPI
+    try:
+        datatype = MPI.Datatype.fromcode(numpy.dtype(dtype).char)
+    except (KeyError, ValueError):
+        datatype = None
+    _mpi_types[dtype] = datatype
+    return datatype
+
+
+def mpi_buffer(a: numpy.ndarray) -> list:
+    """The upper-case mpi4py buffer spec `[buffer, count, datatype]` of a contiguous host array.
+
+    Dtypes the MPI library does not know travel as raw bytes (fine for moving data,
+    not for reductions; `comm.py` upcasts those before reducing).
+    """
+    if is_device_array(a):
+        raise TypeError("mpi_buffer needs a host array; use to_host() or the NCCL path for CuPy arrays")
+    if not a.flags.c_contiguous:
+        raise ValueError("mpi_buffer needs a C-contiguous array; use numpy.ascontiguousarray first")
+    datatype = mpi_datatype(a.dtype)
+    if datatype is None:
+        from mpi4py import MPI
+        return [a, a.nbytes, MPI.BYTE]
+    return [a, a.size, datatype]
+
+
+_NCCL_TYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
+               "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64",
+               "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+               "bfloat16": "NCCL_BFLOAT16"}
+
+
+def nccl_buffer(a) -> tuple[int, int, int]:
+    """The NCCL buffer spec `(device pointer, count, NCCL datatype)` of a contiguous CuPy array."""
+    from cupy.cuda import nccl
+    if not a.flags.c_contiguous:
+        raise ValueError("nccl_buffer needs a C-contiguous array")
+    key = _NCCL_TYPES.get(numpy.dtype(a.dtype).name)
+    if key is None or not hasattr(nccl, key):
+        return a.data.ptr, a.nbytes, nccl.NCCL_UINT8  # raw bytes: movement only, never reduced
+    return a.data.ptr, a.size, getattr(nccl, key)
+
+
+_requested = os.environ.get("HPCPAR_BACKEND", "numpy").strip().lower() or "numpy"
+if _requested != "numpy":
+    use(_requested)

@@ -1,0 +1,244 @@
+"""The device mesh: one Cartesian communicator with named axes pp, dp, tp.
+
+Ranks are laid out pp-major, tp innermost: with reorder off, world rank
+r = (pp_coord * dp + dp_coord) * tp + tp_coord. A tp group is therefore tp
+consecutive ranks, which launchers place on one node, where tensor parallelism's
+frequent all-reduces are cheapest. The mesh is an argument passed to whoever needs
+it, never a global.
+
+Every sub-communicator is created in the constructor (collectively, on every
+rank), so later `mesh.comm(...)` calls are local look-ups that no rank can skip
+into a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcpar.comm import Communicator
+from hpcpar.errors import MeshError
+
+AXES = ("pp", "dp", "tp")  # Cartesian order: pp outermost, tp innermost
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+
+
+def _fits_message(degrees: dict, world: int) -> str:
+    """A suggestion that fits `world`: keep tp and pp when they divide it, fill dp."""
+    tp, pp = degrees["tp"], degrees["pp"]
+    if _positive_int(tp) and _positive_int(pp) and world % (tp * pp) == 0:
+        return f"e.g. dp={world // (tp * pp)} x tp={tp} x pp={pp}"
+    return f"e.g. dp={world} x tp=1 x pp=1"
+
+
+def validate_degrees(dp: int, tp: int, pp: int, world: int) -> None:
+    """Raise MeshError unless dp, tp, pp are positive integers whose product is `world`."""
+    degrees = {"dp": dp, "tp": tp, "pp": pp}
+    shape = " x ".join(f"{k}={v}" for k, v in degrees.items())
+    bad = [k for k, v in degrees.items() if not _positive_int(v)]
+    if bad:
+        raise MeshError(f"mesh {shape}: {', '.join(bad)} must be a positive integer; the product of dp, tp "
+                        f"and pp must equal the number of ranks ({world}), {_fits_message(degrees, world)}")
+    product = dp * tp * pp
+    if product != world:
+        raise MeshError(f"mesh {shape} = {product} ranks, but the world has {world} ranks; the product of "
+                        f"dp, tp and pp must equal the number of ranks ({_fits_message(degrees, world)})")
+
+
+def fill_degrees(world: int, dp: int | None = None, tp: int | None = None,
+                 pp: int | None = None) -> tuple[int, int, int]:
+    """Missing degrees: tp and pp default to 1, dp fills the world. Returns validated (dp, tp, pp)."""
+    tp = 1 if tp is None else tp
+    pp = 1 if pp is None else pp
+    if dp is None:
+        for name, value in (("tp", tp), ("pp", pp)):
+            if not _positive_int(value):
+                raise MeshError(f"mesh {name}={value}: {name} must be a positive integer (dp fills the "
+                                f"rest of the {world} ranks)")
+        if world % (tp * pp):
+            raise MeshError(f"mesh tp={tp} x pp={pp} = {tp * pp} ranks does not divide the world of {world} "
+                            f"ranks, so dp cannot fill it; choose tp and pp whose product divides {world}")
+        dp = world // (tp * pp)
+    validate_degrees(dp, tp, pp, world)
+    return int(dp), int(tp), int(pp)
+
+
+def _axes_key(axes: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Axis names in Cartesian order, checked: "tp" -> ("tp",); ("tp", "dp") -> ("dp", "tp")."""
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    unknown = [a for a in names if a not in AXES]
+    if unknown or not names or len(set(names)) != len(names):
+        raise MeshError(f"unknown or repeated mesh axes {list(names)}; the axes are pp, dp and tp")
+    return tuple(a for a in AXES if a in names)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks run and whether every tp group lies inside one node.
+
+    Attributes:
+        hostnames: processor name of each mesh rank (index = rank in the mesh's world).
+        nodes: node index of each mesh rank (ranks that share memory share a node).
+        tp_groups: the mesh ranks of each tp group.
+        tp_in_one_node: per tp group, whether all its ranks are on one node.
+    """
+
+    hostnames: tuple[str, ...]
+    nodes: tuple[int, ...]
+    tp_groups: tuple[tuple[int, ...], ...]
+    tp_in_one_node: tuple[bool, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every tp group is inside one node."""
+        return all(self.tp_in_one_node)
+
+    def report(self) -> str:
+        lines = [f"placement: {len(set(self.nodes))} node(s); every tp group inside one node: "
+                 f"{'yes' if self.ok else 'NO'}"]
+        for group, inside in zip(self.tp_groups, self.tp_in_one_node):
+            hosts = sorted({self.hostnames[r] for r in group})
+            lines.append(f"  tp group ranks {list(group)}: {'one node' if inside else 'SPANS NODES'} "
+                         f"({', '.join(hosts)})")
+        return "\n".join(lines)
+
+
+class Mesh:
+    """A (pp, dp, tp) Cartesian mesh over `comm` (default MPI.COMM_WORLD).
+
+    `dp * tp * pp` must equal the number of ranks of `comm`; otherwise MeshError
+    is raised on every rank before any collective call.
+    """
+
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, comm: MPI.Comm | None = None):
+        base = MPI.COMM_WORLD if comm is None else comm
+        validate_degrees(dp, tp, pp, base.Get_size())
+        self.degrees = {"pp": int(pp), "dp": int(dp), "tp": int(tp)}
+        self.cart: MPI.Cartcomm = base.Create_cart([self.degrees[a] for a in AXES],
+                                                   periods=[False] * 3, reorder=False)
+        self.coords: dict[str, int] = dict(zip(AXES, self.cart.Get_coords(self.cart.Get_rank())))
+        self.world = Communicator(self.cart, "world")
+        self._comms: dict[tuple[str, ...], Communicator] = {AXES: self.world}
+        for r in (1, 2):
+            for key in itertools.combinations(AXES, r):
+                sub = self.cart.Sub([a in key for a in AXES])
+                self._comms[key] = Communicator(sub, "+".join(key))
+        stage, stages = self.coords["pp"], self.degrees["pp"]
+        self.prev_stage: int | None = stage - 1 if stage > 0 else None
+        self.next_stage: int | None = stage + 1 if stage < stages - 1 else None
+        self.embedding_comm: Communicator | None = self._make_embedding_comm()
+        self.node_comm = Communicator(self.cart.Split_type(MPI.COMM_TYPE_SHARED, key=self.cart.Get_rank()),
+                                      "node")
+        self._placement = self._gather_placement()
+
+    def _make_embedding_comm(self) -> Communicator | None:
+        """The first and last stage of this rank's (dp, tp) position (tied embedding gradients)."""
+        stages = self.degrees["pp"]
+        if stages == 1:
+            return None
+        ends = self.coords["pp"] in (0, stages - 1)
+        color = self.coords["dp"] * self.degrees["tp"] + self.coords["tp"] if ends else MPI.UNDEFINED
+        split = self.cart.Split(color, key=self.coords["pp"])  # collective: middle stages get COMM_NULL
+        return Communicator(split, "embedding") if ends else None
+
+    def _gather_placement(self) -> Placement:
+        # Node index = world rank of the node's first rank; host names as fixed-width bytes
+        # (buffer collectives only: nothing here is pickled).
+        n = self.cart.Get_size()
+        leader = np.array([self.cart.Get_rank() if self.node_comm.rank == 0 else 0], dtype=np.int64)
+        self.node_comm.mpi.Bcast([leader, MPI.INT64_T], root=0)
+        leaders = np.empty(n, dtype=np.int64)
+        self.cart.Allgather([leader, MPI.INT64_T], [leaders, MPI.INT64_T])
+        width = MPI.MAX_PROCESSOR_NAME
+        name = np.zeros(width, dtype=np.uint8)
+        encoded = MPI.Get_processor_name().encode()[:width]
+        name[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+        names = np.empty((n, width), dtype=np.uint8)
+        self.cart.Allgather([name, MPI.BYTE], [names, MPI.BYTE])
+        hostnames = tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in names)
+        node_ids = {leader_rank: i for i, leader_rank in enumerate(sorted(set(leaders.tolist())))}
+        nodes = tuple(node_ids[int(x)] for x in leaders)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for r in range(n):
+            pp, dp, _ = self.cart.Get_coords(r)
+            groups.setdefault((pp, dp), []).append(r)
+        tp_groups = tuple(tuple(g) for _, g in sorted(groups.items()))
+        inside = tuple(len({nodes[r] for r in g}) == 1 for g in tp_groups)
+        return Placement(hostnames, nodes, tp_groups, inside)
+
+    def size(self, axis: str) -> int:
+        """Degree of `axis` ("pp", "dp" or "tp")."""
+        return self.degrees[_axes_key(axis)[0]] if isinstance(axis, str) else self.comm(axis).size
+
+    def rank(self, axis: str) -> int:
+        """This rank's coordinate along `axis` (its rank in that axis's communicator)."""
+        return self.coords[_axes_key(axis)[0]] if isinstance(axis, str) else self.comm(axis).rank
+
+    def comm(self, axes: str | tuple[str, ...]) -> Communicator:
+        """The Communicator along one axis ("tp") or several (("dp", "tp") -> named "dp+tp")."""
+        return self._comms[_axes_key(axes)]
+
+    def placement(self) -> Placement:
+        """Host names, nodes, and whether each tp group lies inside one node (gathered at creation)."""
+        return self._placement
+
+    def shape_str(self) -> str:
+        return " x ".join(f"{a}={self.degrees[a]}" for a in AXES)
+
+    def rank_table(self) -> str:
+        """One line per mesh rank: its coordinates and host."""
+        hosts = self._placement.hostnames
+        lines = [f"{'rank':>6} {'pp':>4} {'dp':>4} {'tp':>4}  host"]
+        for r in range(self.cart.Get_size()):
+            pp, dp, tp = self.cart.Get_coords(r)
+            lines.append(f"{r:>6} {pp:>4} {dp:>4} {tp:>4}  {hosts[r]}")
+        return "\n".join(lines)
+
+    def free(self) -> None:
+        """Release every communicator this mesh created (collective)."""
+        for key, c in self._comms.items():
+            if key != AXES:
+                c.free()
+        for c in (self.embedding_comm, self.node_comm):
+            if c is not None:
+                c.free()
+        self.cart.Free()
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.shape_str()}, coords={self.coords})"
+
+
+def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = None) -> str:
+    """The text of `hpcpar info` (collective). Rank 0 gets it; other ranks get "".
+
+    Always: MPI library, mpi4py, backend, world size, threads per rank. With any
+    degree given: the mesh shape, each rank's coordinates and the placement report.
+    Degrees that do not fit raise MeshError on every rank.
+    """
+    import mpi4py
+
+    from hpcpar import backend
+
+    world = MPI.COMM_WORLD
+    mesh = None
+    if (dp, tp, pp) != (None, None, None):
+        mesh = Mesh(*fill_degrees(world.Get_size(), dp, tp, pp), comm=world)
+    lines = [
+        f"MPI library: {MPI.Get_library_version().splitlines()[0].strip()} "
+        f"(MPI {'.'.join(map(str, MPI.Get_version()))})",
+        f"mpi4py: {mpi4py.__version__}",
+        f"backend: {backend.name()} {backend.xp.__version__}",
+        f"world size: {world.Get_size()}",
+        f"threads per rank: {os.environ.get('OMP_NUM_THREADS', 'unset')} (OMP_NUM_THREADS)",
+    ]
+    if mesh is not None:
+        lines += [f"mesh: {mesh.shape_str()}", mesh.rank_table(), mesh.placement().report()]
+        mesh.free()
+    return "\n".join(lines) + "\n" if world.Get_rank() == 0 else ""

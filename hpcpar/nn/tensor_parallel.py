@@ -1,0 +1,260 @@
+"""Tensor-parallel layers (Megatron-LM, arXiv 1909.08053; sequence parallelism, arXiv 2205.05198).
+
+Every GEMM of a transformer layer is split over the ranks of a tensor-parallel
+`Communicator` (`tp` ranks); communication happens only through the differentiable
+collectives of `hpcpar.comm`, so the model reads as math plus f/g:
+
+    attention:  x -f-> c_attn (column: my heads' q, k, v) -> attention on my heads
+                  -> c_proj (row) -g-> + bias
+    MLP:        x -f-> c_fc (column) -> GELU -> c_proj (row) -g-> + bias
+
+f (`copy_to`) is identity forward / all-reduce backward and g (`reduce_from`) the
+reverse: 2 all-reduces forward and 2 backward per layer. A shard is always the slice
+of the global tensor the single-process model initialises (`Layout.split`).
+
+Sequence parallelism (`sequence_parallel=True`): between the sharded regions the
+activations are split along the sequence, [B, T/tp, C]; LayerNorm, dropout and the
+residual adds work on that shard. f becomes an all-gather along T (backward:
+reduce-scatter) and g a reduce-scatter along T (backward: all-gather). Replicated
+parameters used on a sequence shard (LayerNorm weights/biases, row-parallel biases)
+receive only this shard's part of their gradient, so they enter the computation
+through `copy_to`: their gradient arrives summed over tp and stays identical on every
+rank, with nothing for data parallelism or clipping to know about.
+
+The vocabulary is split too: `VocabParallelEmbedding` holds rows [V/tp, C] of wte,
+the tied LM head computes logits [B, T, V/tp] from that shard, and
+`vocab_parallel_cross_entropy` reduces max and sums over tp without gathering logits.
+"""
+
+from __future__ import annotations
+
+from hpcpar import backend, ops
+from hpcpar.comm import (Communicator, all_gather_dim, copy_to, gather_from, reduce_from,
+                         reduce_scatter_dim)
+from hpcpar.errors import ConfigError
+from hpcpar.layout import Layout
+from hpcpar.nn.layers import LayerNorm
+from hpcpar.nn.module import Module, Parameter
+from hpcpar.tensor import Tensor
+
+SEQ_DIM = 1  # activations are [B, T, C]
+
+
+def _require_divisible(what: str, n: int, tp: int, hint: str = "") -> None:
+    if n % tp:
+        choices = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        raise ConfigError(f"{what}={n} is not divisible by the tensor-parallel degree tp={tp}"
+                          f"{hint}; choose tp in {{{choices}}}")
+
+
+def check_config(config, tp: int) -> None:
+    """Raise ConfigError unless n_head, 4*n_embd and vocab_size divide by `tp` (a GPTConfig)."""
+    _require_divisible("n_head", config.n_head, tp, " (a tp rank holds whole heads)")
+    _require_divisible("4*n_embd", 4 * config.n_embd, tp, " (the MLP width is split)")
+    _require_divisible("vocab_size", config.vocab_size, tp, " (the embedding is split by vocabulary)")
+
+
+def _zeros(layout: Layout, dtype, no_decay: bool = False) -> Parameter:
+    return Parameter(backend.xp.zeros(layout.local_shape, dtype=dtype), layout, no_decay=no_decay)
+
+
+def vocab_layout(vocab_size: int, n_embd: int, comm: Communicator) -> Layout:
+    """wte / LM-head shard: rows [rank*V/tp, (rank+1)*V/tp) of the global [V, C]."""
+    _require_divisible("vocab_size", vocab_size, comm.size, " (the embedding is split by vocabulary)")
+    return Layout.split((vocab_size, n_embd), 0, comm.rank, comm.size)
+
+
+class ColumnParallelLinear(Module):
+    """y = x W^T + b with W [out, in] split on out features: this rank holds W [out/tp, in].
+
+    In: x [.., in] replicated (entered through f), or [B, T/tp, in] under sequence
+    parallelism (all-gathered along T). Out: [.., out/tp] sharded(-1), or [.., out]
+    replicated with `gather_output`. With `groups=3` (the fused c_attn, rows [q; k; v])
+    the out dim is split group by group, so the shard holds rows [q_r; k_r; v_r].
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
+                 dtype="float32", groups: int = 1, gather_output: bool = False,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        _require_divisible(f"out_features/groups ({out_features}/{groups})", out_features // groups, comm.size)
+        if gather_output and groups > 1:
+            raise ValueError("gather_output needs groups=1: gathered grouped shards are not in global order")
+        self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
+        self.weight = _zeros(Layout.split((out_features, in_features), 0, comm.rank, comm.size, groups), dtype)
+        self.bias = (_zeros(Layout.split((out_features,), 0, comm.rank, comm.size, groups), dtype, True)
+                     if bias else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = all_gather_dim(x, self.comm, SEQ_DIM) if self.sequence_parallel else copy_to(x, self.comm)
+        y = ops.linear(x, self.weight, self.bias)
+        return gather_from(y, self.comm, -1) if self.gather_output else y
+
+
+class RowParallelLinear(Module):
+    """y = x W^T + b with W [out, in] split on in features: this rank holds W [out, in/tp].
+
+    In: x [.., in/tp] sharded(-1) (a column-parallel output). Out: [.., out] replicated
+    (g: all-reduce), or [B, T/tp, out] under sequence parallelism (reduce-scatter along T).
+    The bias is replicated and added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
+                 dtype="float32", sequence_parallel: bool = False):
+        super().__init__()
+        _require_divisible("in_features", in_features, comm.size)
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.weight = _zeros(Layout.split((out_features, in_features), 1, comm.rank, comm.size), dtype)
+        self.bias = _zeros(Layout.replicated((out_features,)), dtype, True) if bias else None
+
+    def forward(self, x_shard: Tensor) -> Tensor:
+        partial = ops.linear(x_shard, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_dim(partial, self.comm, SEQ_DIM)
+            bias = copy_to(self.bias, self.comm) if self.bias is not None else None  # grad: sum of shards
+        else:
+            y = reduce_from(partial, self.comm)
+            bias = self.bias
+        return y if bias is None else y + bias
+
+
+class ParallelSelfAttention(Module):
+    """Causal self-attention with the heads split over tp: this rank runs n_head/tp heads.
+
+    In/out: [B, T, C] replicated, or [B, T/tp, C] under sequence parallelism.
+    """
+
+    def __init__(self, config, comm: Communicator, sequence_parallel: bool = False):
+        super().__init__()
+        _require_divisible("n_head", config.n_head, comm.size, " (a tp rank holds whole heads)")
+        c = config.n_embd
+        self.n_head_local = config.n_head // comm.size
+        self.c_attn = ColumnParallelLinear(c, 3 * c, comm, config.bias, config.dtype, groups=3,
+                                           sequence_parallel=sequence_parallel)
+        self.c_proj = RowParallelLinear(c, c, comm, config.bias, config.dtype, sequence_parallel)
+
+    def forward(self, x: Tensor) -> Tensor:
+        qkv = self.c_attn(x)                                    # [B, T, 3C/tp]: my heads' q, k, v
+        return self.c_proj(ops.causal_attention(qkv, self.n_head_local))
+
+
+class ParallelMLP(Module):
+    """c_fc (column, [4C/tp, C]) -> GELU -> c_proj (row, [C, 4C/tp]); layouts as attention."""
+
+    def __init__(self, config, comm: Communicator, sequence_parallel: bool = False):
+        super().__init__()
+        c = config.n_embd
+        _require_divisible("4*n_embd", 4 * c, comm.size, " (the MLP width is split)")
+        self.c_fc = ColumnParallelLinear(c, 4 * c, comm, config.bias, config.dtype,
+                                         sequence_parallel=sequence_parallel)
+        self.c_proj = RowParallelLinear(4 * c, c, comm, config.bias, config.dtype, sequence_parallel)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(ops.gelu(self.c_fc(x)))
+
+
+class SequenceParallelLayerNorm(LayerNorm):
+    """LayerNorm on a sequence shard [B, T/tp, C]; weight and bias replicated.
+
+    Each rank sees only its tokens, so its weight/bias gradient is a partial sum: the
+    parameters enter through f (`copy_to`), whose backward all-reduces that gradient.
+    """
+
+    def __init__(self, dim: int, comm: Communicator, bias: bool = True, dtype="float32", eps: float = 1e-5):
+        super().__init__(dim, bias, dtype, eps)
+        self.comm = comm
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = copy_to(self.bias, self.comm) if self.bias is not None else None
+        return ops.layer_norm(x, copy_to(self.weight, self.comm), bias, self.eps)
+
+
+class VocabParallelEmbedding(Module):
+    """Token embedding with wte split by rows: this rank holds W [V/tp, C], ids [lo, lo+V/tp).
+
+    In: idx int [B, T] (replicated). Out: [B, T, C] replicated (ids outside my rows
+    contribute 0, then g sums the ranks), or [B, T/tp, C] under sequence parallelism
+    (reduce-scatter along T instead of the all-reduce).
+    """
+
+    def __init__(self, vocab_size: int, n_embd: int, comm: Communicator, dtype="float32",
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.weight = _zeros(vocab_layout(vocab_size, n_embd, comm), dtype)
+
+    def forward(self, idx) -> Tensor:
+        xp = backend.array_module(self.weight.data)
+        ids = xp.asarray(idx.data if isinstance(idx, Tensor) else idx)   # ids on the weight's device
+        lo = self.comm.rank * self.weight.shape[0]
+        mine = (ids >= lo) & (ids < lo + self.weight.shape[0])
+        rows = ops.embedding(xp.where(mine, ids - lo, 0), self.weight)
+        partial = rows * mine[..., None].astype(rows.dtype)   # zero for ids another rank owns
+        if self.sequence_parallel:
+            return reduce_scatter_dim(partial, self.comm, SEQ_DIM)
+        return reduce_from(partial, self.comm)
+
+
+def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, comm: Communicator,
+                                 ignore_index: int = -100) -> Tensor:
+    """Mean NLL of `targets` under softmax over the full vocabulary, from vocabulary shards.
+
+    logits_shard [.., V/tp] holds columns [rank*V/tp, (rank+1)*V/tp); targets int [..]
+    replicated. Forward: one all-reduce (max) for the row maxima and one (sum) carrying both
+    the sum of exponentials and the target's logit (from the rank that owns it). Full logits
+    are never gathered. Backward is local: softmax of my columns minus 1 at my targets.
+    Returns a replicated scalar. Positions equal to `ignore_index` are left out of the mean.
+    """
+    xp = backend.array_module(logits_shard.data)
+    ld = logits_shard.data
+    v_local = ld.shape[-1]
+    lo = comm.rank * v_local
+    z = ld.reshape(-1, v_local)
+    t = xp.asarray(targets.data if isinstance(targets, Tensor) else targets).reshape(-1)
+    valid = t != ignore_index
+    mine = valid & (t >= lo) & (t < lo + v_local)
+    local_t = xp.where(mine, t - lo, 0)
+    rows = xp.arange(z.shape[0])
+    # The shift only guards exp() against overflow; it cancels, so it needs no gradient.
+    shifted = z - comm.all_reduce(z.max(axis=1), op="max")[:, None]
+    picked = xp.where(mine, shifted[rows, local_t], 0.0)
+    xp.exp(shifted, out=shifted)
+    total, picked = comm.all_reduce(xp.stack([shifted.sum(axis=1), picked]), op="sum")
+    count = xp.maximum(valid.sum(), 1).astype(ld.dtype)   # targets are replicated: a global count
+    loss = ((xp.log(total) - picked) * valid).sum() / count
+
+    def backward(g):
+        grad = shifted / total[:, None]
+        grad[rows, local_t] -= mine                     # -1 at the target, on the rank that owns it
+        grad *= (valid * (g / count))[:, None].astype(grad.dtype)
+        return (grad.reshape(ld.shape),)
+    return ops._result(loss.astype(ld.dtype), (logits_shard,), backward)
+
+
+def parallel_lm_head(h: Tensor, weight_shard: Parameter, targets, comm: Communicator,
+                     sequence_parallel: bool = False) -> Tensor:
+    """Tied LM head on the vocabulary shard [V/tp, C].
+
+    In: h [B, T, C] replicated, or [B, T/tp, C] under sequence parallelism (all-gathered
+    along T here). With targets: the mean loss (replicated scalar) via
+    `vocab_parallel_cross_entropy`. Without: full logits [B, T, V] replicated (gathered;
+    for evaluation and sampling only).
+    """
+    h = all_gather_dim(h, comm, SEQ_DIM) if sequence_parallel else copy_to(h, comm)
+    logits = ops.linear(h, weight_shard)                        # [B, T, V/tp]
+    if targets is None:
+        return gather_from(logits, comm, -1)
+    return vocab_parallel_cross_entropy(logits, targets, comm)
+
+
+def sequence_parallel_dropout(x_shard: Tensor, p: float, mask_rng_keys, comm: Communicator) -> Tensor:
+    """Dropout on a sequence shard [B, T/tp, ..] with the single-process model's mask.
+
+    `ops.dropout` draws a sample's mask over the full [T, ..]; we draw the same full mask
+    and keep my rows, so results do not depend on tp.
+    """
+    xp = backend.array_module(x_shard.data)
+    n = x_shard.shape[SEQ_DIM]
+    full_shape = x_shard.shape[:SEQ_DIM] + (n * comm.size,) + x_shard.shape[SEQ_DIM + 1:]
+    mask = ops.dropout(Tensor(xp.ones(full_shape, dtype=x_shard.dtype)), p, mask_rng_keys).data
+    return x_shard * mask[:, comm.rank * n:(comm.rank + 1) * n]

@@ -1,0 +1,453 @@
+"""The training loop: data -> pipeline schedule -> gradient sync -> optimizer -> metrics/checkpoints.
+
+`Trainer` holds one rank's share of a run (its mesh coordinates, pipeline stages,
+data-parallel state) and runs steps; `main` is `hpcpar train`: config, run
+directory, resume, the step loop with progress/metrics/evaluation/checkpoints,
+preemption and the end-of-run summary.
+
+Every rank builds the same global batch for step s (samples 0 .. dp*mbs*m - 1, see
+data.py) and takes its dp share, so results do not depend on the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+import hpcpar
+from hpcpar import backend, checkpoint, config, data, metrics, watchdog
+from hpcpar.errors import ConfigError, HpcparError
+from hpcpar.mesh import Mesh
+from hpcpar.nn import GPTConfig
+from hpcpar.optim import SGD, AdamW, lr_at
+from hpcpar.parallel import pipeline, schedule
+from hpcpar.parallel.data_parallel import DataParallel
+from hpcpar.tensor import no_grad
+
+log = logging.getLogger("hpcpar")
+
+# Exit status after a preemption signal: checkpoint saved, requeue me (EX_TEMPFAIL).
+REQUEUE_STATUS = 75
+
+
+@dataclass
+class StepResult:
+    loss: float          # mean loss over the global batch
+    grad_norm: float     # global gradient norm before clipping
+    lr: float
+    skipped: bool        # NaN/Inf loss or gradient: no update was made
+    bad_parameter: str   # first parameter with a non-finite gradient ("" if none)
+
+
+def gpt_config(cfg: config.Config) -> GPTConfig:
+    return GPTConfig(**dataclasses.asdict(cfg.model))
+
+
+class Trainer:
+    """One rank's part of a training run on a (dp, tp, pp) mesh.
+
+    Args:
+        cfg: configuration (validated here for `comm`'s size).
+        comm: mpi4py communicator spanning the run (default COMM_WORLD).
+        tokens: the corpus as uint8 tokens (default: load `cfg.data.corpus`).
+    """
+
+    def __init__(self, cfg: config.Config, comm=None, tokens: np.ndarray | None = None):
+        comm = comm if comm is not None else MPI.COMM_WORLD
+        self.cfg = cfg = config.validate(cfg, comm.Get_size())
+        backend.use(cfg.run.backend)
+        self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=comm)
+        self.gpt_config = gpt_config(cfg)
+        self.stages = pipeline.build_stages(self.gpt_config, self.mesh, chunks=cfg.pipeline.chunks,
+                                            seed=cfg.train.seed,
+                                            sequence_parallel=cfg.mesh.sequence_parallel)
+        self.named_parameters = [(n, p) for s in self.stages for n, p in s.named_parameters()]
+        t = cfg.train
+        if t.optimizer == "adamw":
+            def make_optimizer(params):
+                return AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+        else:
+            def make_optimizer(params):
+                return SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        self.dp = DataParallel(self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
+                               wire_dtype=t.grad_wire_dtype, zero=t.zero, make_optimizer=make_optimizer)
+        self.tracer = pipeline.Tracer(enabled=cfg.pipeline.trace, rank=self.mesh.world.rank)
+        actions = schedule.build(cfg.pipeline.schedule, cfg.mesh.pp, t.microbatches,
+                                 cfg.pipeline.chunks)[self.mesh.rank("pp")]
+        self.executor = pipeline.PipelineExecutor(self.stages, self.mesh, actions,
+                                                  microbatches=t.microbatches, tracer=self.tracer)
+        if tokens is None:
+            tokens = data.load_corpus(cfg.data.corpus)
+        self.train_tokens, self.val_tokens = data.split(tokens, cfg.data.val_fraction)
+        self.is_loss_reporter = (self.stages[-1].head and self.mesh.rank("tp") == 0)
+        self.step = 0  # the next step to run
+
+    # -- one step -----------------------------------------------------------------------
+    def microbatches(self, step: int) -> list:
+        """This dp rank's micro-batches (x, y) of global step `step`."""
+        t = self.cfg.train
+        dp, d = self.mesh.size("dp"), self.mesh.rank("dp")
+        return [data.get_batch(self.train_tokens, t.seed, step,
+                               data.microbatch_sample_ids(d, dp, t.micro_batch_size, j),
+                               self.cfg.model.block_size)
+                for j in range(t.microbatches)]
+
+    def _global_mean_loss(self, losses: list) -> float:
+        """Mean over every micro-batch of every dp rank; the same float on every rank."""
+        local = np.array([float(sum(losses)) if self.is_loss_reporter else 0.0])
+        total = self.mesh.world.all_reduce(local, op="sum")
+        return float(total[0]) / (self.mesh.size("dp") * self.cfg.train.microbatches)
+
+    def train_step(self, step: int) -> StepResult:
+        t = self.cfg.train
+        batches = self.microbatches(step)
+        self._set_rng_context(step, batches)
+        self.dp.begin_step(microbatches=t.microbatches)
+        losses = self.executor.run(batches)
+        self.dp.finish_backward()
+        loss = self._global_mean_loss(losses)
+        norm = self.dp.clip_grad_norm(t.grad_clip)
+        lr = lr_at(step, t.lr, t.warmup, t.steps, t.min_lr)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            return StepResult(loss, norm, lr, True, self._first_bad_parameter())
+        self.dp.step(lr)
+        self.step = step + 1
+        return StepResult(loss, norm, lr, False, "")
+
+    def _set_rng_context(self, step: int, batches: list) -> None:
+        """Dropout masks are keyed by (seed, step, sample id): give every stage its ids."""
+        if self.cfg.model.dropout == 0.0:
+            return
+        t = self.cfg.train
+        dp, d = self.mesh.size("dp"), self.mesh.rank("dp")
+        ids = [list(data.microbatch_sample_ids(d, dp, t.micro_batch_size, j)) for j in range(len(batches))]
+        self.executor.rng_contexts = [(t.seed, step, i) for i in ids]
+
+    def _first_bad_parameter(self) -> str:
+        """Name of the first parameter (in model order) whose gradient is not finite, on any rank."""
+        local = ""
+        for name, p in self.named_parameters:
+            if p.grad is not None and not bool(backend.array_module(p.grad).isfinite(p.grad).all()):
+                local = name
+                break
+        names = [n for n in self.mesh.world.mpi.allgather(local) if n]
+        return names[0] if names else "(loss only)"
+
+    # -- evaluation ---------------------------------------------------------------------
+    def evaluate(self, batches: int) -> float:
+        """Mean validation loss over `batches` micro-batches per dp rank (same everywhere)."""
+        t = self.cfg.train
+        dp, d = self.mesh.size("dp"), self.mesh.rank("dp")
+        for stage in self.stages:
+            stage.eval()
+        try:
+            with no_grad():
+                eval_batches = [data.get_eval_batch(self.val_tokens, t.seed, i,
+                                                    data.microbatch_sample_ids(d, dp, t.micro_batch_size, 0),
+                                                    self.cfg.model.block_size)
+                                for i in range(batches)]
+                losses = self.executor.run(eval_batches, forward_only=True)
+        finally:
+            for stage in self.stages:
+                stage.train()
+        local = np.array([float(sum(losses)) if self.is_loss_reporter else 0.0])
+        return float(self.mesh.world.all_reduce(local, op="sum")[0]) / (dp * batches)
+
+    # -- global views (tests, checkpoints) -------------------------------------------------
+    def _owns_blocks(self, p) -> bool:
+        """Whether this rank contributes `p`'s blocks to a global sum: one holder per element."""
+        if p.tied_to or self.mesh.rank("dp") != 0:
+            return False
+        return p.layout.split_dim is not None or self.mesh.rank("tp") == 0
+
+    def global_parameters(self) -> dict:
+        """Every global parameter, full, on every rank (host float arrays). Collective."""
+        return self._global_tensors({n: p.data for n, p in self.named_parameters},
+                                    {n: p for n, p in self.named_parameters})
+
+    def global_gradients(self) -> dict:
+        """Every global gradient (after the last finish_backward), full, on every rank. Collective."""
+        return self._global_tensors({n: p.grad for n, p in self.named_parameters},
+                                    {n: p for n, p in self.named_parameters})
+
+    def _global_tensors(self, arrays: dict, params: dict) -> dict:
+        world = self.mesh.world
+        mine = {n: (tuple(p.layout.global_shape), str(p.dtype)) for n, p in params.items() if not p.tied_to}
+        catalogue = {}
+        for part in world.mpi.allgather(mine):
+            catalogue.update(part)
+        out = {}
+        for name in sorted(catalogue):
+            shape, dtype = catalogue[name]
+            full = np.zeros(shape, dtype=dtype)
+            p = params.get(name)
+            if p is not None and self._owns_blocks(p) and arrays[name] is not None:
+                p.layout.put(backend.to_host(arrays[name]), full)
+            out[name] = world.all_reduce(full, op="sum")
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def checkpoint_tensors(self) -> dict:
+        """Global name -> (local array, layout) for the model and optimizer state."""
+        tensors = {}
+        state = self.dp.optimizer_state()
+        for name, p in self.named_parameters:
+            key = p.tied_to or name
+            tensors[f"model/{key}"] = (p.data, p.layout)
+            for state_name, array in state.get(name, {}).items():
+                tensors[f"optim/{key}/{state_name}"] = (array, p.layout)
+        return tensors
+
+    def save(self, directory: str, keep: int, async_save: bool = False):
+        meta = {"step": self.step, "optimizer_step": self.dp.optimizer_step_count(),
+                "config": config.to_toml(self.cfg), "hpcpar_version": hpcpar.__version__,
+                "mesh": {"dp": self.mesh.size("dp"), "tp": self.mesh.size("tp"), "pp": self.mesh.size("pp")},
+                "data_position": {"next_step": self.step, "seed": self.cfg.train.seed},
+                "lr_schedule": {"next_step": self.step, "warmup": self.cfg.train.warmup,
+                                "total": self.cfg.train.steps}}
+        return checkpoint.save(directory, self.step, self.checkpoint_tensors(), meta, self.mesh.world.mpi,
+                               keep=keep, async_save=async_save)
+
+    def load(self, path: str) -> dict:
+        """Load model and optimizer state from any layout's checkpoint; returns its meta."""
+        wanted = {name: layout for name, (_, layout) in self.checkpoint_tensors().items()}
+        arrays, meta = checkpoint.load(path, wanted, self.mesh.world.mpi)
+        state: dict = {}
+        for name, p in self.named_parameters:
+            key = p.tied_to or name
+            p.data[...] = backend.to_device(arrays[f"model/{key}"])
+            prefix = f"optim/{key}/"
+            state[name] = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+        self.dp.load_optimizer_state(state, int(meta["optimizer_step"]))
+        self.step = int(meta["step"])
+        return meta
+
+
+# ----------------------------------------------------------------------------------------
+# hpcpar train
+# ----------------------------------------------------------------------------------------
+def _setup_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
+
+
+def _prepare_run_dir(cfg: config.Config, world) -> None:
+    """Create the run directory and write config.toml (rank 0); every rank raises the same error."""
+    problem = ""
+    if world.rank == 0:
+        try:
+            os.makedirs(cfg.run.dir, exist_ok=True)
+            probe = os.path.join(cfg.run.dir, ".write-test")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+            with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
+                f.write(config.to_toml(cfg))
+        except OSError as err:
+            problem = (f"run directory {cfg.run.dir!r} is not writable ({err.strerror}); "
+                       "set run.dir to a writable directory")
+    problem = world.mpi.bcast(problem, root=0)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _resume_path(cfg: config.Config) -> str | None:
+    resume = cfg.checkpoint.resume
+    if not resume:
+        return None
+    if resume == "auto":
+        return checkpoint.latest(cfg.checkpoint_dir)
+    return resume
+
+
+class _Progress:
+    """A progress bar on rank 0 (tqdm when installed), silent elsewhere."""
+
+    def __init__(self, enabled: bool, total: int, initial: int):
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0)
+            except ImportError:
+                self.bar = None
+
+    def update(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def main(config_path: str | None, overrides: list) -> int:
+    """`hpcpar train`: returns the process exit status (0, or REQUEUE_STATUS after preemption)."""
+    from hpcpar import preemption
+
+    world = MPI.COMM_WORLD
+    _setup_logging(world.rank)
+    cfg = config.load_config(config_path, overrides)
+    cfg = config.validate(cfg, world.Get_size())
+    watchdog.set_timeout(cfg.run.timeout)
+    preemption.install()
+    trainer = Trainer(cfg, world)
+    _prepare_run_dir(cfg, trainer.mesh.world)
+    cfg, mesh, rank0 = trainer.cfg, trainer.mesh, world.rank == 0
+
+    resume = _resume_path(cfg)
+    if resume:
+        trainer.load(resume)
+        log.info("resumed from %s at step %d", resume, trainer.step)
+    elif cfg.checkpoint.resume == "auto":
+        log.info("checkpoint.resume=auto: no checkpoint in %s, starting fresh", cfg.checkpoint_dir)
+
+    t = cfg.train
+    n_params = trainer.stages[0].num_params() if mesh.size("pp") == 1 and mesh.size("tp") == 1 else None
+    model_flops = _model_flops_per_token(cfg)
+    peak = _measure_peak(mesh, cfg.model.dtype)
+    tokens_per_step = mesh.size("dp") * t.micro_batch_size * t.microbatches * cfg.model.block_size
+    log.info("hpcpar %s: mesh dp=%d x tp=%d x pp=%d on %d rank(s); %s; global batch %d tokens/step; "
+             "%.2fM non-embedding parameters; GEMM peak %.1f GFLOP/s",
+             hpcpar.__version__, mesh.size("dp"), mesh.size("tp"), mesh.size("pp"), world.Get_size(),
+             data.corpus_description(cfg.data.corpus), tokens_per_step,
+             _non_embedding_params(cfg) / 1e6, peak / 1e9)
+    del n_params
+
+    writer = metrics.JsonLines(os.path.join(cfg.run.dir, "metrics.jsonl")) if rank0 else None
+    progress = _Progress(rank0 and cfg.run.progress, t.steps, trainer.step)
+    step_times: list = []
+    bad_in_a_row, first_loss, last_loss, val_loss = 0, None, None, None
+    status = 0
+    try:
+        while trainer.step < t.steps:
+            step = trainer.step
+            start = time.perf_counter()
+            result = trainer.train_step(step)
+            elapsed = time.perf_counter() - start
+            if result.skipped:
+                bad_in_a_row += 1
+                trainer.step = step + 1  # the batch is skipped; the optimizer state is untouched
+                log.warning("step %d: non-finite %s (first bad parameter gradient: %s); step skipped (%d/%d)",
+                            step, "loss" if not math.isfinite(result.loss) else "gradient norm",
+                            result.bad_parameter, bad_in_a_row, t.max_bad_steps)
+                if bad_in_a_row >= t.max_bad_steps:
+                    raise HpcparError(f"{bad_in_a_row} consecutive steps with a non-finite loss or gradient "
+                                      f"(last: step {step}, first bad parameter: {result.bad_parameter}); "
+                                      "lower train.lr, raise train.warmup or check the data")
+            else:
+                bad_in_a_row = 0
+                step_times.append(elapsed)
+                first_loss = result.loss if first_loss is None else first_loss
+                last_loss = result.loss
+            tok_s = tokens_per_step / elapsed
+            mfu = tok_s * model_flops / peak if peak else 0.0
+            record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                      "tokens_per_s": tok_s, "mfu": mfu, "step_time_s": elapsed, "skipped": result.skipped}
+            if cfg.run.eval_every and (trainer.step % cfg.run.eval_every == 0 or trainer.step == t.steps):
+                val_loss = trainer.evaluate(cfg.run.eval_batches)
+                record["val_loss"] = val_loss
+            if writer:
+                writer.write(record)
+            progress.update(f"loss {result.loss:.3f} | {tok_s:,.0f} tok/s | MFU {mfu:.1%}")
+            if rank0 and not cfg.run.progress and (step % cfg.run.log_every == 0 or trainer.step == t.steps):
+                log.info("step %5d | loss %.4f | lr %.2e | %8.0f tok/s | MFU %.1f%%%s", step, result.loss,
+                         result.lr, tok_s, 100 * mfu, f" | val {val_loss:.4f}" if "val_loss" in record else "")
+            if cfg.checkpoint.every and trainer.step % cfg.checkpoint.every == 0 and trainer.step < t.steps:
+                _save(trainer, cfg)
+            if preemption.agreed(mesh.world):
+                log.warning("preemption signal received: saving a checkpoint at step %d and exiting with "
+                            "status %d (requeue and resume with checkpoint.resume=auto)",
+                            trainer.step, REQUEUE_STATUS)
+                status = REQUEUE_STATUS
+                break
+    finally:
+        progress.close()
+    _save(trainer, cfg)
+    if cfg.pipeline.trace:
+        trainer.tracer.write_chrome_trace(os.path.join(cfg.run.dir, "trace.json"), mesh.world.mpi)
+    summary = _summary(trainer, step_times, tokens_per_step, model_flops, peak, first_loss, last_loss, val_loss)
+    if rank0:
+        writer.close()
+        with open(os.path.join(cfg.run.dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+        log.info("%s", _format_summary(summary))
+    return status
+
+
+def _save(trainer: Trainer, cfg: config.Config) -> None:
+    path = trainer.save(cfg.checkpoint_dir, keep=cfg.checkpoint.keep)
+    handle_wait = getattr(path, "wait", None)
+    if handle_wait:
+        path = handle_wait()
+    log.info("checkpoint: %s", path)
+
+
+def _non_embedding_params(cfg: config.Config) -> int:
+    c, layers = cfg.model.n_embd, cfg.model.n_layer
+    bias = 1 if cfg.model.bias else 0
+    per_block = 12 * c * c + bias * 13 * c + 2 * c * (1 + bias) * 1  # attn + mlp weights/biases, 2 LayerNorms
+    return layers * per_block + c * (1 + bias)  # + ln_f
+
+
+def _model_flops_per_token(cfg: config.Config) -> float:
+    return metrics.flops_per_token(_non_embedding_params(cfg), cfg.model.n_layer, cfg.model.n_embd,
+                                   cfg.model.block_size)
+
+
+def _measure_peak(mesh: Mesh, dtype: str) -> float:
+    """Sum over ranks of the GEMM rate measured by all ranks at once (FLOP/s)."""
+    if backend.name() != "numpy":
+        return 0.0
+    mesh.world.barrier()
+    rate = metrics.measure_gemm_flops(dtype if dtype in ("float32", "float64") else "float32")
+    return float(mesh.world.all_reduce(np.array([rate]), op="sum")[0])
+
+
+def _summary(trainer: Trainer, step_times: list, tokens_per_step: int, model_flops: float, peak: float,
+             first_loss, last_loss, val_loss) -> dict:
+    cfg, mesh = trainer.cfg, trainer.mesh
+    steady = step_times[1:] if len(step_times) > 1 else step_times
+    tok_s = tokens_per_step * len(steady) / sum(steady) if steady else 0.0
+    sim = schedule.simulate(schedule.build(cfg.pipeline.schedule, mesh.size("pp"), cfg.train.microbatches,
+                                           cfg.pipeline.chunks))
+    peak_rss = mesh.world.mpi.allgather(metrics.peak_rss_bytes())
+    return {
+        "steps": trainer.step, "tokens_per_s": tok_s, "mfu": tok_s * model_flops / peak if peak else 0.0,
+        "gemm_peak_flops": peak, "first_loss": first_loss, "final_loss": last_loss, "val_loss": val_loss,
+        "mesh": {"dp": mesh.size("dp"), "tp": mesh.size("tp"), "pp": mesh.size("pp")},
+        "schedule": cfg.pipeline.schedule, "microbatches": cfg.train.microbatches,
+        "pipeline_bubble_predicted": sim.bubble,
+        "pipeline_bubble_measured": trainer.executor.measured_bubble(),
+        "peak_memory_bytes_per_rank": peak_rss, "run_dir": cfg.run.dir,
+    }
+
+
+def _format_summary(s: dict) -> str:
+    mem = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
+    measured = s["pipeline_bubble_measured"]
+    lines = [
+        "── summary ─────────────────────────────────────────────",
+        f"steps            {s['steps']}",
+        f"loss             {s['first_loss']:.4f} -> {s['final_loss']:.4f}" if s["final_loss"] is not None
+        else "loss             (no completed step)",
+        f"val loss         {s['val_loss']:.4f}" if s["val_loss"] is not None else "val loss         (not evaluated)",
+        f"throughput       {s['tokens_per_s']:,.0f} tokens/s",
+        f"MFU              {s['mfu']:.1%} of a measured GEMM peak of {s['gemm_peak_flops'] / 1e9:.1f} GFLOP/s",
+        f"mesh             dp={s['mesh']['dp']} x tp={s['mesh']['tp']} x pp={s['mesh']['pp']}, "
+        f"schedule {s['schedule']}, {s['microbatches']} micro-batches",
+        f"pipeline bubble  {s['pipeline_bubble_predicted']:.1%} predicted"
+        + (f", {measured:.1%} measured" if measured is not None else ""),
+        f"peak memory      {mem} MiB per rank",
+        f"run directory    {s['run_dir']}",
+    ]
+    return "\n".join(lines)

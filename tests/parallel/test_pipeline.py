@@ -1,0 +1,157 @@
+"""Pipeline parallelism against the single-process model, in float64.
+
+Run: mpiexec -n 4 python -m pytest tests/parallel/test_pipeline.py (also -n 1, 2, 3).
+For every mesh that fits the world (pp = world; at 4 ranks also pp=2 x dp=2 and pp=2 x tp=2),
+every schedule and several micro-batch counts (m < pp included), 5 training steps of the parallel
+Trainer match a Trainer on a 1x1x1 mesh (COMM_SELF, same seed and global batch) to 1e-10
+relative: losses, gradient norms, every global parameter and every tied head copy. (The
+reference's own pp = 1 executor path is checked against a plain forward/backward loop in
+tests/unit/test_pipeline_split.py.)
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcpar.config import load_config
+from hpcpar.train import Trainer
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+STEPS = 5
+RTOL = 1e-10
+BASE = ["model.vocab_size=256", "model.block_size=8", "model.n_layer=8", "model.n_head=2", "model.n_embd=16",
+        "model.dtype=float64", "train.micro_batch_size=2", f"train.steps={STEPS}", "train.warmup=2",
+        "train.lr=0.01", "train.grad_clip=1.0", "train.seed=7", "run.progress=false"]
+# A fixed pseudo-random byte corpus: no file reading, the same on every rank.
+TOKENS = np.random.default_rng(0).integers(0, 256, 50_000).astype(np.uint8)
+
+def collective_assert(ok: bool, what: str) -> None:
+    """Every rank reaches the same verdict (no rank left waiting in a later collective)."""
+    bad = WORLD.allgather(None if ok else what)
+    failed = [(r, m) for r, m in enumerate(bad) if m]
+    assert not failed, f"failed on ranks {[r for r, _ in failed]}: {failed[0][1]}"
+
+
+def rel_err(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(b), 1e-300))
+
+
+_reference_cache: dict = {}
+
+
+def reference(total_microbatches: int):
+    """(per-step (loss, grad_norm), global parameters) of the 1x1x1 run with this global batch."""
+    if total_microbatches not in _reference_cache:
+        cfg = load_config(None, BASE + ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1",
+                                        f"train.microbatches={total_microbatches}"])
+        ref = Trainer(cfg, comm=MPI.COMM_SELF, tokens=TOKENS)
+        results = [ref.train_step(s) for s in range(STEPS)]
+        _reference_cache[total_microbatches] = ([(r.loss, r.grad_norm) for r in results],
+                                                ref.global_parameters())
+    return _reference_cache[total_microbatches]
+
+
+def meshes():
+    """(dp, tp, pp) meshes that fit the world: pp over every rank, and at 4 ranks pp x dp, pp x tp."""
+    return [(1, 1, SIZE)] + ([(2, 1, 2), (1, 2, 2)] if SIZE == 4 else [])
+
+
+def cases():
+    for dp, tp, pp in meshes():
+        for name, ms, chunks in (("gpipe", (1, 2, 5), 1), ("1f1b", (1, 2, 5), 1), ("interleaved", (2, 4), 2)):
+            if name == "interleaved" and pp == 1:
+                continue  # interleaving needs >= 2 stages (config rejects it)
+            for m in ms:
+                m = m * pp if name == "interleaved" else m  # interleaved needs m % pp == 0
+                mesh_id = f"dp{dp}-tp{tp}-pp{pp}"
+                yield pytest.param(dp, tp, pp, name, m, chunks, False, id=f"{mesh_id}-{name}-m{m}")
+    if SIZE == 4:  # sequence parallelism: activations cross stages as [mbs, T/tp, C]
+        for name, m, chunks in (("1f1b", 3, 1), ("interleaved", 4, 2)):
+            yield pytest.param(1, 2, 2, name, m, chunks, True, id=f"dp1-tp2-pp2-sp-{name}-m{m}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dp,tp,pp,name,m,chunks,sp", list(cases()))
+def test_training_matches_single_process(dp, tp, pp, name, m, chunks, sp):
+    overrides = [f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"pipeline.schedule={name}",
+                 f"pipeline.chunks={chunks}", f"train.microbatches={m}",
+                 f"mesh.sequence_parallel={str(sp).lower()}"]
+    trainer = Trainer(load_config(None, BASE + overrides), comm=WORLD, tokens=TOKENS)
+    results = [trainer.train_step(s) for s in range(STEPS)]
+    ref_steps, ref_params = reference(dp * m)
+
+    problems = []
+    for s, (r, (loss, norm)) in enumerate(zip(results, ref_steps)):
+        if rel_err(r.loss, loss) > RTOL or rel_err(r.grad_norm, norm) > RTOL:
+            problems.append(f"step {s}: loss {r.loss!r} vs {loss!r}, grad norm {r.grad_norm!r} vs {norm!r}")
+    params = trainer.global_parameters()
+    if set(params) != set(ref_params):
+        problems.append(f"parameter names differ: {sorted(set(params) ^ set(ref_params))}")
+    for key in sorted(set(params) & set(ref_params)):
+        if rel_err(params[key], ref_params[key]) > RTOL:
+            problems.append(f"{key}: relative error {rel_err(params[key], ref_params[key]):.2e}")
+    # The head's tied copy on the last stage (not in global_parameters) must track wte exactly.
+    for stage in trainer.stages:
+        for pname, p in stage.named_parameters():
+            if p.tied_to:
+                want = p.layout.take(ref_params[p.tied_to])
+                if rel_err(p.data, want) > RTOL:
+                    problems.append(f"{pname} (tied to {p.tied_to}): relative error {rel_err(p.data, want):.2e}")
+    collective_assert(not problems, "; ".join(problems[:3]))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("interleaved", 2)])
+def test_evaluate_matches_single_process(name, chunks):
+    """Forward-only replay (any number of batches, chunks included) gives the reference losses."""
+    if chunks > 1 and SIZE == 1:
+        pytest.skip("interleaving needs >= 2 pipeline stages")
+    m = SIZE * chunks
+    cfg = load_config(None, BASE + ["mesh.dp=1", "mesh.tp=1", f"mesh.pp={SIZE}", f"pipeline.schedule={name}",
+                                    f"pipeline.chunks={chunks}", f"train.microbatches={m}"])
+    got = Trainer(cfg, comm=WORLD, tokens=TOKENS).evaluate(3)
+    ref_cfg = load_config(None, BASE + ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1", f"train.microbatches={m}"])
+    want = Trainer(ref_cfg, comm=MPI.COMM_SELF, tokens=TOKENS).evaluate(3)
+    collective_assert(rel_err(got, want) <= RTOL, f"eval loss {got!r} vs {want!r}")
+
+
+@pytest.fixture
+def shared_dir():
+    path = WORLD.bcast(tempfile.mkdtemp(prefix="hpcpar-trace-") if RANK == 0 else None, root=0)
+    yield path
+    WORLD.barrier()
+    if RANK == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_trace_has_every_rank(shared_dir):
+    m = 2
+    cfg = load_config(None, BASE + ["mesh.dp=1", "mesh.tp=1", f"mesh.pp={SIZE}", "pipeline.schedule=1f1b",
+                                    f"train.microbatches={m}", "pipeline.trace=true"])
+    trainer = Trainer(cfg, comm=WORLD, tokens=TOKENS)
+    trainer.train_step(0)
+    path = os.path.join(shared_dir, "trace.json")
+    trainer.tracer.write_chrome_trace(path, WORLD)
+    problem = ""
+    if RANK == 0:
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        spans = [e for e in events if e["ph"] == "X"]
+        for rank in range(SIZE):
+            mine = [e for e in spans if e["pid"] == rank]
+            counts = {k: sum(e["name"] == k for e in mine) for k in ("forward", "backward")}
+            if counts != {"forward": m, "backward": m}:
+                problem = f"rank {rank}: {counts} compute spans, expected {m} each"
+            if SIZE > 1 and not any(e["name"].startswith("recv") for e in mine):
+                problem = f"rank {rank}: no recv spans"
+        if any(e["ts"] < 0 or e["dur"] < 0 for e in spans):
+            problem = "negative timestamps or durations"
+    problem = WORLD.bcast(problem, root=0)  # rank 0's verdict, on every rank
+    assert not problem, problem

@@ -1,0 +1,218 @@
+"""Checkpoint format, integrity and commit protocol in one process (comm = COMM_SELF)."""
+
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcpar import checkpoint as ck
+from hpcpar.errors import CheckpointError
+from hpcpar.layout import Layout
+
+COMM = MPI.COMM_SELF
+
+
+def reference(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "model/transformer.wte.weight": rng.standard_normal((16, 8)),
+        "model/transformer.h.0.attn.c_attn.weight": rng.standard_normal((24, 8)),  # [3C, C]
+        "model/transformer.ln_f.bias": rng.standard_normal(8).astype(np.float32),
+        "optim/transformer.wte.weight/exp_avg": rng.standard_normal((16, 8)),
+        "optim/step": np.array(7, dtype=np.int64),
+    }
+
+
+def replicated(glob):
+    return {name: (a, Layout.replicated(a.shape)) for name, a in glob.items()}
+
+
+def save_ref(tmp_path, step=1, seed=0, **kw):
+    glob = reference(seed)
+    path = ck.save(str(tmp_path), step, replicated(glob), {"note": "unit", "mesh": {"dp": 1}}, COMM, **kw)
+    return glob, path
+
+
+def test_round_trip_replicated_and_meta(tmp_path):
+    glob, path = save_ref(tmp_path, step=12)
+    assert path == str(tmp_path / "step-0000012")
+    got, meta = ck.load(str(tmp_path), {n: Layout.replicated(a.shape) for n, a in glob.items()}, COMM)
+    for name, a in glob.items():
+        assert got[name].dtype == a.dtype
+        assert np.array_equal(got[name], a), name
+    assert meta["step"] == 12 and meta["note"] == "unit" and meta["mesh"] == {"dp": 1}
+    assert meta["world_size"] == 1 and meta["format_version"] == ck.FORMAT_VERSION and meta["timestamp"]
+
+
+@pytest.mark.parametrize("dim,count,groups", [(0, 2, 1), (1, 4, 1), (0, 2, 3), (1, 2, 1)])
+def test_load_any_split(tmp_path, dim, count, groups):
+    glob, path = save_ref(tmp_path)
+    name = "model/transformer.h.0.attn.c_attn.weight"
+    for index in range(count):
+        layout = Layout.split(glob[name].shape, dim, index, count, groups)
+        got, _ = ck.load(path, {name: layout}, COMM)
+        assert np.array_equal(got[name], layout.take(glob[name]))
+
+
+def test_index_reads_global_tensors_with_plain_h5py(tmp_path):
+    glob, path = save_ref(tmp_path)
+    with h5py.File(os.path.join(path, ck.INDEX), "r") as f:
+        for name, a in glob.items():
+            ds = f[name]
+            assert ds.is_virtual
+            assert np.array_equal(ds[()], a)
+            assert tuple(ds.attrs["global_shape"]) == a.shape
+            assert ds.attrs["dtype"] == a.dtype.str
+            blocks = json.loads(ds.attrs["sharding"])
+            assert blocks[0]["file"] == "rank-00000.h5"
+        assert json.loads(f.attrs["meta"])["note"] == "unit"
+    with h5py.File(os.path.join(path, "rank-00000.h5"), "r") as f:
+        ds = f["model/transformer.wte.weight/block-0"]
+        assert ds.fletcher32 and ds.chunks is not None
+
+
+def test_latest_keep_and_stale_tmp_cleanup(tmp_path):
+    stale = tmp_path / ".tmp-step-0000002-deadbeef"
+    stale.mkdir()
+    (stale / "rank-00000.h5").write_bytes(b"partial")
+    assert ck.latest(str(tmp_path)) is None
+    for step in (1, 2, 3, 4, 5):
+        save_ref(tmp_path, step=step, seed=step, keep=3)
+        assert ck.latest(str(tmp_path)) == str(tmp_path / f"step-{step:07d}")
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-0000003", "step-0000004", "step-0000005"]
+    got, meta = ck.load(str(tmp_path), {"optim/step": Layout.replicated(())}, COMM)
+    assert meta["step"] == 5
+
+
+def test_resave_same_step_and_older_step_kept(tmp_path):
+    save_ref(tmp_path, step=5, seed=1, keep=1)
+    glob, path = save_ref(tmp_path, step=5, seed=2, keep=1)  # replaced in place
+    got, _ = ck.load(path, {"model/transformer.wte.weight": Layout.replicated((16, 8))}, COMM)
+    assert np.array_equal(got["model/transformer.wte.weight"], glob["model/transformer.wte.weight"])
+    save_ref(tmp_path, step=3, seed=3, keep=1)  # resumed from an older step: the new one survives
+    assert ck.latest(str(tmp_path)) == str(tmp_path / "step-0000003")
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-0000003"]
+
+
+def test_async_save_snapshots_arrays(tmp_path):
+    glob = reference()
+    tensors = replicated({n: a.copy() for n, a in glob.items()})
+    handle = ck.save(str(tmp_path), 2, tensors, {}, COMM, async_save=True)
+    for a, _ in tensors.values():
+        a[...] = 0  # training goes on: the checkpoint must hold the values at save time
+    path = handle.wait()
+    assert handle.wait() == path and handle.done()
+    got, _ = ck.load(path, {n: Layout.replicated(a.shape) for n, a in glob.items()}, COMM)
+    assert all(np.array_equal(got[n], glob[n]) for n in glob)
+
+
+def flip_byte_in_chunk(path, dataset):
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_chunk_info(0).byte_offset
+    with open(path, "r+b") as f:
+        f.seek(offset + 5)
+        byte = f.read(1)
+        f.seek(offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_flipped_byte_names_file_and_tensor(tmp_path):
+    glob, path = save_ref(tmp_path)
+    name = "model/transformer.wte.weight"
+    rank_file = os.path.join(path, "rank-00000.h5")
+    flip_byte_in_chunk(rank_file, f"{name}/block-0")
+    with pytest.raises(CheckpointError, match=rf"rank-00000\.h5.*{name}"):
+        ck.load(path, {name: Layout.replicated((16, 8))}, COMM)
+    # other tensors in the same file still load
+    got, _ = ck.load(path, {"model/transformer.ln_f.bias": Layout.replicated((8,))}, COMM)
+    assert np.array_equal(got["model/transformer.ln_f.bias"], glob["model/transformer.ln_f.bias"])
+    problems = ck.verify(path)
+    assert len(problems) == 1 and "rank-00000.h5" in problems[0] and "sha256" in problems[0]
+
+
+def test_truncated_file(tmp_path):
+    glob, path = save_ref(tmp_path)
+    rank_file = os.path.join(path, "rank-00000.h5")
+    os.truncate(rank_file, os.path.getsize(rank_file) // 2)
+    with pytest.raises(CheckpointError, match=r"rank-00000\.h5.*truncated.*tensor model/"):
+        ck.load(path, {"model/transformer.wte.weight": Layout.replicated((16, 8))}, COMM)
+    assert any("truncated" in p for p in ck.verify(path))
+
+
+def test_missing_shard(tmp_path):
+    glob, path = save_ref(tmp_path)
+    os.remove(os.path.join(path, "rank-00000.h5"))
+    with pytest.raises(CheckpointError, match=r"rank-00000\.h5: shard file missing.*optim/step"):
+        ck.load(path, {"optim/step": Layout.replicated(())}, COMM)
+    assert any("missing" in p for p in ck.verify(path))
+
+
+def test_wrong_shape_and_missing_tensor(tmp_path):
+    glob, path = save_ref(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model/transformer\.wte\.weight.*\[16, 8\].*\[32, 8\].*another model"):
+        ck.load(path, {"model/transformer.wte.weight": Layout.replicated((32, 8))}, COMM)
+    with pytest.raises(CheckpointError, match=r"model/lm_head\.weight is not in checkpoint"):
+        ck.load(path, {"model/lm_head.weight": Layout.replicated((16, 8))}, COMM)
+    with pytest.raises(CheckpointError, match=r"no checkpoint at"):
+        ck.load(str(tmp_path / "nothing"), {}, COMM)
+
+
+def test_bad_save_input(tmp_path):
+    a = np.zeros((4, 4))
+    with pytest.raises(CheckpointError, match=r"model/a: local array has shape \[4, 4\]"):
+        ck.save(str(tmp_path), 1, {"model/a": (a, Layout.split((8, 4), 0, 0, 4))}, {}, COMM)
+    with pytest.raises(CheckpointError, match=r"model/a: the ranks' blocks do not cover"):
+        ck.save(str(tmp_path), 1, {"model/a": (a, Layout.split((8, 4), 0, 0, 2))}, {}, COMM)
+    assert ck.latest(str(tmp_path)) is None
+
+
+def test_assign_writers_lowest_rank_writes_once():
+    """4 ranks as tp=2 x dp=2 (tp innermost) and a tensor held by two pipeline stages."""
+    shape = (8, 4)
+    holdings = []
+    for rank in range(4):
+        tp = rank % 2
+        split = Layout.split(shape, 0, tp, 2, groups=2)
+        holdings.append({
+            "w": (shape, "<f8", [ck._region(b.glob) for b in split.blocks]),
+            "r": (shape, "<f8", [ck._region(b.glob) for b in Layout.replicated(shape).blocks]),
+        })
+    holdings[0]["tied"] = holdings[3]["tied"] = (shape, "<f4", [((0, 8), (0, 4))])
+    plan = ck.assign_writers(holdings)
+    assert [(b.rank, b.region) for b in plan["w"].blocks] == [
+        (0, ((0, 2), (0, 4))), (1, ((2, 4), (0, 4))), (0, ((4, 6), (0, 4))), (1, ((6, 8), (0, 4)))]
+    assert [b.rank for b in plan["r"].blocks] == [0] and [b.rank for b in plan["tied"].blocks] == [0]
+    holdings[2]["r"] = (shape, "<f4", holdings[2]["r"][2])
+    with pytest.raises(CheckpointError, match="ranks disagree"):
+        ck.assign_writers(holdings)
+
+
+def test_assign_writers_rejects_partial_overlap():
+    holdings = [{"w": ((8,), "<f8", [((0, 5),)])}, {"w": ((8,), "<f8", [((4, 8),)])}]
+    with pytest.raises(CheckpointError, match="partly overlaps"):
+        ck.assign_writers(holdings)
+
+
+def test_info_verify_export_cli(tmp_path, capsys):
+    glob, path = save_ref(tmp_path, step=9)
+    text = ck.info(str(tmp_path))
+    assert "step 9" in text and "model/transformer.wte.weight" in text and "[16, 8]" in text
+    assert ck.verify(path) == []
+    assert ck.cli("verify", str(tmp_path)) == 0
+    assert "ok" in capsys.readouterr().out
+    out = tmp_path / "all.npz"
+    assert ck.cli("export", path, out=str(out)) == 0
+    with np.load(out) as npz:
+        assert sorted(npz.files) == sorted(glob)
+        for name, a in glob.items():
+            assert np.array_equal(npz[name], a)
+    with pytest.raises(CheckpointError, match="--out"):
+        ck.cli("export", path)
+    assert ck.cli("info", path) == 0
+    assert "tensors: 5" in capsys.readouterr().out
+    os.truncate(os.path.join(path, "rank-00000.h5"), 100)
+    with pytest.raises(CheckpointError, match="rank-00000.h5"):
+        ck.cli("verify", path)

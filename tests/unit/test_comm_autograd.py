@@ -1,0 +1,86 @@
+"""Differentiable collectives and tensor-parallel layers in one process: size-1 behaviour,
+the vocabulary-parallel loss against the fused single-process loss, and configuration errors."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcpar import ops
+from hpcpar.comm import (Communicator, all_gather_dim, copy_to, gather_from, reduce_from,
+                         reduce_scatter_dim, split_to)
+from hpcpar.errors import ConfigError
+from hpcpar.nn import GPT, GPTConfig
+from hpcpar.nn import tensor_parallel as tpl
+from hpcpar.tensor import Tensor
+
+
+@dataclass
+class Ranks:
+    """Stands in for a Communicator where only the group's size and my rank matter (layer setup)."""
+
+    size: int
+    rank: int = 0
+
+
+def test_size_one_collectives_return_their_input_without_a_graph_node():
+    x = Tensor(np.arange(6.0).reshape(2, 3), requires_grad=True)
+    for comm in (None, Communicator(MPI.COMM_SELF, "tp")):
+        for op in (copy_to, reduce_from):
+            assert op(x, comm) is x
+        for op in (all_gather_dim, reduce_scatter_dim, split_to, gather_from):
+            assert op(x, comm, 1) is x
+
+
+def test_gpt_with_size_one_tp_comm_is_the_plain_model():
+    cfg = GPTConfig(vocab_size=32, block_size=4, n_layer=1, n_head=2, n_embd=8, dtype="float64")
+    model = GPT(cfg, tp_comm=Communicator(MPI.COMM_SELF, "tp"), sequence_parallel=True)
+    assert model.tp_comm is None and not model.sequence_parallel
+    assert type(model.transformer.h.items[0].attn).__name__ == "CausalSelfAttention"
+
+
+@pytest.mark.parametrize("ignore", [False, True])
+def test_vocab_parallel_cross_entropy_on_one_rank_equals_the_fused_loss(ignore):
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 5, 11)) * 4
+    targets = rng.integers(0, 11, (3, 5))
+    if ignore:
+        targets[0, :3] = -100
+    a, b = Tensor(logits.copy(), requires_grad=True), Tensor(logits.copy(), requires_grad=True)
+    loss = tpl.vocab_parallel_cross_entropy(a, targets, Communicator(MPI.COMM_SELF, "tp"))
+    ref = ops.cross_entropy(b, targets)
+    loss.backward()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-13 * abs(ref.item())
+    np.testing.assert_allclose(a.grad, b.grad, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("field,value", [("n_head", 6), ("vocab_size", 250)])
+def test_gpt_rejects_sizes_that_tp_does_not_divide(field, value):
+    cfg = GPTConfig(**{**GPTConfig(vocab_size=256, n_head=4, n_embd=48).__dict__, field: value})
+    with pytest.raises(ConfigError, match=field):
+        GPT(cfg, tp_comm=Ranks(4))
+
+
+def test_layers_reject_sizes_that_tp_does_not_divide():
+    cfg = GPTConfig(n_head=3, n_embd=24)
+    with pytest.raises(ConfigError, match="n_head=3"):
+        tpl.ParallelSelfAttention(cfg, Ranks(2))
+    with pytest.raises(ConfigError, match="4\\*n_embd"):
+        tpl.ParallelMLP(GPTConfig(n_head=1, n_embd=5), Ranks(3))
+    with pytest.raises(ConfigError, match="vocab_size=256"):
+        tpl.VocabParallelEmbedding(256, 8, Ranks(3))
+    with pytest.raises(ConfigError, match="in_features=10"):
+        tpl.RowParallelLinear(10, 4, Ranks(4))
+    with pytest.raises(ConfigError):
+        tpl.ColumnParallelLinear(4, 6, Ranks(4))
+    with pytest.raises(ValueError, match="groups=1"):
+        tpl.ColumnParallelLinear(4, 12, Ranks(2), groups=3, gather_output=True)
+
+
+def test_fused_qkv_shard_holds_my_heads_q_k_and_v_rows():
+    layer = tpl.ColumnParallelLinear(8, 24, Ranks(2, rank=1), groups=3)
+    full = np.arange(24 * 8, dtype=float).reshape(24, 8)
+    mine = layer.weight.layout.take(full)
+    np.testing.assert_array_equal(mine, np.concatenate([full[4:8], full[12:16], full[20:24]]))

@@ -1,0 +1,64 @@
+"""layout.py: shards cut from a global tensor and put back give the global tensor again."""
+
+import numpy as np
+import pytest
+
+from hpcpar.layout import Layout
+
+
+def _global(shape):
+    return np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
+
+
+def test_replicated_round_trip():
+    g = _global((4, 6))
+    lay = Layout.replicated(g.shape)
+    assert lay.is_replicated and lay.split_dim is None and lay.local_shape == (4, 6)
+    local = lay.take(g)
+    assert np.array_equal(local, g) and local is not g
+    out = np.zeros_like(g)
+    lay.put(local, out)
+    assert np.array_equal(out, g)
+
+
+@pytest.mark.parametrize("shape, dim, count, groups", [
+    ((8, 6), 0, 4, 1), ((8, 6), 1, 3, 1), ((8, 6), -1, 2, 1), ((2, 3, 12), 2, 2, 3),
+    ((12, 4), 0, 2, 3), ((6,), 0, 1, 1), ((6, 5), 0, 6, 1)])
+def test_split_parts_cover_the_global_tensor(shape, dim, count, groups):
+    g = _global(shape)
+    rebuilt = np.full_like(g, np.nan)
+    parts = []
+    for index in range(count):
+        lay = Layout.split(shape, dim, index, count, groups=groups)
+        local = lay.take(g)
+        assert local.shape == lay.local_shape
+        lay.put(local, rebuilt)
+        parts.append(local)
+    assert np.array_equal(rebuilt, g)
+    d = dim % len(shape)
+    assert sum(p.shape[d] for p in parts) == shape[d]
+    assert Layout.split(shape, dim, 0, count, groups=groups).split_dim == (d if count > 1 else None)
+
+
+def test_grouped_split_takes_the_same_part_of_every_group():
+    # c_attn-like [3C, C] with C = 4, tp = 2: rank 1 holds rows 2:4 of q, k and v.
+    g = _global((12, 4))
+    lay = Layout.split(g.shape, 0, 1, 2, groups=3)
+    expected = np.concatenate([g[2:4], g[6:8], g[10:12]])
+    assert np.array_equal(lay.take(g), expected)
+    assert len(lay.blocks) == 3
+
+
+@pytest.mark.parametrize("lay", [
+    Layout.replicated((3, 4)), Layout.split((8, 6), 1, 2, 3), Layout.split((12, 4), 0, 1, 2, groups=3)])
+def test_json_round_trip(lay):
+    import json
+    back = Layout.from_json(json.loads(json.dumps(lay.to_json())))
+    assert back == lay
+
+
+def test_split_that_does_not_divide():
+    with pytest.raises(ValueError, match="does not split"):
+        Layout.split((10, 4), 0, 0, 3)
+    with pytest.raises(ValueError, match="does not split"):
+        Layout.split((12, 4), 0, 0, 5, groups=3)
