@@ -80,13 +80,13 @@ def time_once(fn, iters: int, mpi: MPI.Comm) -> float:
     return mpi.allreduce(elapsed, op=MPI.MAX)  # one scalar per round, outside the timed region
 
 
-def measure(op: str, comm: Communicator, nbytes: int, budget_s: float) -> dict:
+def measure(op: str, comm: Communicator, nbytes: int, budget_s: float, rounds: int = ROUNDS) -> dict:
     ours, raw = runners(op, comm, nbytes)
     # Warm-up (connections, allocator, caches), which also sizes the iteration count.
     probe = max(time_once(ours, 2, comm.mpi), time_once(raw, 2, comm.mpi), 1e-6)
-    iters = int(comm.mpi.bcast(min(1000, max(2, budget_s / (2 * ROUNDS * probe))), root=0))
+    iters = int(comm.mpi.bcast(min(1000, max(2, budget_s / (2 * rounds * probe))), root=0))
     t_ours, t_raw = [], []
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         t_ours.append(time_once(ours, iters, comm.mpi))
         t_raw.append(time_once(raw, iters, comm.mpi))
     n = comm.size
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--budget", type=float, default=0.6,
                         help="seconds of timed work per op and size (both implementations)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help="alternating rounds per size; the median round counts")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "allreduce.json"))
     args = parser.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'bytes':>10} {'iters':>6} | {'hpcpar us':>10} {'algbw':>7} {'busbw':>7} | "
                   f"{'raw us':>10} {'algbw':>7} {'busbw':>7} | {'ratio':>5}")
         for size in sizes:
-            row = measure(op, comm, size, args.budget)
+            row = measure(op, comm, size, args.budget, args.rounds)
             rows.append(row)
             if root:
                 h, r = row["hpcpar"], row["raw"]
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"ranks": comm.size, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rounds": ROUNDS,
+                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rounds": args.rounds,
                 "wall_s": time.perf_counter() - started, "argv": sys.argv}
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {out} ({meta['wall_s']:.0f} s)")

@@ -48,14 +48,14 @@ def name() -> str:
 
 def is_device_array(a) -> bool:
     """True for a CuPy (GPU) array. Decided from the type, so CuPy is never imported here."""
-    return type(a).__module__.split(".")[0] == "cupy"
+    kind = type(a)
+    return kind is not numpy.ndarray and kind.__module__.startswith("cupy")
 
 
 def array_module(*arrays) -> ModuleType:
     """The module of the given arrays: cupy if any is a CuPy array, else numpy."""
-    for a in arrays:
-        if is_device_array(a):
-            return _import_cupy()
+    if any(is_device_array(a) for a in arrays):
+        return _import_cupy()
     return numpy
 
 

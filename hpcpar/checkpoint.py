@@ -6,7 +6,12 @@ A checkpoint is a directory `step-NNNNNNN/` (format: docs/checkpoint-format.md):
     index.h5        one HDF5 virtual dataset per global tensor, stitched from the rank files,
                     with attributes `global_shape`, `dtype`, `sharding` (JSON: file, dataset,
                     global region of every block); root attribute `meta` (JSON)
-    manifest.json   format, meta, per-file size + sha256, the same tensor table
+    manifest.json   format, meta, per-file size, the same tensor table
+
+Integrity without re-reading what was written: every chunk carries a fletcher32 checksum and
+all HDF5 metadata is checksummed (file format 1.10: superblock v3, object header v2), so HDF5
+verifies every byte it reads; blocks too small to chunk (scalars, empty) carry a crc32
+attribute; the manifest's sizes catch truncated and missing files.
 
 Every tensor is stored under its global name and global shape; each global block is written
 exactly once, by the lowest rank that holds it. Arrays never travel over MPI: each rank writes
@@ -18,13 +23,13 @@ the same `CheckpointError`, never one raising while the others wait.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
 import threading
+import zlib
 from dataclasses import dataclass
 from math import prod
 from typing import Any, Callable, Mapping
@@ -43,10 +48,13 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 _TMP_PREFIX = ".tmp-step-"
-# Chunks of about this many bytes: big enough for throughput, small enough that a flipped
-# byte costs one chunk and a resharded read does not pull a whole tensor.
-_CHUNK_BYTES = 4 << 20
-_HASH_READ = 16 << 20
+# Chunks of about this many bytes: a chunk stays in the CPU cache while HDF5 gathers it and
+# computes (or verifies) its fletcher32, which measured ~2x faster than 4 MiB chunks; small
+# enough that a resharded read does not pull a whole tensor.
+_CHUNK_BYTES = 1 << 20
+# HDF5 file format 1.10 (readable by HDF5 >= 1.10 tools): checksummed metadata everywhere.
+_LIBVER = ("v110", "v110")
+_CRC_ATTR = "crc32"  # on blocks stored contiguous (scalars, empty arrays): no fletcher32 there
 
 Region = tuple  # tuple[tuple[int, int], ...]: (start, stop) per dim of the global tensor
 
@@ -187,7 +195,7 @@ def _to_host(a) -> np.ndarray:
 def _chunks(shape: tuple, itemsize: int) -> tuple | None:
     """About `_CHUNK_BYTES` per chunk, keeping trailing dims whole; None = contiguous."""
     if not shape or prod(shape) == 0:
-        return None  # HDF5 cannot chunk scalars or empty arrays; the manifest digest covers them
+        return None  # HDF5 cannot chunk scalars or empty arrays; a crc32 attribute covers them
     chunk, budget = [1] * len(shape), max(1, _CHUNK_BYTES // itemsize)
     for d in reversed(range(len(shape))):
         chunk[d] = max(1, min(shape[d], budget))
@@ -205,30 +213,32 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _sha256_and_sync(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_READ):
-            h.update(block)
-        os.fsync(f.fileno())
-    return h.hexdigest()
+def _crc32(data: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(data).tobytes())
 
 
 def _write_rank_file(path: str, items: list[tuple[StoredBlock, str, np.ndarray]]) -> dict:
-    """Write `(block, tensor name, data)` items to one HDF5 file, fsync it; return size + sha256."""
-    with h5py.File(path, "w") as f:
+    """Write `(block, tensor name, data)` items to one HDF5 file, fsync it once; return its size.
+
+    The data goes from the caller's arrays straight into HDF5's chunk buffers (no copy of a
+    C-contiguous block); fletcher32 is computed per chunk while it is in cache.
+    """
+    with h5py.File(path, "w", libver=_LIBVER) as f:
         for block, name, data in items:
             chunks = _chunks(data.shape, data.dtype.itemsize)
             ds = f.create_dataset(block.dataset, data=data, chunks=chunks,
                                   fletcher32=chunks is not None)
             ds.attrs["tensor"] = name
             ds.attrs["global_region"] = json.dumps([list(r) for r in block.region])
-    return {"size": os.path.getsize(path), "sha256": _sha256_and_sync(path)}
+            if chunks is None:
+                ds.attrs[_CRC_ATTR] = _crc32(data)
+    _fsync_path(path)
+    return {"size": os.path.getsize(path)}
 
 
 def _write_index(path: str, plan: dict[str, StoredTensor], meta: dict) -> None:
     """The index: a virtual dataset per tensor over the rank files (relative paths)."""
-    with h5py.File(path, "w") as f:
+    with h5py.File(path, "w", libver=_LIBVER) as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["meta"] = json.dumps(meta)
@@ -388,7 +398,8 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
             file_table = {k: v for f in all_files if f for k, v in sorted(f.items())}
             index = os.path.join(tmp, INDEX)
             _write_index(index, plan, full_meta)
-            file_table[INDEX] = {"size": os.path.getsize(index), "sha256": _sha256_and_sync(index)}
+            _fsync_path(index)
+            file_table[INDEX] = {"size": os.path.getsize(index)}
             _write_json(os.path.join(tmp, MANIFEST),
                         {"format": FORMAT, "format_version": FORMAT_VERSION, "meta": full_meta,
                          "files": file_table, "tensors": _tensor_table(plan)})

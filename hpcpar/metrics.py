@@ -3,8 +3,8 @@
 MFU follows the PaLM paper (appendix B): FLOPs per token = 6 N + 12 L d T, with N the
 non-embedding parameters, L layers, d the width and T the sequence length; MFU is the
 achieved model FLOP/s over the peak. The peak is this machine's measured dense GEMM
-rate: every rank times a square matmul at the same moment (so ranks that share cores
-share them while measuring too) and the rates are summed over the world.
+rate: one rank per node times a square matmul with its BLAS threads while the node's
+other ranks wait; scaled to all the node's cores that is the node's peak; nodes are summed.
 """
 
 from __future__ import annotations

@@ -312,7 +312,6 @@ def main(config_path: str | None, overrides: list) -> int:
         log.info("checkpoint.resume=auto: no checkpoint in %s, starting fresh", cfg.checkpoint_dir)
 
     t = cfg.train
-    n_params = trainer.stages[0].num_params() if mesh.size("pp") == 1 and mesh.size("tp") == 1 else None
     model_flops = _model_flops_per_token(cfg)
     peak = _measure_peak(mesh, cfg.model.dtype)
     tokens_per_step = mesh.size("dp") * t.micro_batch_size * t.microbatches * cfg.model.block_size
@@ -320,8 +319,7 @@ def main(config_path: str | None, overrides: list) -> int:
              "%.2fM non-embedding parameters; GEMM peak %.1f GFLOP/s",
              hpcpar.__version__, mesh.size("dp"), mesh.size("tp"), mesh.size("pp"), world.Get_size(),
              data.corpus_description(cfg.data.corpus), tokens_per_step,
-             _non_embedding_params(cfg) / 1e6, peak / 1e9)
-    del n_params
+             gpt_config(cfg).non_embedding_params() / 1e6, peak / 1e9)
 
     writer = metrics.JsonLines(os.path.join(cfg.run.dir, "metrics.jsonl")) if rank0 else None
     progress = _Progress(rank0 and cfg.run.progress, t.steps, trainer.step)
@@ -392,24 +390,24 @@ def _save(trainer: Trainer, cfg: config.Config) -> None:
     log.info("checkpoint: %s", path)
 
 
-def _non_embedding_params(cfg: config.Config) -> int:
-    c, layers = cfg.model.n_embd, cfg.model.n_layer
-    bias = 1 if cfg.model.bias else 0
-    per_block = 12 * c * c + bias * 13 * c + 2 * c * (1 + bias) * 1  # attn + mlp weights/biases, 2 LayerNorms
-    return layers * per_block + c * (1 + bias)  # + ln_f
-
-
 def _model_flops_per_token(cfg: config.Config) -> float:
-    return metrics.flops_per_token(_non_embedding_params(cfg), cfg.model.n_layer, cfg.model.n_embd,
+    return metrics.flops_per_token(gpt_config(cfg).non_embedding_params(), cfg.model.n_layer, cfg.model.n_embd,
                                    cfg.model.block_size)
 
 
 def _measure_peak(mesh: Mesh, dtype: str) -> float:
-    """Sum over ranks of the GEMM rate measured by all ranks at once (FLOP/s)."""
+    """The job's dense GEMM peak (FLOP/s): per node, one rank times a matmul with its BLAS
+    threads while the node's other ranks wait, scaled to the node's cores; summed over nodes."""
     if backend.name() != "numpy":
         return 0.0
-    mesh.world.barrier()
-    rate = metrics.measure_gemm_flops(dtype if dtype in ("float32", "float64") else "float32")
+    rate = 0.0
+    for leader_turn in (True, False):  # leaders measure while everyone else idles in the barrier
+        if leader_turn and mesh.node_comm.rank == 0:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+            rate = metrics.measure_gemm_flops(dtype if dtype in ("float32", "float64") else "float32")
+            rate *= cores / min(threads, cores)
+        mesh.world.barrier()
     return float(mesh.world.all_reduce(np.array([rate]), op="sum")[0])
 
 

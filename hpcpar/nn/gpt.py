@@ -44,6 +44,12 @@ class GPTConfig:
     dropout: float = 0.0       # residual and embedding dropout (attention probabilities: none)
     dtype: str = "float32"     # parameter and compute dtype
 
+    def non_embedding_params(self) -> int:
+        """Parameters outside wte/wpe (the N of MFU's 6N): per block 12C^2 weights, 2 LayerNorm
+        weights (2C) and with bias 11C biases; plus ln_f."""
+        c, bias = self.n_embd, int(self.bias)
+        return self.n_layer * (12 * c * c + 2 * c + 11 * c * bias) + c * (1 + bias)
+
 
 class CausalSelfAttention(Module):
     """c_attn: [3C, C] rows [q; k; v] -> fused causal attention -> c_proj: [C, C]."""

@@ -254,3 +254,18 @@ def test_a_missing_peer_raises_comm_timeout_instead_of_hanging():
         assert "barrier on communicator 'late' (op #0" in error and "timeout" in error
         assert "pending: late#0 barrier" in error
     comm.free()
+
+
+def test_dtypes_without_an_mpi_type_reduce_in_float32(world, monkeypatch):
+    # Pretend MPI has no float16 (as for bfloat16, or float16 on MPIs without it): the
+    # reductions must upcast, reduce, and cast back; data movement goes as raw bytes.
+    from hpcpar import backend
+    monkeypatch.setitem(backend._mpi_types, np.dtype(np.float16), None)
+    parts = everyone((2 * N, 3), np.float16, seed=5)
+    expected = reference_reduce(parts, "sum", np.float16)
+    assert_matches(world.all_reduce(parts[world.rank], op="sum"), expected, np.float16)
+    inplace = parts[world.rank].copy()
+    assert world.iall_reduce(inplace, op="avg").wait() is inplace
+    assert_matches(inplace, expected / N, np.float16)
+    assert_matches(world.reduce_scatter(parts[world.rank], dim=0), np.split(expected, N)[world.rank], np.float16)
+    np.testing.assert_array_equal(world.all_gather(parts[world.rank], dim=1), np.concatenate(parts, axis=1))

@@ -168,7 +168,8 @@ def test_bucket_reductions_overlap_backward(m):
     s.dp.finish_backward()
     s.close()
     last_mb = [t for kind, _, t in events if kind == "last_microbatch"][0]
-    first_layer_done = min(t for kind, name, t in events if kind == "grad_ready" and name.startswith("transformer.h.0."))
+    first_layer_done = min(t for kind, name, t in events
+                           if kind == "grad_ready" and name.startswith("transformer.h.0."))
     buckets = s.dp.buckets
     late = [b.index for b in buckets
             if all(sl.name.startswith(("transformer.h.2.", "transformer.ln_f.")) for sl in b.plan.slots)]

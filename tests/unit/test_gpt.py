@@ -93,3 +93,9 @@ def test_initial_loss_is_near_uniform():
     x, y = batch()
     assert abs(model(x, y).item() - math.log(256)) < 0.1
     assert model(x).shape == (3, 16, 256)
+
+
+def test_non_embedding_parameter_count_matches_the_model():
+    for bias in (True, False):
+        cfg = GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, bias=bias)
+        assert cfg.non_embedding_params() == GPT(cfg).num_params(non_embedding=True)
