@@ -173,11 +173,6 @@ class Trainer:
         return self._global_tensors({n: p.data for n, p in self.named_parameters},
                                     {n: p for n, p in self.named_parameters})
 
-    def global_gradients(self) -> dict:
-        """Every global gradient (after the last finish_backward), full, on every rank. Collective."""
-        return self._global_tensors({n: p.grad for n, p in self.named_parameters},
-                                    {n: p for n, p in self.named_parameters})
-
     def _global_tensors(self, arrays: dict, params: dict) -> dict:
         world = self.mesh.world
         mine = {n: (tuple(p.layout.global_shape), str(p.dtype)) for n, p in params.items() if not p.tied_to}
