@@ -8,9 +8,11 @@ iterations after a warm-up, in alternating rounds so that noise from other work 
 the machine hits both alike. Time per op is the slowest rank's, the median over
 rounds. algbw = size / time; busbw = algbw * 2(n-1)/n for all_reduce and
 algbw * (n-1)/n for all_gather and reduce_scatter. "raw" is blocking upper-case
-mpi4py on preallocated buffers (the cost floor); "hpcpar" is the public API as
-training code calls it (non-blocking MPI + the watchdog's polling loop, result
-arrays allocated per call). Results go to bench/results/allreduce.json.
+mpi4py on preallocated buffers (the cost floor); "raw_nb" is MPI's non-blocking
+form of the same op finished by a C-level Wait(); "hpcpar" is the public API as
+training code calls it (non-blocking MPI + the watchdog's polling loop + a result
+array per call). ratio = hpcpar/raw busbw; vs_nb = hpcpar/raw_nb busbw, the cost
+of hpcpar's own Python and polling alone. Results go to bench/results/allreduce.json.
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ def bus_factor(op: str, n: int) -> float:
 
 
 def runners(op: str, comm: Communicator, nbytes: int):
-    """(hpcpar, raw) callables running `op` once on a float32 array of `nbytes` in total.
+    """(hpcpar, raw, raw_nb) callables running `op` once on a float32 array of `nbytes` in total.
 
     For all_gather the total is the gathered result; for reduce_scatter it is the input.
+    raw_nb is MPI's non-blocking form of the op finished by a blocking C Wait(): what
+    hpcpar runs, minus hpcpar's Python and polling loop.
     """
     n = comm.size
     count = max(1, nbytes // 4)
@@ -59,15 +63,18 @@ def runners(op: str, comm: Communicator, nbytes: int):
     if op == "all_reduce":
         x = np.ones(count, dtype=np.float32)
         out = np.empty_like(x)
-        return (lambda: comm.all_reduce(x)), (lambda: mpi.Allreduce(x, out, MPI.SUM))
+        return ((lambda: comm.all_reduce(x)), (lambda: mpi.Allreduce(x, out, MPI.SUM)),
+                (lambda: mpi.Iallreduce(x, out, MPI.SUM).Wait()))
     part = max(1, count // n)
     if op == "all_gather":
         x = np.ones(part, dtype=np.float32)
         out = np.empty(part * n, dtype=np.float32)
-        return (lambda: comm.all_gather(x)), (lambda: mpi.Allgather(x, out))
+        return ((lambda: comm.all_gather(x)), (lambda: mpi.Allgather(x, out)),
+                (lambda: mpi.Iallgather(x, out).Wait()))
     x = np.ones(part * n, dtype=np.float32)
     out = np.empty(part, dtype=np.float32)
-    return (lambda: comm.reduce_scatter(x)), (lambda: mpi.Reduce_scatter_block(x, out, MPI.SUM))
+    return ((lambda: comm.reduce_scatter(x)), (lambda: mpi.Reduce_scatter_block(x, out, MPI.SUM)),
+            (lambda: mpi.Ireduce_scatter_block(x, out, MPI.SUM).Wait()))
 
 
 def time_once(fn, iters: int, mpi: MPI.Comm) -> float:
@@ -81,21 +88,21 @@ def time_once(fn, iters: int, mpi: MPI.Comm) -> float:
 
 
 def measure(op: str, comm: Communicator, nbytes: int, budget_s: float, rounds: int = ROUNDS) -> dict:
-    ours, raw = runners(op, comm, nbytes)
+    impls = dict(zip(("hpcpar", "raw", "raw_nb"), runners(op, comm, nbytes)))
     # Warm-up (connections, allocator, caches), which also sizes the iteration count.
-    probe = max(time_once(ours, 2, comm.mpi), time_once(raw, 2, comm.mpi), 1e-6)
-    iters = int(comm.mpi.bcast(min(1000, max(2, budget_s / (2 * rounds * probe))), root=0))
-    t_ours, t_raw = [], []
+    probe = max(max(time_once(fn, 2, comm.mpi) for fn in impls.values()), 1e-6)
+    iters = int(comm.mpi.bcast(min(1000, max(2, budget_s / (len(impls) * rounds * probe))), root=0))
+    samples: dict[str, list[float]] = {name: [] for name in impls}
     for _ in range(rounds):
-        t_ours.append(time_once(ours, iters, comm.mpi))
-        t_raw.append(time_once(raw, iters, comm.mpi))
-    n = comm.size
+        for name, fn in impls.items():
+            samples[name].append(time_once(fn, iters, comm.mpi))
     row = {"op": op, "bytes": nbytes, "iters": iters}
-    for name, samples in (("hpcpar", t_ours), ("raw", t_raw)):
-        t = statistics.median(samples)
+    for name, times in samples.items():
+        t = statistics.median(times)
         algbw = nbytes / t / 1e9
-        row[name] = {"time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, n)}
+        row[name] = {"time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, comm.size)}
     row["ratio"] = row["hpcpar"]["busbw_GBps"] / row["raw"]["busbw_GBps"]
+    row["ratio_nb"] = row["hpcpar"]["busbw_GBps"] / row["raw_nb"]["busbw_GBps"]
     return row
 
 
@@ -128,20 +135,24 @@ def main(argv: list[str] | None = None) -> int:
         if root:
             print(f"\n# {op}, {comm.size} ranks (times in us, bandwidths in GB/s)")
             print(f"{'bytes':>10} {'iters':>6} | {'hpcpar us':>10} {'algbw':>7} {'busbw':>7} | "
-                  f"{'raw us':>10} {'algbw':>7} {'busbw':>7} | {'ratio':>5}")
+                  f"{'raw us':>10} {'algbw':>7} {'busbw':>7} | {'raw_nb us':>10} {'busbw':>7} | "
+                  f"{'ratio':>5} {'vs_nb':>5}")
         for size in sizes:
             row = measure(op, comm, size, args.budget, args.rounds)
             rows.append(row)
             if root:
-                h, r = row["hpcpar"], row["raw"]
+                h, r, nb = row["hpcpar"], row["raw"], row["raw_nb"]
                 print(f"{size:>10} {row['iters']:>6} | {h['time_us']:>10.1f} {h['algbw_GBps']:>7.3f} "
                       f"{h['busbw_GBps']:>7.3f} | {r['time_us']:>10.1f} {r['algbw_GBps']:>7.3f} "
-                      f"{r['busbw_GBps']:>7.3f} | {row['ratio']:>5.2f}", flush=True)
+                      f"{r['busbw_GBps']:>7.3f} | {nb['time_us']:>10.1f} {nb['busbw_GBps']:>7.3f} | "
+                      f"{row['ratio']:>5.2f} {row['ratio_nb']:>5.2f}", flush=True)
     if root:
         small = [r for r in rows if r["bytes"] == sizes[0]]
         for r in small:
             added = r["hpcpar"]["time_us"] - r["raw"]["time_us"]
-            print(f"added latency at {sizes[0]} B, {r['op']}: {added:+.1f} us")
+            added_nb = r["hpcpar"]["time_us"] - r["raw_nb"]["time_us"]
+            print(f"added latency at {sizes[0]} B, {r['op']}: {added:+.1f} us vs blocking mpi4py, "
+                  f"{added_nb:+.1f} us vs non-blocking + Wait")
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"ranks": comm.size, "mpi": MPI.Get_library_version().splitlines()[0].strip(),

@@ -131,6 +131,13 @@ def nccl_buffer(a) -> tuple[int, int, int]:
     return a.data.ptr, a.size, getattr(nccl, key)
 
 
+def select_device(node_local_rank: int) -> None:
+    """Under cupy, use GPU `node_local_rank % GPUs on this node` (one rank per GPU when they match)."""
+    if _name == "cupy":
+        count = xp.cuda.runtime.getDeviceCount()
+        xp.cuda.Device(node_local_rank % count).use()
+
+
 _requested = os.environ.get("HPCPAR_BACKEND", "numpy").strip().lower() or "numpy"
 if _requested != "numpy":
     use(_requested)

@@ -63,8 +63,10 @@ class Trainer:
     def __init__(self, cfg: config.Config, comm=None, tokens: np.ndarray | None = None):
         comm = comm if comm is not None else MPI.COMM_WORLD
         self.cfg = cfg = config.validate(cfg, comm.Get_size())
-        backend.use(cfg.run.backend)
+        if cfg.run.backend != "auto":  # auto: what HPCPAR_BACKEND chose at import (default numpy)
+            backend.use(cfg.run.backend)
         self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=comm)
+        backend.select_device(self.mesh.node_comm.rank)
         self.gpt_config = gpt_config(cfg)
         self.stages = pipeline.build_stages(self.gpt_config, self.mesh, chunks=cfg.pipeline.chunks,
                                             seed=cfg.train.seed,
@@ -202,14 +204,33 @@ class Trainer:
         return tensors
 
     def save(self, directory: str, keep: int, async_save: bool = False):
+        """Checkpoint the model, optimizer state and run position (collective).
+
+        A save still in flight is committed first. Returns the committed `step-NNNNNNN` path,
+        or with `async_save` a `checkpoint.SaveHandle` (also kept in `save_in_flight`): the
+        rank files are written in a background thread and `finish_save()` commits them.
+        Everything else that shapes the trajectory is a pure function of (seed, step): batch
+        sampling and dropout masks are keyed by (seed, step, sample id) and the learning rate
+        by step, so `step` is the data, RNG and schedule position.
+        """
+        self.finish_save()
+        t = self.cfg.train
         meta = {"step": self.step, "optimizer_step": self.dp.optimizer_step_count(),
                 "config": config.to_toml(self.cfg), "hpcpar_version": hpcpar.__version__,
-                "mesh": {"dp": self.mesh.size("dp"), "tp": self.mesh.size("tp"), "pp": self.mesh.size("pp")},
-                "data_position": {"next_step": self.step, "seed": self.cfg.train.seed},
-                "lr_schedule": {"next_step": self.step, "warmup": self.cfg.train.warmup,
-                                "total": self.cfg.train.steps}}
-        return checkpoint.save(directory, self.step, self.checkpoint_tensors(), meta, self.mesh.world.mpi,
-                               keep=keep, async_save=async_save)
+                "mesh": {"dp": self.mesh.size("dp"), "tp": self.mesh.size("tp"), "pp": self.mesh.size("pp"),
+                         "zero": t.zero},
+                "data_position": {"next_step": self.step, "seed": t.seed},
+                "rng": {"kind": "counter-based: (seed, step, sample id)", "seed": t.seed, "next_step": self.step},
+                "lr_schedule": {"next_step": self.step, "warmup": t.warmup, "total": t.steps}}
+        result = checkpoint.save(directory, self.step, self.checkpoint_tensors(), meta, self.mesh.world.mpi,
+                                 keep=keep, async_save=async_save)
+        self.save_in_flight = result if async_save else None
+        return result
+
+    def finish_save(self) -> str | None:
+        """Commit the asynchronous save in flight, if any (collective); returns its path."""
+        handle, self.save_in_flight = getattr(self, "save_in_flight", None), None
+        return handle.wait() if handle is not None else None
 
     def load(self, path: str) -> dict:
         """Load model and optimizer state from any layout's checkpoint; returns its meta."""
@@ -365,7 +386,7 @@ def main(config_path: str | None, overrides: list) -> int:
                 break
     finally:
         progress.close()
-    _save(trainer, cfg)
+    _save(trainer, cfg, final=True)
     if cfg.pipeline.trace:
         trainer.tracer.write_chrome_trace(os.path.join(cfg.run.dir, "trace.json"), mesh.world.mpi)
     summary = _summary(trainer, step_times, tokens_per_step, model_flops, peak, first_loss, last_loss, val_loss)
@@ -377,12 +398,17 @@ def main(config_path: str | None, overrides: list) -> int:
     return status
 
 
-def _save(trainer: Trainer, cfg: config.Config) -> None:
-    path = trainer.save(cfg.checkpoint_dir, keep=cfg.checkpoint.keep)
-    handle_wait = getattr(path, "wait", None)
-    if handle_wait:
-        path = handle_wait()
-    log.info("checkpoint: %s", path)
+def _save(trainer: Trainer, cfg: config.Config, final: bool = False) -> None:
+    """Checkpoint now. With checkpoint.async_save the rank files are written in the background
+    while training goes on, and committed at the next save; the `final` save (end of the run,
+    preemption) is synchronous, so the job never exits with a save in flight."""
+    previous = trainer.finish_save()
+    if previous:
+        log.info("checkpoint: %s", previous)
+    result = trainer.save(cfg.checkpoint_dir, keep=cfg.checkpoint.keep,
+                          async_save=cfg.checkpoint.async_save and not final)
+    if isinstance(result, str):
+        log.info("checkpoint: %s", result)
 
 
 def _model_flops_per_token(cfg: config.Config) -> float:

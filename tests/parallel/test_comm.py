@@ -269,3 +269,23 @@ def test_dtypes_without_an_mpi_type_reduce_in_float32(world, monkeypatch):
     assert_matches(inplace, expected / N, np.float16)
     assert_matches(world.reduce_scatter(parts[world.rank], dim=0), np.split(expected, N)[world.rank], np.float16)
     np.testing.assert_array_equal(world.all_gather(parts[world.rank], dim=1), np.concatenate(parts, axis=1))
+
+
+def test_results_held_by_the_caller_are_never_recycled(world):
+    # Large results come from a recycled-buffer pool: one still referenced (directly or
+    # through a view) must never be reused for a later result.
+    shape = (N * 64, 65)  # > 64 KiB of float64
+    held, views, expected = [], [], []
+    for seed in range(12):  # more results than the pool keeps
+        parts = everyone(shape, np.float64, seed=seed)
+        expected.append(sum(parts))
+        result = world.all_reduce(parts[world.rank])
+        if seed % 2:
+            held.append(result)
+        else:
+            views.append(result[1:])  # only a view survives
+        world.all_gather(parts[world.rank][:N], dim=0)  # unrelated results come and go
+    for i, got in enumerate(held):
+        np.testing.assert_allclose(got, expected[2 * i + 1], rtol=1e-12, atol=1e-12)
+    for i, got in enumerate(views):
+        np.testing.assert_allclose(got, expected[2 * i][1:], rtol=1e-12, atol=1e-12)
