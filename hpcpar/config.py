@@ -85,13 +85,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = _field(600, "optimizer steps")
+    steps: int = _field(200, "optimizer steps")
     micro_batch_size: int = _field(8, "sequences per micro-batch per data-parallel rank")
     microbatches: int = _field(2, "micro-batches per step (gradient accumulation / pipeline micro-batches); "
                                   "global batch = dp * micro_batch_size * microbatches sequences")
     lr: float = _field(3e-3, "peak learning rate, after warm-up (> 0)")
     min_lr: float = _field(3e-4, "learning rate at the end of the cosine decay, 0 <= min_lr <= lr")
-    warmup: int = _field(30, "linear warm-up steps (>= 0; a warning when >= steps)")
+    warmup: int = _field(20, "linear warm-up steps (>= 0; a warning when >= steps)")
     weight_decay: float = _field(0.1, "decoupled weight decay (AdamW; not applied to biases and LayerNorm)")
     beta1: float = _field(0.9, "AdamW first-moment decay, 0 < beta1 < 1")
     beta2: float = _field(0.95, "AdamW second-moment decay, 0 < beta2 < 1")
@@ -129,7 +129,7 @@ class CheckpointConfig:
 class RunConfig:
     dir: str = _field("runs/default", "run directory: metrics.jsonl, config.toml, summary, checkpoints")
     log_every: int = _field(10, "log training metrics every this many steps (>= 1)")
-    eval_every: int = _field(100, "evaluate on held-out data every this many steps (0 = never)")
+    eval_every: int = _field(50, "evaluate on held-out data every this many steps (0 = never)")
     eval_batches: int = _field(4, "micro-batches per evaluation (>= 1)")
     timeout: float = _field(300.0, "watchdog: seconds a collective may wait before the job aborts (> 0)")
     backend: str = _field("auto", "array backend: numpy (CPU), cupy (GPU), or auto = the HPCPAR_BACKEND "

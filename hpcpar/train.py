@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hpcpar
-from hpcpar import backend, checkpoint, config, data, metrics, watchdog
+from hpcpar import backend, checkpoint, config, data, metrics, threads, watchdog
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.mesh import Mesh
 from hpcpar.nn import GPTConfig
@@ -313,7 +313,7 @@ def main(config_path: str | None, overrides: list) -> int:
     world = MPI.COMM_WORLD
     _setup_logging(world.rank)
     cfg = config.load_config(config_path, overrides)
-    cfg = config.validate(cfg, world.Get_size())
+    cfg = config.validate(cfg, world.Get_size(), available_memory_bytes=_memory_per_rank())
     watchdog.set_timeout(cfg.run.timeout)
     preemption.install()
     trainer = Trainer(cfg, world)
@@ -396,6 +396,16 @@ def main(config_path: str | None, overrides: list) -> int:
             json.dump(summary, f, indent=2, sort_keys=True)
         log.info("%s", _format_summary(summary))
     return status
+
+
+def _memory_per_rank() -> int | None:
+    """This node's available memory shared among its ranks, rounded down to 64 MiB so that
+    ranks reading it moments apart reach the same verdict."""
+    available = metrics.available_memory_bytes()
+    if available is None:
+        return None
+    share = available // threads.local_ranks()
+    return share - share % (64 << 20)
 
 
 def _save(trainer: Trainer, cfg: config.Config, final: bool = False) -> None:
