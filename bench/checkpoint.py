@@ -3,11 +3,13 @@
     mpiexec -n 4 python bench/checkpoint.py [--mib 256] [--repeats 3] [--dir /scratch/x]
 
 `--mib` MiB of float32 tensors (16 tensors, split on dim 0 across the ranks) are saved and
-loaded with `hpcpar.checkpoint` (HDF5 rank files, fletcher32 chunks, sha256 manifest, fsync,
-atomic commit) and, as the reference, with `np.save`/`np.load` of the same local arrays into
-one file per rank (+ fsync). Throughput is global bytes / wall time of the slowest rank
-(barrier to barrier); best of `--repeats`. Reads are mostly served from the page cache for
-both. Results are printed and merged into bench/results/checkpoint.json under "ranks=N".
+loaded with `hpcpar.checkpoint` (HDF5 rank files with 1 MiB fletcher32 chunks and checksummed
+metadata, index + manifest, one fsync per file, atomic commit; every load verifies every chunk
+it reads) and, as the reference, with `np.save`/`np.load` of the same local arrays into one file
+per rank (+ fsync; np.load verifies nothing). Throughput is global bytes / wall time of the
+slowest rank (barrier to barrier); best of `--repeats` (the machine may be shared: noisy).
+Reads are mostly served from the page cache for both. Results are printed and merged into
+bench/results/checkpoint.json under "ranks=N".
 """
 
 from __future__ import annotations

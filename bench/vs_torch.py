@@ -16,9 +16,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=256)
@@ -29,12 +30,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best round counts")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "vs_torch.json"))
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-args = parse()
-for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[var] = str(args.threads)
+if __name__ == "__main__":  # imported (bench/mesh_scaling.py), the importer has set the threads
+    args = parse()
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
 
 import numpy as np  # noqa: E402  (after the thread variables)
 
@@ -46,8 +48,7 @@ from hpcpar.tensor import Tensor  # noqa: E402
 try:
     import torch
 except ImportError:
-    sys.exit("bench/vs_torch.py needs PyTorch: pip install torch==2.13.0")
-torch.set_num_threads(args.threads)
+    torch = None
 
 
 def torch_model(params: dict, cfg: GPTConfig):
@@ -75,20 +76,40 @@ def torch_model(params: dict, cfg: GPTConfig):
     return loss_fn
 
 
+def torch_trainer(model: GPT, lr: float = 1e-4) -> Callable[[list], None]:
+    """PyTorch twin of `model` (a copy of its parameters) with AdamW set up as hpcpar's.
+
+    Returns `step(batches)`: one optimizer step over micro-batches [(x, y), ...] (int64 NumPy
+    [B, T] each), gradients accumulated as the mean loss over the micro-batches.
+    """
+    cfg = model.config
+    tparams = {n: torch.tensor(p.data.copy(), requires_grad=True) for n, p in model.named_parameters()}
+    decay = [p for n, p in tparams.items() if not n.endswith("bias") and ".ln_" not in n and "ln_f" not in n]
+    no_decay = [p for p in tparams.values() if all(p is not q for q in decay)]
+    topt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), foreach=False)
+    tloss = torch_model(tparams, cfg)
+
+    def step(batches: list) -> None:
+        topt.zero_grad(set_to_none=True)
+        for x, y in batches:
+            loss = tloss(torch.from_numpy(x), torch.from_numpy(y))
+            (loss / len(batches) if len(batches) > 1 else loss).backward()
+        topt.step()
+    return step
+
+
 def main() -> None:
+    if torch is None:
+        sys.exit("bench/vs_torch.py needs PyTorch: pip install torch==2.13.0")
+    torch.set_num_threads(args.threads)
     cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
     tokens = data.load_corpus()
     batches = [data.get_batch(tokens, 0, s, range(args.batch), cfg.block_size) for s in range(args.steps)]
 
     model = GPT(cfg, seed=0)
     opt = AdamW(model.parameters(), lr=1e-4)
-    tparams = {n: torch.tensor(p.data.copy(), requires_grad=True) for n, p in model.named_parameters()}
-    decay = [p for n, p in tparams.items() if not n.endswith("bias") and ".ln_" not in n and "ln_f" not in n]
-    no_decay = [p for p in tparams.values() if all(p is not q for q in decay)]
-    topt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=1e-4, betas=(0.9, 0.95), foreach=False)
-    tloss = torch_model(tparams, cfg)
-    tbatches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
+    torch_step = torch_trainer(model)
 
     def hpcpar_steps() -> float:
         start = time.perf_counter()
@@ -100,10 +121,8 @@ def main() -> None:
 
     def torch_steps() -> float:
         start = time.perf_counter()
-        for x, y in tbatches:
-            topt.zero_grad(set_to_none=True)
-            tloss(x, y).backward()
-            topt.step()
+        for batch in batches:
+            torch_step([batch])
         return time.perf_counter() - start
 
     hpcpar_steps(), torch_steps()  # warm-up: allocator, thread pools

@@ -5,11 +5,14 @@ travel with mpi4py's buffer methods (upper-case, never pickle). CuPy arrays use 
 NCCL communicator over the same ranks when every rank has its own GPU, and are
 staged through host memory and MPI otherwise.
 
-Every op is MPI's non-blocking form followed by one polling loop (`_wait`), so a
-blocking call and a `Handle.wait()` behave alike: the op is recorded in the
-flight recorder (`watchdog.recorder`), a wait longer than `watchdog.timeout()`
-raises `watchdog.CommTimeout` instead of hanging, and a rank that waits long backs
-off to short sleeps so ranks sharing cores get the CPU.
+Every op is recorded in the flight recorder (`watchdog.recorder`) and numbered per
+communicator. Blocking ops on host arrays call MPI's blocking functions (MPICH's
+blocking collectives are faster than its non-blocking ones); the watchdog's monitor
+thread watches them and aborts the job with a report across ranks when one waits
+longer than `watchdog.timeout()`. Non-blocking ops (`Handle.wait()`) and GPU ops are
+completed by one polling loop (`_wait`) that yields the core to ranks sharing it and
+raises `watchdog.CommTimeout` when the monitor reports a timeout. Without
+MPI_THREAD_MULTIPLE (no monitor) every op polls and times out on its own.
 
 Aliasing: blocking ops other than `broadcast`/`recv` never modify their input, but
 on a size-1 communicator every op returns its input object itself (nothing to do),
@@ -166,6 +169,14 @@ class Communicator:
         self.size: int = mpi_comm.Get_size()
         self.rank: int = mpi_comm.Get_rank()
         self._seq = 0
+        # This communicator's world ranks, for watchdog reports ("0,2": a str caches its hash).
+        group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        self._group = ",".join(map(str, MPI.Group.Translate_ranks(group, list(range(self.size)), world)))
+        group.Free()
+        world.Free()
+        self._blocking = watchdog.monitor()  # blocking MPI calls only when a monitor can watch them
+        self._checked: list[str] = []  # debug mode: collectives since the last sequence check
+        self._check_hash = 0
         self._nccl: _Nccl | None | bool = None  # None: not decided yet; False: stage through host
         self._pool: list[np.ndarray] = []  # byte buffers behind earlier results (see _result)
 
@@ -177,19 +188,38 @@ class Communicator:
         if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
 
-    # -- the one waiting loop -------------------------------------------------------------------
+    # -- issuing and waiting --------------------------------------------------------------------
 
-    def _begin(self, op: str, a, peer: int | None = None) -> watchdog.OpRecord:
+    def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False) -> watchdog.OpRecord:
+        """Number and record an op (`blocking`: a blocking MPI call, watched by the monitor)."""
+        if peer is None and watchdog.check_every():
+            self._check_sequence(op, a)
         seq, self._seq = self._seq, self._seq + 1
         if a is None:
-            return watchdog.recorder.begin(self.name, seq, op, (), "", 0, peer)
-        return watchdog.recorder.begin(self.name, seq, op, a.shape, a.dtype, a.nbytes, peer)
+            return watchdog.recorder.begin(self.name, seq, op, (), "", 0, peer, self._group, blocking)
+        return watchdog.recorder.begin(self.name, seq, op, a.shape, a.dtype, a.nbytes, peer, self._group,
+                                       blocking)
+
+    def _issue(self, record: watchdog.OpRecord, call: Callable, icall: Callable, *args):
+        """Run MPI's blocking `call(*args)` for a blocking record (returns None), else start
+        the non-blocking `icall(*args)` and return its request."""
+        if record.blocking:
+            call(*args)
+            watchdog.recorder.end(record)
+            return None
+        return icall(*args)
 
     def _wait(self, request, record: watchdog.OpRecord) -> None:
-        """Poll `request.Test()` until done; raise CommTimeout past watchdog.timeout()."""
+        """Poll `request.Test()` until done; raise CommTimeout when the watchdog reports a timeout.
+
+        The monitor thread delivers its report (`record.report`); with no monitor, or none
+        delivered, this raises on its own past the timeout (plus a grace period with a monitor).
+        """
         if not request.Test():
-            limit = watchdog.timeout()
-            spin_until = record.start + max(_SPIN_S, record.nbytes / _SPIN_BYTES_PER_S)
+            watchdog.recorder.waiting(record)
+            since = record.waiting
+            limit = watchdog.timeout() + (watchdog.DELIVERY_GRACE_S if self._blocking else 0.0)
+            spin_until = since + max(_SPIN_S, record.nbytes / _SPIN_BYTES_PER_S)
             delay = _FIRST_SLEEP_S
             polls = 0
             while not request.Test():
@@ -200,18 +230,49 @@ class Communicator:
                 if now < spin_until:
                     os.sched_yield()
                     continue
-                if now - record.start > limit:
-                    raise watchdog.CommTimeout(record, now - record.start)
+                if record.report is not None or now - since > limit:
+                    raise watchdog.CommTimeout(record, now - since, record.report)
                 time.sleep(delay)
                 delay = min(2 * delay, _MAX_SLEEP_S)
         watchdog.recorder.end(record)
 
     def _handle(self, request, record: watchdog.OpRecord, finish: Callable[[], Any],
                 keep: Any = None) -> Handle:
+        """A handle that waits for `request` (None: the op already completed) and then `finish`es."""
+        if request is None:
+            return Handle(finish)
+
         def complete() -> Any:
             self._wait(request, record)
             return finish()
         return Handle(complete, keep)
+
+    def _check_sequence(self, op: str, a) -> None:
+        """Debug mode: every `watchdog.check_every()` collectives, before issuing the next, the
+        ranks compare a hash of their collectives (op, dtype, shape) since the last check and
+        raise OpSequenceMismatch naming the first one that differs. Collective over this comm."""
+        what = f"{op} {a.dtype}{list(a.shape)}" if a is not None else op
+        self._checked.append((self._seq, what))
+        self._check_hash = zlib.crc32(what.encode(), self._check_hash)
+        if len(self._checked) < watchdog.check_every() or self.size == 1:
+            return
+        mine = np.array([len(self._checked), self._check_hash], dtype=np.int64)
+        every = np.empty((self.size, 2), dtype=np.int64)
+        record = watchdog.recorder.begin(self.name, self._seq, "debug_check", (2,), mine.dtype, 16, None,
+                                         self._group)
+        self._wait(self.mpi.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]), record)
+        checked, self._checked = self._checked, []
+        if (every == every[0]).all():
+            return
+        lists = self.mpi.allgather(checked)  # debug only: pickled (seq, op description) pairs
+        first = next(i for i in range(max(map(len, lists)))
+                     if len({ops[i][1] if i < len(ops) else None for ops in lists}) > 1)
+        world = self._group.split(",")
+        ranks = "; ".join(f"rank {world[r]}: " + (f"#{ops[first][0]} {ops[first][1]}" if first < len(ops)
+                                                  else "(nothing)") for r, ops in enumerate(lists))
+        raise watchdog.OpSequenceMismatch(
+            f"the ranks of communicator '{self.name}' issued different collectives; the first that "
+            f"differs is collective {first + 1} since the last check: {ranks}")
 
     # -- result buffers -------------------------------------------------------------------------
 
@@ -277,9 +338,9 @@ class Communicator:
 
     def all_reduce(self, a, op: str = "sum"):
         """Elementwise sum/avg/max of `a` over the ranks (replicated result); `a` is not modified."""
-        return self._iall_reduce(a, op, in_place=False).wait()
+        return self._iall_reduce(a, op, in_place=False, blocking=self._blocking).wait()
 
-    def _iall_reduce(self, a, op: str, in_place: bool) -> Handle:
+    def _iall_reduce(self, a, op: str, in_place: bool, blocking: bool = False) -> Handle:
         self._check_op("all_reduce", op, a)
         if self.size == 1:
             return Handle.ready(a)
@@ -295,7 +356,7 @@ class Communicator:
             nccl.comm.allReduce(ptr, recv.data.ptr, count, dtype, nccl.ops[op], nccl.stream().ptr)
             request = nccl.done()
         else:
-            record = self._begin("all_reduce", a)
+            record = self._begin("all_reduce", a, blocking=blocking)
             send = _contiguous(a)
             work_dtype = _reduce_dtype(a.dtype)
             if work_dtype != send.dtype:  # e.g. bfloat16: reduce in float32, cast back at the end
@@ -305,7 +366,7 @@ class Communicator:
                 recv = send if in_place or send is not a else self._result(send.shape, send.dtype, np)
             spec = backend.mpi_buffer(recv)
             sendbuf = MPI.IN_PLACE if recv is send else backend.mpi_buffer(send)
-            request = self.mpi.Iallreduce(sendbuf, spec, _REDUCE_OPS[op])
+            request = self._issue(record, self.mpi.Allreduce, self.mpi.Iallreduce, sendbuf, spec, _REDUCE_OPS[op])
 
         def finish():
             if op == "avg":
@@ -323,6 +384,9 @@ class Communicator:
 
         `a`: [..., n, ...] (n at `dim`, n divisible by size) -> [..., n/size, ...], part `rank`.
         """
+        return self._ireduce_scatter(a, dim, op)
+
+    def _ireduce_scatter(self, a, dim: int, op: str, blocking: bool = False) -> Handle:
         self._check_op("reduce_scatter", op, a, allowed=("sum", "avg"))
         dim = self._dim_divisible("reduce_scatter", a, dim)
         if self.size == 1:
@@ -331,7 +395,7 @@ class Communicator:
         nccl = self._nccl_comm() if backend.is_device_array(a) else None
         if backend.is_device_array(a) and nccl is None:
             return self._staged(self.ireduce_scatter, a, dim, op)
-        record = self._begin("reduce_scatter", a)
+        record = self._begin("reduce_scatter", a, blocking=blocking and nccl is None)
         send = _to_front(a, dim)
         work_dtype = _reduce_dtype(a.dtype)
         if work_dtype != send.dtype:
@@ -343,7 +407,8 @@ class Communicator:
             request = nccl.done()
         else:
             spec = backend.mpi_buffer(recv)
-            request = self.mpi.Ireduce_scatter_block([send, spec[2]], [recv, spec[2]], _REDUCE_OPS[op])
+            request = self._issue(record, self.mpi.Reduce_scatter_block, self.mpi.Ireduce_scatter_block,
+                                  [send, spec[2]], [recv, spec[2]], _REDUCE_OPS[op])
 
         def finish():
             if op == "avg":
@@ -353,12 +418,15 @@ class Communicator:
 
     def reduce_scatter(self, a, dim: int = 0, op: str = "sum"):
         """Sum (or avg) over ranks, keeping part `rank` of `dim`: [.., n, ..] -> [.., n/size, ..]."""
-        return self.ireduce_scatter(a, dim, op).wait()
+        return self._ireduce_scatter(a, dim, op, blocking=self._blocking).wait()
 
     # -- data movement --------------------------------------------------------------------------
 
     def iall_gather(self, a, dim: int = 0) -> Handle:
         """Start an all-gather; `wait()` returns [..., size*m, ...] with rank r's `a` as part r."""
+        return self._iall_gather(a, dim)
+
+    def _iall_gather(self, a, dim: int, blocking: bool = False) -> Handle:
         dim = self._dim("all_gather", a, dim)
         if self.size == 1:
             return Handle.ready(a)
@@ -366,7 +434,7 @@ class Communicator:
         nccl = self._nccl_comm() if backend.is_device_array(a) else None
         if backend.is_device_array(a) and nccl is None:
             return self._staged(self.iall_gather, a, dim)
-        record = self._begin("all_gather", a)
+        record = self._begin("all_gather", a, blocking=blocking and nccl is None)
         send = _to_front(a, dim)
         recv = self._result((send.shape[0] * self.size,) + send.shape[1:], send.dtype, xp)
         if nccl is not None:
@@ -375,15 +443,18 @@ class Communicator:
             request = nccl.done()
         else:
             spec = backend.mpi_buffer(send)
-            request = self.mpi.Iallgather(spec, [recv, spec[2]])
+            request = self._issue(record, self.mpi.Allgather, self.mpi.Iallgather, spec, [recv, spec[2]])
         return self._handle(request, record, lambda: _from_front(recv, dim))
 
     def all_gather(self, a, dim: int = 0):
         """Concatenate every rank's `a` along `dim` in rank order: [.., m, ..] -> [.., size*m, ..]."""
-        return self.iall_gather(a, dim).wait()
+        return self._iall_gather(a, dim, blocking=self._blocking).wait()
 
     def iall_to_all(self, a, dim: int = 0) -> Handle:
         """Start an all-to-all; `wait()` returns an array shaped like `a` (see `all_to_all`)."""
+        return self._iall_to_all(a, dim)
+
+    def _iall_to_all(self, a, dim: int, blocking: bool = False) -> Handle:
         dim = self._dim_divisible("all_to_all", a, dim)
         if self.size == 1:
             return Handle.ready(a)
@@ -391,7 +462,7 @@ class Communicator:
         nccl = self._nccl_comm() if backend.is_device_array(a) else None
         if backend.is_device_array(a) and nccl is None:
             return self._staged(self.iall_to_all, a, dim)
-        record = self._begin("all_to_all", a)
+        record = self._begin("all_to_all", a, blocking=blocking and nccl is None)
         send = _to_front(a, dim)
         recv = self._result(send.shape, send.dtype, xp)
         if nccl is not None:
@@ -406,30 +477,33 @@ class Communicator:
             request = nccl.done()
         else:
             spec = backend.mpi_buffer(send)
-            request = self.mpi.Ialltoall([send, spec[2]], [recv, spec[2]])
+            request = self._issue(record, self.mpi.Alltoall, self.mpi.Ialltoall, [send, spec[2]], [recv, spec[2]])
         return self._handle(request, record, lambda: _from_front(recv, dim))
 
     def all_to_all(self, a, dim: int = 0):
         """Part j of `a` along `dim` goes to rank j; the result holds part `rank` of every rank's
         `a`, in rank order along `dim` (same shape as `a`; `a.shape[dim]` divisible by size)."""
-        return self.iall_to_all(a, dim).wait()
+        return self._iall_to_all(a, dim, blocking=self._blocking).wait()
 
     def ibroadcast(self, a, root: int = 0) -> Handle:
         """Start a broadcast of root's `a` into every rank's `a` (in place); `wait()` returns `a`."""
+        return self._ibroadcast(a, root)
+
+    def _ibroadcast(self, a, root: int, blocking: bool = False) -> Handle:
         self._check_rank("broadcast", root, "root")
         if self.size == 1:
             return Handle.ready(a)
         nccl = self._nccl_comm() if backend.is_device_array(a) else None
         if backend.is_device_array(a) and nccl is None:
             return self._staged(self.ibroadcast, a, root, into=a)
-        record = self._begin("broadcast", a)
+        record = self._begin("broadcast", a, blocking=blocking and nccl is None)
         buf = _contiguous(a)
         if nccl is not None:
             ptr, count, dtype = backend.nccl_buffer(buf)
             nccl.comm.bcast(ptr, count, dtype, root, nccl.stream().ptr)
             request = nccl.done()
         else:
-            request = self.mpi.Ibcast(backend.mpi_buffer(buf), root)
+            request = self._issue(record, self.mpi.Bcast, self.mpi.Ibcast, backend.mpi_buffer(buf), root)
 
         def finish():
             if buf is not a:
@@ -440,10 +514,13 @@ class Communicator:
     def broadcast(self, a, root: int = 0):
         """Root's `a` into every rank's `a`, in place like MPI_Bcast (same shape and dtype on
         every rank); returns `a`."""
-        return self.ibroadcast(a, root).wait()
+        return self._ibroadcast(a, root, blocking=self._blocking).wait()
 
     def isend(self, a, dest: int, tag: int = 0) -> Handle:
         """Start sending `a` to rank `dest`; `wait()` returns None once `a` may be reused."""
+        return self._isend(a, dest, tag)
+
+    def _isend(self, a, dest: int, tag: int, blocking: bool = False) -> Handle:
         self._check_rank("send", dest, "dest")
         if backend.is_device_array(a):
             nccl = self._nccl_comm()
@@ -456,17 +533,20 @@ class Communicator:
             request = nccl.done()
         else:
             buf = _contiguous(a)
-            record = self._begin("send", a, peer=dest)
-            request = self.mpi.Isend(backend.mpi_buffer(buf), dest, tag)
+            record = self._begin("send", a, peer=dest, blocking=blocking)
+            request = self._issue(record, self.mpi.Send, self.mpi.Isend, backend.mpi_buffer(buf), dest, tag)
         # MPI reads `buf` until the send completes: the handle keeps it referenced till then.
         return self._handle(request, record, lambda: None, keep=buf)
 
     def send(self, a, dest: int, tag: int = 0) -> None:
         """Send `a` to rank `dest` (matched by a `recv` with the same tag there)."""
-        self.isend(a, dest, tag).wait()
+        self._isend(a, dest, tag, blocking=self._blocking).wait()
 
     def irecv(self, out, source: int, tag: int = 0) -> Handle:
         """Start receiving into `out` from rank `source`; `wait()` returns `out` filled."""
+        return self._irecv(out, source, tag)
+
+    def _irecv(self, out, source: int, tag: int, blocking: bool = False) -> Handle:
         self._check_rank("recv", source, "source")
         if backend.is_device_array(out):
             nccl = self._nccl_comm()
@@ -475,13 +555,13 @@ class Communicator:
         else:
             nccl = None
         buf = out if out.flags.c_contiguous else backend.array_module(out).empty_like(out, order="C")
-        record = self._begin("recv", out, peer=source)
+        record = self._begin("recv", out, peer=source, blocking=blocking and nccl is None)
         if nccl is not None:
             ptr, count, dtype = backend.nccl_buffer(buf)
             nccl.comm.recv(ptr, count, dtype, source, nccl.stream().ptr)
             request = nccl.done()
         else:
-            request = self.mpi.Irecv(backend.mpi_buffer(buf), source, tag)
+            request = self._issue(record, self.mpi.Recv, self.mpi.Irecv, backend.mpi_buffer(buf), source, tag)
 
         def finish():
             if buf is not out:
@@ -491,18 +571,21 @@ class Communicator:
 
     def recv(self, out, source: int, tag: int = 0):
         """Receive into `out` (shape and dtype as sent) from rank `source`; returns `out`."""
-        return self.irecv(out, source, tag).wait()
+        return self._irecv(out, source, tag, blocking=self._blocking).wait()
 
     def ibarrier(self) -> Handle:
         """Start a barrier; `wait()` returns once every rank has started it."""
+        return self._ibarrier()
+
+    def _ibarrier(self, blocking: bool = False) -> Handle:
         if self.size == 1:
             return Handle.ready(None)
-        record = self._begin("barrier", None)
-        return self._handle(self.mpi.Ibarrier(), record, lambda: None)
+        record = self._begin("barrier", None, blocking=blocking)
+        return self._handle(self._issue(record, self.mpi.Barrier, self.mpi.Ibarrier), record, lambda: None)
 
     def barrier(self) -> None:
         """Wait until every rank of the communicator arrives."""
-        self.ibarrier().wait()
+        self._ibarrier(blocking=self._blocking).wait()
 
     # -- argument checks ------------------------------------------------------------------------
 

@@ -1,20 +1,35 @@
-"""Flight recorder and timeout for communication: a hang becomes an error.
+"""Flight recorder, timeout and monitor thread: a hang becomes a report and an abort.
 
-Every `Communicator` operation is recorded here: the communicator's name, the op's
-sequence number on that communicator (ranks of one communicator number their ops
-identically, so equal numbers are the same collective), the op, the array's shape
-and dtype, and start/end times. The last `capacity` finished ops stay in a ring
-buffer next to the ops still pending. When a wait exceeds `timeout()` seconds the
-communicator raises `CommTimeout`, whose message names the op and the recent
-history; `recorder.snapshot()` gives the same data as plain records for tools
-that want to compare ranks.
+Every `Communicator` operation is recorded here: the communicator's name and group
+(its world ranks), the op's sequence number on that communicator (ranks of one
+communicator number their ops identically, so equal numbers are the same
+collective), the op, the array's shape and dtype, and start/end times. The last
+`capacity` finished ops stay in a ring buffer next to the ops still pending.
+
+A monitor thread per rank (a daemon, started by the first `Communicator`, waking
+every TICK_S) watches the ops this rank is *waiting* on. Blocking ops are MPI's
+blocking calls, which cannot be interrupted: when one has waited longer than
+`timeout()` the monitor asks every rank for its recorder state over a communicator
+of its own (`install()` duplicates COMM_WORLD for it; each monitor answers such
+requests), prints one report naming the ranks that never arrived at the op (or
+never answered) and the last ops of every rank, and aborts the job. A
+`Handle.wait()` that times out gets the same report delivered and raises
+`CommTimeout`. Without MPI_THREAD_MULTIPLE there is no monitor: every op is then
+waited on by polling, which raises `CommTimeout` with this rank's view only.
+
+Debug mode (`set_check_every(n)`, `run.debug_check_every`): every n collectives on a
+communicator its ranks compare a hash of their op sequences before the next op is
+issued, and a mismatch raises `OpSequenceMismatch` naming the first op that differs.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import os
+import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -22,7 +37,16 @@ from typing import Any
 from hpcpar.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 600.0
+TICK_S = 0.25          # how often the monitor looks at the pending ops and serves report requests
+REPLY_WAIT_S = 3.0     # how long a timed-out rank waits for the other ranks' states
+RECENT_OPS = 5         # finished ops per rank shown in a report
+# A Handle.wait() raises on its own this long after its timeout if no report was delivered by then
+# (the monitor is not running or died); a later timed-out rank waits as long for a lower one to report.
+DELIVERY_GRACE_S = 3 * REPLY_WAIT_S + 2.0
+_ASK, _REPLY = 1, 2    # message tags on the watchdog communicator
+
 _timeout_override: float | None = None
+_check_every = 0
 
 
 def timeout() -> float:
@@ -49,9 +73,30 @@ def set_timeout(seconds: float | None) -> None:
     _timeout_override = None if seconds is None else float(seconds)
 
 
-@dataclasses.dataclass
+def check_every() -> int:
+    """Collectives between op-sequence checks (0: off)."""
+    return _check_every
+
+
+def set_check_every(n: int) -> None:
+    """Turn the op-sequence check on (every `n` collectives per communicator) or off (0).
+
+    Set it to the same value on every rank before the communicators are used.
+    """
+    global _check_every
+    if n < 0:
+        raise ValueError(f"check interval must be >= 0, got {n!r}")
+    _check_every = int(n)
+
+
+@dataclasses.dataclass(slots=True)
 class OpRecord:
-    """One communication op. `end` is None while it is pending. Times are time.monotonic()."""
+    """One communication op. Times are time.monotonic(); `end` is None while it is pending.
+
+    `group` lists the communicator's world ranks ("0,2"); `waiting` is when this rank began
+    to wait for the op (None while it has not); `blocking` ops are waited on inside MPI
+    (the monitor aborts on a timeout), the others by polling (the monitor delivers `report`).
+    """
 
     comm: str
     seq: int
@@ -61,14 +106,21 @@ class OpRecord:
     nbytes: int
     start: float
     end: float | None = None
-    peer: int | None = None  # the other rank of a send/recv
+    peer: int | None = None  # the other rank of a send/recv (rank in the communicator)
+    group: str = ""
+    blocking: bool = False
+    waiting: float | None = None
+    report: str | None = None
 
     def describe(self, now: float | None = None) -> str:
         peer = "" if self.peer is None else f" peer={self.peer}"
-        if self.end is None:
-            state = f"pending {((now or time.monotonic()) - self.start):.3f}s"
-        else:
+        now = time.monotonic() if now is None else now
+        if self.end is not None:
             state = f"took {self.end - self.start:.6f}s"
+        elif self.waiting is not None:
+            state = f"waiting {now - self.waiting:.3f}s"
+        else:
+            state = f"in flight {now - self.start:.3f}s, not waited on yet"
         return f"{self.comm}#{self.seq} {self.op} {self.dtype}{list(self.shape)}{peer} ({state})"
 
 
@@ -78,20 +130,33 @@ class FlightRecorder:
     def __init__(self, capacity: int = 64):
         self._done: collections.deque[OpRecord] = collections.deque(maxlen=capacity)
         self._pending: dict[int, OpRecord] = {}
-        self._lock = threading.Lock()  # ops may be waited on from a helper thread
+        self._issued: dict[tuple[str, str], int] = {}  # (comm, group) -> ops issued on it
+        self._lock = threading.Lock()  # the monitor thread reads while ranks record
+        self.last_activity = time.monotonic()  # when an op last began or ended
 
     def begin(self, comm: str, seq: int, op: str, shape: tuple, dtype: Any, nbytes: int,
-              peer: int | None = None) -> OpRecord:
-        record = OpRecord(comm, seq, op, shape, dtype, nbytes, time.monotonic(), peer=peer)
+              peer: int | None = None, group: str = "", blocking: bool = False) -> OpRecord:
+        now = time.monotonic()
+        record = OpRecord(comm, seq, op, shape, dtype, nbytes, now, None, peer, group, blocking,
+                          now if blocking else None)
         with self._lock:
             self._pending[id(record)] = record
+            self._issued[(comm, group)] = seq + 1
+            self.last_activity = now
         return record
 
+    @staticmethod
+    def waiting(record: OpRecord) -> None:
+        """This rank now waits for `record` (from here on its time counts against the timeout)."""
+        if record.waiting is None:
+            record.waiting = time.monotonic()
+
     def end(self, record: OpRecord) -> None:
-        record.end = time.monotonic()
+        record.end = now = time.monotonic()
         with self._lock:
             self._pending.pop(id(record), None)
             self._done.append(record)
+            self.last_activity = now
 
     def snapshot(self) -> dict[str, list[OpRecord]]:
         """Copies of the finished ops (oldest first) and the pending ops (oldest first)."""
@@ -101,7 +166,14 @@ class FlightRecorder:
                              key=lambda r: r.start)
         return {"done": done, "pending": pending}
 
-    def format(self, last: int = 5) -> str:
+    def overdue(self, limit: float) -> list[OpRecord]:
+        """The pending ops (the records themselves) this rank has waited on for over `limit` s."""
+        now = time.monotonic()
+        with self._lock:
+            late = [r for r in self._pending.values() if r.waiting is not None and now - r.waiting > limit]
+        return sorted(late, key=lambda r: r.waiting)
+
+    def format(self, last: int = RECENT_OPS) -> str:
         """The last `last` finished ops and all pending ops, one per line."""
         snap = self.snapshot()
         now = time.monotonic()
@@ -109,23 +181,216 @@ class FlightRecorder:
         lines += [f"  pending: {r.describe(now)}" for r in snap["pending"]]
         return "\n".join(lines) if lines else "  (no communication recorded)"
 
+    def state(self, rank: int, timed_out: bool) -> dict:
+        """This rank's state for a watchdog report (plain, picklable data)."""
+        snap = self.snapshot()
+        now = time.monotonic()
+        with self._lock:
+            issued = dict(self._issued)
+            idle = now - self.last_activity
+        return {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "timed_out": timed_out,
+                "idle_s": idle, "issued": issued,
+                "done": [r.describe(now) for r in snap["done"][-RECENT_OPS:]],
+                "pending": [(r.describe(now), r.waiting is not None) for r in snap["pending"]]}
+
     def clear(self) -> None:
         with self._lock:
             self._done.clear()
             self._pending.clear()
+            self._issued.clear()
 
 
 recorder = FlightRecorder()
 
 
 class CommTimeout(TimeoutError):
-    """A communication op waited longer than `timeout()` seconds (a peer never arrived)."""
+    """A communication op waited longer than `timeout()` seconds (a peer never arrived).
 
-    def __init__(self, record: OpRecord, waited: float):
+    `report` is the watchdog's report across ranks when the monitor produced one.
+    """
+
+    def __init__(self, record: OpRecord, waited: float, report: str | None = None):
         self.record = record
         self.waited = waited
-        super().__init__(
-            f"{record.op} on communicator '{record.comm}' (op #{record.seq}, "
-            f"{record.dtype}{list(record.shape)}) waited {waited:.1f}s, longer than the "
-            f"{timeout():g}s timeout (HPCPAR_TIMEOUT); a peer rank never reached this op.\n"
-            f"Recent communication on this rank:\n{recorder.format()}")
+        super().__init__(report or (
+            f"{_headline(record, waited)}; a peer rank never reached this op.\n"
+            f"Recent communication on this rank:\n{recorder.format()}"))
+
+
+class OpSequenceMismatch(RuntimeError):
+    """Debug mode: the ranks of a communicator issued different sequences of collectives."""
+
+
+def _headline(record: OpRecord, waited: float) -> str:
+    return (f"{record.op} on communicator '{record.comm}' (op #{record.seq}, {record.dtype}{list(record.shape)}) "
+            f"waited {waited:.1f}s, longer than the {timeout():g}s timeout (run.timeout / HPCPAR_TIMEOUT)")
+
+
+# ---- reports ------------------------------------------------------------------------------
+
+def _rank_state_line(state: dict) -> str:
+    """What a rank is doing, in words, from its state."""
+    waiting = [d for d, w in state["pending"] if w]
+    if waiting:
+        return f"waiting in {waiting[0]}"
+    in_flight = f", {len(state['pending'])} op(s) in flight" if state["pending"] else ""
+    return (f"stalled outside communication (compute or I/O): not waiting on any op{in_flight}, "
+            f"last op began or ended {state['idle_s']:.1f}s ago")
+
+
+def format_report(record: OpRecord, waited: float, rank: int, states: dict[int, dict | None],
+                  asked: bool) -> str:
+    """The watchdog report for `record`, timed out on world rank `rank`.
+
+    `states` maps world rank -> `FlightRecorder.state()` (None: did not answer); `asked` says
+    whether other ranks could be asked at all (`install()` was called).
+    """
+    lines = [f"CommTimeout: {_headline(record, waited)} on rank {rank}."]
+    members = [int(r) for r in record.group.split(",")] if record.group else [rank]
+    if record.peer is not None:
+        peer = members[record.peer] if record.peer < len(members) else record.peer
+        state = states.get(peer)
+        what = _rank_state_line(state) if state else f"unresponsive (no reply within {REPLY_WAIT_S:g}s)"
+        lines.append(f"Its peer for {record.comm}#{record.seq} {record.op}: rank {peer}: {what}")
+    else:
+        missing = []
+        for m in members:
+            state = states.get(m)
+            if m not in states:
+                continue
+            if state is None:
+                missing.append(f"rank {m}: unresponsive (no reply within {REPLY_WAIT_S:g}s: dead, or stuck "
+                               "in code that holds the Python GIL)")
+            elif state["issued"].get((record.comm, record.group), 0) <= record.seq:
+                missing.append(f"rank {m}: {_rank_state_line(state)}")
+        if missing:
+            lines.append(f"Never arrived at {record.comm}#{record.seq} (communicator of world ranks "
+                         f"{record.group or rank}):")
+            lines += [f"  {m}" for m in missing]
+        elif asked:
+            lines.append(f"Every rank of {record.comm} that answered has issued op #{record.seq}.")
+    if not asked:
+        lines.append("Other ranks were not asked (watchdog.install() was not called); this rank's view only.")
+    lines.append("Last ops of each rank (oldest first):")
+    for r in sorted(states):
+        state = states[r]
+        if state is None:
+            lines.append(f"  rank {r}: unresponsive")
+            continue
+        lines.append(f"  rank {r} ({state['host']}, pid {state['pid']}): {_rank_state_line(state)}")
+        lines += [f"    done:    {d}" for d in state["done"]]
+        lines += [f"    pending: {d}" for d, _ in state["pending"]]
+    return "\n".join(lines)
+
+
+# ---- the monitor thread ---------------------------------------------------------------------
+
+class _Monitor:
+    """Watches this rank's waits; serves and gathers report requests on its own communicator."""
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.rank = MPI.COMM_WORLD.Get_rank()
+        self.comm = None  # the watchdog communicator, once install() made it
+        self._stop = threading.Event()
+        self._replies: list = []  # isend requests of our answers, completed lazily
+        self._asked_id = 0
+        self._defer_until = 0.0
+        self._thread = threading.Thread(target=self._run, name="hpcpar-watchdog", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # before MPI_Finalize: no MPI call may race with it
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * TICK_S + 1)
+
+    def _run(self) -> None:
+        while not self._stop.wait(TICK_S):
+            if self.comm is not None:
+                self._serve()
+            overdue = recorder.overdue(timeout())
+            if overdue and time.monotonic() >= self._defer_until:
+                self._timed_out(overdue)
+
+    def _serve(self) -> None:
+        """Answer every report request that has arrived with this rank's recorder state."""
+        MPI = self.MPI
+        status = MPI.Status()
+        while self.comm.iprobe(MPI.ANY_SOURCE, _ASK, status):
+            ask = self.comm.recv(source=status.Get_source(), tag=_ASK)
+            late = bool(recorder.overdue(timeout()))
+            answer = {"id": ask["id"], "state": recorder.state(self.rank, late)}
+            self._replies.append(self.comm.isend(answer, dest=status.Get_source(), tag=_REPLY))
+        self._replies = [r for r in self._replies if not r.Test()]
+
+    def _gather(self) -> dict[int, dict | None]:
+        """Every rank's state (None for those that do not answer within REPLY_WAIT_S)."""
+        MPI = self.MPI
+        states: dict[int, dict | None] = {self.rank: recorder.state(self.rank, True)}
+        if self.comm is None:
+            return states
+        self._asked_id += 1
+        others = [r for r in range(self.comm.Get_size()) if r != self.rank]
+        sends = [self.comm.isend({"id": self._asked_id}, dest=r, tag=_ASK) for r in others]
+        states.update({r: None for r in others})
+        deadline = time.monotonic() + REPLY_WAIT_S
+        status = MPI.Status()
+        waiting = set(others)
+        while waiting and time.monotonic() < deadline:
+            self._serve()  # a rank gathering at the same time waits for our answer too
+            while self.comm.iprobe(MPI.ANY_SOURCE, _REPLY, status):
+                answer = self.comm.recv(source=status.Get_source(), tag=_REPLY)
+                if answer["id"] == self._asked_id:
+                    states[status.Get_source()] = answer["state"]
+                    waiting.discard(status.Get_source())
+            time.sleep(0.01)
+        self._replies += sends  # requests to ranks that did not answer stay unmatched: never wait on them
+        return states
+
+    def _timed_out(self, overdue: list[OpRecord]) -> None:
+        record = overdue[0]
+        states = self._gather()
+        # Every rank waiting for the same straggler times out at about the same time: the
+        # lowest such rank reports; the others wait for its abort, and report only if none comes.
+        lower = [r for r, s in states.items() if s and s["timed_out"] and r < self.rank]
+        if lower and self._defer_until == 0.0:
+            self._defer_until = time.monotonic() + DELIVERY_GRACE_S
+            return
+        waited = time.monotonic() - (record.waiting or record.start)
+        report = format_report(record, waited, self.rank, states, asked=self.comm is not None)
+        if any(r.blocking for r in overdue):
+            tagged = "".join(f"[rank {self.rank}] {line}\n" for line in report.splitlines())
+            sys.stderr.write(tagged + f"[rank {self.rank}] hpcpar watchdog: aborting the job\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            self.MPI.COMM_WORLD.Abort(1)
+        for r in overdue:  # polling waits raise CommTimeout with it
+            r.report = report
+        self._defer_until = time.monotonic() + DELIVERY_GRACE_S  # one report per hang
+
+
+_monitor: _Monitor | None = None
+_monitor_lock = threading.Lock()
+
+
+def monitor() -> bool:
+    """Start the monitor thread if MPI allows it (MPI_THREAD_MULTIPLE); whether one runs."""
+    global _monitor
+    if _monitor is None:
+        with _monitor_lock:
+            from mpi4py import MPI
+            if _monitor is None and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+                _monitor = _Monitor()
+    return _monitor is not None
+
+
+def install() -> None:
+    """Collective over COMM_WORLD: give the monitor a communicator to ask the other ranks on.
+
+    Without it a timeout still aborts the job, but the report has this rank's view only.
+    """
+    from mpi4py import MPI
+    if monitor() and _monitor.comm is None and MPI.COMM_WORLD.Get_size() > 1:
+        _monitor.comm = MPI.COMM_WORLD.Dup()

@@ -69,7 +69,7 @@ BAD = [
     (["model.dtype=bfloat16"], 1, 'model.dtype="bfloat16" (mixed precision) is not implemented yet'),
     (["model.dtype=float16"], 1, 'use model.dtype="float32" or "float64"'),
     (["train.min_lr=0.01"], 1, "train.min_lr=0.01 exceeds train.lr=0.003"),
-    (["data.val_fraction=0"], 1, "run.eval_every=100 needs held-out data but data.val_fraction=0"),
+    (["data.val_fraction=0"], 1, "run.eval_every=50 needs held-out data but data.val_fraction=0"),
     # tensor parallelism
     (["model.n_head=6", "model.n_embd=96", "mesh.tp=4"], 4,
      "model.n_head=6 is not divisible by mesh.tp=4 (a tp rank holds whole heads); choose tp in {1, 2, 3, 6}"),
