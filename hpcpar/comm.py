@@ -204,8 +204,10 @@ class Communicator:
         """Run MPI's blocking `call(*args)` for a blocking record (returns None), else start
         the non-blocking `icall(*args)` and return its request."""
         if record.blocking:
-            call(*args)
-            watchdog.recorder.end(record)
+            try:
+                call(*args)
+            finally:  # an MPI error must not leave the op pending for the monitor to time out
+                watchdog.recorder.end(record)
             return None
         return icall(*args)
 

@@ -18,6 +18,8 @@ import traceback
 
 from mpi4py import MPI
 
+from hpcpar import watchdog
+
 USER_ERROR_WAIT_S = 5.0  # how long a user error waits for the other ranks to report theirs
 
 _error_comm: MPI.Comm | None = None
@@ -58,7 +60,8 @@ def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
 
 
 def install(debug: bool = False) -> None:
-    """Abort the whole job on any uncaught exception (collective: duplicates COMM_WORLD).
+    """Abort the whole job on any uncaught exception, and let the watchdog ask every rank for
+    its state (collective: duplicates COMM_WORLD).
 
     `debug` is accepted for symmetry with `report_user_error`; uncaught exceptions
     always show their traceback.
@@ -68,6 +71,7 @@ def install(debug: bool = False) -> None:
     threading.excepthook = _thread_excepthook
     if _error_comm is None and _world_size() > 1:
         _error_comm = MPI.COMM_WORLD.Dup()
+    watchdog.install()  # a timed-out op is then reported with every rank's state
 
 
 def _everyone_arrives(timeout_s: float) -> bool:

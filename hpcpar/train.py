@@ -285,16 +285,13 @@ def _resume_path(cfg: config.Config) -> str | None:
 
 
 class _Progress:
-    """A progress bar on rank 0 (tqdm when installed), silent elsewhere."""
+    """A progress bar on rank 0 (tqdm), silent elsewhere."""
 
     def __init__(self, enabled: bool, total: int, initial: int):
         self.bar = None
         if enabled:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0)
-            except ImportError:
-                self.bar = None
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0)
 
     def update(self, text: str) -> None:
         if self.bar is not None:
