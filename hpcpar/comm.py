@@ -233,7 +233,9 @@ class Communicator:
                     os.sched_yield()
                     continue
                 if record.report is not None or now - since > limit:
-                    raise watchdog.CommTimeout(record, now - since, record.report)
+                    error = watchdog.CommTimeout(record, now - since, record.report)
+                    record.report = str(error)  # reported: the monitor leaves it alone from now on
+                    raise error
                 time.sleep(delay)
                 delay = min(2 * delay, _MAX_SLEEP_S)
         watchdog.recorder.end(record)

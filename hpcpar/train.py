@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -275,6 +276,17 @@ def _prepare_run_dir(cfg: config.Config, world) -> None:
         raise ConfigError(problem)
 
 
+def _log_ranks(cfg: config.Config, world) -> None:
+    """Write <run.dir>/ranks.json (rank -> host, pid) and log it for small jobs: a launcher that
+    reports a dead process by its PID (MPICH's hydra after a SIGKILL) then tells which rank died."""
+    where = world.mpi.allgather((socket.gethostname(), os.getpid()))  # once, at startup
+    if world.rank == 0:
+        with open(os.path.join(cfg.run.dir, "ranks.json"), "w") as f:
+            json.dump({str(r): {"host": h, "pid": p} for r, (h, p) in enumerate(where)}, f, indent=1)
+        if len(where) <= 16:
+            log.info("ranks (rank:pid@host): %s", ", ".join(f"{r}:{p}@{h}" for r, (h, p) in enumerate(where)))
+
+
 def _resume_path(cfg: config.Config) -> str | None:
     resume = cfg.checkpoint.resume
     if not resume:
@@ -315,6 +327,7 @@ def main(config_path: str | None, overrides: list) -> int:
     preemption.install()
     trainer = Trainer(cfg, world)
     _prepare_run_dir(cfg, trainer.mesh.world)
+    _log_ranks(cfg, trainer.mesh.world)
     cfg, mesh, rank0 = trainer.cfg, trainer.mesh, world.rank == 0
 
     resume = _resume_path(cfg)

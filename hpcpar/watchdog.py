@@ -167,10 +167,12 @@ class FlightRecorder:
         return {"done": done, "pending": pending}
 
     def overdue(self, limit: float) -> list[OpRecord]:
-        """The pending ops (the records themselves) this rank has waited on for over `limit` s."""
+        """The pending ops (the records themselves) this rank has waited on for over `limit` s,
+        not yet reported."""
         now = time.monotonic()
         with self._lock:
-            late = [r for r in self._pending.values() if r.waiting is not None and now - r.waiting > limit]
+            late = [r for r in self._pending.values()
+                    if r.waiting is not None and r.report is None and now - r.waiting > limit]
         return sorted(late, key=lambda r: r.waiting)
 
     def format(self, last: int = RECENT_OPS) -> str:
@@ -245,7 +247,7 @@ def format_report(record: OpRecord, waited: float, rank: int, states: dict[int, 
     `states` maps world rank -> `FlightRecorder.state()` (None: did not answer); `asked` says
     whether other ranks could be asked at all (`install()` was called).
     """
-    lines = [f"CommTimeout: {_headline(record, waited)} on rank {rank}."]
+    lines = [f"{_headline(record, waited)} on rank {rank}."]
     members = [int(r) for r in record.group.split(",")] if record.group else [rank]
     if record.peer is not None:
         peer = members[record.peer] if record.peer < len(members) else record.peer
@@ -296,7 +298,7 @@ class _Monitor:
         self._stop = threading.Event()
         self._replies: list = []  # isend requests of our answers, completed lazily
         self._asked_id = 0
-        self._defer_until = 0.0
+        self._defer_until: float | None = None  # deferring to a lower rank's report until then
         self._thread = threading.Thread(target=self._run, name="hpcpar-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.stop)  # before MPI_Finalize: no MPI call may race with it
@@ -311,7 +313,7 @@ class _Monitor:
             if self.comm is not None:
                 self._serve()
             overdue = recorder.overdue(timeout())
-            if overdue and time.monotonic() >= self._defer_until:
+            if overdue and (self._defer_until is None or time.monotonic() >= self._defer_until):
                 self._timed_out(overdue)
 
     def _serve(self) -> None:
@@ -351,24 +353,26 @@ class _Monitor:
 
     def _timed_out(self, overdue: list[OpRecord]) -> None:
         record = overdue[0]
+        waited = time.monotonic() - record.waiting
         states = self._gather()
         # Every rank waiting for the same straggler times out at about the same time: the
         # lowest such rank reports; the others wait for its abort, and report only if none comes.
         lower = [r for r, s in states.items() if s and s["timed_out"] and r < self.rank]
-        if lower and self._defer_until == 0.0:
+        if lower and self._defer_until is None:
             self._defer_until = time.monotonic() + DELIVERY_GRACE_S
             return
-        waited = time.monotonic() - (record.waiting or record.start)
+        self._defer_until = None
         report = format_report(record, waited, self.rank, states, asked=self.comm is not None)
         if any(r.blocking for r in overdue):
             tagged = "".join(f"[rank {self.rank}] {line}\n" for line in report.splitlines())
-            sys.stderr.write(tagged + f"[rank {self.rank}] hpcpar watchdog: aborting the job\n")
-            sys.stderr.flush()
             sys.stdout.flush()
+            sys.stderr.flush()
+            # Straight to fd 2: a replaced sys.stderr (e.g. pytest's capture) dies with the abort.
+            os.write(2, (f"[rank {self.rank}] CommTimeout: " + tagged.removeprefix(f"[rank {self.rank}] ")
+                         + f"[rank {self.rank}] hpcpar watchdog: aborting the job\n").encode())
             self.MPI.COMM_WORLD.Abort(1)
         for r in overdue:  # polling waits raise CommTimeout with it
             r.report = report
-        self._defer_until = time.monotonic() + DELIVERY_GRACE_S  # one report per hang
 
 
 _monitor: _Monitor | None = None

@@ -2,7 +2,7 @@
 
 The save path computes no file digest of the rank files; integrity rests on fletcher32 chunk
 checksums, HDF5's checksummed metadata (format 1.10), crc32 of unchunkable blocks and the
-index's sha256. This flips bytes throughout a rank file and the index (every 19th offset) and
+index's sha256. This flips bytes throughout a rank file and the index (every 31st offset) and
 loads everything: each load must raise CheckpointError or return exactly the saved tensors
 and meta (a flip in bytes HDF5 never reads changes nothing). `verify` must agree with load
 wherever load fails.
@@ -41,7 +41,7 @@ def test_flipped_bytes_are_caught_or_harmless(tmp_path, file):
     with open(target, "rb") as f:
         original = f.read()
     caught = silent = 0
-    for offset in range(0, len(original), 19):
+    for offset in range(0, len(original), 31):
         damaged = bytearray(original)
         damaged[offset] ^= 0x5A
         with open(target, "wb") as f:

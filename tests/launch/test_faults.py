@@ -1,0 +1,246 @@
+"""Fault injection under `mpiexec -n 4`: every fault ends in a fast, clear exit; no work is lost.
+
+Each test runs `hpcpar train` (tiny float64 GPT, mesh dp=1 x tp=2 x pp=2) through DRIVER, a
+script that monkeypatches hpcpar from the outside (no fault hooks live in production code):
+  raise     rank FAULT_RANK raises at step FAULT_STEP          -> status != 0, its traceback
+  sigkill   rank FAULT_RANK SIGKILLs itself at step FAULT_STEP -> hydra names the rank, no hang
+  skip      rank FAULT_RANK skips the preemption all-reduce    -> watchdog names it
+  stall     rank FAULT_RANK sleeps in compute at step FAULT_STEP -> watchdog names it as stalled
+  sigterm   rank FAULT_RANK gets SIGTERM during step FAULT_STEP -> checkpoint, status 75, exact resume
+  killsave  rank FAULT_RANK dies while writing the 2nd checkpoint -> the 1st stays `latest`, intact
+  nan       a NaN in one gradient at steps FAULT_STEPS         -> skipped steps, then an abort
+Every job has a hard timeout; a hang shows up as `timed_out`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcpar import checkpoint as ck
+
+PY = sys.executable
+NP = 4
+
+DRIVER = textwrap.dedent("""
+    import os, signal, sys, time
+    import numpy as np
+    from mpi4py import MPI
+    from hpcpar import checkpoint, cli, preemption, train
+    from hpcpar.parallel.data_parallel import DataParallel
+
+    fault = os.environ["FAULT"]
+    rank = MPI.COMM_WORLD.Get_rank()
+    target = int(os.environ.get("FAULT_RANK", "1"))
+    at = int(os.environ.get("FAULT_STEP", "2"))
+    nan_steps = {int(s) for s in os.environ.get("FAULT_STEPS", "").split(",") if s}
+    current = {"step": -1}
+    train_step = train.Trainer.train_step
+
+    def faulty_train_step(self, step):
+        current["step"] = step
+        if rank == target and step == at:
+            if fault == "raise":
+                raise RuntimeError(f"injected fault at step {step}")
+            if fault == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "stall":
+                time.sleep(120)
+            if fault == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler sets a flag; the step goes on
+        if fault == "nan" and step in nan_steps:  # compare the state around a poisoned step
+            before = self.global_parameters()
+            moments = self.dp.optimizer_step_count()
+            result = train_step(self, step)
+            after = self.global_parameters()
+            same = all(np.array_equal(before[n], after[n]) for n in before)
+            if rank == 0:
+                print(f"NAN-STEP {step}: skipped={result.skipped} params_unchanged={same} "
+                      f"optimizer_steps={moments}->{self.dp.optimizer_step_count()}", flush=True)
+            return result
+        return train_step(self, step)
+
+    train.Trainer.train_step = faulty_train_step
+
+    if fault == "nan":
+        finish_backward = DataParallel.finish_backward
+
+        def poisoned_finish_backward(self):
+            finish_backward(self)
+            if rank == target and current["step"] in nan_steps:
+                name, p = next((n, p) for n, p in self.named_parameters if p.grad is not None)
+                p.grad.flat[0] = np.nan
+                print(f"POISONED {name} on rank {rank} at step {current['step']}", flush=True)
+        DataParallel.finish_backward = poisoned_finish_backward
+
+    if fault == "skip" and rank == target:
+        agreed, calls = preemption.agreed, {"n": 0}
+
+        def skipping_agreed(world):
+            calls["n"] += 1
+            if calls["n"] == at + 1:  # the end of step `at`: this rank never joins the all-reduce
+                return False
+            return agreed(world)
+        preemption.agreed = skipping_agreed
+
+    if fault == "killsave" and rank == target:
+        write, saves = checkpoint._write_rank_file, {"n": 0}
+
+        def dying_write(path, items):
+            saves["n"] += 1
+            if saves["n"] == 2:  # half a rank file of the second checkpoint, then death
+                with open(path, "wb") as f:
+                    f.write(b"\\x89HDF\\r\\n\\x1a\\n" + bytes(1000))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(path, items)
+        checkpoint._write_rank_file = dying_write
+
+    sys.exit(cli.main(["train", *sys.argv[1:]]))
+""")
+
+TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "model.dtype=float64",
+        "train.micro_batch_size=2", "train.microbatches=2", "train.warmup=0", "train.lr=0.01",
+        "mesh.dp=1", "mesh.tp=2", "mesh.pp=2", "run.progress=false", "run.eval_every=0", "run.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    rng = np.random.default_rng(0)
+    path.write_bytes(rng.integers(32, 127, size=20_000, dtype=np.uint8).tobytes())
+    return str(path)
+
+
+@pytest.fixture
+def train(mpirun, tmp_path, corpus):
+    """train(fault, run_dir, *overrides, timeout=90, **env) -> Job for `hpcpar train` with a fault."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+
+    def run(fault: str, run_dir, *overrides: str, timeout: float = 90, launcher_args=(), **env: str):
+        args = [*launcher_args, PY, str(driver)]
+        for item in [*TINY, f"data.corpus={corpus}", f"run.dir={run_dir}", *overrides]:
+            args += ["--set", item]
+        return mpirun(NP, args, timeout=timeout, env={"FAULT": fault, **env})
+    return run
+
+
+def losses(run_dir) -> dict[int, float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def tensors(ckpt: str) -> dict[str, np.ndarray]:
+    with h5py.File(os.path.join(ckpt, ck.INDEX), "r") as f:
+        out = {}
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def test_an_exception_on_one_rank_ends_the_job_naming_it(train, tmp_path):
+    job = train("raise", tmp_path / "run", "train.steps=6", FAULT_RANK="1", FAULT_STEP="2")
+    assert not job.timed_out and job.elapsed < 60, job.output
+    assert job.returncode != 0
+    assert "[rank 1] RuntimeError: injected fault at step 2" in job.stderr
+    assert "[rank 1] Traceback (most recent call last):" in job.stderr
+
+
+def test_a_rank_killed_with_sigkill_ends_the_job(train, tmp_path):
+    job = train("sigkill", tmp_path / "run", "train.steps=6", FAULT_RANK="2", FAULT_STEP="2")
+    assert not job.timed_out and job.elapsed < 60, job.output
+    assert job.returncode != 0
+    # MPICH's hydra kills the other ranks at once and names one dead process by PID (not always
+    # the first to die); the startup log and <run.dir>/ranks.json map PIDs to ranks.
+    assert "BAD TERMINATION" in job.output and "signal 9" in job.output, job.output
+    pid = job.output.split("BAD TERMINATION")[1].split("PID ")[1].split()[0]
+    with open(tmp_path / "run" / "ranks.json") as f:
+        table = {str(v["pid"]): r for r, v in json.load(f).items()}
+    assert pid in table and f" {table[pid]}:{pid}@" in job.output, job.output
+
+
+def test_without_auto_cleanup_the_watchdog_names_the_killed_rank(train, tmp_path):
+    job = train("sigkill", tmp_path / "run", "train.steps=6", "run.timeout=3", FAULT_RANK="2", FAULT_STEP="2",
+                launcher_args=["-disable-auto-cleanup"])
+    assert not job.timed_out and job.elapsed < 60, job.output
+    assert job.returncode != 0
+    assert job.output.count("CommTimeout") >= 1 and "rank 2: unresponsive" in job.stderr, job.output
+
+
+def test_a_rank_that_skips_a_collective_is_named_by_the_watchdog(train, tmp_path):
+    job = train("skip", tmp_path / "run", "train.steps=6", "run.timeout=3", FAULT_RANK="3", FAULT_STEP="2")
+    assert not job.timed_out and job.elapsed < 60, job.output
+    assert job.returncode != 0
+    assert job.output.count("CommTimeout: all_reduce on communicator 'world'") == 1, job.output
+    never = job.stderr.split("Never arrived at world#")[1].split("Last ops of each rank")[0]
+    assert "rank 3: waiting in" in never, job.output  # it went on and waits for something else
+    assert all(f"rank {r}:" not in never for r in (0, 1, 2))
+    assert "hpcpar watchdog: aborting the job" in job.stderr
+
+
+def test_a_rank_stalled_in_compute_is_named_by_the_watchdog(train, tmp_path):
+    job = train("stall", tmp_path / "run", "train.steps=6", "run.timeout=3", FAULT_RANK="2", FAULT_STEP="2")
+    assert not job.timed_out and job.elapsed < 60, job.output
+    assert job.returncode != 0
+    assert job.output.count("CommTimeout: ") == 1, job.output
+    named = [line for line in job.stderr.splitlines() if ("Never arrived" in line or "Its peer" in line
+                                                          or line.startswith("[rank 0]   rank 2:"))]
+    assert any("rank 2: stalled outside communication (compute or I/O)" in line for line in named) or \
+        "  rank 2: stalled outside communication (compute or I/O)" in job.stderr.split("Last ops")[0], job.output
+
+
+def test_sigterm_mid_step_checkpoints_exits_75_and_resumes_exactly(train, tmp_path):
+    straight = train("none", tmp_path / "straight", "train.steps=6")
+    assert straight.returncode == 0, straight.output
+    run = tmp_path / "preempted"
+    job = train("sigterm", run, "train.steps=6", FAULT_RANK="1", FAULT_STEP="2")
+    assert not job.timed_out and job.returncode == 75, job.output
+    assert "preemption signal received: saving a checkpoint at step 3" in job.output
+    assert ck.latest(str(run / "checkpoints")).endswith("step-0000003")
+    resumed = train("none", run, "train.steps=6", "checkpoint.resume=auto")
+    assert resumed.returncode == 0 and "resumed from" in resumed.output, resumed.output
+    expected, got = losses(tmp_path / "straight"), losses(run)
+    assert sorted(got) == list(range(6)) and got == expected  # bitwise: the same float64 losses
+    a = tensors(ck.latest(str(tmp_path / "straight" / "checkpoints")))
+    b = tensors(ck.latest(str(run / "checkpoints")))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_sigkill_mid_save_keeps_the_previous_checkpoint(train, tmp_path):
+    run = tmp_path / "run"
+    job = train("killsave", run, "train.steps=6", "checkpoint.every=2", FAULT_RANK="1")
+    assert not job.timed_out and job.elapsed < 60 and job.returncode != 0, job.output
+    latest = ck.latest(str(run / "checkpoints"))
+    assert latest is not None and latest.endswith("step-0000002"), os.listdir(run / "checkpoints")
+    assert ck.verify(latest) == []
+    resumed = train("none", run, "train.steps=4", "checkpoint.resume=auto")
+    assert resumed.returncode == 0 and "resumed from" in resumed.output and "at step 2" in resumed.output
+
+
+def test_a_nan_gradient_skips_the_step_without_touching_the_state(train, tmp_path):
+    job = train("nan", tmp_path / "run", "train.steps=5", FAULT_RANK="2", FAULT_STEPS="2")
+    assert not job.timed_out and job.returncode == 0, job.output
+    poisoned = next(line for line in job.stdout.splitlines() if line.startswith("POISONED"))
+    name = poisoned.split()[1]
+    assert (f"step 2: non-finite gradient norm (first bad parameter gradient: {name}); "
+            "step skipped (1/3)") in job.output, job.output
+    assert "NAN-STEP 2: skipped=True params_unchanged=True" in job.stdout
+    steps = job.stdout.split("NAN-STEP 2: ")[1].split()[2]
+    before, after = steps.removeprefix("optimizer_steps=").split("->")
+    assert before == after  # no optimizer step: moments and step count untouched
+    assert [s for s, _ in sorted(losses(tmp_path / "run").items())] == [0, 1, 2, 3, 4]
+
+
+def test_consecutive_nan_steps_abort_naming_the_parameter(train, tmp_path):
+    job = train("nan", tmp_path / "run", "train.steps=8", "train.max_bad_steps=2", FAULT_RANK="2",
+                FAULT_STEPS="2,3")
+    assert not job.timed_out and job.returncode == 2, job.output
+    name = next(line for line in job.stdout.splitlines() if line.startswith("POISONED")).split()[1]
+    assert job.stderr.count("hpcpar: error: 2 consecutive steps with a non-finite loss or gradient "
+                            f"(last: step 3, first bad parameter: {name})") == 1, job.output
+    assert "Traceback" not in job.output
