@@ -86,7 +86,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = _field(200, "optimizer steps")
-    micro_batch_size: int = _field(8, "sequences per micro-batch per data-parallel rank")
+    micro_batch_size: int = _field(12, "sequences per micro-batch per data-parallel rank")
     microbatches: int = _field(2, "micro-batches per step (gradient accumulation / pipeline micro-batches); "
                                   "global batch = dp * micro_batch_size * microbatches sequences")
     lr: float = _field(3e-3, "peak learning rate, after warm-up (> 0)")
