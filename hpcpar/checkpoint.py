@@ -33,6 +33,7 @@ import secrets
 import shutil
 import threading
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass
 from math import prod
 from typing import Any, Callable, Mapping
@@ -588,13 +589,17 @@ def _read_checked(ds: h5py.Dataset) -> np.ndarray:
     return data
 
 
-def load(path: str, wanted: Mapping[str, Layout], comm) -> tuple[dict[str, np.ndarray], dict]:
+def load(path: str, wanted: Mapping[str, Layout], comm,
+         all_names: Collection[str] | None = None) -> tuple[dict[str, np.ndarray], dict]:
     """Load the tensors this rank needs, in any layout (collective over `comm`).
 
     Args:
         path: a `step-NNNNNNN` directory, or its parent (then `latest` is used).
         wanted: global name -> the `Layout` this rank needs (any layout: resharded on load).
         comm: mpi4py communicator over all ranks; errors anywhere raise on every rank.
+        all_names: when given, the names the whole job holds (every rank's `wanted` together):
+            the checkpoint must hold exactly these, so a checkpoint of a larger model is refused
+            instead of loading its first layers silently.
     Returns:
         `({name: NumPy array of layout.local_shape, stored dtype}, meta)`.
     Raises:
@@ -606,6 +611,12 @@ def load(path: str, wanted: Mapping[str, Layout], comm) -> tuple[dict[str, np.nd
         manifest = _read_manifest(ckpt)
         files = manifest["files"]
         table, meta = _read_index(ckpt, manifest)
+        if all_names is not None and set(table) != set(all_names):
+            extra, missing = sorted(set(table) - set(all_names)), sorted(set(all_names) - set(table))
+            raise CheckpointError(f"checkpoint {ckpt} holds {len(table)} tensors, this model "
+                                  f"{len(set(all_names))} (checkpoint of another model?); "
+                                  + (f"not in this model: {', '.join(extra[:3])}" if extra else
+                                     f"missing: {', '.join(missing[:3])}"))
         for name, layout in wanted.items():
             if name not in table:
                 raise CheckpointError(f"tensor {name} is not in checkpoint {ckpt} (it holds "

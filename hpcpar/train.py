@@ -61,9 +61,10 @@ class Trainer:
         tokens: the corpus as uint8 tokens (default: load `cfg.data.corpus`).
     """
 
-    def __init__(self, cfg: config.Config, comm=None, tokens: np.ndarray | None = None):
+    def __init__(self, cfg: config.Config, comm=None, tokens: np.ndarray | None = None,
+                 available_memory_bytes: int | None = None):
         comm = comm if comm is not None else MPI.COMM_WORLD
-        self.cfg = cfg = config.validate(cfg, comm.Get_size())
+        self.cfg = cfg = config.validate(cfg, comm.Get_size(), available_memory_bytes)
         if cfg.run.backend != "auto":  # auto: what HPCPAR_BACKEND chose at import (default numpy)
             backend.use(cfg.run.backend)
         self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=comm)
@@ -92,6 +93,7 @@ class Trainer:
         self.train_tokens, self.val_tokens = data.split(tokens, cfg.data.val_fraction)
         self.is_loss_reporter = (self.stages[-1].head and self.mesh.rank("tp") == 0)
         self.step = 0  # the next step to run
+        self.save_in_flight = None  # checkpoint.SaveHandle of an asynchronous save not yet committed
 
     # -- one step -----------------------------------------------------------------------
     def microbatches(self, step: int) -> list:
@@ -230,13 +232,14 @@ class Trainer:
 
     def finish_save(self) -> str | None:
         """Commit the asynchronous save in flight, if any (collective); returns its path."""
-        handle, self.save_in_flight = getattr(self, "save_in_flight", None), None
+        handle, self.save_in_flight = self.save_in_flight, None
         return handle.wait() if handle is not None else None
 
     def load(self, path: str) -> dict:
         """Load model and optimizer state from any layout's checkpoint; returns its meta."""
         wanted = {name: layout for name, (_, layout) in self.checkpoint_tensors().items()}
-        arrays, meta = checkpoint.load(path, wanted, self.mesh.world.mpi)
+        all_names = set().union(*self.mesh.world.mpi.allgather(set(wanted)))  # every stage's tensors
+        arrays, meta = checkpoint.load(path, wanted, self.mesh.world.mpi, all_names=all_names)
         state: dict = {}
         for name, p in self.named_parameters:
             key = p.tied_to or name
@@ -321,14 +324,13 @@ def main(config_path: str | None, overrides: list) -> int:
 
     world = MPI.COMM_WORLD
     _setup_logging(world.rank)
-    cfg = config.load_config(config_path, overrides)
-    cfg = config.validate(cfg, world.Get_size(), available_memory_bytes=_memory_per_rank())
+    trainer = Trainer(config.load_config(config_path, overrides), world,
+                      available_memory_bytes=_memory_per_rank())
+    cfg, mesh, rank0 = trainer.cfg, trainer.mesh, world.rank == 0  # cfg: validated, mesh resolved
     watchdog.set_timeout(cfg.run.timeout)
     preemption.install()
-    trainer = Trainer(cfg, world)
-    _prepare_run_dir(cfg, trainer.mesh.world)
-    _log_ranks(cfg, trainer.mesh.world)
-    cfg, mesh, rank0 = trainer.cfg, trainer.mesh, world.rank == 0
+    _prepare_run_dir(cfg, mesh.world)
+    _log_ranks(cfg, mesh.world)
 
     resume = _resume_path(cfg)
     if resume:

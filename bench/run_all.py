@@ -1,0 +1,454 @@
+"""Run every benchmark, collect their JSON, write bench/results/summary.json and docs/benchmarks.md.
+
+    python bench/run_all.py [--quick] [--only mesh_scaling,vs_torch] [--note "shared 2-core VM"]
+
+Each benchmark runs as a subprocess (under `mpiexec -n N` where it needs ranks, one BLAS
+thread per rank), one after the other, writing its JSON into --results-dir. Then every
+benchmark's latest JSON there is read, the key figures are pulled out, and both
+summary.json (machine, command, status, figures and the raw results per benchmark) and the
+markdown page are regenerated. With --only, the other benchmarks keep the figures and
+commands of their last run (from the previous summary.json). --quick runs smaller sizes as
+a smoke test and, unless --results-dir/--docs are given, writes to bench/results/quick/
+(markdown included) so the real figures stay untouched. Without PyTorch the torch peer is
+skipped and the page says so. Exit status 1 if a benchmark failed or timed out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_RESULTS = ROOT / "bench" / "results"
+DEFAULT_DOCS = ROOT / "docs" / "benchmarks.md"
+MiB = 1 << 20
+# Every child gets one BLAS/OpenMP thread per rank (the benchmarks compare ranks, not threads).
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    script: str                   # relative to the repository root
+    ranks: int | None             # mpiexec -n; None: the script runs alone (or launches its own)
+    what: str                     # one line for the table
+    args: tuple[str, ...] = ()
+    quick_args: tuple[str, ...] = ()
+    needs_torch: bool = False
+    timeout_s: float = 300.0
+
+
+BENCHMARKS = (
+    Benchmark("allreduce", "bench/allreduce.py", 4,
+              "collectives: hpcpar's all-reduce bus bandwidth / raw mpi4py's; latency at 8 B",
+              quick_args=("--max-bytes", "1M", "--budget", "0.1", "--rounds", "2")),
+    Benchmark("gemm", "bench/gemm.py", 2,
+              "tensor-parallel GEMMs (column/row-parallel Linear, tp = ranks): fraction of the GEMM peak",
+              quick_args=("--sizes", "512x512x2048", "--rounds", "2")),
+    Benchmark("pipeline", "bench/pipeline.py", 4,
+              "pipeline executor (sleep stages) vs the schedule simulator's step time and bubble",
+              quick_args=("--microbatches", "4", "--steps", "1", "--t-forward", "0.02", "--t-backward", "0.04")),
+    Benchmark("checkpoint", "bench/checkpoint.py", 4,
+              "checkpoint save/load throughput vs np.save/np.load of the same arrays",
+              quick_args=("--mib", "32", "--repeats", "1")),
+    Benchmark("scaling", "bench/scaling.py", None,
+              "data parallelism, weak scaling dp=2 vs dp=1, gradient communication hidden behind backward",
+              args=("--steps", "12", "--repeats", "4"), quick_args=("--steps", "2", "--repeats", "1")),
+    Benchmark("mesh_scaling", "bench/mesh_scaling.py", None,
+              "training (Trainer.train_step) over mesh shapes: strong and weak scaling vs 1x1x1, PyTorch peer",
+              quick_args=("--worlds", "1,2", "--steps", "2", "--warmup", "1", "--repeats", "1"), timeout_s=480.0),
+    Benchmark("vs_torch", "bench/vs_torch.py", None,
+              "one process, hpcpar vs PyTorch eager on the same GPT and batches (1 thread)",
+              args=("--steps", "5"), quick_args=("--steps", "1", "--rounds", "1", "--n-embd", "128"),
+              needs_torch=True),
+)
+BY_NAME = {b.name: b for b in BENCHMARKS}
+
+
+# -- running --------------------------------------------------------------------------------
+def mpiexec_path() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def command(b: Benchmark, quick: bool, out: Path) -> list[str]:
+    """The argv that runs `b`, writing its JSON to `out`."""
+    cmd = [sys.executable, str(ROOT / b.script), *(b.quick_args if quick else b.args), "--out", str(out)]
+    return [mpiexec_path(), "-n", str(b.ranks), *cmd] if b.ranks else cmd
+
+
+def display(argv: list[str]) -> str:
+    """`argv` as a reader would type it: `python`, `mpiexec`, paths relative to the repository."""
+    def short(arg: str) -> str:
+        if arg == sys.executable:
+            return "python"
+        if arg == mpiexec_path():
+            return "mpiexec"
+        if arg.startswith(str(ROOT) + os.sep):
+            return os.path.relpath(arg, ROOT)
+        return arg
+    words = [short(a) for a in argv]
+    if "--out" in words:  # the default place needs no flag
+        i = words.index("--out")
+        if Path(ROOT / words[i + 1]).parent == DEFAULT_RESULTS:
+            del words[i:i + 2]
+    env = " ".join(f"{k}={v}" for k, v in THREAD_ENV.items() if k != "MKL_NUM_THREADS")
+    return f"{env} {shlex.join(words)}"
+
+
+def torch_version() -> str | None:
+    if importlib.util.find_spec("torch") is None:
+        return None
+    return importlib.metadata.version("torch")
+
+
+def run(b: Benchmark, quick: bool, results_dir: Path) -> dict:
+    """Run one benchmark; its summary entry (without figures)."""
+    out = results_dir / f"{b.name}.json"
+    argv = command(b, quick, out)
+    entry = {"command": display(argv), "argv": argv, "quick": quick, "started": now(),
+             "load_average_before": list(os.getloadavg())}
+    if b.needs_torch and torch_version() is None:
+        return {**entry, "status": "skipped: PyTorch is not installed (pip install torch)", "returncode": None}
+    print(f"\n=== {b.name}: {entry['command']}", flush=True)
+    env = {**os.environ, **THREAD_ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    start = time.perf_counter()
+    try:
+        rc = subprocess.run(argv, cwd=ROOT, env=env, timeout=b.timeout_s).returncode
+        status = "ok" if rc == 0 else f"exit status {rc}"
+    except subprocess.TimeoutExpired:
+        rc, status = None, f"timed out after {b.timeout_s:.0f} s"
+    return {**entry, "status": status, "returncode": rc, "wall_s": time.perf_counter() - start,
+            "load_average_after": list(os.getloadavg())}
+
+
+def now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def machine_info(note: str) -> dict:
+    """What produced the figures: CPU, cores, MPI library, package versions, load, date."""
+    cpu = platform.processor() or platform.machine()
+    virtual = False
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        models = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")]
+        cpu = models[0] if models else cpu
+        virtual = " hypervisor" in text
+    except OSError:
+        pass
+    probe = subprocess.run([sys.executable, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"],
+                           capture_output=True, text=True, timeout=60)
+    mpi = probe.stdout.strip().splitlines()[0].strip() if probe.returncode == 0 and probe.stdout.strip() else \
+        "unknown (mpi4py failed to start)"
+
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "virtual_machine": virtual, "os": platform.platform(), "python": platform.python_version(),
+            "mpi": " ".join(mpi.split()), "mpi4py": version("mpi4py"), "numpy": version("numpy"),
+            "h5py": version("h5py"), "torch": torch_version(), "date": now(),
+            "load_average_start": list(os.getloadavg()), "note": note}
+
+
+# -- key figures ----------------------------------------------------------------------------
+def _pct(x: float) -> str:
+    return f"{x:+.1%}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB" if nbytes >= 1024 else f"{nbytes} B"
+
+
+def _allreduce(d: dict) -> list[str]:
+    rows = {r["bytes"]: r for r in d["rows"] if r["op"] == "all_reduce"}
+    ratios = [f"{rows[n]['ratio']:.2f} at {_size(n)}" for n in (MiB, 64 * MiB) if n in rows]
+    out = [f"all-reduce bus bandwidth, hpcpar / raw mpi4py: {', '.join(ratios) or 'n/a (sizes not run)'} "
+           f"({d['meta']['ranks']} ranks)"]
+    if rows:
+        n = min(rows)
+        r = rows[n]
+        out.append(f"latency at {_size(n)}: {r['hpcpar']['time_us']:.1f} µs vs {r['raw']['time_us']:.1f} µs raw "
+                   f"(vs {r['raw_nb']['time_us']:.1f} µs raw non-blocking + Wait)")
+    if 64 * MiB in rows:
+        out.append(f"busbw at 64 MiB: {rows[64 * MiB]['hpcpar']['busbw_GBps']:.2f} GB/s hpcpar, "
+                   f"{rows[64 * MiB]['raw']['busbw_GBps']:.2f} GB/s raw")
+    return out
+
+
+def _gemm(d: dict, ranks: int) -> list[str]:
+    run = d.get(f"n={ranks}") or d[sorted(d)[-1]]
+    out = [f"tp={run['ranks']} on {run['cores']} cores, GEMM peak {run['peak_gflops']:.1f} GFLOP/s (1 thread)"]
+    for s in run["sizes"]:
+        out.append(f"{s['m']}x{s['k']}->{s['n']}: local GEMM {s['column_gemm_fraction_of_peak']:.2f} (column) / "
+                   f"{s['row_gemm_fraction_of_peak']:.2f} (row) of peak; with the collective column "
+                   f"{s['column_fraction_of_peak']:.2f}, row {s['row_fraction_of_peak']:.2f}; "
+                   f"speedup vs unsharded {s['column_speedup']:.2f}x / {s['row_speedup']:.2f}x")
+    return out
+
+
+def _pipeline(d: dict) -> list[str]:
+    cases = d["cases"]
+    errors = [c["error"] for c in cases]
+    within = sum(abs(e) <= d["tolerance"] for e in errors)
+    one_f_one_b = [c for c in cases if c["schedule"] == "1f1b"] or cases
+    c = one_f_one_b[len(one_f_one_b) // 2]  # a middle case of the plainest schedule as the example
+    return [f"pp={cases[0]['pp']}: measured step time {_pct(min(errors))} … {_pct(max(errors))} of the simulator's "
+            f"prediction over {len(cases)} cases; {within}/{len(cases)} within {d['tolerance']:.0%}",
+            f"e.g. {c['schedule']} m={c['microbatches']}: {c['measured_s']:.3f} s measured vs {c['predicted_s']:.3f} s "
+            f"predicted; bubble {c['measured_bubble']:.1%} measured vs {c['predicted_bubble']:.1%} predicted"]
+
+
+def _checkpoint(d: dict, ranks: int) -> list[str]:
+    run = d.get(f"ranks={ranks}") or d[sorted(d)[-1]]
+    g, r = run["gb_per_s"], run["ratio_vs_numpy"]
+    return [f"{run['bytes'] / MiB:.0f} MiB float32 on {run['ranks']} ranks, best of {run['repeats']}",
+            f"save {g['hpcpar save']:.2f} GB/s vs numpy {g['numpy save']:.2f} GB/s ({r['save']:.2f}x); "
+            f"load {g['hpcpar load']:.2f} vs {g['numpy load']:.2f} GB/s ({r['load']:.2f}x); "
+            f"resharded load {r['load resharded']:.2f}x"]
+
+
+def _scaling(d: dict) -> list[str]:
+    rows = {r["dp"]: r for r in d["rows"]}
+    base, top = min(rows), max(rows)
+    r = rows[top]
+    hidden = r.get("hidden_fraction")
+    return [f"dp={top} vs dp={base}: {r['speedup']:.2f}x tokens/s (efficiency {r['efficiency']:.0%}); "
+            f"per CPU-second {r['cpu_speedup']:.2f}x",
+            f"gradient communication hidden behind backward: {hidden:.0%}" if hidden is not None
+            else "gradient communication: not measured"]
+
+
+def _mesh_scaling(d: dict) -> list[str]:
+    out = []
+    for mode in ("strong", "weak"):
+        rows = [r for r in d[mode] if "error" not in r and r["ranks"] > 1]
+        parts = []
+        for n in sorted({r["ranks"] for r in rows}):
+            at_n = [r for r in rows if r["ranks"] == n]
+            best = max(at_n, key=lambda r: r["speedup"])
+            star = "*" if best["oversubscribed"] else ""
+            others = ", ".join(f"{r['mesh']} {r['speedup']:.2f}x" for r in at_n)
+            parts.append(f"{n} ranks{star}: best {best['mesh']} {best['speedup']:.2f}x (all: {others})")
+        failed = [r["mesh"] for r in d[mode] if "error" in r]
+        out.append(f"{mode}: " + "; ".join(parts) + (f"; failed: {', '.join(failed)}" if failed else ""))
+    if d.get("torch"):
+        for t in d["torch"]:
+            out.append(f"PyTorch eager, 1 process, {t['threads']} thread(s): {t['tokens_per_s']:.0f} tokens/s; "
+                       f"hpcpar 1x1x1 {d['baseline_tokens_per_s']:.0f} ({d['baseline_tokens_per_s'] / t['tokens_per_s']:.2f}x)")
+    else:
+        out.append(f"PyTorch peer skipped: {d.get('torch_note') or 'not run'}")
+    out.append(f"* {d['meta']['note']}")
+    return out
+
+
+def _vs_torch(d: dict) -> list[str]:
+    c, h, t = d["config"], d["hpcpar"], d["torch"]
+    return [f"hpcpar / PyTorch {t['version']} = {d['ratio_hpcpar_over_torch']:.2f}x tokens/s "
+            f"({h['tokens_per_s']:.0f} vs {t['tokens_per_s']:.0f}; MFU {h['mfu']:.2f} vs {t['mfu']:.2f})",
+            f"GPT n_layer={c['n_layer']} n_embd={c['n_embd']} T={c['block_size']} B={c['batch']}, "
+            f"{c['threads']} thread; per-op overhead {h['op_overhead_us']:.1f} µs vs {t['op_overhead_us']:.1f} µs"]
+
+
+def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
+    """The headline figures of benchmark `name` from its JSON `data`, one string per line."""
+    try:
+        if name == "gemm":
+            return _gemm(data, ranks or 2)
+        if name == "checkpoint":
+            return _checkpoint(data, ranks or 4)
+        return {"allreduce": _allreduce, "pipeline": _pipeline, "scaling": _scaling,
+                "mesh_scaling": _mesh_scaling, "vs_torch": _vs_torch}[name](data)
+    except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
+        return [f"results not in the expected form ({type(e).__name__}: {e})"]
+
+
+# -- the report -----------------------------------------------------------------------------
+def collect(results_dir: Path, machine: dict, entries: dict, quick: bool) -> dict:
+    """summary.json's content: per benchmark its run entry, results JSON (if any) and key figures."""
+    benchmarks = {}
+    for b in BENCHMARKS:
+        entry = dict(entries.get(b.name) or {"status": "not run"})
+        path = results_dir / f"{b.name}.json"
+        entry["results_file"] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+        skipped = str(entry.get("status", "")).startswith("skipped")
+        if path.exists() and not skipped:
+            data = json.loads(path.read_text())
+            entry["results"] = data
+            entry["figures"] = key_figures(b.name, data, b.ranks)
+        else:
+            entry.pop("results", None)
+            entry["figures"] = [entry["status"] if skipped else "no results"]
+        benchmarks[b.name] = entry
+    return {"generated": now(), "quick": quick, "machine": machine, "benchmarks": benchmarks}
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _mesh_table(d: dict) -> list[str]:
+    weak = {r["mesh"]: r for r in d["weak"]}
+    lines = [f"GPT n_layer={d['meta']['n_layer']}, n_embd={d['meta']['n_embd']}, T={d['meta']['block_size']}, "
+             f"float32, {d['meta']['microbatches']} micro-batches per step; strong: {d['meta']['global_batch']} "
+             f"sequences per step on every mesh; weak: {d['meta']['rank_batch']} sequences per step per rank. "
+             f"Best of {d['meta']['repeats']} launches x {d['meta']['steps']} timed steps. "
+             f"Efficiency = speedup / ranks; (cores) = speedup / min(ranks, {d['meta']['cores']} cores). "
+             "\\* = more ranks than cores (oversubscribed).", "",
+             "| mesh | ranks | strong tokens/s | speedup | efficiency (cores) | weak tokens/s | speedup | "
+             "efficiency (cores) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cells(r: dict | None) -> str:
+        if r is None:
+            return "– | – | –"
+        if "error" in r:
+            return "failed | – | –"
+        return (f"{r['tokens_per_s']:,.0f} | {r['speedup']:.2f}x | "
+                f"{r['efficiency']:.0%} ({r['efficiency_cores']:.0%})")
+    for r in d["strong"]:
+        star = "\\*" if r["oversubscribed"] else ""
+        lines.append(f"| {r['mesh']} | {r['ranks']}{star} | {cells(r)} | {cells(weak.get(r['mesh']))} |")
+    for t in d.get("torch") or []:
+        lines.append(f"| PyTorch eager, {t['threads']} thread(s) | 1 | {t['tokens_per_s']:,.0f} | "
+                     f"{t['tokens_per_s'] / d['baseline_tokens_per_s']:.2f}x | – | | | |")
+    return lines
+
+
+def _pipeline_table(d: dict) -> list[str]:
+    lines = ["| schedule | v | m | predicted s | measured s | error | bubble predicted | bubble measured |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in d["cases"]:
+        lines.append(f"| {c['schedule']} | {c['chunks']} | {c['microbatches']} | {c['predicted_s']:.3f} | "
+                     f"{c['measured_s']:.3f} | {_pct(c['error'])} | {c['predicted_bubble']:.1%} | "
+                     f"{c['measured_bubble']:.1%} |")
+    return lines
+
+
+def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
+    """docs/benchmarks.md from `summary` (collect's output); PNG links relative to `docs_path`."""
+    m = summary["machine"]
+    load = m["load_average_start"]
+    kind = "virtual machine" if m.get("virtual_machine") else "machine"
+    shared = load[0] >= 0.5 * m["cores"]
+    lines = [
+        "# Benchmarks", "",
+        "<!-- Generated by `python bench/run_all.py`; edit that script, not this file. -->", "",
+        f"Latest figures of every benchmark in `bench/` (what each measures: [bench/README.md]"
+        f"({_link('bench/README.md', docs_path)})). Regenerate the whole page with `python bench/run_all.py` "
+        "(about 10 minutes; `--only NAME` reruns one benchmark and keeps the others' figures).", "",
+        "## Machine", "",
+        f"- {m['cores']}-core {kind}, {m['cpu']}; {m['os']}",
+        f"- MPI: {m['mpi']} (mpi4py {m['mpi4py']}); Python {m['python']}, NumPy {m['numpy']}, h5py {m['h5py']}, "
+        f"PyTorch {m['torch'] or 'not installed'}",
+        f"- date: {m['date']}; load average (1, 5, 15 min) at the start: "
+        f"{', '.join(f'{x:.2f}' for x in load)}" + (
+            f", at the end: {', '.join(f'{x:.2f}' for x in m['load_average_end'])}" if m.get("load_average_end")
+            else ""),
+        "- one BLAS thread per rank throughout; runs with more ranks than cores share the cores "
+        "(oversubscribed)",
+    ]
+    if shared:
+        lines.append(f"- **the machine was shared with other work** (load average {load[0]:.1f} on {m['cores']} "
+                     "cores before the first benchmark): absolute figures are noisy and low; the benchmarks "
+                     "report best-of-N, and ratios measured side by side in one run are the meaningful part")
+    if m.get("note"):
+        lines.append(f"- note: {m['note']}")
+    if summary.get("quick"):
+        lines.append("- **quick run** (`--quick`, smaller sizes): a smoke test, not figures to quote")
+    lines += ["", "## Latest figures", "",
+              "| benchmark | what | key figures | command (JSON in `bench/results/`) | run |", "|---|---|---|---|---|"]
+    for b in BENCHMARKS:
+        e = summary["benchmarks"].get(b.name, {"status": "not run", "figures": ["no results"]})
+        figures = "<br>".join(_escape(f) for f in e.get("figures", []))
+        cmd = f"`{_escape(e['command'])}`" if e.get("command") else "–"
+        when = e.get("started", "")[:16].replace("T", " ")
+        run = _escape(f"{e.get('status', 'not run')}" + (f", {e['wall_s']:.0f} s" if e.get("wall_s") else "")
+                      + (f", {when}, load {e['load_average_before'][0]:.1f}" if e.get("load_average_before") else ""))
+        lines.append(f"| {b.name} | {_escape(b.what)} | {figures} | {cmd} | {run} |")
+    details = summary["benchmarks"]
+    mesh = details.get("mesh_scaling", {}).get("results")
+    if mesh:
+        lines += ["", "## Mesh scaling", ""]
+        try:
+            lines += _mesh_table(mesh)
+        except (KeyError, TypeError, ZeroDivisionError) as e:
+            lines.append(f"(results not in the expected form: {type(e).__name__}: {e})")
+        lines += ["", f"![mesh scaling]({_link(details['mesh_scaling']['results_file'][:-5] + '.png', docs_path)})"]
+    pipe = details.get("pipeline", {}).get("results")
+    if pipe:
+        lines += ["", "## Pipeline bubble", ""]
+        try:
+            lines += _pipeline_table(pipe)
+        except (KeyError, TypeError) as e:
+            lines.append(f"(results not in the expected form: {type(e).__name__}: {e})")
+        lines += ["", f"![pipeline]({_link(details['pipeline']['results_file'][:-5] + '.png', docs_path)})"]
+    return "\n".join(lines) + "\n"
+
+
+def _link(path: str, docs_path: Path | None) -> str:
+    """`path` (relative to the repository) as a link from the markdown file's directory."""
+    if docs_path is None:
+        return path
+    return os.path.relpath(ROOT / path, Path(docs_path).resolve().parent)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes: a smoke test")
+    parser.add_argument("--only", default="", help=f"comma list of benchmarks to run: {', '.join(BY_NAME)}")
+    parser.add_argument("--results-dir", default=None,
+                        help="where the JSON goes (default bench/results, with --quick bench/results/quick)")
+    parser.add_argument("--docs", default=None,
+                        help="markdown to write (default docs/benchmarks.md, with --quick <results-dir>/benchmarks.md)")
+    parser.add_argument("--note", default="", help="a line about the machine for the page, e.g. 'shared VM'")
+    args = parser.parse_args(argv)
+    names = [n for n in args.only.split(",") if n] or list(BY_NAME)
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        parser.error(f"--only: unknown benchmark {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
+    results_dir = Path(args.results_dir or (DEFAULT_RESULTS / "quick" if args.quick else DEFAULT_RESULTS)).resolve()
+    docs = Path(args.docs or (results_dir / "benchmarks.md" if args.quick else DEFAULT_DOCS)).resolve()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    summary_path = results_dir / "summary.json"
+
+    machine = machine_info(args.note)
+    previous = json.loads(summary_path.read_text()).get("benchmarks", {}) if summary_path.exists() else {}
+    entries = {name: {k: v for k, v in e.items() if k not in ("results", "figures")} for name, e in previous.items()}
+    started = time.perf_counter()
+    for name in names:
+        entries[name] = run(BY_NAME[name], args.quick, results_dir)
+    machine["load_average_end"] = list(os.getloadavg())
+    machine["wall_s"] = time.perf_counter() - started
+    summary = collect(results_dir, machine, entries, args.quick)
+    summary_path.write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(render_markdown(summary, docs))
+    print(f"\nwrote {summary_path} and {docs} ({machine['wall_s']:.0f} s)")
+    for name in names:
+        e = summary["benchmarks"][name]
+        print(f"  {name}: {e['status']}")
+        for figure in e["figures"]:
+            print(f"      {figure}")
+    failed = [n for n in names if entries[n]["status"] != "ok" and not entries[n]["status"].startswith("skipped")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""bench/run_all.py's report: key figures and docs/benchmarks.md from sample results JSON (no timing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def run_all():
+    spec = importlib.util.spec_from_file_location("bench_run_all", ROOT / "bench" / "run_all.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def allreduce_row(nbytes: int, hpcpar_us: float, raw_us: float) -> dict:
+    def impl(us: float) -> dict:
+        return {"time_us": us, "algbw_GBps": nbytes / us / 1e3, "busbw_GBps": 1.5 * nbytes / us / 1e3}
+    return {"op": "all_reduce", "bytes": nbytes, "iters": 10, "hpcpar": impl(hpcpar_us), "raw": impl(raw_us),
+            "raw_nb": impl(raw_us * 1.25), "ratio": raw_us / hpcpar_us, "ratio_nb": 1.25 * raw_us / hpcpar_us}
+
+
+def mesh_row(mesh: str, ranks: int, tokens_per_s: float, baseline: float, cores: int = 2) -> dict:
+    speedup = tokens_per_s / baseline
+    return {"mesh": mesh, "ranks": ranks, "oversubscribed": ranks > cores, "tokens_per_s": tokens_per_s,
+            "speedup": speedup, "efficiency": speedup / ranks, "efficiency_cores": speedup / min(ranks, cores)}
+
+
+SAMPLES = {
+    "allreduce": {"meta": {"ranks": 4}, "rows": [allreduce_row(8, 80.0, 20.0), allreduce_row(MiB, 400.0, 300.0),
+                                                 allreduce_row(64 * MiB, 5e4, 4.5e4)]},
+    "gemm": {"n=2": {"ranks": 2, "cores": 2, "peak_gflops": 40.0, "sizes": [
+        {"m": 64, "k": 64, "n": 256, "column_gemm_fraction_of_peak": 0.9, "row_gemm_fraction_of_peak": 0.8,
+         "column_fraction_of_peak": 0.3, "row_fraction_of_peak": 0.45, "column_speedup": 0.7,
+         "row_speedup": 1.2}]}},
+    "pipeline": {"tolerance": 0.1, "cases": [
+        {"schedule": "1f1b", "pp": 4, "chunks": 1, "microbatches": m, "predicted_s": p, "measured_s": p * (1 + e),
+         "error": e, "predicted_bubble": 0.3, "measured_bubble": 0.35}
+        for m, p, e in ((4, 1.0, 0.02), (8, 2.0, -0.03), (16, 3.0, 0.15))]},
+    "checkpoint": {"ranks=4": {"ranks": 4, "bytes": 64 * MiB, "repeats": 3,
+                               "gb_per_s": {"hpcpar save": 0.5, "numpy save": 2.0, "hpcpar load": 1.0,
+                                            "numpy load": 4.0},
+                               "ratio_vs_numpy": {"save": 0.25, "load": 0.25, "load resharded": 0.2}}},
+    "scaling": {"rows": [{"dp": 1, "speedup": 1.0, "efficiency": 1.0, "cpu_speedup": 1.0, "hidden_fraction": None},
+                         {"dp": 2, "speedup": 1.8, "efficiency": 0.9, "cpu_speedup": 1.9,
+                          "hidden_fraction": 0.6}]},
+    "mesh_scaling": {
+        "meta": {"n_layer": 4, "n_embd": 128, "block_size": 64, "microbatches": 4, "global_batch": 16,
+                 "rank_batch": 16, "repeats": 2, "steps": 4, "cores": 2,
+                 "note": "the machine has 2 cores: 4-rank runs are oversubscribed"},
+        "baseline_tokens_per_s": 1000.0,
+        "strong": [mesh_row("1x1x1", 1, 1000.0, 1000.0), mesh_row("dp=2", 2, 1600.0, 1000.0),
+                   mesh_row("tp=2", 2, 1200.0, 1000.0), mesh_row("dp=2xpp=2", 4, 1700.0, 1000.0),
+                   {"mesh": "tp=4", "ranks": 4, "oversubscribed": True, "error": "exit status 1"}],
+        "weak": [mesh_row("1x1x1", 1, 1000.0, 1000.0), mesh_row("dp=2", 2, 1900.0, 1000.0),
+                 mesh_row("tp=2", 2, 1100.0, 1000.0), mesh_row("dp=2xpp=2", 4, 1500.0, 1000.0),
+                 {"mesh": "tp=4", "ranks": 4, "oversubscribed": True, "error": "exit status 1"}],
+        "torch": None, "torch_note": "torch is not installed"},
+}
+
+
+def machine(load: float = 3.0) -> dict:
+    return {"cpu": "Test CPU", "cores": 2, "virtual_machine": True, "os": "Linux", "python": "3.11",
+            "mpi": "MPICH Version: 5.0.2", "mpi4py": "4.1", "numpy": "2.0", "h5py": "3.0", "torch": None,
+            "date": "2025-01-01T00:00:00+00:00", "load_average_start": [load, load, load],
+            "load_average_end": [load, load, load], "note": ""}
+
+
+@pytest.fixture()
+def summary(run_all, tmp_path):
+    for name, data in SAMPLES.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    entries = {name: {"command": f"python bench/{name}.py", "status": "ok", "wall_s": 1.0,
+                      "started": "2025-01-01T00:00:00+00:00", "load_average_before": [3.0, 3.0, 3.0]}
+               for name in SAMPLES}
+    entries["vs_torch"] = {"command": "python bench/vs_torch.py", "returncode": None,
+                           "status": "skipped: PyTorch is not installed (pip install torch)"}
+    return run_all.collect(tmp_path, machine(), entries, quick=False)
+
+
+def test_key_figures_computed_from_the_json(run_all):
+    allreduce = " ".join(run_all.key_figures("allreduce", SAMPLES["allreduce"]))
+    assert "0.75 at 1 MiB" in allreduce and "0.90 at 64 MiB" in allreduce
+    assert "80.0 µs vs 20.0 µs" in allreduce
+    gemm = " ".join(run_all.key_figures("gemm", SAMPLES["gemm"], 2))
+    assert "peak 40.0 GFLOP/s" in gemm and "column 0.30, row 0.45" in gemm
+    pipeline = " ".join(run_all.key_figures("pipeline", SAMPLES["pipeline"]))
+    assert "-3.0% … +15.0%" in pipeline and "2/3 within 10%" in pipeline
+    assert "e.g. 1f1b m=8" in pipeline
+    checkpoint = " ".join(run_all.key_figures("checkpoint", SAMPLES["checkpoint"], 4))
+    assert "save 0.50 GB/s vs numpy 2.00 GB/s (0.25x)" in checkpoint
+    scaling = " ".join(run_all.key_figures("scaling", SAMPLES["scaling"]))
+    assert "1.80x tokens/s (efficiency 90%)" in scaling and "60%" in scaling
+    mesh = run_all.key_figures("mesh_scaling", SAMPLES["mesh_scaling"])
+    assert mesh[0].startswith("strong: 2 ranks: best dp=2 1.60x")
+    assert "4 ranks*: best dp=2xpp=2 1.70x" in mesh[0] and "failed: tp=4" in mesh[0]
+    assert "PyTorch peer skipped: torch is not installed" in mesh
+
+
+def test_malformed_results_are_reported_not_raised(run_all):
+    assert run_all.key_figures("scaling", {"rows": []})[0].startswith("results not in the expected form")
+
+
+def test_markdown_table(run_all, summary):
+    text = run_all.render_markdown(summary)
+    table = [line for line in text.splitlines() if line.startswith("| ") and "benchmark" not in line]
+    main = table[:len(run_all.BENCHMARKS)]
+    assert [row.split(" | ")[0][2:] for row in main] == [b.name for b in run_all.BENCHMARKS]
+    # Every row of the main table has its five cells (escaped pipes inside cells do not count).
+    assert all(row.replace("\\|", "").count("|") == 6 for row in main)
+    vs_torch = main[-1]
+    assert "skipped: PyTorch is not installed" in vs_torch
+    assert "`python bench/allreduce.py`" in main[0]
+    assert "Test CPU" in text and "MPICH Version: 5.0.2" in text and "PyTorch not installed" in text
+    assert "the machine was shared with other work" in text and "load average 3.0 on 2 cores" in text
+    assert "| dp=2xpp=2 | 4\\* | 1,700 | 1.70x | 42% (85%) | 1,500 | 1.50x | 38% (75%) |" in text
+    assert "| tp=4 | 4\\* | failed | – | – | failed | – | – |" in text
+    assert "| 1f1b | 1 | 16 | 3.000 | 3.450 | +15.0% |" in text
+
+
+def test_quiet_machine_and_missing_results(run_all, tmp_path):
+    summary = run_all.collect(tmp_path, machine(load=0.1), {}, quick=True)
+    text = run_all.render_markdown(summary)
+    assert "shared with other work" not in text
+    assert "quick run" in text
+    assert all(e["figures"] == ["no results"] for e in summary["benchmarks"].values())
+    assert "## Mesh scaling" not in text
+
+
+def test_commands_are_shown_as_typed(run_all, tmp_path):
+    bench = run_all.BY_NAME["allreduce"]
+    argv = run_all.command(bench, quick=True, out=run_all.DEFAULT_RESULTS / "allreduce.json")
+    shown = run_all.display(argv)
+    assert shown == ("OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpiexec -n 4 python bench/allreduce.py "
+                     "--max-bytes 1M --budget 0.1 --rounds 2")
+    elsewhere = run_all.display(run_all.command(run_all.BY_NAME["scaling"], quick=False, out=tmp_path / "s.json"))
+    assert elsewhere.endswith(f"python bench/scaling.py --steps 12 --repeats 4 --out {tmp_path / 's.json'}")
