@@ -130,7 +130,7 @@ class RunConfig:
     dir: str = _field("runs/default", "run directory: metrics.jsonl, config.toml, summary, checkpoints")
     log_every: int = _field(10, "log training metrics every this many steps (>= 1)")
     eval_every: int = _field(50, "evaluate on held-out data every this many steps (0 = never)")
-    eval_batches: int = _field(4, "micro-batches per evaluation (>= 1)")
+    eval_batches: int = _field(2, "global batches of held-out samples per evaluation (>= 1)")
     timeout: float = _field(300.0, "watchdog: seconds a collective may wait before the job aborts (> 0)")
     backend: str = _field("auto", "array backend: numpy (CPU), cupy (GPU), or auto = the HPCPAR_BACKEND "
                                   "environment variable, else numpy", ("auto", "numpy", "cupy"))

@@ -148,7 +148,12 @@ class Trainer:
 
     # -- evaluation ---------------------------------------------------------------------
     def evaluate(self, batches: int) -> float:
-        """Mean validation loss over `batches` micro-batches per dp rank (same everywhere)."""
+        """Mean validation loss over `batches` global batches (same float everywhere).
+
+        Validation batch i holds the same sample ids as a training step's global batch
+        (dp * micro_batch_size * microbatches), drawn from the validation stream, so the
+        figure depends on the global batch, not on the mesh.
+        """
         t = self.cfg.train
         dp, d = self.mesh.size("dp"), self.mesh.rank("dp")
         for stage in self.stages:
@@ -156,15 +161,15 @@ class Trainer:
         try:
             with no_grad():
                 eval_batches = [data.get_eval_batch(self.val_tokens, t.seed, i,
-                                                    data.microbatch_sample_ids(d, dp, t.micro_batch_size, 0),
+                                                    data.microbatch_sample_ids(d, dp, t.micro_batch_size, j),
                                                     self.cfg.model.block_size)
-                                for i in range(batches)]
+                                for i in range(batches) for j in range(t.microbatches)]
                 losses = self.executor.run(eval_batches, forward_only=True)
         finally:
             for stage in self.stages:
                 stage.train()
         local = np.array([float(sum(losses)) if self.is_loss_reporter else 0.0])
-        return float(self.mesh.world.all_reduce(local, op="sum")[0]) / (dp * batches)
+        return float(self.mesh.world.all_reduce(local, op="sum")[0]) / (dp * len(eval_batches))
 
     # -- global views (tests, checkpoints) -------------------------------------------------
     def _owns_blocks(self, p) -> bool:
@@ -328,6 +333,7 @@ def main(config_path: str | None, overrides: list) -> int:
                       available_memory_bytes=_memory_per_rank())
     cfg, mesh, rank0 = trainer.cfg, trainer.mesh, world.rank == 0  # cfg: validated, mesh resolved
     watchdog.set_timeout(cfg.run.timeout)
+    watchdog.set_check_every(cfg.run.debug_check_every)
     preemption.install()
     _prepare_run_dir(cfg, mesh.world)
     _log_ranks(cfg, mesh.world)

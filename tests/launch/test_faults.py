@@ -237,3 +237,27 @@ def test_consecutive_nan_steps_abort_naming_the_parameter(train, tmp_path):
     assert job.stderr.count("hpcpar: error: 2 consecutive steps with a non-finite loss or gradient "
                             f"(last: step 3, first bad parameter: {name})") == 1, job.output
     assert "Traceback" not in job.output
+
+
+def test_debug_mode_names_the_rank_whose_collectives_diverge(mpirun, tmp_path):
+    script = tmp_path / "diverge.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np
+        from mpi4py import MPI
+        from hpcpar import failure, watchdog
+        from hpcpar.comm import Communicator
+        failure.install()
+        watchdog.set_check_every(2)
+        comm = Communicator(MPI.COMM_WORLD.Dup(), "dp")
+        for i in range(2):
+            comm.all_reduce(np.ones(4))
+        comm.barrier()
+        comm.all_reduce(np.ones(5 if comm.rank == 1 else 4))  # checked before it is issued
+        print("not reached", flush=True)
+    """))
+    job = mpirun(NP, [PY, str(script)], timeout=60)
+    assert not job.timed_out and job.returncode != 0, job.output
+    assert "not reached" not in job.stdout
+    assert ("OpSequenceMismatch: the ranks of communicator 'dp' issued different collectives; the first "
+            "that differs is collective 2 since the last check: rank 0: #3 all_reduce float64[4]; "
+            "rank 1: #3 all_reduce float64[5];") in job.stderr, job.output
