@@ -19,15 +19,18 @@ can fill); the batch per step is
     weak scaling    the global batch grows with the ranks (--rank-batch sequences per rank):
                     micro_batch_size = rank_batch * N / (dp * microbatches)
 
-so at N=1 (the baseline) both are the same run by default. tokens/s = global batch * T / step time;
-speedup = tokens/s / baseline tokens/s; efficiency = speedup / N, and "eff (cores)" =
-speedup / min(N, cores), the share of what the machine's cores allow. Launches alternate
-over the meshes --repeats times and the best repeat of each counts (the machine may be
-shared). "tok/cpu-s" divides by the busiest rank's CPU time instead of wall time: the rate
-with a core per rank. As the peer, PyTorch eager trains the same GPT on the same strong-
-scaling batch in one process (1 thread, and one thread per core), via bench/vs_torch.py's
-`torch_trainer`; it is skipped, and the output says so, where torch is not installed.
-Strong-scaling runs train the same global batches, so their losses must agree (printed).
+so at N=1 (the baseline) both are the same run by default. tokens/s = global batch * T /
+step time; speedup = tokens/s / baseline tokens/s; efficiency = speedup / N, and
+"eff (cores)" = speedup / min(N, cores), the share of what the machine's cores allow.
+Launches go over the meshes --repeats times, in reverse order every other time, and the best
+repeat of each counts (the machine may be shared). "tok/cpu-s" divides by the busiest rank's
+CPU time instead of wall time: the rate with a core per rank, and the fairer figure on a
+machine shared with other work, where more processes also win a larger share of the cores
+(waits spin for up to a few ms before they sleep, which this counts as work). As the peer,
+PyTorch eager trains the same GPT on the same strong-scaling batch in one process (1 thread,
+and one thread per core), via bench/vs_torch.py's `torch_trainer`; it is skipped, and the
+output says so, where torch is not installed. Strong-scaling runs train the same global
+batches, so their losses must agree (printed).
 Results: a table, bench/results/mesh_scaling.json and bench/results/mesh_scaling.png.
 """
 
@@ -130,17 +133,20 @@ def torch_worker(args: argparse.Namespace) -> None:
     cfg = config.load_config(None, overrides(args, 1, 1, 1, int(args.mbs)))
     tokens = data.split(data.load_corpus(cfg.data.corpus), cfg.data.val_fraction)[0]
     step_fn = vs_torch.torch_trainer(GPT(gpt_config(cfg), seed=cfg.train.seed))
-    step_s = []
+    step_s, cpu_s = [], []
     for step in range(args.warmup + args.steps):
         batches = [data.get_batch(tokens, cfg.train.seed, step, data.microbatch_sample_ids(0, 1, int(args.mbs), j),
                                   args.block) for j in range(args.microbatches)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step_fn(batches)
         if step >= args.warmup:
             step_s.append(time.perf_counter() - t0)
+            cpu_s.append(time.process_time() - c0)
     tokens_per_step = int(args.mbs) * args.microbatches * args.block
-    print(MARKER + json.dumps({"threads": args.threads, "version": torch.__version__, "step_s": min(step_s),
-                               "tokens_per_s": tokens_per_step / min(step_s),
+    best = min(range(len(step_s)), key=step_s.__getitem__)
+    print(MARKER + json.dumps({"threads": args.threads, "version": torch.__version__, "step_s": step_s[best],
+                               "tokens_per_s": tokens_per_step / step_s[best],
+                               "tokens_per_cpu_s": tokens_per_step / cpu_s[best],
                                "tokens_per_s_median": tokens_per_step / statistics.median(step_s)}), flush=True)
 
 
@@ -178,8 +184,9 @@ def torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def summarise(runs: dict, baseline: float, cores: int) -> list[dict]:
-    """One row per mesh: the best repeat, with speedup and efficiencies against `baseline` tokens/s."""
+def summarise(runs: dict, baseline: dict, cores: int) -> list[dict]:
+    """One row per mesh: the best repeat, with speedups and efficiencies against `baseline`
+    ({"tokens_per_s", "tokens_per_cpu_s"} of the 1x1x1 run)."""
     rows = []
     for (dp, tp, pp, mbs), repeats in runs.items():
         ok = [r for r in repeats if "error" not in r]
@@ -190,8 +197,9 @@ def summarise(runs: dict, baseline: float, cores: int) -> list[dict]:
             rows.append({**row, "error": repeats[0]["error"]})
             continue
         best = max(ok, key=lambda r: r["tokens_per_s"])
-        speedup = best["tokens_per_s"] / baseline
+        speedup = best["tokens_per_s"] / baseline["tokens_per_s"]
         rows.append({**row, **best, "speedup": speedup, "efficiency": speedup / world,
+                     "cpu_speedup": best["tokens_per_cpu_s"] / baseline["tokens_per_cpu_s"],
                      "efficiency_cores": speedup / min(world, cores),
                      "all_repeats_tokens_per_s": [r["tokens_per_s"] for r in ok]})
     return rows
@@ -209,6 +217,8 @@ def plot(result: dict, path: Path) -> None:
         rows = [r for r in result[mode] if "error" not in r]
         x = range(len(rows))
         ax.bar(x, [r["speedup"] for r in rows], color=[colors.get(r["ranks"], "tab:green") for r in rows])
+        ax.scatter(x, [r["cpu_speedup"] for r in rows], marker="D", s=25, color="white", edgecolor="black",
+                   label="per CPU-second of the busiest rank", zorder=4)
         ax.scatter(x, [min(r["ranks"], cores) for r in rows], marker="_", s=400, color="black",
                    label=f"ideal on {cores} cores", zorder=3)
         for torch_row in result["torch"] or []:
@@ -223,8 +233,7 @@ def plot(result: dict, path: Path) -> None:
         ax.legend(fontsize=7)
     m = result["meta"]
     fig.suptitle(f"GPT n_layer={m['n_layer']} n_embd={m['n_embd']} T={m['block_size']}, "
-                 f"{m['microbatches']} micro-batches, {cores} cores (4 ranks oversubscribed), best of "
-                 f"{m['repeats']}", fontsize=9)
+                 f"{m['microbatches']} micro-batches, best of {m['repeats']}; {m['note']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -236,7 +245,7 @@ def print_table(result: dict) -> None:
           f"{m['microbatches']} micro-batches per step, 1 BLAS thread per rank, best of {m['repeats']}")
     print(f"# {m['note']}")
     print(f"{'mode':<7}{'mesh':<11}{'ranks':>5} {'batch':>7}{'tokens/s':>10}{'speedup':>9}{'eff':>6}"
-          f"{'eff(cores)':>11}{'tok/cpu-s':>11}{'loss':>9}")
+          f"{'eff(cores)':>11}{'tok/cpu-s':>11}{'speedup':>9}{'loss':>9}")
     for mode in ("strong", "weak"):
         for r in result[mode]:
             star = "*" if r["oversubscribed"] else " "
@@ -246,13 +255,19 @@ def print_table(result: dict) -> None:
             batch = f"{r['tokens_per_step'] // m['block_size']}x{m['block_size']}"
             print(f"{mode:<7}{r['mesh']:<11}{r['ranks']:>4}{star} {batch:>7}{r['tokens_per_s']:>10.0f}"
                   f"{r['speedup']:>8.2f}x{r['efficiency']:>6.0%}{r['efficiency_cores']:>11.0%}"
-                  f"{r['tokens_per_cpu_s']:>11.0f}{r['loss']:>9.4f}")
-    print(f"* more ranks than the {cores} cores: oversubscribed, the ranks share cores")
+                  f"{r['tokens_per_cpu_s']:>11.0f}{r['cpu_speedup']:>8.2f}x{r['loss']:>9.4f}")
+    if any(r["oversubscribed"] for r in result["strong"]):
+        print(f"* more ranks than the {cores} cores: oversubscribed, the ranks share cores")
+    print("tok/cpu-s: tokens per CPU-second of the busiest rank (the rate with a core per rank; on a machine "
+          "shared with other work, more processes also get a larger share of it, which inflates wall-clock "
+          "speedups)")
     if result["torch"] is None:
         print(f"PyTorch peer skipped: {result['torch_note']}")
     for t in result["torch"] or []:
-        print(f"PyTorch {t['version']} eager, 1 process, {t['threads']} thread(s): {t['tokens_per_s']:.0f} tokens/s "
-              f"(hpcpar 1x1x1 / torch = {result['baseline_tokens_per_s'] / t['tokens_per_s']:.2f})")
+        print(f"PyTorch {t['version']} eager, 1 process, {t['threads']} thread(s): {t['tokens_per_s']:.0f} tokens/s, "
+              f"{t['tokens_per_cpu_s']:.0f} per CPU-s (hpcpar 1x1x1 / torch = "
+              f"{result['baseline_tokens_per_s'] / t['tokens_per_s']:.2f}, per CPU-s "
+              f"{result['baseline_tokens_per_cpu_s'] / t['tokens_per_cpu_s']:.2f})")
     if result["strong_loss_spread"] is not None:
         print(f"strong scaling: the last step's loss agrees across meshes to {result['strong_loss_spread']:.1e}")
 
@@ -307,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = {mode: {(*mesh, by_mode[mode]): [] for mesh, by_mode in sizes.items()} for mode in ("strong", "weak")}
     torch_runs: dict[int, list] = {t: [] for t in torch_threads}
     for repeat in range(args.repeats):
-        for (dp, tp, pp), by_mode in sizes.items():
+        # Every other repeat runs the meshes in reverse order, so that each mesh (the 1x1x1
+        # baseline above all) is measured both early and late while other load comes and goes.
+        for (dp, tp, pp), by_mode in list(sizes.items())[::-1 if repeat % 2 else 1]:
             batch_sizes = sorted(set(by_mode.values()))  # one launch runs both modes (one run where they agree)
             print(f"[{repeat + 1}/{args.repeats}] {mesh_name(dp, tp, pp):<10} micro-batch "
                   f"{' and '.join(map(str, batch_sizes))}", flush=True)
@@ -322,13 +339,14 @@ def main(argv: list[str] | None = None) -> int:
                     torch_runs[threads].append(launch(None, ["--torch-worker", "--threads", str(threads), "--mbs",
                                                              str(by_mode["strong"]), *model_args(args)], args.timeout))
 
-    baselines = {}  # mode -> the 1x1x1 run's tokens/s
+    baselines = {}  # mode -> the 1x1x1 run's best rates
     for mode, runs in plan.items():
         base = next(results for (dp, tp, pp, _), results in runs.items() if dp * tp * pp == 1)
         if all("error" in r for r in base):
             print(f"the 1x1x1 baseline ({mode} scaling) failed: {base[0]['error']}", file=sys.stderr)
             return 1
-        baselines[mode] = max(r["tokens_per_s"] for r in base if "error" not in r)
+        baselines[mode] = {key: max(r[key] for r in base if "error" not in r)
+                           for key in ("tokens_per_s", "tokens_per_cpu_s")}
     torch_rows = None
     if not skip_torch:
         torch_rows = []
@@ -352,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                  "note": (f"the machine has {cores} cores: {' and '.join(map(str, oversubscribed))}-rank runs are "
                           "oversubscribed (ranks share cores)" if oversubscribed else
                           f"every run has a core per rank ({cores} cores)")},
-        "baseline_tokens_per_s": baselines["strong"], "weak_baseline_tokens_per_s": baselines["weak"], "strong": strong, "weak": weak,
+        "baseline_tokens_per_s": baselines["strong"]["tokens_per_s"],
+        "baseline_tokens_per_cpu_s": baselines["strong"]["tokens_per_cpu_s"], "strong": strong, "weak": weak,
         "torch": torch_rows, "torch_note": skip_torch,
         "strong_loss_spread": max(losses) - min(losses) if len(losses) > 1 else None,
     }

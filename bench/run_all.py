@@ -1,6 +1,7 @@
 """Run every benchmark, collect their JSON, write bench/results/summary.json and docs/benchmarks.md.
 
     python bench/run_all.py [--quick] [--only mesh_scaling,vs_torch] [--note "shared 2-core VM"]
+    python bench/run_all.py --report-only      # rebuild the page from bench/results/*.json
 
 Each benchmark runs as a subprocess (under `mpiexec -n N` where it needs ranks, one BLAS
 thread per rank), one after the other, writing its JSON into --results-dir. Then every
@@ -244,14 +245,16 @@ def _mesh_scaling(d: dict) -> list[str]:
             at_n = [r for r in rows if r["ranks"] == n]
             best = max(at_n, key=lambda r: r["speedup"])
             star = "*" if best["oversubscribed"] else ""
-            others = ", ".join(f"{r['mesh']} {r['speedup']:.2f}x" for r in at_n)
-            parts.append(f"{n} ranks{star}: best {best['mesh']} {best['speedup']:.2f}x (all: {others})")
+            every = ", ".join(f"{r['mesh']} {r['speedup']:.2f}x" for r in at_n)
+            parts.append(f"{n} ranks{star}: {every}; best {best['mesh']} ({best['cpu_speedup']:.2f}x per CPU-s)")
         failed = [r["mesh"] for r in d[mode] if "error" in r]
-        out.append(f"{mode}: " + "; ".join(parts) + (f"; failed: {', '.join(failed)}" if failed else ""))
+        failed_text = f"; failed: {', '.join(failed)}" if failed else ""
+        out.append(f"{mode} tokens/s vs 1x1x1: " + "; ".join(parts) + failed_text)
     if d.get("torch"):
-        for t in d["torch"]:
-            out.append(f"PyTorch eager, 1 process, {t['threads']} thread(s): {t['tokens_per_s']:.0f} tokens/s; "
-                       f"hpcpar 1x1x1 {d['baseline_tokens_per_s']:.0f} ({d['baseline_tokens_per_s'] / t['tokens_per_s']:.2f}x)")
+        base = d["baseline_tokens_per_s"]
+        out.append("hpcpar 1x1x1 / PyTorch eager (1 process): " + ", ".join(
+            f"{base / t['tokens_per_s']:.2f}x with {t['threads']} thread(s) ({base:.0f} vs {t['tokens_per_s']:.0f} "
+            "tokens/s)" for t in d["torch"]))
     else:
         out.append(f"PyTorch peer skipped: {d.get('torch_note') or 'not run'}")
     out.append(f"* {d['meta']['note']}")
@@ -304,30 +307,34 @@ def _escape(text: str) -> str:
 
 
 def _mesh_table(d: dict) -> list[str]:
+    meta = d["meta"]
     weak = {r["mesh"]: r for r in d["weak"]}
-    lines = [f"GPT n_layer={d['meta']['n_layer']}, n_embd={d['meta']['n_embd']}, T={d['meta']['block_size']}, "
-             f"float32, {d['meta']['microbatches']} micro-batches per step; strong: {d['meta']['global_batch']} "
-             f"sequences per step on every mesh; weak: {d['meta']['rank_batch']} sequences per step per rank. "
-             f"Best of {d['meta']['repeats']} launches x {d['meta']['steps']} timed steps. "
-             f"Efficiency = speedup / ranks; (cores) = speedup / min(ranks, {d['meta']['cores']} cores). "
+    lines = [f"GPT n_layer={meta['n_layer']}, n_embd={meta['n_embd']}, T={meta['block_size']}, float32, "
+             f"{meta['microbatches']} micro-batches per step; strong: {meta['global_batch']} sequences per step on "
+             f"every mesh; weak: {meta['rank_batch']} sequences per step per rank. Best of {meta['repeats']} "
+             f"launches x {meta['steps']} timed steps. Speedup: tokens/s over 1x1x1's; efficiency = speedup / "
+             f"ranks, (cores) = speedup / min(ranks, {meta['cores']} cores); CPU-s: the speedup in tokens per "
+             "CPU-second of the busiest rank (the rate with a core per rank; on a shared machine more "
+             "processes also get a larger share of the cores, which inflates wall-clock speedups). "
              "\\* = more ranks than cores (oversubscribed).", "",
-             "| mesh | ranks | strong tokens/s | speedup | efficiency (cores) | weak tokens/s | speedup | "
-             "efficiency (cores) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| mesh | ranks | strong tokens/s | speedup | efficiency (cores) | CPU-s | weak tokens/s | speedup | "
+             "efficiency (cores) | CPU-s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cells(r: dict | None) -> str:
-        if r is None:
-            return "– | – | –"
-        if "error" in r:
-            return "failed | – | –"
+        if r is None or "error" in r:
+            return ("–" if r is None else "failed") + " | – | – | –"
         return (f"{r['tokens_per_s']:,.0f} | {r['speedup']:.2f}x | "
-                f"{r['efficiency']:.0%} ({r['efficiency_cores']:.0%})")
+                f"{r['efficiency']:.0%} ({r['efficiency_cores']:.0%}) | {r['cpu_speedup']:.2f}x")
     for r in d["strong"]:
         star = "\\*" if r["oversubscribed"] else ""
         lines.append(f"| {r['mesh']} | {r['ranks']}{star} | {cells(r)} | {cells(weak.get(r['mesh']))} |")
     for t in d.get("torch") or []:
         lines.append(f"| PyTorch eager, {t['threads']} thread(s) | 1 | {t['tokens_per_s']:,.0f} | "
-                     f"{t['tokens_per_s'] / d['baseline_tokens_per_s']:.2f}x | – | | | |")
+                     f"{t['tokens_per_s'] / d['baseline_tokens_per_s']:.2f}x | – | "
+                     f"{t['tokens_per_cpu_s'] / d['baseline_tokens_per_cpu_s']:.2f}x | | | | |")
+    if not d.get("torch"):
+        lines += ["", f"PyTorch peer skipped: {d.get('torch_note') or 'not run'}."]
     return lines
 
 
@@ -390,7 +397,7 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
             lines += _mesh_table(mesh)
         except (KeyError, TypeError, ZeroDivisionError) as e:
             lines.append(f"(results not in the expected form: {type(e).__name__}: {e})")
-        lines += ["", f"![mesh scaling]({_link(details['mesh_scaling']['results_file'][:-5] + '.png', docs_path)})"]
+        lines += _image("mesh scaling", details["mesh_scaling"]["results_file"], docs_path)
     pipe = details.get("pipeline", {}).get("results")
     if pipe:
         lines += ["", "## Pipeline bubble", ""]
@@ -398,8 +405,14 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
             lines += _pipeline_table(pipe)
         except (KeyError, TypeError) as e:
             lines.append(f"(results not in the expected form: {type(e).__name__}: {e})")
-        lines += ["", f"![pipeline]({_link(details['pipeline']['results_file'][:-5] + '.png', docs_path)})"]
+        lines += _image("pipeline", details["pipeline"]["results_file"], docs_path)
     return "\n".join(lines) + "\n"
+
+
+def _image(title: str, results_file: str, docs_path: Path | None) -> list[str]:
+    """Markdown lines showing the PNG next to `results_file`, if the benchmark drew one."""
+    png = str(Path(results_file).with_suffix(".png"))
+    return ["", f"![{title}]({_link(png, docs_path)})"] if (ROOT / png).exists() else []
 
 
 def _link(path: str, docs_path: Path | None) -> str:
@@ -417,9 +430,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the JSON goes (default bench/results, with --quick bench/results/quick)")
     parser.add_argument("--docs", default=None,
                         help="markdown to write (default docs/benchmarks.md, with --quick <results-dir>/benchmarks.md)")
-    parser.add_argument("--note", default="", help="a line about the machine for the page, e.g. 'shared VM'")
+    parser.add_argument("--note", default=None, help="a line about the machine for the page, e.g. 'shared VM'")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: rebuild summary.json and the page from the JSON in --results-dir")
     args = parser.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(BY_NAME)
+    names = [] if args.report_only else [n for n in args.only.split(",") if n] or list(BY_NAME)
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         parser.error(f"--only: unknown benchmark {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
@@ -428,19 +443,24 @@ def main(argv: list[str] | None = None) -> int:
     results_dir.mkdir(parents=True, exist_ok=True)
     summary_path = results_dir / "summary.json"
 
-    machine = machine_info(args.note)
-    previous = json.loads(summary_path.read_text()).get("benchmarks", {}) if summary_path.exists() else {}
-    entries = {name: {k: v for k, v in e.items() if k not in ("results", "figures")} for name, e in previous.items()}
-    started = time.perf_counter()
-    for name in names:
-        entries[name] = run(BY_NAME[name], args.quick, results_dir)
-    machine["load_average_end"] = list(os.getloadavg())
-    machine["wall_s"] = time.perf_counter() - started
+    previous = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    entries = {name: {k: v for k, v in e.items() if k not in ("results", "figures")}
+               for name, e in previous.get("benchmarks", {}).items()}
+    if args.report_only and "machine" in previous:  # the machine and load of the run that measured
+        machine = previous["machine"]
+        machine["note"] = machine.get("note", "") if args.note is None else args.note
+    else:
+        machine = machine_info(args.note or "")
+        started = time.perf_counter()
+        for name in names:
+            entries[name] = run(BY_NAME[name], args.quick, results_dir)
+        machine["load_average_end"] = list(os.getloadavg())
+        machine["wall_s"] = time.perf_counter() - started
     summary = collect(results_dir, machine, entries, args.quick)
     summary_path.write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(render_markdown(summary, docs))
-    print(f"\nwrote {summary_path} and {docs} ({machine['wall_s']:.0f} s)")
+    print(f"\nwrote {summary_path} and {docs}" + (f" ({machine['wall_s']:.0f} s)" if names else ""))
     for name in names:
         e = summary["benchmarks"][name]
         print(f"  {name}: {e['status']}")

@@ -25,6 +25,7 @@ the same `CheckpointError`, never one raising while the others wait.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import json
 import os
@@ -86,7 +87,7 @@ def _collective(comm, fn: Callable[[], Any]) -> Any:
     except CheckpointError as err:
         result, msg = None, str(err)
     except Exception as err:  # noqa: BLE001 - converted, re-raised on every rank below
-        result, msg = None, f"{type(err).__name__}: {err}"
+        result, msg = None, _one_line(err)
     messages = comm.allgather(msg)
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if failed:
@@ -95,6 +96,17 @@ def _collective(comm, fn: Callable[[], Any]) -> Any:
         prefix = f"rank {rank}: " if comm.Get_size() > 1 else ""
         raise CheckpointError(f"{prefix}{first}{more}")
     return result
+
+
+def _one_line(err: Exception) -> str:
+    """`err` as one line; a full disk (which HDF5 reports inside a long multi-line text) says so."""
+    text = " ".join(str(err).split())
+    if getattr(err, "errno", None) == errno.ENOSPC or "errno = 28" in text:
+        where = re.search(r"filename = '([^']+)'", text)
+        path = getattr(err, "filename", None) or (where.group(1) if where else "the checkpoint")
+        return (f"no space left on device writing {path}; free space or set checkpoint.dir to a file "
+                "system with room")
+    return f"{type(err).__name__}: {text}"
 
 
 # ----------------------------------------------------------------------------------------
@@ -235,6 +247,13 @@ def _write_rank_file(path: str, items: list[tuple[StoredBlock, str, np.ndarray]]
     The data goes from the caller's arrays straight into HDF5's chunk buffers (no copy of a
     C-contiguous block); fletcher32 is computed per chunk while it is in cache.
     """
+    # HDF5 crashes the process (SIGSEGV at exit) after a write fails on a full disk: check first.
+    need = sum(data.nbytes for _, _, data in items) + 4096 * len(items) + (64 << 10)  # + metadata
+    st = os.statvfs(os.path.dirname(path))
+    if st.f_bavail * st.f_frsize < need:
+        raise CheckpointError(f"no space left on device for {path}: it needs about {need} bytes, "
+                              f"{st.f_bavail * st.f_frsize} are free; free space or set checkpoint.dir "
+                              "to a file system with room")
     with h5py.File(path, "w", libver=_LIBVER) as f:
         for block, name, data in items:
             chunks = _chunks(data.shape, data.dtype.itemsize)
@@ -464,7 +483,7 @@ def latest(directory: str) -> str | None:
     try:
         with open(os.path.join(directory, LATEST)) as f:
             name = f.read().strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     path = os.path.join(directory, name)
     return path if _STEP_DIR.match(name) and os.path.isdir(path) else None

@@ -291,7 +291,7 @@ def _log_ranks(cfg: config.Config, world) -> None:
     if world.rank == 0:
         with open(os.path.join(cfg.run.dir, "ranks.json"), "w") as f:
             json.dump({str(r): {"host": h, "pid": p} for r, (h, p) in enumerate(where)}, f, indent=1)
-        if len(where) <= 16:
+        if 1 < len(where) <= 16:
             log.info("ranks (rank:pid@host): %s", ", ".join(f"{r}:{p}@{h}" for r, (h, p) in enumerate(where)))
 
 

@@ -40,6 +40,7 @@ DEFAULT_TIMEOUT_S = 600.0
 TICK_S = 0.25          # how often the monitor looks at the pending ops and serves report requests
 REPLY_WAIT_S = 3.0     # how long a timed-out rank waits for the other ranks' states
 RECENT_OPS = 5         # finished ops per rank shown in a report
+DETAILED_RANKS = 16    # ranks whose last ops a report lists; the others are summarised
 # A Handle.wait() raises on its own this long after its timeout if no report was delivered by then
 # (the monitor is not running or died); a later timed-out rank waits as long for a lower one to report.
 DELIVERY_GRACE_S = 3 * REPLY_WAIT_S + 2.0
@@ -63,6 +64,14 @@ def timeout() -> float:
     if value <= 0:
         raise ConfigError(f"HPCPAR_TIMEOUT={raw!r} is not a positive number of seconds (e.g. 600)")
     return value
+
+
+def _safe_timeout() -> float:
+    """timeout() for the monitor thread: a bad $HPCPAR_TIMEOUT is reported where the main thread reads it."""
+    try:
+        return timeout()
+    except ConfigError:
+        return DEFAULT_TIMEOUT_S
 
 
 def set_timeout(seconds: float | None) -> None:
@@ -225,7 +234,7 @@ class OpSequenceMismatch(RuntimeError):
 
 def _headline(record: OpRecord, waited: float) -> str:
     return (f"{record.op} on communicator '{record.comm}' (op #{record.seq}, {record.dtype}{list(record.shape)}) "
-            f"waited {waited:.1f}s, longer than the {timeout():g}s timeout (run.timeout / HPCPAR_TIMEOUT)")
+            f"waited {waited:.1f}s, longer than the {_safe_timeout():g}s timeout (run.timeout / HPCPAR_TIMEOUT)")
 
 
 # ---- reports ------------------------------------------------------------------------------
@@ -240,41 +249,60 @@ def _rank_state_line(state: dict) -> str:
             f"last op began or ended {state['idle_s']:.1f}s ago")
 
 
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8] -> "0-3,8"."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def format_report(record: OpRecord, waited: float, rank: int, states: dict[int, dict | None],
                   asked: bool) -> str:
     """The watchdog report for `record`, timed out on world rank `rank`.
 
     `states` maps world rank -> `FlightRecorder.state()` (None: did not answer); `asked` says
-    whether other ranks could be asked at all (`install()` was called).
+    whether other ranks could be asked at all (`install()` was called). The ranks named, and
+    this one, get their last ops listed (at most DETAILED_RANKS); the others are grouped by
+    what they are doing.
     """
     lines = [f"{_headline(record, waited)} on rank {rank}."]
     members = [int(r) for r in record.group.split(",")] if record.group else [rank]
+    named = []
     if record.peer is not None:
         peer = members[record.peer] if record.peer < len(members) else record.peer
         state = states.get(peer)
         what = _rank_state_line(state) if state else f"unresponsive (no reply within {REPLY_WAIT_S:g}s)"
         lines.append(f"Its peer for {record.comm}#{record.seq} {record.op}: rank {peer}: {what}")
+        named.append(peer)
     else:
         missing = []
         for m in members:
-            state = states.get(m)
             if m not in states:
                 continue
+            state = states[m]
             if state is None:
                 missing.append(f"rank {m}: unresponsive (no reply within {REPLY_WAIT_S:g}s: dead, or stuck "
                                "in code that holds the Python GIL)")
             elif state["issued"].get((record.comm, record.group), 0) <= record.seq:
                 missing.append(f"rank {m}: {_rank_state_line(state)}")
+            else:
+                continue
+            named.append(m)
         if missing:
             lines.append(f"Never arrived at {record.comm}#{record.seq} (communicator of world ranks "
-                         f"{record.group or rank}):")
+                         f"{_ranges(members)}):")
             lines += [f"  {m}" for m in missing]
         elif asked:
             lines.append(f"Every rank of {record.comm} that answered has issued op #{record.seq}.")
     if not asked:
         lines.append("Other ranks were not asked (watchdog.install() was not called); this rank's view only.")
+    detailed = sorted(states) if len(states) <= DETAILED_RANKS else sorted({rank, *named})[:DETAILED_RANKS]
     lines.append("Last ops of each rank (oldest first):")
-    for r in sorted(states):
+    for r in detailed:
         state = states[r]
         if state is None:
             lines.append(f"  rank {r}: unresponsive")
@@ -282,6 +310,12 @@ def format_report(record: OpRecord, waited: float, rank: int, states: dict[int, 
         lines.append(f"  rank {r} ({state['host']}, pid {state['pid']}): {_rank_state_line(state)}")
         lines += [f"    done:    {d}" for d in state["done"]]
         lines += [f"    pending: {d}" for d, _ in state["pending"]]
+    groups: dict[str, list[int]] = {}
+    for r in sorted(set(states) - set(detailed)):  # the rest, by what they do (times left out)
+        state = states[r]
+        what = "unresponsive" if state is None else _rank_state_line(state).split(" (")[0]
+        groups.setdefault(what, []).append(r)
+    lines += [f"  ranks {_ranges(rs)}: {what}" for what, rs in groups.items()]
     return "\n".join(lines)
 
 
@@ -310,11 +344,19 @@ class _Monitor:
 
     def _run(self) -> None:
         while not self._stop.wait(TICK_S):
-            if self.comm is not None:
-                self._serve()
-            overdue = recorder.overdue(timeout())
-            if overdue and (self._defer_until is None or time.monotonic() >= self._defer_until):
-                self._timed_out(overdue)
+            try:
+                self._tick()
+            except Exception as err:  # noqa: BLE001 - a broken monitor must not take the job down
+                os.write(2, f"[rank {self.rank}] hpcpar watchdog: monitor stopped ({type(err).__name__}: "
+                            f"{err}); hangs will not be reported\n".encode())
+                return
+
+    def _tick(self) -> None:
+        if self.comm is not None:
+            self._serve()
+        overdue = recorder.overdue(_safe_timeout())
+        if overdue and (self._defer_until is None or time.monotonic() >= self._defer_until):
+            self._timed_out(overdue)
 
     def _serve(self) -> None:
         """Answer every report request that has arrived with this rank's recorder state."""
@@ -322,7 +364,7 @@ class _Monitor:
         status = MPI.Status()
         while self.comm.iprobe(MPI.ANY_SOURCE, _ASK, status):
             ask = self.comm.recv(source=status.Get_source(), tag=_ASK)
-            late = bool(recorder.overdue(timeout()))
+            late = bool(recorder.overdue(_safe_timeout()))
             answer = {"id": ask["id"], "state": recorder.state(self.rank, late)}
             self._replies.append(self.comm.isend(answer, dest=status.Get_source(), tag=_REPLY))
         self._replies = [r for r in self._replies if not r.Test()]

@@ -33,7 +33,8 @@ def allreduce_row(nbytes: int, hpcpar_us: float, raw_us: float) -> dict:
 def mesh_row(mesh: str, ranks: int, tokens_per_s: float, baseline: float, cores: int = 2) -> dict:
     speedup = tokens_per_s / baseline
     return {"mesh": mesh, "ranks": ranks, "oversubscribed": ranks > cores, "tokens_per_s": tokens_per_s,
-            "speedup": speedup, "efficiency": speedup / ranks, "efficiency_cores": speedup / min(ranks, cores)}
+            "speedup": speedup, "efficiency": speedup / ranks, "efficiency_cores": speedup / min(ranks, cores),
+            "cpu_speedup": 1.1 * speedup}
 
 
 SAMPLES = {
@@ -102,8 +103,8 @@ def test_key_figures_computed_from_the_json(run_all):
     scaling = " ".join(run_all.key_figures("scaling", SAMPLES["scaling"]))
     assert "1.80x tokens/s (efficiency 90%)" in scaling and "60%" in scaling
     mesh = run_all.key_figures("mesh_scaling", SAMPLES["mesh_scaling"])
-    assert mesh[0].startswith("strong: 2 ranks: best dp=2 1.60x")
-    assert "4 ranks*: best dp=2xpp=2 1.70x" in mesh[0] and "failed: tp=4" in mesh[0]
+    assert mesh[0].startswith("strong tokens/s vs 1x1x1: 2 ranks: dp=2 1.60x, tp=2 1.20x; best dp=2 (1.76x per CPU-s)")
+    assert "4 ranks*: dp=2xpp=2 1.70x; best dp=2xpp=2" in mesh[0] and "failed: tp=4" in mesh[0]
     assert "PyTorch peer skipped: torch is not installed" in mesh
 
 
@@ -123,8 +124,9 @@ def test_markdown_table(run_all, summary):
     assert "`python bench/allreduce.py`" in main[0]
     assert "Test CPU" in text and "MPICH Version: 5.0.2" in text and "PyTorch not installed" in text
     assert "the machine was shared with other work" in text and "load average 3.0 on 2 cores" in text
-    assert "| dp=2xpp=2 | 4\\* | 1,700 | 1.70x | 42% (85%) | 1,500 | 1.50x | 38% (75%) |" in text
-    assert "| tp=4 | 4\\* | failed | – | – | failed | – | – |" in text
+    assert "| dp=2xpp=2 | 4\\* | 1,700 | 1.70x | 42% (85%) | 1.87x | 1,500 | 1.50x | 38% (75%) | 1.65x |" in text
+    assert "| tp=4 | 4\\* | failed | – | – | – | failed | – | – | – |" in text
+    assert "PyTorch peer skipped: torch is not installed." in text
     assert "| 1f1b | 1 | 16 | 3.000 | 3.450 | +15.0% |" in text
 
 
@@ -145,3 +147,17 @@ def test_commands_are_shown_as_typed(run_all, tmp_path):
                      "--max-bytes 1M --budget 0.1 --rounds 2")
     elsewhere = run_all.display(run_all.command(run_all.BY_NAME["scaling"], quick=False, out=tmp_path / "s.json"))
     assert elsewhere.endswith(f"python bench/scaling.py --steps 12 --repeats 4 --out {tmp_path / 's.json'}")
+
+
+def test_report_only_rebuilds_the_page_from_the_json(run_all, tmp_path):
+    for name, data in SAMPLES.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    (tmp_path / "summary.json").write_text(json.dumps({"machine": machine(), "benchmarks": {
+        "gemm": {"command": "mpiexec -n 2 python bench/gemm.py", "status": "ok", "figures": ["stale"]}}}))
+    page = tmp_path / "benchmarks.md"
+    assert run_all.main(["--report-only", "--results-dir", str(tmp_path), "--docs", str(page)]) == 0
+    text = page.read_text()
+    assert "Test CPU" in text and "`mpiexec -n 2 python bench/gemm.py`" in text and "stale" not in text
+    assert "0.75 at 1 MiB" in text
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["benchmarks"]["vs_torch"]["figures"] == ["no results"]

@@ -59,3 +59,85 @@ def test_comm_timeout_message_names_the_op():
     text = str(err)
     assert "barrier on communicator 'dp' (op #7" in text and "waited 12.0s" in text
     assert isinstance(err, TimeoutError)
+
+
+def test_overdue_lists_only_waited_unreported_ops_past_the_limit():
+    rec = watchdog.FlightRecorder()
+    issued = rec.begin("dp", 0, "all_reduce", (4,), np.dtype("float32"), 16)          # in flight, not waited on
+    waited = rec.begin("dp", 1, "all_reduce", (4,), np.dtype("float32"), 16)
+    blocking = rec.begin("tp", 0, "all_gather", (2,), np.dtype("float64"), 16, group="0,1", blocking=True)
+    rec.waiting(waited)
+    assert rec.overdue(60.0) == []
+    assert {r.seq for r in rec.overdue(0.0)} == {1, 0} and issued not in rec.overdue(0.0)
+    waited.report = "reported"
+    assert rec.overdue(0.0) == [blocking]
+    state = rec.state(rank=3, timed_out=True)
+    assert state["rank"] == 3 and state["issued"] == {("dp", ""): 2, ("tp", "0,1"): 1}
+    assert [w for _, w in state["pending"]] == [False, True, True]
+
+
+def _state(rank, issued, pending=(), idle=0.5, done=()):
+    return {"rank": rank, "host": "node", "pid": 100 + rank, "timed_out": False, "idle_s": idle,
+            "issued": issued, "done": list(done), "pending": list(pending)}
+
+
+def test_report_names_the_ranks_that_never_arrived():
+    rec = watchdog.OpRecord("dp", 5, "all_reduce", (2, 3), np.dtype("float32"), 24, 0.0, group="0,2,4",
+                            blocking=True, waiting=0.0)
+    key = ("dp", "0,2,4")
+    states = {0: _state(0, {key: 6}, [("dp#5 all_reduce float32[2, 3] (waiting 9.0s)", True)],
+                        done=["dp#4 all_reduce float32[2, 3] (took 0.1s)"]),
+              2: _state(2, {key: 5}, idle=12.5),                          # stalled in compute
+              4: None,                                                    # never answered
+              1: _state(1, {("tp", "0,1"): 3}, [("tp#3 all_gather (waiting 8s)", True)])}
+    text = watchdog.format_report(rec, 9.0, 0, states, asked=True)
+    lines = text.splitlines()
+    assert lines[0].startswith("all_reduce on communicator 'dp' (op #5, float32[2, 3]) waited 9.0s")
+    assert lines[1] == "Never arrived at dp#5 (communicator of world ranks 0,2,4):"
+    assert lines[2] == ("  rank 2: stalled outside communication (compute or I/O): not waiting on any op, "
+                        "last op began or ended 12.5s ago")
+    assert lines[3].startswith("  rank 4: unresponsive")
+    assert "rank 0:" not in "\n".join(lines[1:4]) and "rank 1:" not in "\n".join(lines[1:4])
+    assert "  rank 1 (node, pid 101): waiting in tp#3 all_gather (waiting 8s)" in lines
+    assert "    done:    dp#4 all_reduce float32[2, 3] (took 0.1s)" in lines
+
+
+def test_report_for_a_receive_names_the_peer_in_world_ranks():
+    rec = watchdog.OpRecord("pp", 7, "recv", (4,), np.dtype("float64"), 32, 0.0, peer=1, group="1,3",
+                            waiting=0.0)
+    states = {1: _state(1, {("pp", "1,3"): 8}), 3: _state(3, {("pp", "1,3"): 7}, idle=4.0)}
+    text = watchdog.format_report(rec, 5.0, 1, states, asked=True)
+    assert "Its peer for pp#7 recv: rank 3: stalled outside communication" in text
+
+
+def test_report_without_install_says_it_is_one_rank_view():
+    rec = watchdog.OpRecord("dp", 0, "barrier", (), "", 0, 0.0, group="0,1", waiting=0.0)
+    text = watchdog.format_report(rec, 2.0, 0, {0: _state(0, {("dp", "0,1"): 1})}, asked=False)
+    assert "Other ranks were not asked (watchdog.install() was not called)" in text
+    assert "Never arrived" not in text
+
+
+def test_check_interval_setting():
+    watchdog.set_check_every(4)
+    try:
+        assert watchdog.check_every() == 4
+        with pytest.raises(ValueError):
+            watchdog.set_check_every(-1)
+    finally:
+        watchdog.set_check_every(0)
+
+
+def test_a_large_report_details_the_named_ranks_and_groups_the_rest():
+    group = ",".join(map(str, range(64)))
+    key = ("world", group)
+    rec = watchdog.OpRecord("world", 3, "all_reduce", (1,), np.dtype("int32"), 4, 0.0, group=group, waiting=0.0)
+    waiting = [("world#3 all_reduce int32[1] (waiting 5.0s)", True)]
+    states = {r: _state(r, {key: 4}, waiting) for r in range(64)}
+    states[40] = _state(40, {key: 3}, idle=6.0)
+    states[41] = None
+    text = watchdog.format_report(rec, 5.0, 0, states, asked=True)
+    assert "Never arrived at world#3 (communicator of world ranks 0-63):" in text
+    assert "  rank 40: stalled outside communication" in text and "  rank 41: unresponsive (no reply" in text
+    assert "  rank 0 (node, pid 100): waiting in world#3" in text and "  rank 41: unresponsive" in text
+    assert "  ranks 1-39,42-63: waiting in world#3 all_reduce int32[1]" in text
+    assert "rank 5 (" not in text and len(text.splitlines()) < 20

@@ -1,0 +1,160 @@
+"""Bad input through the real CLI: one line `hpcpar: error: ...`, exit status 2, no traceback.
+
+Each case runs `python -m hpcpar ...` (one process, or `mpiexec -n 4` for mesh cases) and checks
+that stderr holds exactly one error line containing the expected text, that the status is 2 and
+that no traceback is shown. Paths in the table are templates filled from the `place` fixture:
+a corpus, an empty corpus, a bad TOML file, a plain file, a small trained checkpoint, a corrupt
+copy of it, and (when this process may mount) a read-only and a 64 KiB tmpfs.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpcpar import checkpoint as ck
+
+PY = sys.executable
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TINY = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=8", "train.micro_batch_size=1",
+        "train.microbatches=1", "train.steps=1", "train.warmup=0", "run.progress=false", "run.eval_every=0"]
+
+
+def train(*overrides: str) -> list[str]:
+    args = ["train"]
+    for item in [*TINY, "data.corpus={corpus}", "run.dir={tmp}/run", *overrides]:
+        args += ["--set", item]
+    return args
+
+
+# (id, hpcpar arguments, ranks, expected text in the one error line)
+CASES = [
+    ("mesh-product", train("mesh.dp=3", "mesh.tp=1", "mesh.pp=1"), 4,
+     "product 3 != world size 4"),
+    ("mesh-product-1-rank", train("mesh.dp=2"), 1,
+     "mesh dp=2, tp=1 (auto), pp=1 (auto): product 2 != world size 1"),
+    ("heads-by-tp", train("mesh.tp=4", "mesh.dp=1", "mesh.pp=1", "model.n_head=6", "model.n_embd=48"), 4,
+     "model.n_head=6 is not divisible by mesh.tp=4"),
+    ("vocab-by-tp", train("mesh.tp=2", "mesh.dp=2", "mesh.pp=1", "model.vocab_size=257"), 4,
+     "model.vocab_size=257 is not divisible by mesh.tp=2"),
+    ("interleaved-microbatches", train("model.n_layer=4", "pipeline.schedule=interleaved", "pipeline.chunks=2",
+                                       "mesh.pp=2", "mesh.dp=2", "mesh.tp=1", "train.microbatches=3"), 4,
+     "pipeline.schedule=interleaved needs train.microbatches (3) to be a multiple of mesh.pp (2)"),
+    ("layers-by-stages", train("model.n_layer=1", "mesh.pp=2", "mesh.dp=2", "mesh.tp=1"), 4,
+     "model.n_layer=1 is fewer than mesh.pp=2"),
+    ("negative-lr", train("train.lr=-1"), 1, "train.lr=-1.0 is invalid: must be > 0"),
+    ("zero-micro-batch", train("train.micro_batch_size=0"), 1,
+     "train.micro_batch_size=0 is invalid: must be >= 1"),
+    ("width-by-heads", train("model.n_embd=17"), 1, "model.n_embd=17 is not divisible by model.n_head=2"),
+    ("zero-timeout", train("run.timeout=0"), 1, "run.timeout=0.0 is invalid"),
+    ("unknown-choice", train("run.backend=tpu"), 1, 'run.backend="tpu" is not one of "auto", "numpy", "cupy"'),
+    ("missing-corpus", train("data.corpus={tmp}/nope.txt"), 1, "nope.txt' does not exist"),
+    ("empty-corpus", train("data.corpus={empty}"), 1, "empty.txt' holds no bytes"),
+    ("non-utf8-corpus-path", train("data.corpus={tmp}/bad\udcff.txt"), 1, "is not valid UTF-8"),
+    ("unknown-section", train("foo.bar=1"), 1, "unknown config section 'foo'"),
+    ("unknown-key", train("model.n_layers=2"), 1, "unknown key 'model.n_layers'; did you mean 'n_layer'?"),
+    ("set-syntax", ["train", "--set", "model.n_layer"], 1, "expected SECTION.KEY=VALUE"),
+    ("wrong-type", train("model.n_layer=abc"), 1, "model.n_layer must be an integer, got 'abc' (string)"),
+    ("bad-toml", ["train", "{badtoml}"], 1, "is not valid TOML"),
+    ("missing-config", ["train", "{tmp}/missing.toml"], 1, "missing.toml' not found"),
+    ("resume-missing", train("checkpoint.resume={tmp}/no-such-ckpt"), 1, "no checkpoint at"),
+    ("resume-other-model", train("model.n_embd=32", "checkpoint.resume={ckpt}"), 1,
+     "has global shape [256, 16], expected [256, 32] (checkpoint of another model?)"),
+    ("resume-corrupt", train("checkpoint.resume={corrupt}"), 1, "rank-00000.h5: cannot read tensor"),
+    ("run-dir-under-a-file", train("run.dir={afile}/sub"), 1, "is not writable (Not a directory)"),
+    ("run-dir-read-only", train("run.dir={ro}/run"), 1, "is not writable (Read-only file system)"),
+    ("disk-full", train("checkpoint.dir={full}/ckpt"), 1, "no space left on device"),
+    ("sample-bad-checkpoint", ["sample", "{afile}"], 1, "no checkpoint at"),
+    ("sample-corrupt-checkpoint", ["sample", "{corrupt}"], 1, "corrupt data"),
+    ("sample-temperature", ["sample", "{ckpt}", "--temperature", "0"], 1, "--temperature must be > 0"),
+    ("ckpt-export-no-out", ["ckpt", "export", "{ckpt}"], 1, "ckpt export needs --out FILE.npz"),
+    ("ckpt-info-missing", ["ckpt", "info", "{tmp}/nothing"], 1, "no checkpoint at"),
+    ("ckpt-verify-corrupt", ["ckpt", "verify", "{corrupt}"], 1, "rank-00000.h5: corrupt"),
+    ("job-render-bad-time", ["job", "render", "--scheduler", "slurm", "--time", "99"], 1,
+     "job option time must be HH:MM:SS (e.g. 01:30:00), got '99'"),
+    ("info-bad-dp", ["info", "--dp", "3"], 1, "mesh dp=3 x tp=1 x pp=1 = 3 ranks, but the world has 1 ranks"),
+    ("info-zero-dp", ["info", "--dp", "0"], 1, "dp must be a positive integer"),
+    ("plot-missing-run", ["plot", "{tmp}/norun", "--out", "{tmp}/x.png"], 1, "has no metrics.jsonl"),
+]
+
+
+def _mount_tmpfs(path: str, options: str) -> bool:
+    os.makedirs(path, exist_ok=True)
+    if not shutil.which("mount"):
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory):
+    """Template values for the table; mounts a read-only and a 64 KiB tmpfs when permitted."""
+    tmp = tmp_path_factory.mktemp("bad-inputs")
+    rng = np.random.default_rng(0)
+    (tmp / "corpus.txt").write_bytes(rng.integers(32, 127, size=4000, dtype=np.uint8).tobytes())
+    (tmp / "empty.txt").write_bytes(b"")
+    (tmp / "bad.toml").write_text("[model\nn_layer = 2\n")
+    (tmp / "afile").write_text("a file where a directory is expected\n")
+    values = {"tmp": str(tmp), "corpus": str(tmp / "corpus.txt"), "empty": str(tmp / "empty.txt"),
+              "badtoml": str(tmp / "bad.toml"), "afile": str(tmp / "afile")}
+    made = run(1, train(), values)
+    assert made.returncode == 0, made.output
+    values["ckpt"] = ck.latest(str(tmp / "run" / "checkpoints"))
+    corrupt = tmp / "corrupt" / "step-0000001"
+    shutil.copytree(values["ckpt"], corrupt)
+    shard = corrupt / "rank-00000.h5"
+    data = bytearray(shard.read_bytes())
+    for k in range(1, 20):  # a flipped byte every 5% of the file: model and optimizer tensors alike
+        data[len(data) * k // 20] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    values["corrupt"] = str(corrupt)
+    mounted = []
+    for name, options in (("ro", "ro,size=64k"), ("full", "size=64k")):
+        if _mount_tmpfs(str(tmp / name), options):
+            mounted.append(str(tmp / name))
+            values[name] = str(tmp / name)
+    yield values
+    for path in mounted:
+        subprocess.run(["umount", path], capture_output=True)
+
+
+def run(n: int, args: list[str], values: dict, debug: bool = False, mpirun=None):
+    argv = ([] if not debug else ["--debug"]) + [a.format(**values) for a in args]
+    if n > 1:
+        return mpirun(n, [PY, "-m", "hpcpar", *argv], timeout=60)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    proc = subprocess.run([PY, "-m", "hpcpar", *argv], capture_output=True, timeout=60, env=env, cwd=REPO)
+    out, err = (os.fsdecode(b) for b in (proc.stdout, proc.stderr))
+    return type("Job", (), {"returncode": proc.returncode, "stdout": out, "stderr": err, "output": out + err,
+                            "timed_out": False})()
+
+
+@pytest.mark.parametrize("args,n,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_with_status_2(place, mpirun, args, n, expected):
+    needs = {k for a in args for k in ("ro", "full") if "{" + k + "}" in a}
+    missing = needs - place.keys()
+    if missing:
+        pytest.skip(f"cannot mount a tmpfs here ({', '.join(sorted(missing))}); needs root and mount permission")
+    job = run(n, args, place, mpirun=mpirun)
+    assert not job.timed_out
+    errors = [line for line in job.stderr.splitlines() if line.startswith("hpcpar: error")]
+    assert job.returncode == 2, job.output
+    assert len(errors) == 1 and expected in errors[0], job.output
+    assert "Traceback" not in job.output
+
+
+def test_debug_shows_the_traceback(place):
+    job = run(1, train("train.lr=-1"), place, debug=True)
+    assert job.returncode == 2
+    assert "Traceback (most recent call last)" in job.stderr and "ConfigError" in job.stderr
+    assert job.stderr.rstrip().splitlines()[-1] == "hpcpar: error: train.lr=-1.0 is invalid: must be > 0"
+
+
+def test_at_least_25_cases():
+    assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
