@@ -38,9 +38,13 @@ def _tagged(text: str) -> str:
     return "".join(prefix + line + "\n" for line in text.rstrip("\n").splitlines())
 
 
+ABORT_DELAY_S = 0.2  # lets the launcher forward what this rank printed before it kills the job
+
+
 def _abort(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
+    time.sleep(ABORT_DELAY_S)
     MPI.COMM_WORLD.Abort(status)
 
 

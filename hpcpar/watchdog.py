@@ -412,6 +412,7 @@ class _Monitor:
             # Straight to fd 2: a replaced sys.stderr (e.g. pytest's capture) dies with the abort.
             os.write(2, (f"[rank {self.rank}] CommTimeout: " + tagged.removeprefix(f"[rank {self.rank}] ")
                          + f"[rank {self.rank}] hpcpar watchdog: aborting the job\n").encode())
+            time.sleep(0.2)  # lets the launcher forward the report before it kills the job
             self.MPI.COMM_WORLD.Abort(1)
         for r in overdue:  # polling waits raise CommTimeout with it
             r.report = report

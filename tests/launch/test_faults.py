@@ -148,8 +148,8 @@ def test_an_exception_on_one_rank_ends_the_job_naming_it(train, tmp_path):
     job = train("raise", tmp_path / "run", "train.steps=6", FAULT_RANK="1", FAULT_STEP="2")
     assert not job.timed_out and job.elapsed < 60, job.output
     assert job.returncode != 0
-    assert "[rank 1] RuntimeError: injected fault at step 2" in job.stderr
-    assert "[rank 1] Traceback (most recent call last):" in job.stderr
+    assert "[rank 1] RuntimeError: injected fault at step 2" in job.stderr, job.output
+    assert "[rank 1] Traceback (most recent call last):" in job.stderr, job.output
 
 
 def test_a_rank_killed_with_sigkill_ends_the_job(train, tmp_path):
