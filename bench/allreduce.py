@@ -10,9 +10,8 @@ rounds. algbw = size / time; busbw = algbw * 2(n-1)/n for all_reduce and
 algbw * (n-1)/n for all_gather and reduce_scatter. "raw" is blocking upper-case
 mpi4py on preallocated buffers (the cost floor); "raw_nb" is MPI's non-blocking
 form of the same op finished by a C-level Wait(); "hpcpar" is the public API as
-training code calls it (non-blocking MPI + the watchdog's polling loop + a result
-array per call). ratio = hpcpar/raw busbw; vs_nb = hpcpar/raw_nb busbw, the cost
-of hpcpar's own Python and polling alone. Results go to bench/results/allreduce.json.
+training code calls it (a result array per call; blocking MPI underneath, recorded for the watchdog). ratio =
+hpcpar/raw busbw; vs_nb = hpcpar/raw_nb busbw. Results go to bench/results/allreduce.json.
 """
 
 from __future__ import annotations

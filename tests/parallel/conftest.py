@@ -6,8 +6,9 @@
   report shows failures that happened elsewhere.
 - Only rank 0 writes the terminal report; the other ranks' reports are kept in
   memory and printed only if their session ends abnormally (e.g. collection errors).
-- A communication op that waits longer than 60 s raises CommTimeout (a test that
-  would hang fails instead).
+- The watchdog timeout is 60 s: a blocking op that waits longer aborts the job with the
+  watchdog's report (run with `-s` to see it), a non-blocking wait raises CommTimeout, so
+  a test that would hang ends instead.
 - Tests must collect identically on every rank: skip on the world size, never on
   the rank.
 """
