@@ -9,6 +9,12 @@ from hpcpar.errors import HpcparError
 
 
 def main(runs: list, out: str) -> int:
+    histories = []
+    for run in runs:
+        path = os.path.join(run, "metrics.jsonl")
+        if not os.path.isfile(path):
+            raise HpcparError(f"{run!r} has no metrics.jsonl; give run directories written by hpcpar train")
+        histories.append((os.path.basename(os.path.normpath(run)), metrics.read_json_lines(path)))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -16,12 +22,7 @@ def main(runs: list, out: str) -> int:
     except ImportError:
         raise HpcparError("hpcpar plot needs matplotlib: pip install 'hpcpar[bench]'") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        path = os.path.join(run, "metrics.jsonl")
-        if not os.path.isfile(path):
-            raise HpcparError(f"{run!r} has no metrics.jsonl; give run directories written by hpcpar train")
-        records = metrics.read_json_lines(path)
-        label = os.path.basename(os.path.normpath(run))
+    for label, records in histories:
         line, = ax.plot([r["step"] for r in records], [r["loss"] for r in records], label=f"{label} train")
         val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
         if val:

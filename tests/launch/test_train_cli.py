@@ -47,3 +47,17 @@ def test_run_directory_contents(mpirun, tmp_path):
     assert len(summary["peak_memory_bytes_per_rank"]) == 4
     assert summary["final_loss"] < summary["first_loss"]
     assert 0.0 < summary["pipeline_bubble_predicted"] < 1.0
+
+
+def test_sample_and_plot_from_a_run(mpirun, tmp_path):
+    train(mpirun, 1, tmp_path / "run")
+    job = mpirun(1, [sys.executable, "-m", "hpcpar", "sample", str(tmp_path / "run" / "checkpoints"),
+                     "--prompt", "import ", "--tokens", "40"], timeout=120)
+    assert job.returncode == 0, job.output
+    assert job.stdout.startswith("import ") and len(job.stdout.strip()) > len("import ")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "loss.png"
+    job = mpirun(1, [sys.executable, "-m", "hpcpar", "plot", str(tmp_path / "run"), "--out", str(out)],
+                 timeout=120)
+    assert job.returncode == 0, job.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
