@@ -85,7 +85,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = _field(200, "optimizer steps")
+    steps: int = _field(300, "optimizer steps")
     micro_batch_size: int = _field(12, "sequences per micro-batch per data-parallel rank")
     microbatches: int = _field(2, "micro-batches per step (gradient accumulation / pipeline micro-batches); "
                                   "global batch = dp * micro_batch_size * microbatches sequences")

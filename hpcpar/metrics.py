@@ -23,7 +23,7 @@ def flops_per_token(n_params_non_embedding: int, n_layer: int, n_embd: int, bloc
     return 6.0 * n_params_non_embedding + 12.0 * n_layer * n_embd * block_size
 
 
-def measure_gemm_flops(dtype: str = "float32", n: int = 512, seconds: float = 0.3) -> float:
+def measure_gemm_flops(dtype: str = "float32", n: int = 1024, seconds: float = 0.5) -> float:
     """This process's dense matmul rate in FLOP/s for `dtype` ([n, n] @ [n, n], host NumPy)."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n)).astype(dtype)
