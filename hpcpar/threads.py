@@ -29,8 +29,15 @@ def set_default_threads() -> int:
     """Set the BLAS/OpenMP thread variables to cores // local ranks where unset."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // local_ranks())
-    if "OMP_NUM_THREADS" in os.environ:
-        threads = int(os.environ["OMP_NUM_THREADS"] or threads)
+    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
+        threads = int(os.environ["OMP_NUM_THREADS"])
     for var in _THREAD_VARS:
-        os.environ.setdefault(var, str(threads))
+        if not os.environ.get(var, "").strip():  # unset or empty
+            os.environ[var] = str(threads)
     return threads
+
+
+def blas_threads() -> int:
+    """The BLAS/OpenMP threads this process was given (after `set_default_threads`)."""
+    value = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "1"
+    return max(1, int(value)) if value.strip().isdigit() else 1

@@ -450,13 +450,12 @@ def _measure_peak(mesh: Mesh, dtype: str) -> float:
     if backend.name() != "numpy":
         return 0.0
     rate = 0.0
-    for leader_turn in (True, False):  # leaders measure while everyone else idles in the barrier
-        if leader_turn and mesh.node_comm.rank == 0:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-            rate = metrics.measure_gemm_flops(dtype if dtype in ("float32", "float64") else "float32")
-            rate *= cores / min(threads, cores)
-        mesh.world.barrier()
+    mesh.world.ibarrier().wait()  # polling waits yield the core: the other ranks idle meanwhile
+    if mesh.node_comm.rank == 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        rate = metrics.measure_gemm_flops(dtype if dtype in ("float32", "float64") else "float32")
+        rate *= cores / min(threads.blas_threads(), cores)
+    mesh.world.ibarrier().wait()
     return float(mesh.world.all_reduce(np.array([rate]), op="sum")[0])
 
 
