@@ -22,7 +22,7 @@ from hpcpar.errors import CheckpointError, ConfigError
 class _Optimizer:
     """Shared parameter list, per-parameter state and (de)serialisation."""
 
-    _state_names: tuple[str, ...] = ()
+    state_names: tuple[str, ...] = ()
 
     def __init__(self, params: Iterable[Any], lr: float) -> None:
         self.params = list(params)
@@ -35,7 +35,7 @@ class _Optimizer:
         # State is created up front (zeros), so a checkpoint at step 0 has the same
         # tensors as any later one. Keyed by position in self.params.
         self._state: list[dict[str, Any]] = [
-            {name: _array_module(p.data).zeros_like(p.data) for name in self._state_names}
+            {name: _array_module(p.data).zeros_like(p.data) for name in self.state_names}
             for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
 
@@ -93,7 +93,7 @@ class AdamW(_Optimizer):
     The step count t is global to the optimizer.
     """
 
-    _state_names = ("exp_avg", "exp_avg_sq")
+    state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.1) -> None:
@@ -158,7 +158,7 @@ class SGD(_Optimizer):
                               f"weight_decay={weight_decay}")
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
-        self._state_names = ("momentum_buffer",) if momentum else ()
+        self.state_names = ("momentum_buffer",) if momentum else ()
         super().__init__(params, lr)
 
     def step(self, lr: float | None = None) -> None:

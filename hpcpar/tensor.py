@@ -74,7 +74,9 @@ class Tensor:
         return to_host(self.data)
 
     def item(self) -> float:
-        return float(self.data.reshape(()).item()) if self.data.size == 1 else float("nan")
+        if self.data.size != 1:
+            raise ValueError(f"item() needs a single value, this tensor has shape {self.shape}")
+        return float(self.data.reshape(()).item())
 
     def detach(self) -> "Tensor":
         return Tensor(self.data)

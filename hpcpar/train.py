@@ -242,7 +242,11 @@ class Trainer:
 
     def load(self, path: str) -> dict:
         """Load model and optimizer state from any layout's checkpoint; returns its meta."""
-        wanted = {name: layout for name, (_, layout) in self.checkpoint_tensors().items()}
+        wanted = {}
+        for name, p in self.named_parameters:
+            key = p.tied_to or name
+            wanted[f"model/{key}"] = p.layout
+            wanted.update({f"optim/{key}/{state}": p.layout for state in self.dp.state_names()})
         all_names = set().union(*self.mesh.world.mpi.allgather(set(wanted)))  # every stage's tensors
         arrays, meta = checkpoint.load(path, wanted, self.mesh.world.mpi, all_names=all_names)
         state: dict = {}
@@ -330,7 +334,7 @@ def main(config_path: str | None, overrides: list) -> int:
     world = MPI.COMM_WORLD
     _setup_logging(world.rank)
     trainer = Trainer(config.load_config(config_path, overrides), world,
-                      available_memory_bytes=_memory_per_rank())
+                      available_memory_bytes=_agreed_memory_per_rank(world))
     cfg, mesh, rank0 = trainer.cfg, trainer.mesh, world.rank == 0  # cfg: validated, mesh resolved
     watchdog.set_timeout(cfg.run.timeout)
     watchdog.set_check_every(cfg.run.debug_check_every)
@@ -416,14 +420,13 @@ def main(config_path: str | None, overrides: list) -> int:
     return status
 
 
-def _memory_per_rank() -> int | None:
-    """This node's available memory shared among its ranks, rounded down to 64 MiB so that
-    ranks reading it moments apart reach the same verdict."""
+def _agreed_memory_per_rank(world) -> int | None:
+    """The smallest share of node memory per rank over the job (None when unknown anywhere),
+    agreed by one all-reduce before validation so that every rank reaches the same verdict."""
     available = metrics.available_memory_bytes()
-    if available is None:
-        return None
-    share = available // threads.local_ranks()
-    return share - share % (64 << 20)
+    share = available // threads.local_ranks() if available is not None else -1
+    agreed = world.allreduce(share, op=MPI.MIN)  # one integer, once per run
+    return agreed if agreed >= 0 else None
 
 
 def _save(trainer: Trainer, cfg: config.Config, final: bool = False) -> None:

@@ -17,7 +17,7 @@ bucket whose parameters got no gradient is reduced as zeros) and waits for all o
 
 Tied weights. The LM head on the last pipeline stage is a copy (`tied_to`) of the embedding
 on the first. Both live in a separate final bucket: after backward their gradients are summed
-over `mesh.embedding_comm` (or locally, when one rank holds both as pipeline chunks), then
+over `mesh.embedding_comm`, then
 averaged over dp like any bucket, so the two copies receive identical updates.
 
 ZeRO-1 (arXiv 1910.02054). Buckets are padded to a multiple of dp. A reduce-scatter leaves
@@ -254,8 +254,6 @@ class DataParallel:
             for theirs in self.embedding_comm.mpi.allgather(sorted(targets)):  # setup only: pickling is fine
                 targets.update(theirs)
         tied = {n for n, p in named if getattr(p, "tied_to", None) or n in targets}
-        self._local_pairs = [(self.params[names.index(p.tied_to)], p) for p in self.params
-                             if getattr(p, "tied_to", None) and p.tied_to in names]
 
         plans = plan_buckets([(n, int(p.data.size), str(p.data.dtype)) for n, p in named],
                              int(bucket_mb * _MIB), self.dp_size, tied)
@@ -411,9 +409,6 @@ class DataParallel:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
         for b in self.buckets[self._n_regular:]:
-            for target, copy in self._local_pairs:   # both copies on this rank (pipeline chunks)
-                target.grad += copy.grad
-                copy.grad[...] = target.grad
             if self.embedding_comm is not None:
                 self.embedding_comm.iall_reduce(b.grad, op="sum").wait()  # in place
             self._launch(b)
@@ -449,8 +444,6 @@ class DataParallel:
         if not self.zero:
             self.optimizer.step(lr)
             return
-        for b in self.buckets:
-            self._refresh_part(b)
         self.optimizer.step(lr)
         handles = [self.dp_comm.iall_gather(b.part_data, dim=0) for b in self.buckets]
         for b, h in zip(self.buckets, handles):
@@ -464,13 +457,14 @@ class DataParallel:
         """Optimizer steps taken (AdamW's bias correction uses it); checkpoints save it."""
         return self.optimizer.step_count
 
-    def _state_names(self) -> tuple[str, ...]:
-        return tuple(self.optimizer._state_names)
+    def state_names(self) -> tuple[str, ...]:
+        """The optimizer's per-parameter state arrays ("exp_avg", "exp_avg_sq" for AdamW)."""
+        return tuple(self.optimizer.state_names)
 
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         """{parameter name: {state name: array of the parameter's local shape}} (copies).
         Under ZeRO the parts are all-gathered over dp first (collective over dp)."""
-        names = self._state_names()
+        names = self.state_names()
         out: dict[str, dict[str, Any]] = {n: {} for n in self.names}
         if not self.zero:
             for n, p in zip(self.names, self.params):
@@ -488,8 +482,11 @@ class DataParallel:
         return out
 
     def load_optimizer_state(self, state: dict[str, dict[str, Any]], step_count: int | None = None) -> None:
-        """Copy state of the `optimizer_state()` structure in (each rank takes its ZeRO part)."""
-        names = set(self._state_names())
+        """Copy state of the `optimizer_state()` structure in (each rank takes its ZeRO part).
+
+        Call it after loading the parameters themselves: under ZeRO it also re-reads this rank's
+        part of them (which `step` otherwise keeps up to date on its own)."""
+        names = set(self.state_names())
         missing = sorted(set(self.names) - set(state))
         if missing:
             raise CheckpointError(f"optimizer state lacks parameters {missing[:3]}{'...' if len(missing) > 3 else ''}; "
@@ -514,3 +511,6 @@ class DataParallel:
                     dst[...] = xp.asarray(state[n][k])
         if step_count is not None:
             self.optimizer.step_count = int(step_count)
+        if self.zero:
+            for b in self.buckets:
+                self._refresh_part(b)
