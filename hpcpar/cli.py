@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from hpcpar import failure
-    failure.install(debug=args.debug)
+    failure.install()
     try:
         status = run(args)
     except HpcparError as err:

@@ -63,13 +63,9 @@ def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
     _excepthook(args.exc_type, args.exc_value, args.exc_traceback)
 
 
-def install(debug: bool = False) -> None:
-    """Abort the whole job on any uncaught exception, and let the watchdog ask every rank for
-    its state (collective: duplicates COMM_WORLD).
-
-    `debug` is accepted for symmetry with `report_user_error`; uncaught exceptions
-    always show their traceback.
-    """
+def install() -> None:
+    """Abort the whole job on any uncaught exception (its traceback always shown), and let the
+    watchdog ask every rank for its state (collective: duplicates COMM_WORLD)."""
     global _error_comm
     sys.excepthook = _excepthook
     threading.excepthook = _thread_excepthook

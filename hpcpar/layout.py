@@ -83,14 +83,13 @@ class Layout:
     def is_replicated(self) -> bool:
         return self.split_dim is None and self.local_shape == self.global_shape
 
-    def take(self, global_array, xp=None):
+    def take(self, global_array):
         """The local array cut out of a full global array (same array module)."""
         if self.is_replicated:
             return global_array.copy()
         if len(self.blocks) == 1:
             return global_array[self.blocks[0].glob].copy()
-        mod = xp if xp is not None else _module_of(global_array)
-        out = mod.empty(self.local_shape, dtype=global_array.dtype)
+        out = _module_of(global_array).empty(self.local_shape, dtype=global_array.dtype)
         for b in self.blocks:
             out[b.local] = global_array[b.glob]
         return out
