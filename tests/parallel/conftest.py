@@ -16,7 +16,9 @@
 from __future__ import annotations
 
 import io
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -72,3 +74,14 @@ def world() -> Communicator:
     yield comm
     comm.free()
 
+
+
+@pytest.fixture
+def shared_dir():
+    """A temporary directory every rank sees (made by rank 0, removed after the test)."""
+    world = MPI.COMM_WORLD
+    path = world.bcast(tempfile.mkdtemp(prefix="hpcpar-test-") if world.rank == 0 else None, root=0)
+    yield path
+    world.barrier()
+    if world.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)

@@ -6,13 +6,13 @@ The save layout is tp x dp with tp = 2 when the world is even (tp innermost: ran
 
 import json
 import os
-import shutil
-import tempfile
 
 import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
+
+from collective import collective_assert
 
 from hpcpar import checkpoint as ck
 from hpcpar.errors import CheckpointError
@@ -24,20 +24,8 @@ TP = 2 if SIZE % 2 == 0 else 1
 DP = SIZE // TP
 
 
-def collective_assert(ok: bool, what: str) -> None:
-    """Every rank reaches the same verdict (no rank left waiting in a later collective)."""
-    bad = WORLD.allgather(None if ok else what)
-    failed = [(r, m) for r, m in enumerate(bad) if m]
-    assert not failed, f"failed on ranks {[r for r, _ in failed]}: {failed[0][1]}"
 
 
-@pytest.fixture
-def shared_dir():
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="hpcpar-ckpt-") if RANK == 0 else None, root=0)
-    yield path
-    WORLD.barrier()
-    if RANK == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def reference() -> dict[str, np.ndarray]:

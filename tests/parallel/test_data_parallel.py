@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from collective import collective_assert
+
 from hpcpar import data
 from hpcpar.mesh import Mesh
 from hpcpar.nn import GPT, GPTConfig
@@ -29,11 +31,6 @@ SEED, LR, CLIP, MBS, STEPS = 11, 1e-2, 0.4, 2, 5
 BUCKET_MB = 0.004  # a few parameters per bucket: many buckets, so ordering and overlap matter
 
 
-def collective_assert(ok: bool, what: str) -> None:
-    """Every rank reaches the same verdict (no rank left waiting in a later collective)."""
-    bad = WORLD.allgather(None if ok else what)
-    failed = [(r, m) for r, m in enumerate(bad) if m]
-    assert not failed, f"failed on ranks {[r for r, _ in failed]}: {failed[0][1]}"
 
 
 def meshes() -> list:

@@ -11,12 +11,12 @@ tests/unit/test_pipeline_split.py.)
 
 import json
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
 from mpi4py import MPI
+
+from collective import collective_assert
 
 from hpcpar.config import load_config
 from hpcpar.train import Trainer
@@ -31,11 +31,6 @@ BASE = ["model.vocab_size=256", "model.block_size=8", "model.n_layer=8", "model.
 # A fixed pseudo-random byte corpus: no file reading, the same on every rank.
 TOKENS = np.random.default_rng(0).integers(0, 256, 50_000).astype(np.uint8)
 
-def collective_assert(ok: bool, what: str) -> None:
-    """Every rank reaches the same verdict (no rank left waiting in a later collective)."""
-    bad = WORLD.allgather(None if ok else what)
-    failed = [(r, m) for r, m in enumerate(bad) if m]
-    assert not failed, f"failed on ranks {[r for r, _ in failed]}: {failed[0][1]}"
 
 
 def rel_err(a, b) -> float:
@@ -121,13 +116,6 @@ def test_evaluate_matches_single_process(name, chunks):
     collective_assert(rel_err(got, want) <= RTOL, f"eval loss {got!r} vs {want!r}")
 
 
-@pytest.fixture
-def shared_dir():
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="hpcpar-trace-") if RANK == 0 else None, root=0)
-    yield path
-    WORLD.barrier()
-    if RANK == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)

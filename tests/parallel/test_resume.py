@@ -13,13 +13,13 @@ The global batch (dp * micro_batch_size * microbatches sequences) is the same on
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
+
+from collective import collective_assert
 
 from hpcpar import checkpoint as ck
 from hpcpar import config
@@ -40,10 +40,6 @@ SEQUENCES_PER_MICROBATCH = {2: 4, 3: 3, 4: 4}
 pytestmark = pytest.mark.skipif(SIZE not in LAYOUTS, reason="needs 2, 3 or 4 ranks")
 
 
-def collective_assert(ok: bool, what: str) -> None:
-    """Every rank reaches the same verdict."""
-    bad = [(r, m) for r, m in enumerate(WORLD.allgather(None if ok else what)) if m]
-    assert not bad, f"failed on ranks {[r for r, _ in bad]}: {bad[0][1]}"
 
 
 def make_trainer(layout, tokens) -> Trainer:
@@ -75,13 +71,6 @@ def local_mismatches(trainer: Trainer, glob: dict) -> list[str]:
     return bad
 
 
-@pytest.fixture
-def shared_dir():
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="hpcpar-resume-") if RANK == 0 else None, root=0)
-    yield path
-    WORLD.barrier()
-    if RANK == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_reshard_round_trip_and_continued_training(shared_dir):

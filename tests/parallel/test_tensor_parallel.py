@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from collective import collective_assert
+
 from hpcpar.comm import (Communicator, all_gather_dim, copy_to, gather_from, reduce_from,
                          reduce_scatter_dim, split_to)
 from hpcpar.mesh import Mesh
@@ -25,11 +27,6 @@ SEED = 5
 REL = 1e-10
 
 
-def collective_assert(ok: bool, what: str) -> None:
-    """Every rank reaches the same verdict (no rank left waiting in a later collective)."""
-    bad = WORLD.allgather(None if ok else what)
-    failed = [(r, m) for r, m in enumerate(bad) if m]
-    assert not failed, f"failed on ranks {[r for r, _ in failed]}: {failed[0][1]}"
 
 
 def rel_err(a, b) -> float:

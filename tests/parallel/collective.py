@@ -1,0 +1,11 @@
+"""Helpers for tests that run on every rank (importable from the tests in this folder)."""
+
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+
+
+def collective_assert(ok: bool, what: str) -> None:
+    """Every rank reaches the same verdict (no rank left waiting in a later collective)."""
+    failed = [(r, m) for r, m in enumerate(WORLD.allgather(None if ok else what)) if m]
+    assert not failed, f"failed on ranks {[r for r, _ in failed]}: {failed[0][1]}"
