@@ -43,6 +43,7 @@ import h5py
 import numpy as np
 
 import hpcpar
+from hpcpar.comm import Communicator
 from hpcpar.errors import CheckpointError
 from hpcpar.layout import Layout
 
@@ -88,12 +89,12 @@ def _collective(comm, fn: Callable[[], Any]) -> Any:
         result, msg = None, str(err)
     except Exception as err:  # noqa: BLE001 - converted, re-raised on every rank below
         result, msg = None, _one_line(err)
-    messages = comm.allgather(msg)
+    messages = comm.all_gather_object(msg)
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if failed:
         rank, first = failed[0]
         more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
-        prefix = f"rank {rank}: " if comm.Get_size() > 1 else ""
+        prefix = f"rank {rank}: " if comm.size > 1 else ""
         raise CheckpointError(f"{prefix}{first}{more}")
     return result
 
@@ -359,7 +360,7 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
         meta: JSON-able dict from the caller (config, mesh, rng/data/lr positions, ...). Must be
             the same on every rank; rank 0's copy is stored with `step`, `format_version`,
             `world_size`, `timestamp` and `hpcpar_version` added.
-        comm: mpi4py communicator over all ranks (COMM_WORLD or a Cart).
+        comm: `hpcpar.comm.Communicator` over all ranks (e.g. `mesh.world`).
         keep: committed checkpoints to keep (older ones are deleted); None keeps all.
         async_save: snapshot the arrays to host copies now, write the rank file in a background
             thread and return a `SaveHandle`; `handle.wait()` (collective, main thread) commits.
@@ -368,7 +369,7 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
     """
     if keep is not None and keep < 1:
         raise CheckpointError(f"keep={keep}: must keep at least 1 checkpoint (or None for all)")
-    rank, world = comm.Get_rank(), comm.Get_size()
+    rank, world = comm.rank, comm.size
     directory = os.path.abspath(directory)
 
     def snapshot():
@@ -385,7 +386,7 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
         return local, held
 
     local, held = _collective(comm, snapshot)
-    holdings = comm.allgather(held)
+    holdings = comm.all_gather_object(held)
     plan = _collective(comm, lambda: assign_writers(holdings))
 
     def make_tmp():
@@ -396,7 +397,7 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
         os.mkdir(tmp)
         return tmp
 
-    tmp = comm.bcast(_collective(comm, make_tmp), root=0)
+    tmp = comm.broadcast_object(_collective(comm, make_tmp), root=0)
 
     items = []  # the blocks this rank writes, cut from its local arrays
     for name, t in plan.items():
@@ -418,7 +419,7 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
 
     def commit(written: Callable[[], dict | None]) -> str:
         files = _collective(comm, written)
-        all_files = comm.gather(files, root=0)
+        all_files = comm.all_gather_object(files)
 
         def finish():
             if rank != 0:
@@ -436,7 +437,7 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
             _fsync_path(tmp)
             return _commit_dir(directory, tmp, step, keep)
 
-        return comm.bcast(_collective(comm, finish), root=0)
+        return comm.broadcast_object(_collective(comm, finish), root=0)
 
     handle = SaveHandle(write, commit, background=async_save)
     return handle if async_save else handle.wait()
@@ -615,7 +616,7 @@ def load(path: str, wanted: Mapping[str, Layout], comm,
     Args:
         path: a `step-NNNNNNN` directory, or its parent (then `latest` is used).
         wanted: global name -> the `Layout` this rank needs (any layout: resharded on load).
-        comm: mpi4py communicator over all ranks; errors anywhere raise on every rank.
+        comm: `hpcpar.comm.Communicator` over all ranks; errors anywhere raise on every rank.
         all_names: when given, the names the whole job holds (every rank's `wanted` together):
             the checkpoint must hold exactly these, so a checkpoint of a larger model is refused
             instead of loading its first layers silently.
@@ -748,10 +749,9 @@ def _verify_rank_file(full: str, blocks: list[tuple[str, str]]) -> list[str]:
 
 def export(path: str, out_npz: str) -> list[str]:
     """Write every global tensor to one .npz (keys are the global names). Returns the names."""
-    from mpi4py import MPI
     ckpt = _resolve(path)
     table, _ = _read_index(ckpt, _read_manifest(ckpt))
-    arrays, _ = load(ckpt, {name: Layout.replicated(t.shape) for name, t in table.items()}, MPI.COMM_SELF)
+    arrays, _ = load(ckpt, {name: Layout.replicated(t.shape) for name, t in table.items()}, Communicator.local())
     np.savez(out_npz, **arrays)
     return sorted(arrays)
 

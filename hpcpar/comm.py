@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import sys
 import time
 import zlib
@@ -34,8 +35,6 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpar import backend, watchdog
-
-_REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}
 
 # Polling. MPI moves data only inside MPI calls, so while a transfer can still be
 # running the loop calls Test() back to back, yielding the core every few polls
@@ -77,6 +76,50 @@ class Handle:
         return self._result
 
 
+# -- transports: how an array op moves bytes -------------------------------------------------------
+# A transport starts one op from prepared contiguous buffers and returns a request with `Test()`
+# (or None when a blocking call already completed it). The Communicator prepares the buffers and
+# finishes the result once for every transport; only the call that moves the bytes differs.
+# KINDS: op -> how its buffers are used. "send"/"recv" name a peer; "broadcast" a root (as peer).
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv", "barrier")
+
+
+class MpiTransport:
+    """Host arrays over MPI's buffer methods (never pickled).
+
+    Blocking calls (`blocking=True`) are used when the watchdog's monitor thread watches them
+    (MPICH's blocking collectives are faster than its non-blocking ones); otherwise the
+    non-blocking form starts the op and the Communicator polls it.
+    """
+
+    _CALLS = {"all_reduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "all_gather": "Allgather",
+              "all_to_all": "Alltoall", "broadcast": "Bcast", "send": "Send", "recv": "Recv",
+              "barrier": "Barrier"}
+    _REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}  # avg: sum, divided when finished
+
+    def __init__(self, mpi_comm: MPI.Comm):
+        self.comm = mpi_comm
+
+    def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
+              blocking: bool = False):
+        name = self._CALLS[kind]
+        if kind == "barrier":
+            args: tuple = ()
+        elif kind == "broadcast":
+            args = (backend.mpi_buffer(recv), peer)
+        elif kind in ("send", "recv"):
+            args = (backend.mpi_buffer(send if kind == "send" else recv), peer, tag)
+        else:
+            # [buffer, datatype]: mpi4py derives each rank's count from the buffer sizes.
+            datatype = backend.mpi_buffer(recv)[2]
+            sendbuf = MPI.IN_PLACE if send is recv else [send, datatype]
+            args = (sendbuf, [recv, datatype]) + ((self._REDUCE_OPS[op],) if op is not None else ())
+        if blocking:
+            getattr(self.comm, name)(*args)
+            return None
+        return getattr(self.comm, "I" + name[0].lower() + name[1:])(*args)
+
+
 class _EventRequest:
     """A CUDA event behind the `Test()` interface of an MPI request (for NCCL ops)."""
 
@@ -89,15 +132,17 @@ class _EventRequest:
         return self._event.done
 
 
-class _Nccl:
-    """An NCCL communicator over the ranks of an MPI communicator (one GPU per rank).
+class NcclTransport:
+    """GPU arrays over an NCCL communicator spanning the ranks of `mpi_comm` (one GPU per rank).
 
-    NCCL ops are queued on the current CuPy stream in call order; point-to-point
-    messages have no tags, so sends and recvs between two ranks must be posted in
-    matching order.
+    Ops run on the transport's own CUDA stream, after the work already queued on the caller's
+    current stream (an event orders them), so data-parallel reductions overlap the backward
+    kernels that follow. NCCL point-to-point messages have no tags: sends and receives between
+    two ranks must be posted in matching order. The barrier has no bytes and goes over MPI.
     """
 
     def __init__(self, mpi_comm: MPI.Comm):
+        import cupy
         from cupy.cuda import nccl
         self.nccl = nccl
         uid = np.zeros(128, dtype=np.int64)  # NCCL_UNIQUE_ID_BYTES
@@ -105,15 +150,47 @@ class _Nccl:
             uid[:] = nccl.get_unique_id()
         mpi_comm.Bcast([uid, MPI.INT64_T], root=0)
         self.comm = nccl.NcclCommunicator(mpi_comm.size, tuple(int(v) for v in uid), mpi_comm.rank)
-        self.ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX}
+        self.size = mpi_comm.size
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._mpi = MpiTransport(mpi_comm)
+        self._ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX}
 
-    @staticmethod
-    def stream():
+    def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
+              blocking: bool = False) -> _EventRequest:
         import cupy
-        return cupy.cuda.get_current_stream()
-
-    def done(self) -> _EventRequest:
-        return _EventRequest(self.stream())
+        if kind == "barrier":
+            return self._mpi.start(kind, None, None, blocking=blocking)
+        ready = cupy.cuda.Event(block=False, disable_timing=True)
+        ready.record(cupy.cuda.get_current_stream())
+        self.stream.wait_event(ready)
+        s, c = self.stream.ptr, self.comm
+        if kind == "all_reduce":
+            ptr, count, dtype = backend.nccl_buffer(send)
+            c.allReduce(ptr, recv.data.ptr, count, dtype, self._ops[op], s)
+        elif kind == "reduce_scatter":
+            ptr, count, dtype = backend.nccl_buffer(recv)
+            c.reduceScatter(send.data.ptr, ptr, count, dtype, self._ops[op], s)
+        elif kind == "all_gather":
+            ptr, count, dtype = backend.nccl_buffer(send)
+            c.allGather(ptr, recv.data.ptr, count, dtype, s)
+        elif kind == "all_to_all":
+            part = send.shape[0] // self.size
+            self.nccl.groupStart()
+            for j in range(self.size):
+                ptr, count, dtype = backend.nccl_buffer(send[j * part:(j + 1) * part])
+                c.send(ptr, count, dtype, j, s)
+                c.recv(recv[j * part:(j + 1) * part].data.ptr, count, dtype, j, s)
+            self.nccl.groupEnd()
+        elif kind == "broadcast":
+            ptr, count, dtype = backend.nccl_buffer(recv)
+            c.bcast(ptr, count, dtype, peer, s)
+        elif kind == "send":
+            ptr, count, dtype = backend.nccl_buffer(send)
+            c.send(ptr, count, dtype, peer, s)
+        else:  # recv
+            ptr, count, dtype = backend.nccl_buffer(recv)
+            c.recv(ptr, count, dtype, peer, s)
+        return _EventRequest(self.stream)
 
 
 def _nccl_possible(mpi_comm: MPI.Comm) -> bool:
@@ -133,7 +210,6 @@ def _nccl_possible(mpi_comm: MPI.Comm) -> bool:
     pairs = {(int(h), int(d)) for h, d, _ in every}
     return bool(every[:, 2].all()) and len(pairs) == mpi_comm.size
 
-
 def _contiguous(a):
     return a if a.flags.c_contiguous else backend.array_module(a).ascontiguousarray(a)
 
@@ -149,13 +225,12 @@ def _from_front(a, dim: int):
     return xp.ascontiguousarray(xp.moveaxis(a, 0, dim)) if dim else a
 
 
-def _reduce_dtype(dtype) -> np.dtype:
-    """The dtype a reduction runs in: the array's own, or float32 when MPI has no such type."""
-    return np.dtype(dtype) if backend.mpi_datatype(dtype) is not None else np.dtype(np.float32)
-
-
 class Communicator:
     """Array collectives over the ranks of `mpi_comm`; `name` labels it in errors and records.
+
+    The only door to MPI and NCCL for everything above it: array collectives, point-to-point,
+    object collectives for setup and reports, progress. Every op is recorded in the flight
+    recorder.
 
     Shapes: `all_reduce`/`broadcast` keep the shape; `reduce_scatter(a, dim)` divides
     `a.shape[dim]` by `size` (rank r keeps part r of the sum); `all_gather(a, dim)`
@@ -176,10 +251,16 @@ class Communicator:
         group.Free()
         world.Free()
         self._blocking = watchdog.monitor()  # blocking MPI calls only when a monitor can watch them
-        self._checked: list[str] = []  # debug mode: collectives since the last sequence check
+        self._checked: list = []  # debug mode: collectives since the last sequence check
         self._check_hash = 0
-        self._nccl: _Nccl | None | bool = None  # None: not decided yet; False: stage through host
+        self._host = MpiTransport(mpi_comm)
+        self._nccl: NcclTransport | None | bool = None  # None: not decided yet; False: stage through host
         self._pool: list[np.ndarray] = []  # byte buffers behind earlier results (see _result)
+
+    @classmethod
+    def local(cls) -> "Communicator":
+        """A communicator of this process alone (MPI_COMM_SELF): every op is a no-op."""
+        return cls(MPI.COMM_SELF, "self")
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size})"
@@ -188,6 +269,54 @@ class Communicator:
         """Release the MPI communicator (not COMM_WORLD/COMM_SELF, which MPI owns)."""
         if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
+
+    # -- the one path of every array op ----------------------------------------------------------
+
+    def _transport(self, a) -> MpiTransport | NcclTransport | None:
+        """The transport for array `a`: MPI for host arrays, NCCL for GPU arrays when every rank
+        has its own GPU (decided collectively on the first GPU op), else None: stage via host."""
+        if not backend.is_device_array(a):
+            return self._host
+        if self._nccl is None:
+            self._nccl = NcclTransport(self.mpi) if _nccl_possible(self.mpi) else False
+        return self._nccl or None
+
+    def _start(self, kind: str, a, send, recv, finish: Callable[[], Any], transport, blocking: bool,
+               op: str | None = None, peer: int | None = None, tag: int = 0) -> Handle:
+        """Record the op, start it on `transport` from the prepared buffers, and return a handle
+        that waits for it and then `finish`es. Blocking only on MPI, and only when asked."""
+        blocking = blocking and transport is self._host
+        record = self._begin(kind, a, peer=peer if kind in ("send", "recv") else None, blocking=blocking)
+        if blocking:
+            try:
+                transport.start(kind, send, recv, op, peer, tag, blocking=True)
+            finally:  # an MPI error must not leave the op pending for the monitor to time out
+                watchdog.recorder.end(record)
+            return Handle(finish)
+        request = transport.start(kind, send, recv, op, peer, tag)
+
+        def complete() -> Any:
+            self._wait(request, record)
+            return finish()
+        # MPI (or NCCL) reads and writes the buffers until the op completes: the handle keeps them.
+        return Handle(complete, keep=(send, recv))
+
+    def _staged(self, start: Callable[..., Handle], a, *args, into=None) -> Handle:
+        """Run the host form of an op on a host copy of GPU array `a` (same transport, MPI); the
+        result comes back to the GPU (into `into` when given, for the in-place ops)."""
+        host = start(backend.to_host(a), *args)
+        xp = backend.array_module(a)
+
+        def complete():
+            result = host.wait()
+            if result is None:
+                return None
+            result = xp.asarray(result)
+            if into is None:
+                return result
+            into[...] = result
+            return into
+        return Handle(complete)
 
     # -- issuing and waiting --------------------------------------------------------------------
 
@@ -200,17 +329,6 @@ class Communicator:
             return watchdog.recorder.begin(self.name, seq, op, (), "", 0, peer, self._group, blocking)
         return watchdog.recorder.begin(self.name, seq, op, a.shape, a.dtype, a.nbytes, peer, self._group,
                                        blocking)
-
-    def _issue(self, record: watchdog.OpRecord, call: str, *args):
-        """Run MPI's blocking `call` (e.g. "Allreduce") for a blocking record and return None,
-        else start its non-blocking form ("Iallreduce") and return the request."""
-        if record.blocking:
-            try:
-                getattr(self.mpi, call)(*args)
-            finally:  # an MPI error must not leave the op pending for the monitor to time out
-                watchdog.recorder.end(record)
-            return None
-        return getattr(self.mpi, "I" + call[0].lower() + call[1:])(*args)
 
     def _wait(self, request, record: watchdog.OpRecord) -> None:
         """Poll `request.Test()` until done; raise CommTimeout when the watchdog reports a timeout.
@@ -241,16 +359,11 @@ class Communicator:
                 delay = min(2 * delay, _MAX_SLEEP_S)
         watchdog.recorder.end(record)
 
-    def _handle(self, request, record: watchdog.OpRecord, finish: Callable[[], Any],
-                keep: Any = None) -> Handle:
-        """A handle that waits for `request` (None: the op already completed) and then `finish`es."""
-        if request is None:
-            return Handle(finish)
-
-        def complete() -> Any:
-            self._wait(request, record)
-            return finish()
-        return Handle(complete, keep)
+    def progress(self) -> None:
+        """Let MPI advance this communicator's non-blocking ops (MPI moves data only inside MPI
+        calls and has no progress thread): a cheap probe, for long stretches of computation."""
+        if self.size > 1:
+            self.mpi.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
 
     def _check_sequence(self, op: str, a) -> None:
         """Debug mode: every `watchdog.check_every()` collectives, before issuing the next, the
@@ -304,28 +417,6 @@ class Communicator:
         self._pool.append(buf)
         return buf.view(dtype).reshape(shape)
 
-    # -- GPU arrays -----------------------------------------------------------------------------
-
-    def _nccl_comm(self) -> _Nccl | None:
-        """The NCCL communicator, created on the first GPU op (collective), or None to stage."""
-        if self._nccl is None:
-            self._nccl = _Nccl(self.mpi) if _nccl_possible(self.mpi) else False
-        return self._nccl or None
-
-    def _staged(self, start: Callable[..., Handle], a, *args, into=None) -> Handle:
-        """Run a host op on a copy of GPU array `a`; the result comes back to the GPU
-        (into `into` when given, for the in-place ops)."""
-        host = start(backend.to_host(a), *args)
-        xp = backend.array_module(a)
-
-        def complete():
-            result = xp.asarray(host.wait())
-            if into is None:
-                return result
-            into[...] = result
-            return into
-        return Handle(complete)
-
     # -- reductions -----------------------------------------------------------------------------
 
     def _check_op(self, what: str, op: str, a, allowed=("sum", "avg", "max")) -> None:
@@ -333,6 +424,13 @@ class Communicator:
             raise ValueError(f"{what} on '{self.name}': unknown op {op!r}; use one of {', '.join(allowed)}")
         if op == "avg" and not np.issubdtype(np.dtype(a.dtype), np.inexact):
             raise ValueError(f"{what} on '{self.name}': op 'avg' needs a floating dtype, got {a.dtype}")
+
+    def _work_buffer(self, send, transport):
+        """`send` in the dtype its reduction runs in: its own, or float32 where MPI has no such
+        type (e.g. bfloat16; NCCL reduces those natively)."""
+        if transport is self._host and backend.mpi_datatype(send.dtype) is None:
+            return send.astype(np.float32)
+        return send
 
     def iall_reduce(self, a, op: str = "sum") -> Handle:
         """Start an all-reduce; `wait()` returns the reduced array (same shape).
@@ -349,29 +447,17 @@ class Communicator:
         self._check_op("all_reduce", op, a)
         if self.size == 1:
             return Handle.ready(a)
-        if backend.is_device_array(a):
-            nccl = self._nccl_comm()
-            if nccl is None:
-                return self._staged(self._iall_reduce, a, op, in_place,
-                                    into=a if in_place and a.flags.c_contiguous else None)
-            send = _contiguous(a)
-            recv = send if in_place else backend.array_module(a).empty_like(send)
-            ptr, count, dtype = backend.nccl_buffer(send)
-            record = self._begin("all_reduce", a)
-            nccl.comm.allReduce(ptr, recv.data.ptr, count, dtype, nccl.ops[op], nccl.stream().ptr)
-            request = nccl.done()
-        else:
-            record = self._begin("all_reduce", a, blocking=blocking)
-            send = _contiguous(a)
-            work_dtype = _reduce_dtype(a.dtype)
-            if work_dtype != send.dtype:  # e.g. bfloat16: reduce in float32, cast back at the end
-                send = send.astype(work_dtype)
-                recv = send
-            else:  # reduce in place on `a` when asked, or on the copy a strided `a` needed anyway
-                recv = send if in_place or send is not a else self._result(send.shape, send.dtype, np)
-            spec = backend.mpi_buffer(recv)
-            sendbuf = MPI.IN_PLACE if recv is send else backend.mpi_buffer(send)
-            request = self._issue(record, "Allreduce", sendbuf, spec, _REDUCE_OPS[op])
+        transport = self._transport(a)
+        if transport is None:
+            return self._staged(self._iall_reduce, a, op, in_place, blocking,
+                                into=a if in_place and a.flags.c_contiguous else None)
+        xp = backend.array_module(a)
+        send = _contiguous(a)
+        work = self._work_buffer(send, transport)
+        if work is not send:  # reduce the upcast copy in place, cast back when finished
+            send = recv = work
+        else:  # in place on `a` when asked, or on the copy a strided `a` needed anyway
+            recv = send if in_place or send is not a else self._result(send.shape, send.dtype, xp)
 
         def finish():
             if op == "avg":
@@ -382,7 +468,7 @@ class Communicator:
                 a[...] = recv
                 return a
             return recv.astype(a.dtype)
-        return self._handle(request, record, finish)
+        return self._start("all_reduce", a, send, recv, finish, transport, blocking, op=op)
 
     def ireduce_scatter(self, a, dim: int = 0, op: str = "sum") -> Handle:
         """Start a reduce-scatter; `wait()` returns this rank's part of the reduction.
@@ -391,39 +477,26 @@ class Communicator:
         """
         return self._ireduce_scatter(a, dim, op)
 
+    def reduce_scatter(self, a, dim: int = 0, op: str = "sum"):
+        """Sum (or avg) over ranks, keeping part `rank` of `dim`: [.., n, ..] -> [.., n/size, ..]."""
+        return self._ireduce_scatter(a, dim, op, blocking=self._blocking).wait()
+
     def _ireduce_scatter(self, a, dim: int, op: str, blocking: bool = False) -> Handle:
         self._check_op("reduce_scatter", op, a, allowed=("sum", "avg"))
         dim = self._dim_divisible("reduce_scatter", a, dim)
         if self.size == 1:
             return Handle.ready(a)
-        xp = backend.array_module(a)
-        nccl = self._nccl_comm() if backend.is_device_array(a) else None
-        if backend.is_device_array(a) and nccl is None:
-            return self._staged(self.ireduce_scatter, a, dim, op)
-        record = self._begin("reduce_scatter", a, blocking=blocking and nccl is None)
-        send = _to_front(a, dim)
-        work_dtype = _reduce_dtype(a.dtype)
-        if work_dtype != send.dtype:
-            send = send.astype(work_dtype)
-        recv = self._result((send.shape[0] // self.size,) + send.shape[1:], send.dtype, xp)
-        if nccl is not None:
-            ptr, count, dtype = backend.nccl_buffer(recv)
-            nccl.comm.reduceScatter(send.data.ptr, ptr, count, dtype, nccl.ops[op], nccl.stream().ptr)
-            request = nccl.done()
-        else:
-            spec = backend.mpi_buffer(recv)
-            request = self._issue(record, "Reduce_scatter_block", [send, spec[2]], [recv, spec[2]],
-                                  _REDUCE_OPS[op])
+        transport = self._transport(a)
+        if transport is None:
+            return self._staged(self._ireduce_scatter, a, dim, op, blocking)
+        send = self._work_buffer(_to_front(a, dim), transport)
+        recv = self._result((send.shape[0] // self.size,) + send.shape[1:], send.dtype, backend.array_module(a))
 
         def finish():
             if op == "avg":
                 recv[...] /= self.size
             return _from_front(recv.astype(a.dtype, copy=False), dim)
-        return self._handle(request, record, finish)
-
-    def reduce_scatter(self, a, dim: int = 0, op: str = "sum"):
-        """Sum (or avg) over ranks, keeping part `rank` of `dim`: [.., n, ..] -> [.., n/size, ..]."""
-        return self._ireduce_scatter(a, dim, op, blocking=self._blocking).wait()
+        return self._start("reduce_scatter", a, send, recv, finish, transport, blocking, op=op)
 
     # -- data movement --------------------------------------------------------------------------
 
@@ -431,166 +504,142 @@ class Communicator:
         """Start an all-gather; `wait()` returns [..., size*m, ...] with rank r's `a` as part r."""
         return self._iall_gather(a, dim)
 
-    def _iall_gather(self, a, dim: int, blocking: bool = False) -> Handle:
-        dim = self._dim("all_gather", a, dim)
-        if self.size == 1:
-            return Handle.ready(a)
-        xp = backend.array_module(a)
-        nccl = self._nccl_comm() if backend.is_device_array(a) else None
-        if backend.is_device_array(a) and nccl is None:
-            return self._staged(self.iall_gather, a, dim)
-        record = self._begin("all_gather", a, blocking=blocking and nccl is None)
-        send = _to_front(a, dim)
-        recv = self._result((send.shape[0] * self.size,) + send.shape[1:], send.dtype, xp)
-        if nccl is not None:
-            ptr, count, dtype = backend.nccl_buffer(send)
-            nccl.comm.allGather(ptr, recv.data.ptr, count, dtype, nccl.stream().ptr)
-            request = nccl.done()
-        else:
-            spec = backend.mpi_buffer(send)
-            request = self._issue(record, "Allgather", spec, [recv, spec[2]])
-        return self._handle(request, record, lambda: _from_front(recv, dim))
-
     def all_gather(self, a, dim: int = 0):
         """Concatenate every rank's `a` along `dim` in rank order: [.., m, ..] -> [.., size*m, ..]."""
         return self._iall_gather(a, dim, blocking=self._blocking).wait()
 
+    def _iall_gather(self, a, dim: int, blocking: bool = False) -> Handle:
+        dim = self._dim("all_gather", a, dim)
+        if self.size == 1:
+            return Handle.ready(a)
+        transport = self._transport(a)
+        if transport is None:
+            return self._staged(self._iall_gather, a, dim, blocking)
+        send = _to_front(a, dim)
+        recv = self._result((send.shape[0] * self.size,) + send.shape[1:], send.dtype, backend.array_module(a))
+        return self._start("all_gather", a, send, recv, lambda: _from_front(recv, dim), transport, blocking)
+
     def iall_to_all(self, a, dim: int = 0) -> Handle:
         """Start an all-to-all; `wait()` returns an array shaped like `a` (see `all_to_all`)."""
         return self._iall_to_all(a, dim)
-
-    def _iall_to_all(self, a, dim: int, blocking: bool = False) -> Handle:
-        dim = self._dim_divisible("all_to_all", a, dim)
-        if self.size == 1:
-            return Handle.ready(a)
-        xp = backend.array_module(a)
-        nccl = self._nccl_comm() if backend.is_device_array(a) else None
-        if backend.is_device_array(a) and nccl is None:
-            return self._staged(self.iall_to_all, a, dim)
-        record = self._begin("all_to_all", a, blocking=blocking and nccl is None)
-        send = _to_front(a, dim)
-        recv = self._result(send.shape, send.dtype, xp)
-        if nccl is not None:
-            part = send.shape[0] // self.size
-            stream = nccl.stream().ptr
-            nccl.nccl.groupStart()
-            for peer in range(self.size):
-                _, count, dtype = backend.nccl_buffer(send[peer * part:(peer + 1) * part])
-                nccl.comm.send(send[peer * part].data.ptr, count, dtype, peer, stream)
-                nccl.comm.recv(recv[peer * part].data.ptr, count, dtype, peer, stream)
-            nccl.nccl.groupEnd()
-            request = nccl.done()
-        else:
-            spec = backend.mpi_buffer(send)
-            request = self._issue(record, "Alltoall", [send, spec[2]], [recv, spec[2]])
-        return self._handle(request, record, lambda: _from_front(recv, dim))
 
     def all_to_all(self, a, dim: int = 0):
         """Part j of `a` along `dim` goes to rank j; the result holds part `rank` of every rank's
         `a`, in rank order along `dim` (same shape as `a`; `a.shape[dim]` divisible by size)."""
         return self._iall_to_all(a, dim, blocking=self._blocking).wait()
 
+    def _iall_to_all(self, a, dim: int, blocking: bool = False) -> Handle:
+        dim = self._dim_divisible("all_to_all", a, dim)
+        if self.size == 1:
+            return Handle.ready(a)
+        transport = self._transport(a)
+        if transport is None:
+            return self._staged(self._iall_to_all, a, dim, blocking)
+        send = _to_front(a, dim)
+        recv = self._result(send.shape, send.dtype, backend.array_module(a))
+        return self._start("all_to_all", a, send, recv, lambda: _from_front(recv, dim), transport, blocking)
+
     def ibroadcast(self, a, root: int = 0) -> Handle:
         """Start a broadcast of root's `a` into every rank's `a` (in place); `wait()` returns `a`."""
         return self._ibroadcast(a, root)
-
-    def _ibroadcast(self, a, root: int, blocking: bool = False) -> Handle:
-        self._check_rank("broadcast", root, "root")
-        if self.size == 1:
-            return Handle.ready(a)
-        nccl = self._nccl_comm() if backend.is_device_array(a) else None
-        if backend.is_device_array(a) and nccl is None:
-            return self._staged(self.ibroadcast, a, root, into=a)
-        record = self._begin("broadcast", a, blocking=blocking and nccl is None)
-        buf = _contiguous(a)
-        if nccl is not None:
-            ptr, count, dtype = backend.nccl_buffer(buf)
-            nccl.comm.bcast(ptr, count, dtype, root, nccl.stream().ptr)
-            request = nccl.done()
-        else:
-            request = self._issue(record, "Bcast", backend.mpi_buffer(buf), root)
-
-        def finish():
-            if buf is not a:
-                a[...] = buf
-            return a
-        return self._handle(request, record, finish)
 
     def broadcast(self, a, root: int = 0):
         """Root's `a` into every rank's `a`, in place like MPI_Bcast (same shape and dtype on
         every rank); returns `a`."""
         return self._ibroadcast(a, root, blocking=self._blocking).wait()
 
+    def _ibroadcast(self, a, root: int, blocking: bool = False) -> Handle:
+        self._check_rank("broadcast", root, "root")
+        if self.size == 1:
+            return Handle.ready(a)
+        transport = self._transport(a)
+        if transport is None:
+            return self._staged(self._ibroadcast, a, root, blocking, into=a)
+        buf = _contiguous(a)
+
+        def finish():
+            if buf is not a:
+                a[...] = buf
+            return a
+        return self._start("broadcast", a, buf, buf, finish, transport, blocking, peer=root)
+
     def isend(self, a, dest: int, tag: int = 0) -> Handle:
         """Start sending `a` to rank `dest`; `wait()` returns None once `a` may be reused."""
         return self._isend(a, dest, tag)
-
-    def _isend(self, a, dest: int, tag: int, blocking: bool = False) -> Handle:
-        self._check_rank("send", dest, "dest")
-        if backend.is_device_array(a):
-            nccl = self._nccl_comm()
-            if nccl is None:
-                return self._staged(self.isend, a, dest, tag)
-            buf = _contiguous(a)
-            record = self._begin("send", a, peer=dest)
-            ptr, count, dtype = backend.nccl_buffer(buf)
-            nccl.comm.send(ptr, count, dtype, dest, nccl.stream().ptr)
-            request = nccl.done()
-        else:
-            buf = _contiguous(a)
-            record = self._begin("send", a, peer=dest, blocking=blocking)
-            request = self._issue(record, "Send", backend.mpi_buffer(buf), dest, tag)
-        # MPI reads `buf` until the send completes: the handle keeps it referenced till then.
-        return self._handle(request, record, lambda: None, keep=buf)
 
     def send(self, a, dest: int, tag: int = 0) -> None:
         """Send `a` to rank `dest` (matched by a `recv` with the same tag there)."""
         self._isend(a, dest, tag, blocking=self._blocking).wait()
 
+    def _isend(self, a, dest: int, tag: int, blocking: bool = False) -> Handle:
+        self._check_rank("send", dest, "dest")
+        transport = self._transport(a)
+        if transport is None:
+            return self._staged(self._isend, a, dest, tag, blocking)
+        buf = _contiguous(a)
+        return self._start("send", a, buf, None, lambda: None, transport, blocking, peer=dest, tag=tag)
+
     def irecv(self, out, source: int, tag: int = 0) -> Handle:
         """Start receiving into `out` from rank `source`; `wait()` returns `out` filled."""
         return self._irecv(out, source, tag)
-
-    def _irecv(self, out, source: int, tag: int, blocking: bool = False) -> Handle:
-        self._check_rank("recv", source, "source")
-        if backend.is_device_array(out):
-            nccl = self._nccl_comm()
-            if nccl is None:
-                return self._staged(self.irecv, out, source, tag, into=out)
-        else:
-            nccl = None
-        buf = out if out.flags.c_contiguous else backend.array_module(out).empty_like(out, order="C")
-        record = self._begin("recv", out, peer=source, blocking=blocking and nccl is None)
-        if nccl is not None:
-            ptr, count, dtype = backend.nccl_buffer(buf)
-            nccl.comm.recv(ptr, count, dtype, source, nccl.stream().ptr)
-            request = nccl.done()
-        else:
-            request = self._issue(record, "Recv", backend.mpi_buffer(buf), source, tag)
-
-        def finish():
-            if buf is not out:
-                out[...] = buf
-            return out
-        return self._handle(request, record, finish)
 
     def recv(self, out, source: int, tag: int = 0):
         """Receive into `out` (shape and dtype as sent) from rank `source`; returns `out`."""
         return self._irecv(out, source, tag, blocking=self._blocking).wait()
 
+    def _irecv(self, out, source: int, tag: int, blocking: bool = False) -> Handle:
+        self._check_rank("recv", source, "source")
+        transport = self._transport(out)
+        if transport is None:
+            return self._staged(self._irecv, out, source, tag, blocking, into=out)
+        buf = out if out.flags.c_contiguous else backend.array_module(out).empty_like(out, order="C")
+
+        def finish():
+            if buf is not out:
+                out[...] = buf
+            return out
+        return self._start("recv", out, None, buf, finish, transport, blocking, peer=source, tag=tag)
+
     def ibarrier(self) -> Handle:
         """Start a barrier; `wait()` returns once every rank has started it."""
         return self._ibarrier()
 
-    def _ibarrier(self, blocking: bool = False) -> Handle:
-        if self.size == 1:
-            return Handle.ready(None)
-        record = self._begin("barrier", None, blocking=blocking)
-        return self._handle(self._issue(record, "Barrier"), record, lambda: None)
-
     def barrier(self) -> None:
         """Wait until every rank of the communicator arrives."""
         self._ibarrier(blocking=self._blocking).wait()
+
+    def _ibarrier(self, blocking: bool = False) -> Handle:
+        if self.size == 1:
+            return Handle.ready(None)
+        return self._start("barrier", None, None, None, lambda: None, self._host, blocking)
+
+    # -- objects (setup, checkpoints, reports; never on a step's hot path) -----------------------
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's picklable `obj`, in rank order, on every rank.
+
+        Pickled, then moved as bytes by the array ops above (so recorded and watched like any
+        op): for setup, checkpoints and reports, never on the hot path of a step.
+        """
+        if self.size == 1:
+            return [obj]
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        sizes = self.all_gather(np.array([data.size], dtype=np.int64))
+        padded = np.zeros((1, int(sizes.max())), dtype=np.uint8)
+        padded[0, :data.size] = data
+        every = self.all_gather(padded, dim=0)
+        return [pickle.loads(every[r, :sizes[r]].tobytes()) for r in range(self.size)]
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Root's picklable `obj` on every rank (the others' `obj` is ignored); see all_gather_object."""
+        self._check_rank("broadcast_object", root, "root")
+        if self.size == 1:
+            return obj
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
+        size = self.broadcast(np.array([len(data)], dtype=np.int64), root)
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
+        self.broadcast(buf, root)
+        return obj if self.rank == root else pickle.loads(buf.tobytes())
 
     # -- argument checks ------------------------------------------------------------------------
 
@@ -610,98 +659,3 @@ class Communicator:
         if not 0 <= rank < self.size:
             raise ValueError(f"{what} on '{self.name}': {role} {rank} is not a rank of this "
                              f"communicator (ranks 0..{self.size - 1})")
-
-
-# ---- Differentiable collectives (Megatron f/g and friends) ----
-# Tensor ops whose backward is the adjoint collective, so tensor-parallel model code reads as
-# plain math plus these calls. Layouts over the ranks of `comm`:
-#   replicated      every rank holds the same full value; ranks compute identically from it
-#                   unless it enters a sharded GEMM (then its gradient is a partial sum).
-#   partial-sum     the value is the sum of the ranks' arrays.
-#   sharded(dim)    rank r holds part r (equal parts, rank order) along `dim`.
-# With `comm` None or of size 1 every op returns its input itself: no graph node, no cost.
-
-from hpcpar.ops import _result  # noqa: E402  (this section builds on the array Communicator above)
-from hpcpar.tensor import Tensor  # noqa: E402
-
-
-def _trivial(comm: Communicator | None) -> bool:
-    return comm is None or comm.size == 1
-
-
-def _part(a, comm: Communicator, dim: int):
-    """Part `comm.rank` of `a` along `dim` (a C-contiguous copy); `a.shape[dim]` must divide evenly."""
-    dim = dim % a.ndim
-    n = a.shape[dim]
-    if n % comm.size:
-        raise ValueError(f"split on '{comm.name}': dim {dim} of shape {tuple(a.shape)} has size {n}, "
-                         f"which does not divide into {comm.size} equal parts")
-    part = n // comm.size
-    index = (slice(None),) * dim + (slice(comm.rank * part, (comm.rank + 1) * part),)
-    return backend.array_module(a).ascontiguousarray(a[index])
-
-
-def copy_to(x: Tensor, comm: Communicator | None) -> Tensor:
-    """Megatron's f, at the entry of a region whose ranks differ (sharded GEMMs).
-
-    In: replicated. Out: replicated (the same array). Backward: all-reduce (sum), because
-    each rank's gradient is only its shard's contribution (partial-sum -> replicated).
-    """
-    if _trivial(comm):
-        return x
-    return _result(x.data, (x,), lambda g: (comm.all_reduce(g),))
-
-
-def reduce_from(x: Tensor, comm: Communicator | None) -> Tensor:
-    """Megatron's g, at the exit of a sharded region.
-
-    In: partial-sum. Out: replicated (all-reduce, sum). Backward: identity (the gradient of
-    a replicated value is already complete on every rank).
-    """
-    if _trivial(comm):
-        return x
-    return _result(comm.all_reduce(x.data), (x,), lambda g: (g,))
-
-
-def all_gather_dim(x: Tensor, comm: Communicator | None, dim: int) -> Tensor:
-    """Sequence-parallel entry: sharded(dim) -> full along `dim`, used by ranks that differ.
-
-    In: [.., n, ..] sharded(dim). Out: [.., size*n, ..] (every rank's part, rank order).
-    Backward: reduce-scatter along `dim` (partial-sum gradients -> sharded(dim)).
-    """
-    if _trivial(comm):
-        return x
-    return _result(comm.all_gather(x.data, dim), (x,), lambda g: (comm.reduce_scatter(g, dim),))
-
-
-def reduce_scatter_dim(x: Tensor, comm: Communicator | None, dim: int) -> Tensor:
-    """Sequence-parallel exit: partial-sum -> sharded(dim); the adjoint of `all_gather_dim`.
-
-    In: [.., size*n, ..] partial-sum. Out: [.., n, ..], part `rank` of the sum.
-    Backward: all-gather along `dim`.
-    """
-    if _trivial(comm):
-        return x
-    return _result(comm.reduce_scatter(x.data, dim), (x,), lambda g: (comm.all_gather(g, dim),))
-
-
-def split_to(x: Tensor, comm: Communicator | None, dim: int) -> Tensor:
-    """Keep my part: replicated -> sharded(dim), no communication forward.
-
-    In: [.., size*n, ..] replicated. Out: [.., n, ..] part `rank`. Backward: all-gather along
-    `dim`, so the replicated input's gradient is complete on every rank.
-    """
-    if _trivial(comm):
-        return x
-    return _result(_part(x.data, comm, dim), (x,), lambda g: (comm.all_gather(g, dim),))
-
-
-def gather_from(x: Tensor, comm: Communicator | None, dim: int) -> Tensor:
-    """Assemble the full tensor: sharded(dim) -> replicated (ranks then compute identically).
-
-    In: [.., n, ..] sharded(dim). Out: [.., size*n, ..] replicated (all-gather).
-    Backward: keep my part of the (replicated) gradient, no communication.
-    """
-    if _trivial(comm):
-        return x
-    return _result(comm.all_gather(x.data, dim), (x,), lambda g: (_part(g, comm, dim),))

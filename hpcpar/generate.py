@@ -13,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpar import checkpoint, config
+from hpcpar.comm import Communicator
 from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
 from hpcpar.nn import GPT
@@ -23,11 +24,11 @@ from hpcpar.train import gpt_config
 def load_model(path: str) -> GPT:
     """A single-process GPT with the weights of the checkpoint at `path` (or its latest)."""
     resolved = checkpoint.latest(path) or path
-    _, meta = checkpoint.load(resolved, {}, MPI.COMM_SELF)
+    _, meta = checkpoint.load(resolved, {}, Communicator.local())
     cfg = config.loads(meta["config"], origin=f"config stored in {resolved}")
     model = GPT(gpt_config(cfg), seed=cfg.train.seed)
     wanted = {f"model/{name}": Layout.replicated(p.shape) for name, p in model.named_parameters()}
-    arrays, _ = checkpoint.load(resolved, wanted, MPI.COMM_SELF)
+    arrays, _ = checkpoint.load(resolved, wanted, Communicator.local())
     model.load_state_dict({name[len("model/"):]: a for name, a in arrays.items()})
     return model.eval()
 

@@ -13,6 +13,7 @@ into a hang.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import os
 from dataclasses import dataclass
@@ -23,7 +24,19 @@ from mpi4py import MPI
 from hpcpar.comm import Communicator
 from hpcpar.errors import MeshError
 
-AXES = ("pp", "dp", "tp")  # Cartesian order: pp outermost, tp innermost
+class Axis(str, enum.Enum):
+    """A mesh axis. A str too, so `Axis.DP` and "dp" name the same axis everywhere (keys, arguments,
+    config values); code says `Axis.DP`, users and files say "dp"."""
+
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+AXES = (Axis.PP, Axis.DP, Axis.TP)  # Cartesian order: pp outermost, tp innermost
 
 
 def _positive_int(value) -> bool:
@@ -120,7 +133,7 @@ class Mesh:
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, comm: MPI.Comm | None = None):
         base = MPI.COMM_WORLD if comm is None else comm
         validate_degrees(dp, tp, pp, base.Get_size())
-        self.degrees = {"pp": int(pp), "dp": int(dp), "tp": int(tp)}
+        self.degrees = {Axis.PP: int(pp), Axis.DP: int(dp), Axis.TP: int(tp)}
         self.cart: MPI.Cartcomm = base.Create_cart([self.degrees[a] for a in AXES],
                                                    periods=[False] * 3, reorder=False)
         self.coords: dict[str, int] = dict(zip(AXES, self.cart.Get_coords(self.cart.Get_rank())))
@@ -130,7 +143,7 @@ class Mesh:
             for key in itertools.combinations(AXES, r):
                 sub = self.cart.Sub([a in key for a in AXES])
                 self._comms[key] = Communicator(sub, "+".join(key))
-        stage, stages = self.coords["pp"], self.degrees["pp"]
+        stage, stages = self.coords[Axis.PP], self.degrees[Axis.PP]
         self.prev_stage: int | None = stage - 1 if stage > 0 else None
         self.next_stage: int | None = stage + 1 if stage < stages - 1 else None
         self.embedding_comm: Communicator | None = self._make_embedding_comm()
@@ -140,12 +153,12 @@ class Mesh:
 
     def _make_embedding_comm(self) -> Communicator | None:
         """The first and last stage of this rank's (dp, tp) position (tied embedding gradients)."""
-        stages = self.degrees["pp"]
+        stages = self.degrees[Axis.PP]
         if stages == 1:
             return None
-        ends = self.coords["pp"] in (0, stages - 1)
-        color = self.coords["dp"] * self.degrees["tp"] + self.coords["tp"] if ends else MPI.UNDEFINED
-        split = self.cart.Split(color, key=self.coords["pp"])  # collective: middle stages get COMM_NULL
+        ends = self.coords[Axis.PP] in (0, stages - 1)
+        color = self.coords[Axis.DP] * self.degrees[Axis.TP] + self.coords[Axis.TP] if ends else MPI.UNDEFINED
+        split = self.cart.Split(color, key=self.coords[Axis.PP])  # collective: middle stages get COMM_NULL
         return Communicator(split, "embedding") if ends else None
 
     def _gather_placement(self) -> Placement:

@@ -14,21 +14,8 @@ from __future__ import annotations
 
 import math
 
-from hpcpar import tensor as _tensor
 from hpcpar.backend import array_module
 from hpcpar.tensor import Tensor
-
-
-def _result(data, parents: tuple, backward) -> Tensor:
-    """Wrap `data`; attach the graph only when some parent needs gradients."""
-    if _tensor._grad_enabled:
-        for p in parents:
-            if p is not None and p.requires_grad:
-                out = Tensor(data, True)
-                out._parents = parents
-                out._backward = backward
-                return out
-    return Tensor(data)
 
 
 def _unbroadcast(g, shape: tuple):
@@ -60,7 +47,7 @@ def add(a, b) -> Tensor:
     def backward(g):
         return (_unbroadcast(g, a_shape) if a_t else None,
                 _unbroadcast(g, b_shape) if b_t else None)
-    return _result(out, (a if a_t else None, b if b_t else None), backward)
+    return Tensor.from_op(out, (a if a_t else None, b if b_t else None), backward)
 
 
 def sub(a, b) -> Tensor:
@@ -72,7 +59,7 @@ def sub(a, b) -> Tensor:
     def backward(g):
         return (_unbroadcast(g, a_shape) if a_t else None,
                 _unbroadcast(-g, b_shape) if b_t else None)
-    return _result(out, (a if a_t else None, b if b_t else None), backward)
+    return Tensor.from_op(out, (a if a_t else None, b if b_t else None), backward)
 
 
 def mul(a, b) -> Tensor:
@@ -83,7 +70,7 @@ def mul(a, b) -> Tensor:
     def backward(g):
         return (_unbroadcast(g * bd, a.shape) if a_t and a.requires_grad else None,
                 _unbroadcast(g * ad, b.shape) if b_t and b.requires_grad else None)
-    return _result(out, (a if a_t else None, b if b_t else None), backward)
+    return Tensor.from_op(out, (a if a_t else None, b if b_t else None), backward)
 
 
 def div(a, b) -> Tensor:
@@ -95,36 +82,36 @@ def div(a, b) -> Tensor:
         ga = _unbroadcast(g / bd, a.shape) if a_t and a.requires_grad else None
         gb = _unbroadcast(-g * out / bd, b.shape) if b_t and b.requires_grad else None
         return ga, gb
-    return _result(out, (a if a_t else None, b if b_t else None), backward)
+    return Tensor.from_op(out, (a if a_t else None, b if b_t else None), backward)
 
 
 def neg(x: Tensor) -> Tensor:
-    return _result(-x.data, (x,), lambda g: (-g,))
+    return Tensor.from_op(-x.data, (x,), lambda g: (-g,))
 
 
 def pow(x: Tensor, exponent: float) -> Tensor:
     """x ** exponent for a constant exponent."""
     xd = x.data
     out = xd ** exponent
-    return _result(out, (x,), lambda g: (g * exponent * xd ** (exponent - 1),))
+    return Tensor.from_op(out, (x,), lambda g: (g * exponent * xd ** (exponent - 1),))
 
 
 def exp(x: Tensor) -> Tensor:
     xp = array_module(x.data)
     out = xp.exp(x.data)
-    return _result(out, (x,), lambda g: (g * out,))
+    return Tensor.from_op(out, (x,), lambda g: (g * out,))
 
 
 def log(x: Tensor) -> Tensor:
     xp = array_module(x.data)
     xd = x.data
-    return _result(xp.log(xd), (x,), lambda g: (g / xd,))
+    return Tensor.from_op(xp.log(xd), (x,), lambda g: (g / xd,))
 
 
 def tanh(x: Tensor) -> Tensor:
     xp = array_module(x.data)
     out = xp.tanh(x.data)
-    return _result(out, (x,), lambda g: (g * (1 - out * out),))
+    return Tensor.from_op(out, (x,), lambda g: (g * (1 - out * out),))
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -158,7 +145,7 @@ def gelu(x: Tensor) -> Tensor:
         sech2 *= 0.5
         sech2 *= g
         return (sech2,)
-    return _result(out, (x,), backward)
+    return Tensor.from_op(out, (x,), backward)
 
 
 # ----------------------------------------------------------------------------------------
@@ -173,7 +160,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         ga = _unbroadcast(g @ bd.swapaxes(-1, -2), a.shape) if a.requires_grad else None
         gb = _unbroadcast(ad.swapaxes(-1, -2) @ g, b.shape) if b.requires_grad else None
         return ga, gb
-    return _result(out, (a, b), backward)
+    return Tensor.from_op(out, (a, b), backward)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -191,7 +178,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         gw = g2.T @ x2 if weight.requires_grad else None
         gb = g2.sum(axis=0) if bias is not None and bias.requires_grad else None
         return gx, gw, gb
-    return _result(out, (x, weight, bias), backward)
+    return Tensor.from_op(out, (x, weight, bias), backward)
 
 
 # ----------------------------------------------------------------------------------------
@@ -210,14 +197,14 @@ def _expand_reduced(g, shape, axis, keepdims):
 def sum(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001 (mirrors numpy)
     shape = x.shape
     out = x.data.sum(axis=axis, keepdims=keepdims)
-    return _result(out, (x,), lambda g: (_expand_reduced(g, shape, axis, keepdims),))
+    return Tensor.from_op(out, (x,), lambda g: (_expand_reduced(g, shape, axis, keepdims),))
 
 
 def mean(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:
     shape = x.shape
     out = x.data.mean(axis=axis, keepdims=keepdims)
     count = x.data.size // (out.size or 1)
-    return _result(out, (x,), lambda g: (_expand_reduced(g / count, shape, axis, keepdims),))
+    return Tensor.from_op(out, (x,), lambda g: (_expand_reduced(g / count, shape, axis, keepdims),))
 
 
 def max(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
@@ -230,7 +217,7 @@ def max(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
         mask = (xd == full).astype(xd.dtype)
         ties = mask.sum(axis=axis, keepdims=True)
         return (mask * _expand_reduced(g, xd.shape, axis, keepdims) / ties,)
-    return _result(out, (x,), backward)
+    return Tensor.from_op(out, (x,), backward)
 
 
 # ----------------------------------------------------------------------------------------
@@ -238,15 +225,15 @@ def max(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
 # ----------------------------------------------------------------------------------------
 def reshape(x: Tensor, shape: tuple) -> Tensor:
     old = x.shape
-    return _result(x.data.reshape(shape), (x,), lambda g: (g.reshape(old),))
+    return Tensor.from_op(x.data.reshape(shape), (x,), lambda g: (g.reshape(old),))
 
 
 def transpose(x: Tensor, axes: tuple | None = None) -> Tensor:
     out = x.data.transpose(axes) if axes is not None else x.data.T
     if axes is None:
-        return _result(out, (x,), lambda g: (g.T,))
+        return Tensor.from_op(out, (x,), lambda g: (g.T,))
     inverse = tuple(sorted(range(len(axes)), key=lambda i: axes[i]))
-    return _result(out, (x,), lambda g: (g.transpose(inverse),))
+    return Tensor.from_op(out, (x,), lambda g: (g.transpose(inverse),))
 
 
 def _is_basic(index) -> bool:
@@ -267,7 +254,7 @@ def getitem(x: Tensor, index) -> Tensor:
         gx = xp.zeros_like(xd)
         xp.add.at(gx, index, g)
         return (gx,)
-    return _result(xd[index], (x,), backward)
+    return Tensor.from_op(xd[index], (x,), backward)
 
 
 def split(x: Tensor, sections, axis: int = -1) -> list:
@@ -296,7 +283,7 @@ def _slice(x: Tensor, index: tuple) -> Tensor:
         gx = array_module(g).zeros_like(xd)
         gx[index] = g
         return (gx,)
-    return _result(xd[index], (x,), backward)
+    return Tensor.from_op(xd[index], (x,), backward)
 
 
 def concat(tensors: list, axis: int = 0) -> Tensor:
@@ -310,7 +297,7 @@ def concat(tensors: list, axis: int = 0) -> Tensor:
 
     def backward(g):
         return tuple(g[(slice(None),) * axis + (slice(a, b),)] for a, b in bounds)
-    return _result(out, tuple(tensors), backward)
+    return Tensor.from_op(out, tuple(tensors), backward)
 
 
 # ----------------------------------------------------------------------------------------
@@ -326,7 +313,7 @@ def embedding(idx, weight: Tensor) -> Tensor:
         gw = xp.zeros_like(wd)
         xp.add.at(gw, ids.reshape(-1), g.reshape(-1, wd.shape[1]))
         return (gw,)
-    return _result(wd[ids], (weight,), backward)
+    return Tensor.from_op(wd[ids], (weight,), backward)
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -339,7 +326,7 @@ def softmax(x: Tensor, axis: int = -1) -> Tensor:
         gy = g * out
         gy -= out * gy.sum(axis=axis, keepdims=True)
         return (gy,)
-    return _result(out, (x,), backward)
+    return Tensor.from_op(out, (x,), backward)
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
@@ -368,7 +355,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
             gx -= xhat * (gxhat * xhat).mean(axis=-1, keepdims=True)
             gx *= rstd
         return gx, gw, gb
-    return _result(out, (x, weight, bias), backward)
+    return Tensor.from_op(out, (x, weight, bias), backward)
 
 
 def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
@@ -399,7 +386,7 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
         grad[rows, safe_t] -= 1.0
         grad *= (valid * (g / count))[:, None].astype(grad.dtype)
         return (grad.reshape(ld.shape),)
-    return _result(loss.astype(ld.dtype), (logits,), backward)
+    return Tensor.from_op(loss.astype(ld.dtype), (logits,), backward)
 
 
 _causal_bias_cache: dict = {}
@@ -449,7 +436,7 @@ def causal_attention(qkv: Tensor, n_head: int) -> Tensor:
         xp.matmul(gs, k, out=gqkv[0])                                      # dQ = dS K
         xp.matmul(gs.swapaxes(-1, -2), q, out=gqkv[1])                     # dK = dS^T Q
         return (gqkv.transpose(1, 3, 0, 2, 4).reshape(b, t, three_c),)
-    return _result(out, (qkv,), backward)
+    return Tensor.from_op(out, (qkv,), backward)
 
 
 def dropout(x: Tensor, p: float, mask_rng_keys=None, training: bool = True) -> Tensor:
@@ -470,4 +457,4 @@ def dropout(x: Tensor, p: float, mask_rng_keys=None, training: bool = True) -> T
     mask = np.stack([np.random.default_rng(list(k)).random(x.shape[1:]) < keep
                      for k in mask_rng_keys]).astype(x.dtype) / keep
     mask = xp.asarray(mask)
-    return _result(x.data * mask, (x,), lambda g: (g * mask,))
+    return Tensor.from_op(x.data * mask, (x,), lambda g: (g * mask,))

@@ -3,7 +3,8 @@
 A Tensor holds an array (`data`, NumPy or CuPy), an optional gradient (`grad`, same
 shape and module) and, when it was produced by an op while gradients are enabled,
 its parents and a `_backward` closure mapping the output gradient to one gradient
-per parent. Ops live in `ops.py`, each forward next to its gradient rule.
+per parent. Ops live in `ops.py`, each forward next to its gradient rule; an op
+outside it (a collective mapping, a fused kernel) makes its result with `Tensor.from_op`.
 
 Leaf gradients accumulate in place into an existing `.grad` array, so data
 parallelism can point `.grad` at a view of a flat bucket; a leaf's grad hooks fire
@@ -51,6 +52,20 @@ class Tensor:
         self._parents: tuple = ()
         self._backward: Callable | None = None
         self._hooks: list | None = None
+
+    @staticmethod
+    def from_op(data, parents: tuple, backward: Callable) -> "Tensor":
+        """The result of an op: `data`, with `backward(g) -> one gradient (or None) per parent`
+        attached when gradients are enabled and some parent requires them (else a plain
+        Tensor, so evaluation keeps no graph). `parents` may hold None for non-Tensor inputs."""
+        if _grad_enabled:
+            for p in parents:
+                if p is not None and p.requires_grad:
+                    out = Tensor(data, True)
+                    out._parents = parents
+                    out._backward = backward
+                    return out
+        return Tensor(data)
 
     # -- array-like facts -------------------------------------------------------------
     @property
@@ -119,60 +134,55 @@ class Tensor:
 
     # -- operators (implemented in ops.py) ------------------------------------------------
     def __add__(self, other):
-        return _ops().add(self, other)
+        return _ops.add(self, other)
 
     def __radd__(self, other):
-        return _ops().add(other, self)
+        return _ops.add(other, self)
 
     def __sub__(self, other):
-        return _ops().sub(self, other)
+        return _ops.sub(self, other)
 
     def __rsub__(self, other):
-        return _ops().sub(other, self)
+        return _ops.sub(other, self)
 
     def __mul__(self, other):
-        return _ops().mul(self, other)
+        return _ops.mul(self, other)
 
     def __rmul__(self, other):
-        return _ops().mul(other, self)
+        return _ops.mul(other, self)
 
     def __truediv__(self, other):
-        return _ops().div(self, other)
+        return _ops.div(self, other)
 
     def __rtruediv__(self, other):
-        return _ops().div(other, self)
+        return _ops.div(other, self)
 
     def __neg__(self):
-        return _ops().neg(self)
+        return _ops.neg(self)
 
     def __pow__(self, exponent):
-        return _ops().pow(self, exponent)
+        return _ops.pow(self, exponent)
 
     def __matmul__(self, other):
-        return _ops().matmul(self, other)
+        return _ops.matmul(self, other)
 
     def __getitem__(self, index):
-        return _ops().getitem(self, index)
+        return _ops.getitem(self, index)
 
     def sum(self, axis=None, keepdims=False):
-        return _ops().sum(self, axis, keepdims)
+        return _ops.sum(self, axis, keepdims)
 
     def mean(self, axis=None, keepdims=False):
-        return _ops().mean(self, axis, keepdims)
+        return _ops.mean(self, axis, keepdims)
 
     def max(self, axis=None, keepdims=False):
-        return _ops().max(self, axis, keepdims)
+        return _ops.max(self, axis, keepdims)
 
     def reshape(self, *shape):
-        return _ops().reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
+        return _ops.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
 
     def transpose(self, *axes):
-        return _ops().transpose(self, axes[0] if len(axes) == 1 and isinstance(axes[0], tuple) else (axes or None))
-
-
-def _ops():
-    from hpcpar import ops
-    return ops
+        return _ops.transpose(self, axes[0] if len(axes) == 1 and isinstance(axes[0], tuple) else (axes or None))
 
 
 def _topological_order(root: Tensor) -> tuple[list, dict]:
@@ -215,3 +225,7 @@ def _accumulate_leaf(leaf: Tensor, g, leaf_uses: dict) -> None:
     if remaining == 0 and leaf._hooks:
         for hook in leaf._hooks:
             hook(leaf)
+
+
+# The operators above are ops.py's functions; ops builds on Tensor, so it is bound last.
+from hpcpar import ops as _ops  # noqa: E402

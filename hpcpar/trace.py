@@ -56,11 +56,10 @@ class Tracer:
         return out
 
     def write_chrome_trace(self, path: str | os.PathLike, comm) -> None:
-        """Gather every rank's spans to rank 0 of `comm` (a hpcpar Communicator or an mpi4py
-        communicator; collective) and write them there as one JSON file, atomically."""
-        mpi = getattr(comm, "mpi", comm)
-        gathered = mpi.gather(self.chrome_events(), root=0)
-        if mpi.Get_rank() != 0:
+        """Gather every rank's spans to rank 0 of `comm` (a `hpcpar.comm.Communicator`;
+        collective) and write them there as one JSON file, atomically."""
+        gathered = comm.all_gather_object(self.chrome_events())
+        if comm.rank != 0:
             return
         events = [e for rank_events in gathered for e in rank_events]
         origin = min((e["ts"] for e in events if e["ph"] == "X"), default=0.0)

@@ -26,7 +26,7 @@ from mpi4py import MPI
 import hpcpar
 from hpcpar import backend, checkpoint, config, data, metrics, threads, watchdog
 from hpcpar.errors import ConfigError, HpcparError
-from hpcpar.mesh import Mesh
+from hpcpar.mesh import Axis, Mesh
 from hpcpar.nn import GPTConfig
 from hpcpar.optim import SGD, AdamW, lr_at
 from hpcpar.parallel import pipeline, schedule
@@ -85,13 +85,13 @@ class Trainer:
                                wire_dtype=t.grad_wire_dtype, zero=t.zero, make_optimizer=make_optimizer)
         self.tracer = pipeline.Tracer(enabled=cfg.pipeline.trace, rank=self.mesh.world.rank)
         actions = schedule.build(cfg.pipeline.schedule, cfg.mesh.pp, t.microbatches,
-                                 cfg.pipeline.chunks)[self.mesh.rank("pp")]
+                                 cfg.pipeline.chunks)[self.mesh.rank(Axis.PP)]
         self.executor = pipeline.PipelineExecutor(self.stages, self.mesh, actions,
                                                   microbatches=t.microbatches, tracer=self.tracer)
         if tokens is None:
             tokens = data.load_corpus(cfg.data.corpus)
         self.train_tokens, self.val_tokens = data.split(tokens, cfg.data.val_fraction)
-        self.is_loss_reporter = (self.stages[-1].head and self.mesh.rank("tp") == 0)
+        self.is_loss_reporter = (self.stages[-1].head and self.mesh.rank(Axis.TP) == 0)
         self.step = 0  # the next step to run
         self.save_in_flight = None  # checkpoint.SaveHandle of an asynchronous save not yet committed
 
@@ -99,7 +99,7 @@ class Trainer:
     def microbatches(self, step: int) -> list:
         """This dp rank's micro-batches (x, y) of global step `step`."""
         t = self.cfg.train
-        dp, d = self.mesh.size("dp"), self.mesh.rank("dp")
+        dp, d = self.mesh.size(Axis.DP), self.mesh.rank(Axis.DP)
         return [data.get_batch(self.train_tokens, t.seed, step,
                                data.microbatch_sample_ids(d, dp, t.micro_batch_size, j),
                                self.cfg.model.block_size)
@@ -109,7 +109,7 @@ class Trainer:
         """Mean over every micro-batch of every dp rank; the same float on every rank."""
         local = np.array([float(sum(losses)) if self.is_loss_reporter else 0.0])
         total = self.mesh.world.all_reduce(local, op="sum")
-        return float(total[0]) / (self.mesh.size("dp") * self.cfg.train.microbatches)
+        return float(total[0]) / (self.mesh.size(Axis.DP) * self.cfg.train.microbatches)
 
     def train_step(self, step: int) -> StepResult:
         t = self.cfg.train
@@ -132,7 +132,7 @@ class Trainer:
         if self.cfg.model.dropout == 0.0:
             return
         t = self.cfg.train
-        dp, d = self.mesh.size("dp"), self.mesh.rank("dp")
+        dp, d = self.mesh.size(Axis.DP), self.mesh.rank(Axis.DP)
         ids = [list(data.microbatch_sample_ids(d, dp, t.micro_batch_size, j)) for j in range(len(batches))]
         self.executor.rng_contexts = [(t.seed, step, i) for i in ids]
 
@@ -143,7 +143,7 @@ class Trainer:
             if p.grad is not None and not bool(backend.array_module(p.grad).isfinite(p.grad).all()):
                 local = name
                 break
-        names = [n for n in self.mesh.world.mpi.allgather(local) if n]
+        names = [n for n in self.mesh.world.all_gather_object(local) if n]
         return names[0] if names else "(loss only)"
 
     # -- evaluation ---------------------------------------------------------------------
@@ -155,7 +155,7 @@ class Trainer:
         figure depends on the global batch, not on the mesh.
         """
         t = self.cfg.train
-        dp, d = self.mesh.size("dp"), self.mesh.rank("dp")
+        dp, d = self.mesh.size(Axis.DP), self.mesh.rank(Axis.DP)
         for stage in self.stages:
             stage.eval()
         try:
@@ -174,9 +174,9 @@ class Trainer:
     # -- global views (tests, checkpoints) -------------------------------------------------
     def _owns_blocks(self, p) -> bool:
         """Whether this rank contributes `p`'s blocks to a global sum: one holder per element."""
-        if p.tied_to or self.mesh.rank("dp") != 0:
+        if p.tied_to or self.mesh.rank(Axis.DP) != 0:
             return False
-        return p.layout.split_dim is not None or self.mesh.rank("tp") == 0
+        return p.layout.split_dim is not None or self.mesh.rank(Axis.TP) == 0
 
     def global_parameters(self) -> dict:
         """Every global parameter, full, on every rank (host float arrays). Collective."""
@@ -187,7 +187,7 @@ class Trainer:
         world = self.mesh.world
         mine = {n: (tuple(p.layout.global_shape), str(p.dtype)) for n, p in params.items() if not p.tied_to}
         catalogue = {}
-        for part in world.mpi.allgather(mine):
+        for part in world.all_gather_object(mine):
             catalogue.update(part)
         out = {}
         for name in sorted(catalogue):
@@ -225,12 +225,11 @@ class Trainer:
         t = self.cfg.train
         meta = {"step": self.step, "optimizer_step": self.dp.optimizer_step_count(),
                 "config": config.to_toml(self.cfg), "hpcpar_version": hpcpar.__version__,
-                "mesh": {"dp": self.mesh.size("dp"), "tp": self.mesh.size("tp"), "pp": self.mesh.size("pp"),
-                         "zero": t.zero},
+                "mesh": {**{str(a): self.mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP)}, "zero": t.zero},
                 "data_position": {"next_step": self.step, "seed": t.seed},
                 "rng": {"kind": "counter-based: (seed, step, sample id)", "seed": t.seed, "next_step": self.step},
                 "lr_schedule": {"next_step": self.step, "warmup": t.warmup, "total": t.steps}}
-        result = checkpoint.save(directory, self.step, self.checkpoint_tensors(), meta, self.mesh.world.mpi,
+        result = checkpoint.save(directory, self.step, self.checkpoint_tensors(), meta, self.mesh.world,
                                  keep=keep, async_save=async_save)
         self.save_in_flight = result if async_save else None
         return result
@@ -247,8 +246,8 @@ class Trainer:
             key = p.tied_to or name
             wanted[f"model/{key}"] = p.layout
             wanted.update({f"optim/{key}/{state}": p.layout for state in self.dp.state_names()})
-        all_names = set().union(*self.mesh.world.mpi.allgather(set(wanted)))  # every stage's tensors
-        arrays, meta = checkpoint.load(path, wanted, self.mesh.world.mpi, all_names=all_names)
+        all_names = set().union(*self.mesh.world.all_gather_object(set(wanted)))  # every stage's tensors
+        arrays, meta = checkpoint.load(path, wanted, self.mesh.world, all_names=all_names)
         state: dict = {}
         for name, p in self.named_parameters:
             key = p.tied_to or name
@@ -283,7 +282,7 @@ def _prepare_run_dir(cfg: config.Config, world) -> None:
         except OSError as err:
             problem = (f"run directory {cfg.run.dir!r} is not writable ({err.strerror}); "
                        "set run.dir to a writable directory")
-    problem = world.mpi.bcast(problem, root=0)
+    problem = world.broadcast_object(problem, root=0)
     if problem:
         raise ConfigError(problem)
 
@@ -291,7 +290,7 @@ def _prepare_run_dir(cfg: config.Config, world) -> None:
 def _log_ranks(cfg: config.Config, world) -> None:
     """Write <run.dir>/ranks.json (rank -> host, pid) and log it for small jobs: a launcher that
     reports a dead process by its PID (MPICH's hydra after a SIGKILL) then tells which rank died."""
-    where = world.mpi.allgather((socket.gethostname(), os.getpid()))  # once, at startup
+    where = world.all_gather_object((socket.gethostname(), os.getpid()))  # once, at startup
     if world.rank == 0:
         with open(os.path.join(cfg.run.dir, "ranks.json"), "w") as f:
             json.dump({str(r): {"host": h, "pid": p} for r, (h, p) in enumerate(where)}, f, indent=1)
@@ -352,10 +351,10 @@ def main(config_path: str | None, overrides: list) -> int:
     t = cfg.train
     model_flops = _model_flops_per_token(cfg)
     peak = _measure_peak(mesh, cfg.model.dtype)
-    tokens_per_step = mesh.size("dp") * t.micro_batch_size * t.microbatches * cfg.model.block_size
+    tokens_per_step = mesh.size(Axis.DP) * t.micro_batch_size * t.microbatches * cfg.model.block_size
     log.info("hpcpar %s: mesh dp=%d x tp=%d x pp=%d on %d rank(s); %s; global batch %d tokens/step; "
              "%.2fM non-embedding parameters; GEMM peak %.1f GFLOP/s",
-             hpcpar.__version__, mesh.size("dp"), mesh.size("tp"), mesh.size("pp"), world.Get_size(),
+             hpcpar.__version__, mesh.size(Axis.DP), mesh.size(Axis.TP), mesh.size(Axis.PP), world.Get_size(),
              data.corpus_description(cfg.data.corpus), tokens_per_step,
              gpt_config(cfg).non_embedding_params() / 1e6, peak / 1e9)
 
@@ -410,7 +409,7 @@ def main(config_path: str | None, overrides: list) -> int:
         progress.close()
     _save(trainer, cfg, final=True)
     if cfg.pipeline.trace:
-        trainer.tracer.write_chrome_trace(os.path.join(cfg.run.dir, "trace.json"), mesh.world.mpi)
+        trainer.tracer.write_chrome_trace(os.path.join(cfg.run.dir, "trace.json"), mesh.world)
     summary = _summary(trainer, step_times, tokens_per_step, model_flops, peak, first_loss, last_loss, val_loss)
     if rank0:
         writer.close()
@@ -467,13 +466,13 @@ def _summary(trainer: Trainer, step_times: list, tokens_per_step: int, model_flo
     cfg, mesh = trainer.cfg, trainer.mesh
     steady = step_times[1:] if len(step_times) > 1 else step_times
     tok_s = tokens_per_step * len(steady) / sum(steady) if steady else 0.0
-    sim = schedule.simulate(schedule.build(cfg.pipeline.schedule, mesh.size("pp"), cfg.train.microbatches,
+    sim = schedule.simulate(schedule.build(cfg.pipeline.schedule, mesh.size(Axis.PP), cfg.train.microbatches,
                                            cfg.pipeline.chunks))
-    peak_rss = mesh.world.mpi.allgather(metrics.peak_rss_bytes())
+    peak_rss = mesh.world.all_gather_object(metrics.peak_rss_bytes())
     return {
         "steps": trainer.step, "tokens_per_s": tok_s, "mfu": tok_s * model_flops / peak if peak else 0.0,
         "gemm_peak_flops": peak, "first_loss": first_loss, "final_loss": last_loss, "val_loss": val_loss,
-        "mesh": {"dp": mesh.size("dp"), "tp": mesh.size("tp"), "pp": mesh.size("pp")},
+        "mesh": {str(a): mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP)},
         "schedule": cfg.pipeline.schedule, "microbatches": cfg.train.microbatches,
         "pipeline_bubble_predicted": sim.bubble,
         "pipeline_bubble_measured": trainer.executor.measured_bubble(),

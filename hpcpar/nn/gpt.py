@@ -219,7 +219,7 @@ class GPT(Module):
             tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
             pos = ops.getitem(self.transformer.wpe.weight, slice(0, t))
             if self.sequence_parallel:
-                from hpcpar.comm import split_to
+                from hpcpar.parallel.mappings import split_to
                 pos = split_to(pos, self.tp_comm, 0)   # my rows [T/tp, C]; grad all-gathered back
             h = self._dropout(tok + pos, 0)
         else:

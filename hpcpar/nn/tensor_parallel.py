@@ -29,12 +29,12 @@ the tied LM head computes logits [B, T, V/tp] from that shard, and
 from __future__ import annotations
 
 from hpcpar import backend, ops
-from hpcpar.comm import (Communicator, all_gather_dim, copy_to, gather_from, reduce_from,
-                         reduce_scatter_dim)
+from hpcpar.comm import Communicator
 from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
 from hpcpar.nn.layers import LayerNorm
 from hpcpar.nn.module import Module, Parameter
+from hpcpar.parallel.mappings import all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim
 from hpcpar.tensor import Tensor
 
 SEQ_DIM = 1  # activations are [B, T, C]
@@ -228,7 +228,7 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, comm: Communicat
         grad[rows, local_t] -= mine                     # -1 at the target, on the rank that owns it
         grad *= (valid * (g / count))[:, None].astype(grad.dtype)
         return (grad.reshape(ld.shape),)
-    return ops._result(loss.astype(ld.dtype), (logits_shard,), backward)
+    return Tensor.from_op(loss.astype(ld.dtype), (logits_shard,), backward)
 
 
 def parallel_lm_head(h: Tensor, weight_shard: Parameter, targets, comm: Communicator,

@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcpar import backend
 from hpcpar.errors import CheckpointError, ConfigError
+from hpcpar.mesh import Axis
 from hpcpar.optim import AdamW, grad_norm_sq
 
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
@@ -243,15 +243,15 @@ class DataParallel:
         self.zero = zero
         self.wire_dtype = wire_dtype
         self.overlap = overlap
-        self.dp_comm = mesh.comm("dp")
+        self.dp_comm = mesh.comm(Axis.DP)
         self.dp_size, self.dp_rank = self.dp_comm.size, self.dp_comm.rank
         self.embedding_comm = mesh.embedding_comm
-        tp_rank = mesh.comm("tp").rank
+        tp_rank = mesh.comm(Axis.TP).rank
 
         # Tied weights: copies (tied_to set) and the weights they mirror, here or on the peer stage.
         targets = {p.tied_to for p in self.params if getattr(p, "tied_to", None)}
         if self.embedding_comm is not None:
-            for theirs in self.embedding_comm.mpi.allgather(sorted(targets)):  # setup only: pickling is fine
+            for theirs in self.embedding_comm.all_gather_object(sorted(targets)):
                 targets.update(theirs)
         tied = {n for n, p in named if getattr(p, "tied_to", None) or n in targets}
 
@@ -295,7 +295,7 @@ class DataParallel:
     def _check_tied_match(self) -> None:
         tied = [b for b in self.buckets if b.plan.tied]
         mine = (tied[0].plan.size, tied[0].plan.dtype) if tied else (0, "")
-        sizes = self.embedding_comm.mpi.allgather(mine)
+        sizes = self.embedding_comm.all_gather_object(mine)
         if len(set(sizes)) != 1:
             raise ConfigError(f"tied weights differ between the first and last pipeline stage "
                               f"(size, dtype per rank: {sizes}); both copies must have the same local shape")
@@ -361,10 +361,8 @@ class DataParallel:
                    and self.buckets[self._next_launch].ready == len(self.buckets[self._next_launch].params)):
                 self._launch(self.buckets[self._next_launch])
                 self._next_launch += 1
-            if self._next_launch and self.dp_size > 1:
-                # MPI moves a non-blocking collective forward only inside MPI calls (no progress
-                # thread): a cheap probe per completed gradient keeps the launched ones moving.
-                self.dp_comm.mpi.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+            if self._next_launch:
+                self.dp_comm.progress()  # keeps the launched reductions moving during backward
 
     def _launch(self, b: _Bucket) -> None:
         """Start bucket `b`'s reduction over dp (nothing to do when dp == 1)."""

@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 from hpcpar import backend
 from hpcpar.errors import ConfigError
+from hpcpar.mesh import Axis
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.parallel import schedule
 from hpcpar.parallel.schedule import Action
@@ -91,13 +92,13 @@ def build_stages(gpt_config: GPTConfig, mesh, chunks: int, seed: int,
 
     Parameters are initialised from the seed by global name, so they equal the whole model's.
     """
-    pp, rank = mesh.size("pp"), mesh.rank("pp")
+    pp, rank = mesh.size(Axis.PP), mesh.rank(Axis.PP)
     n_virtual = pp * chunks
     ranges = split_layers(gpt_config.n_layer, n_virtual, head_cost(gpt_config))
     stages = []
     for chunk in range(chunks):
         v = schedule.stage_of(rank, chunk, pp)
-        stages.append(GPT(gpt_config, tp_comm=mesh.comm("tp"), layers=ranges[v], embed=v == 0,
+        stages.append(GPT(gpt_config, tp_comm=mesh.comm(Axis.TP), layers=ranges[v], embed=v == 0,
                           head=v == n_virtual - 1, sequence_parallel=sequence_parallel, seed=seed))
     return stages
 
@@ -126,7 +127,7 @@ class PipelineExecutor:
         stages: this rank's chunks (from `build_stages`); anything callable as
             `stage(x, targets=None)` with a `.config` (`n_embd`, `dtype`) works.
         mesh: gives `size/rank("pp")`, `size("tp")` and `comm("pp")`.
-        actions: this rank's list, `schedule.build(name, pp, m, chunks)[mesh.rank("pp")]`.
+        actions: this rank's list, `schedule.build(name, pp, m, chunks)[mesh.rank(Axis.PP)]`.
         microbatches: m; each micro-batch's loss is backpropagated with scale 1/m.
         tracer: a `Tracer`; when enabled, every action becomes a span (pid = its rank,
             tid = the chunk) and the final wait for sends one more.
@@ -143,9 +144,9 @@ class PipelineExecutor:
         self.microbatches = microbatches
         self.tracer = tracer
         self.rng_contexts: Sequence[Any] | None = None
-        self.pp, self.pp_rank = mesh.size("pp"), mesh.rank("pp")
-        self.tp = mesh.size("tp")
-        self.comm = mesh.comm("pp")
+        self.pp, self.pp_rank = mesh.size(Axis.PP), mesh.rank(Axis.PP)
+        self.tp = mesh.size(Axis.TP)
+        self.comm = mesh.comm(Axis.PP)
         self.chunks = len(self.stages)
         self.last_stage = self.pp * self.chunks - 1
         self.step = 0

@@ -12,9 +12,9 @@ import textwrap
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from hpcpar import checkpoint as ck
+from hpcpar.comm import Communicator
 from hpcpar.layout import Layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,10 +27,11 @@ SCRIPT = textwrap.dedent("""
     import numpy as np
     from mpi4py import MPI
     from hpcpar import checkpoint as ck
+    from hpcpar.comm import Communicator
     from hpcpar.layout import Layout
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
+    comm = Communicator(MPI.COMM_WORLD, "world")
+    rank, size = comm.rank, comm.size
     directory, step = sys.argv[1], int(sys.argv[2])
     kill = os.environ.get("KILL_AT", "")  # "<rank>:write" or "<rank>:commit"
 
@@ -81,7 +82,7 @@ def test_kill_mid_save_keeps_previous_latest(tmp_path, kill):
     assert any(e.startswith(".tmp-step-0000002") for e in os.listdir(ckpt_dir)), "the partial save is gone?"
     w, b = expected(1)
     got, meta = ck.load(str(ckpt_dir), {"model/w": Layout.replicated(w.shape),
-                                        "model/b": Layout.replicated(b.shape)}, MPI.COMM_SELF)
+                                        "model/b": Layout.replicated(b.shape)}, Communicator.local())
     assert np.array_equal(got["model/w"], w) and np.array_equal(got["model/b"], b) and meta["step"] == 1
     assert ck.verify(str(ckpt_dir)) == []
     # The next save succeeds and removes the killed save's temporary directory.

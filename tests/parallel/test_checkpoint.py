@@ -15,10 +15,12 @@ from mpi4py import MPI
 from collective import collective_assert
 
 from hpcpar import checkpoint as ck
+from hpcpar.comm import Communicator
 from hpcpar.errors import CheckpointError
 from hpcpar.layout import Layout
 
 WORLD = MPI.COMM_WORLD
+COMM = Communicator(WORLD, "world")  # checkpoint functions take hpcpar Communicators
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 TP = 2 if SIZE % 2 == 0 else 1
 DP = SIZE // TP
@@ -56,7 +58,7 @@ def save_layouts() -> dict[str, Layout]:
     return layouts
 
 
-def save_reference(directory: str, step: int = 1, comm=WORLD, **kw) -> str:
+def save_reference(directory: str, step: int = 1, comm=COMM, **kw) -> str:
     g = reference()
     tensors = {name: (layout.take(g[name]), layout) for name, layout in save_layouts().items()}
     return ck.save(directory, step, tensors, {"mesh": {"dp": DP, "tp": TP}}, comm, **kw)
@@ -79,7 +81,7 @@ def load_layouts(kind: str) -> dict[str, Layout]:
 def test_reshard_on_load_is_bitwise(shared_dir, kind):
     path = save_reference(shared_dir)
     wanted = load_layouts(kind)
-    got, meta = ck.load(shared_dir, wanted, WORLD)
+    got, meta = ck.load(shared_dir, wanted, COMM)
     g = reference()
     ok = all(got[n].dtype == g[n].dtype and np.array_equal(got[n], layout.take(g[n]))
              for n, layout in wanted.items())
@@ -117,11 +119,11 @@ def test_each_block_written_once_and_index_reads_globals(shared_dir):
 
 
 def test_cart_comm_and_async_save(shared_dir):
-    cart = WORLD.Create_cart([DP, TP])
+    cart = Communicator(WORLD.Create_cart([DP, TP]), "cart")
     handle = save_reference(shared_dir, step=3, comm=cart, async_save=True)
     path = handle.wait()
-    cart.Free()
-    got, meta = ck.load(path, load_layouts("split_all"), WORLD)
+    cart.free()
+    got, meta = ck.load(path, load_layouts("split_all"), COMM)
     g = reference()
     ok = all(np.array_equal(got[n], lay.take(g[n])) for n, lay in load_layouts("split_all").items())
     collective_assert(ok and meta["step"] == 3, "async save / cart comm round trip differs")
@@ -155,7 +157,7 @@ def test_corrupt_shard_seen_by_one_rank_raises_everywhere(shared_dir):
     wanted = ({"model/a": Layout.replicated(g["model/a"].shape)} if RANK == 0
               else {"model/ln.bias": Layout.replicated(g["model/ln.bias"].shape)})
     with pytest.raises(CheckpointError) as err:
-        ck.load(path, wanted, WORLD)
+        ck.load(path, wanted, COMM)
     messages = WORLD.allgather(str(err.value))
     collective_assert(len(set(messages)) == 1 and damaged in messages[0] and "model/a" in messages[0],
                       f"messages differ or miss file/tensor: {messages}")
@@ -165,4 +167,4 @@ def test_wrong_shape_on_one_rank_raises_everywhere(shared_dir):
     save_reference(shared_dir)
     wanted = {"model/ln.bias": Layout.replicated((13,) if RANK == SIZE - 1 else (12,))}
     with pytest.raises(CheckpointError, match=r"model/ln\.bias.*\[12\].*\[13\].*another model"):
-        ck.load(shared_dir, wanted, WORLD)
+        ck.load(shared_dir, wanted, COMM)

@@ -126,7 +126,7 @@ def test_trace_has_every_rank(shared_dir):
     trainer = Trainer(cfg, comm=WORLD, tokens=TOKENS)
     trainer.train_step(0)
     path = os.path.join(shared_dir, "trace.json")
-    trainer.tracer.write_chrome_trace(path, WORLD)
+    trainer.tracer.write_chrome_trace(path, trainer.mesh.world)
     problem = ""
     if RANK == 0:
         with open(path) as f:

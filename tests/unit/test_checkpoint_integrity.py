@@ -12,13 +12,13 @@ import os
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from hpcpar import checkpoint as ck
+from hpcpar.comm import Communicator
 from hpcpar.errors import CheckpointError
 from hpcpar.layout import Layout
 
-COMM = MPI.COMM_SELF
+COMM = Communicator.local()
 
 
 def tensors():

@@ -8,11 +8,11 @@ import pytest
 from mpi4py import MPI
 
 from hpcpar import ops
-from hpcpar.comm import (Communicator, all_gather_dim, copy_to, gather_from, reduce_from,
-                         reduce_scatter_dim, split_to)
+from hpcpar.comm import Communicator
 from hpcpar.errors import ConfigError
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.nn import tensor_parallel as tpl
+from hpcpar.parallel.mappings import all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim, split_to
 from hpcpar.tensor import Tensor
 
 

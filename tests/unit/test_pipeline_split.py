@@ -164,7 +164,7 @@ def test_disabled_tracer_records_nothing_and_trace_is_json(tmp_path):
     tracer.enabled = True
     tracer.record("forward", "compute", 1.0, 1.5, tid=1, args={"mb": 0})
     path = tmp_path / "trace.json"
-    tracer.write_chrome_trace(path, MPI.COMM_SELF)
+    tracer.write_chrome_trace(path, Communicator.local())
     events = json.loads(path.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert spans == [{"name": "forward", "cat": "compute", "ph": "X", "pid": 0, "tid": 1, "ts": 0.0,
