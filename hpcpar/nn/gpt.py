@@ -23,11 +23,11 @@ import math
 from dataclasses import dataclass
 
 from hpcpar import backend, ops
-from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
 from hpcpar.nn import init
 from hpcpar.nn.layers import Embedding, LayerNorm, Linear
 from hpcpar.nn.module import Module, Parameter
+from hpcpar.nn.tensor_parallel import TensorParallelPlan
 from hpcpar.tensor import Tensor
 
 DTYPES = ("float32", "float64")
@@ -105,6 +105,42 @@ class Transformer(Module):
     """Container matching nanoGPT's `transformer.*` names."""
 
 
+class PlainPlan:
+    """The one-process layer plan: which module fills each role of a GPT, and how the head and
+    the sequence are treated. `tensor_parallel.TensorParallelPlan` has the same methods (the
+    Megatron plan); GPT is built from whichever plan its tensor-parallel degree calls for."""
+
+    sequence_parallel = False
+
+    def wte(self, cfg: GPTConfig) -> Module:
+        return Embedding(cfg.vocab_size, cfg.n_embd, cfg.dtype)
+
+    def attn(self, cfg: GPTConfig) -> Module:
+        return CausalSelfAttention(cfg)
+
+    def mlp(self, cfg: GPTConfig) -> Module:
+        return MLP(cfg)
+
+    def norm(self, cfg: GPTConfig) -> Module:
+        return LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
+
+    def vocab_layout(self, cfg: GPTConfig) -> Layout:
+        """Layout of wte / a stage's tied LM-head copy [V, C]."""
+        return Layout.replicated((cfg.vocab_size, cfg.n_embd))
+
+    def positions(self, pos: Tensor, t: int) -> Tensor:
+        """The position embeddings [T, C] this rank adds to its activations."""
+        return pos
+
+    def dropout(self, x: Tensor, p: float, keys) -> Tensor:
+        return ops.dropout(x, p, keys)
+
+    def lm_head(self, h: Tensor, weight: Tensor, targets) -> Tensor:
+        """ln_f output [B, T, C] -> the mean loss (with targets) or logits [B, T, V]."""
+        logits = ops.linear(h, weight)
+        return logits if targets is None else ops.cross_entropy(logits, targets)
+
+
 class GPT(Module):
     """The model or one pipeline stage of it.
 
@@ -128,55 +164,30 @@ class GPT(Module):
         self.layer_ids = list(range(config.n_layer) if layers is None else layers)
         self.rng_context = None  # (seed, step, sample_ids) for dropout masks; set by the trainer
         cfg = config
-        # Tensor parallelism only when there is more than one tp rank (size 1: the plain layers,
-        # and no import of the communication stack).
+        # Tensor parallelism only when there is more than one tp rank (size 1: the plain layers).
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
-        self.sequence_parallel = bool(sequence_parallel) and self.tp_comm is not None
-        if self.tp_comm is not None:
-            from hpcpar.nn import tensor_parallel as tpl
-            tpl.check_config(cfg, self.tp_comm.size)
+        self.plan = (PlainPlan() if self.tp_comm is None
+                     else TensorParallelPlan(cfg, self.tp_comm, bool(sequence_parallel)))
+        self.sequence_parallel = self.plan.sequence_parallel
+        plan = self.plan
         self.transformer = Transformer()
         if embed:
-            self.transformer.wte = self._layer("wte")
+            self.transformer.wte = plan.wte(cfg)
             self.transformer.wpe = Embedding(cfg.block_size, cfg.n_embd, cfg.dtype)
         self.transformer.h = Blocks([
-            Block(i, self._layer("norm"), self._layer("attn"), self._layer("norm"), self._layer("mlp"),
-                  self._dropout)
+            Block(i, plan.norm(cfg), plan.attn(cfg), plan.norm(cfg), plan.mlp(cfg), self._dropout)
             for i in self.layer_ids])
         if head:
-            self.transformer.ln_f = self._layer("norm")
+            self.transformer.ln_f = plan.norm(cfg)
             if embed:
                 object.__setattr__(self, "head_weight", self.transformer.wte.weight)
             else:
-                layout = (Layout.replicated((cfg.vocab_size, cfg.n_embd)) if self.tp_comm is None
-                          else tpl.vocab_layout(cfg.vocab_size, cfg.n_embd, self.tp_comm))
+                layout = plan.vocab_layout(cfg)
                 self.lm_head = Module()
                 self.lm_head.weight = Parameter(backend.xp.zeros(layout.local_shape, dtype=cfg.dtype),
                                                 layout, tied_to="transformer.wte.weight")
                 object.__setattr__(self, "head_weight", self.lm_head.weight)
         self.init_weights(seed)
-
-    def _layer(self, kind: str) -> Module:
-        """A new "wte", "attn", "mlp" or "norm" layer: plain, or tensor-parallel when tp > 1."""
-        cfg, tp, sp = self.config, self.tp_comm, self.sequence_parallel
-        if tp is None:
-            if kind == "wte":
-                return Embedding(cfg.vocab_size, cfg.n_embd, cfg.dtype)
-            if kind == "attn":
-                return CausalSelfAttention(cfg)
-            if kind == "mlp":
-                return MLP(cfg)
-            return LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
-        from hpcpar.nn import tensor_parallel as tpl
-        if kind == "wte":
-            return tpl.VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp, cfg.dtype, sp)
-        if kind == "attn":
-            return tpl.ParallelSelfAttention(cfg, tp, sp)
-        if kind == "mlp":
-            return tpl.ParallelMLP(cfg, tp, sp)
-        if sp:  # LayerNorm on the sequence shard: its weight/bias grads are summed over tp
-            return tpl.SequenceParallelLayerNorm(cfg.n_embd, tp, cfg.bias, cfg.dtype)
-        return LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
 
     # -- initialisation -----------------------------------------------------------------
     def init_weights(self, seed: int) -> None:
@@ -199,28 +210,20 @@ class GPT(Module):
         if self.rng_context is None:
             raise RuntimeError("dropout > 0 needs model.rng_context = (seed, step, sample_ids)")
         seed, step, sample_ids = self.rng_context
-        keys = [(seed, step, int(k), site) for k in sample_ids]
-        if self.sequence_parallel:  # x is a sequence shard: use my rows of the full-sequence mask
-            from hpcpar.nn import tensor_parallel as tpl
-            return tpl.sequence_parallel_dropout(x, p, keys, self.tp_comm)
-        return ops.dropout(x, p, keys)
+        return self.plan.dropout(x, p, [(seed, step, int(k), site) for k in sample_ids])
 
     def forward(self, x, targets=None):
-        """x: idx [B, T] (embed) or activations [B, T, C] ([B, T/tp, C] under sequence
-        parallelism); returns the loss, logits [B, T, V] or activations (same layout as x)."""
+        """x: idx int [B, T] (embed; host or device) or activations [B, T, C] ([B, T/tp, C] under
+        sequence parallelism); targets int [B, T] (head). Returns the loss, logits [B, T, V] or
+        activations (same layout as x). Token ids and targets move to the parameters' device here."""
         if self.embed:
-            idx = x.data if isinstance(x, Tensor) else x
+            xp = backend.array_module(self.transformer.wpe.weight.data)
+            idx = xp.asarray(x.data if isinstance(x, Tensor) else x)
             t = idx.shape[1]
             if t > self.config.block_size:
                 raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
-            if self.sequence_parallel and t % self.tp_comm.size:
-                raise ConfigError(f"sequence length {t} is not divisible by tp={self.tp_comm.size} with "
-                                  f"sequence parallelism; use a multiple of {self.tp_comm.size}")
             tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
-            pos = ops.getitem(self.transformer.wpe.weight, slice(0, t))
-            if self.sequence_parallel:
-                from hpcpar.parallel.mappings import split_to
-                pos = split_to(pos, self.tp_comm, 0)   # my rows [T/tp, C]; grad all-gathered back
+            pos = self.plan.positions(ops.getitem(self.transformer.wpe.weight, slice(0, t)), t)
             h = self._dropout(tok + pos, 0)
         else:
             h = x
@@ -228,14 +231,10 @@ class GPT(Module):
             h = block(h)
         if not self.head:
             return h
-        h = self.transformer.ln_f(h)
-        if self.tp_comm is not None:
-            from hpcpar.nn import tensor_parallel as tpl
-            return tpl.parallel_lm_head(h, self.head_weight, targets, self.tp_comm, self.sequence_parallel)
-        logits = ops.linear(h, self.head_weight)
-        if targets is None:
-            return logits
-        return ops.cross_entropy(logits, targets)
+        if targets is not None:
+            targets = backend.array_module(self.head_weight.data).asarray(
+                targets.data if isinstance(targets, Tensor) else targets)
+        return self.plan.lm_head(self.transformer.ln_f(h), self.head_weight, targets)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Global parameter count of this module (non-embedding excludes wte/wpe/lm_head)."""

@@ -28,14 +28,18 @@ the tied LM head computes logits [B, T, V/tp] from that shard, and
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hpcpar import backend, ops
-from hpcpar.comm import Communicator
 from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
 from hpcpar.nn.layers import LayerNorm
 from hpcpar.nn.module import Module, Parameter
-from hpcpar.parallel.mappings import all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim
+from hpcpar.parallel.mappings import all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim, split_to
 from hpcpar.tensor import Tensor
+
+if TYPE_CHECKING:  # annotations only: model code never needs MPI loaded
+    from hpcpar.comm import Communicator
 
 SEQ_DIM = 1  # activations are [B, T, C]
 
@@ -258,3 +262,50 @@ def sequence_parallel_dropout(x_shard: Tensor, p: float, mask_rng_keys, comm: Co
     full_shape = x_shard.shape[:SEQ_DIM] + (n * comm.size,) + x_shard.shape[SEQ_DIM + 1:]
     mask = ops.dropout(Tensor(xp.ones(full_shape, dtype=x_shard.dtype)), p, mask_rng_keys).data
     return x_shard * mask[:, comm.rank * n:(comm.rank + 1) * n]
+
+
+class TensorParallelPlan:
+    """The Megatron plan for a GPT over `comm` (tp ranks): which tensor-parallel module fills
+    each role, and how the head and the sequence are split. Same methods as `gpt.PlainPlan`.
+
+    Building it checks that the model divides over tp (heads, MLP width, vocabulary).
+    """
+
+    def __init__(self, config, comm: Communicator, sequence_parallel: bool = False):
+        check_config(config, comm.size)
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+
+    def wte(self, cfg) -> Module:
+        return VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, self.comm, cfg.dtype, self.sequence_parallel)
+
+    def attn(self, cfg) -> Module:
+        return ParallelSelfAttention(cfg, self.comm, self.sequence_parallel)
+
+    def mlp(self, cfg) -> Module:
+        return ParallelMLP(cfg, self.comm, self.sequence_parallel)
+
+    def norm(self, cfg) -> Module:
+        if self.sequence_parallel:  # LayerNorm on the sequence shard: its weight/bias grads are summed over tp
+            return SequenceParallelLayerNorm(cfg.n_embd, self.comm, cfg.bias, cfg.dtype)
+        return LayerNorm(cfg.n_embd, cfg.bias, cfg.dtype)
+
+    def vocab_layout(self, cfg) -> Layout:
+        return vocab_layout(cfg.vocab_size, cfg.n_embd, self.comm)
+
+    def positions(self, pos: Tensor, t: int) -> Tensor:
+        """Position embeddings [T, C] -> my rows [T/tp, C] under sequence parallelism (gradient
+        all-gathered back), else all of them."""
+        if not self.sequence_parallel:
+            return pos
+        if t % self.comm.size:
+            raise ConfigError(f"sequence length {t} is not divisible by tp={self.comm.size} with "
+                              f"sequence parallelism; use a multiple of {self.comm.size}")
+        return split_to(pos, self.comm, 0)
+
+    def dropout(self, x: Tensor, p: float, keys) -> Tensor:
+        if self.sequence_parallel:  # x is a sequence shard: use my rows of the full-sequence mask
+            return sequence_parallel_dropout(x, p, keys, self.comm)
+        return ops.dropout(x, p, keys)
+
+    def lm_head(self, h: Tensor, weight: Tensor, targets) -> Tensor:
+        return parallel_lm_head(h, weight, targets, self.comm, self.sequence_parallel)

@@ -24,9 +24,13 @@ With `comm` None or of size 1 every mapping returns its input itself: no graph n
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hpcpar import backend
-from hpcpar.comm import Communicator
 from hpcpar.tensor import Tensor
+
+if TYPE_CHECKING:  # annotations only: model code never needs MPI loaded
+    from hpcpar.comm import Communicator
 
 
 def _trivial(comm: Communicator | None) -> bool:

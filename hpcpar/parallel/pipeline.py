@@ -30,7 +30,7 @@ is per (dp, tp) coordinate, so with tp > 1 every tp rank of a stage talks to the
 its neighbour. Data-parallel gradient hooks on the parameters simply fire inside the backwards;
 the tied embedding/head copies on the first and last stage are kept equal by DataParallel
 (gradients summed over `mesh.embedding_comm`). `run(batches, forward_only=True)` evaluates:
-forwards only, in `forward_only_actions` order, no graph. `measured_bubble()` is the idle
+forwards only, in `schedule.forward_only` order, no graph. `measured_bubble()` is the idle
 fraction of the steps so far (time outside forward/backward over time in `run`).
 """
 
@@ -44,7 +44,7 @@ from hpcpar.errors import ConfigError
 from hpcpar.mesh import Axis
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.parallel import schedule
-from hpcpar.parallel.schedule import Action
+from hpcpar.parallel.schedule import Action, Kind
 from hpcpar.tensor import Tensor, no_grad
 from hpcpar.trace import Tracer
 
@@ -103,23 +103,6 @@ def build_stages(gpt_config: GPTConfig, mesh, chunks: int, seed: int,
     return stages
 
 
-def forward_only_actions(pp: int, rank: int, microbatches: int, chunks: int = 1) -> list[Action]:
-    """Rank `rank`'s actions for forwards alone (evaluation): recv_act, forward, send_act per
-    (chunk, microbatch) in lexicographic order. Deadlock-free: every recv waits on an action that
-    comes earlier in the global order (chunk, microbatch, rank), and sends never block."""
-    last = pp * chunks - 1
-    actions = []
-    for chunk in range(chunks):
-        v = schedule.stage_of(rank, chunk, pp)
-        for mb in range(microbatches):
-            if v > 0:
-                actions.append(Action("recv_act", mb, chunk, (rank - 1) % pp))
-            actions.append(Action("forward", mb, chunk))
-            if v < last:
-                actions.append(Action("send_act", mb, chunk, (rank + 1) % pp))
-    return actions
-
-
 class PipelineExecutor:
     """Replays one rank's schedule actions for a training step (see the module doc).
 
@@ -159,6 +142,9 @@ class PipelineExecutor:
         # Megatron-SP: activations between blocks are split along the sequence over tp.
         self._split_t = self.tp if getattr(self.stages[0], "sequence_parallel", False) else 1
         self._channels, self._dtype = config.n_embd, config.dtype
+        self._handlers = {Kind.RECV_ACT: self._recv_act, Kind.FORWARD: self._forward, Kind.SEND_ACT: self._send_act,
+                          Kind.RECV_GRAD: self._recv_grad, Kind.BACKWARD: self._backward,
+                          Kind.SEND_GRAD: self._send_grad}
 
     def run(self, batches: Sequence[tuple[Any, Any]], forward_only: bool = False) -> list[float]:
         """One step over `batches` (pairs (x, y) of int [mbs, T]); returns the per-microbatch
@@ -166,16 +152,17 @@ class PipelineExecutor:
 
         Training (default): exactly `microbatches` batches, replayed per the schedule, gradients
         accumulated into the parameters' `.grad`. `forward_only=True` (evaluation): any number
-        of batches, forwards only (`forward_only_actions`), no graph kept.
+        of batches, forwards only (`schedule.forward_only`), no graph kept.
         """
         if forward_only:
-            actions = forward_only_actions(self.pp, self.pp_rank, len(batches), self.chunks)
+            actions = schedule.forward_only(self.pp, self.pp_rank, len(batches), self.chunks)
             with no_grad():
-                return self._replay(actions, batches, len(batches), backward=False)
+                return self._replay(actions, _Step(batches, len(batches), backward=False))
         if len(batches) != self.microbatches:
             raise ValueError(f"got {len(batches)} micro-batches, the schedule has {self.microbatches}")
         start = time.perf_counter()
-        losses = self._replay(self.actions, batches, self.microbatches, backward=True)
+        losses = self._replay(self.actions, _Step(batches, self.microbatches, backward=True,
+                                                  contexts=self.rng_contexts))
         self._wall += time.perf_counter() - start
         self.step += 1
         return losses
@@ -183,76 +170,110 @@ class PipelineExecutor:
     def measured_bubble(self) -> float | None:
         """This rank's idle fraction over the training steps run so far: 1 - (time in forward and
         backward) / (time in run()); None before the first step. Includes message waits and
-        whatever else runs inside a step's backward (e.g. data-parallel hooks count as busy)."""
+        whatever else runs inside a step's backward (e.g. data-parallel hooks count as busy).
+        On a GPU the clock measures the host issuing kernels, not the kernels themselves."""
         return 1.0 - self._busy / self._wall if self._wall > 0 else None
 
-    def _replay(self, actions: Sequence[Action], batches: Sequence[tuple[Any, Any]], m: int,
-                backward: bool) -> list[float]:
-        xp = backend.xp
-        mbs, t = batches[0][0].shape
-        act_shape = (mbs, t // self._split_t, self._channels)
-        contexts = self.rng_contexts if backward else None
-        inputs: dict[tuple[int, int], Any] = {}      # received activation (leaf), till its forward
-        stash: dict[tuple[int, int], tuple] = {}     # (input, output), forward till backward/send
-        grads_in: dict[tuple[int, int], Any] = {}    # received output gradient, till its backward
-        grads_out: dict[tuple[int, int], Any] = {}   # input gradient, till it is sent
-        sends = []
-        losses: dict[int, float] = {}
+    # -- replay: one handler per action kind ---------------------------------------------------
+
+    def _replay(self, actions: Sequence[Action], st: "_Step") -> list[float]:
+        mbs, t = st.batches[0][0].shape
+        st.act_shape = (mbs, t // self._split_t, self._channels)
         tracer = self.tracer if self.tracer is not None and self.tracer.enabled else None
         for action in actions:
-            key = (action.microbatch, action.chunk)
-            kind = action.kind
-            v = schedule.stage_of(self.pp_rank, action.chunk, self.pp)
             start = time.perf_counter()
-            if kind == "recv_act":
-                buf = xp.empty(act_shape, dtype=self._dtype)
-                data = self.comm.irecv(buf, action.peer, self._tag(action, m)).wait()
-                inputs[key] = Tensor(data, requires_grad=backward)
-            elif kind == "forward":
-                stage = self.stages[action.chunk]
-                x, y = batches[action.microbatch]
-                if contexts is not None:
-                    stage.rng_context = contexts[action.microbatch]
-                inp = xp.asarray(x) if v == 0 else inputs.pop(key)
-                if v == self.last_stage:
-                    out = stage(inp, xp.asarray(y))
-                    losses[action.microbatch] = float(out.item())
-                else:
-                    out = stage(inp)
-                    assert out.shape == act_shape, f"stage {v} produced {out.shape}, expected {act_shape}"
-                if backward or v < self.last_stage:
-                    stash[key] = (inp, out)
-            elif kind == "send_act":
-                out = stash[key][1] if backward else stash.pop(key)[1]
-                sends.append(self.comm.isend(out.data, action.peer, self._tag(action, m)))
-            elif kind == "recv_grad":
-                out = stash[key][1]
-                buf = xp.empty(out.shape, dtype=out.dtype)
-                grads_in[key] = self.comm.irecv(buf, action.peer, self._tag(action, m)).wait()
-            elif kind == "backward":
-                inp, out = stash.pop(key)
-                # The loss is a mean over the micro-batch; 1/m makes the sum over m a global mean.
-                out.backward(xp.asarray(1.0 / m, dtype=out.dtype) if v == self.last_stage else grads_in.pop(key))
-                if v > 0:
-                    grads_out[key] = inp.grad
-            else:  # send_grad
-                sends.append(self.comm.isend(grads_out.pop(key), action.peer, self._tag(action, m)))
-            if kind in schedule.COMPUTE or tracer is not None:
+            self._handlers[action.kind](st, action)
+            if action.kind in schedule.COMPUTE or tracer is not None:
                 end = time.perf_counter()
-                if kind in schedule.COMPUTE and backward:
+                if action.kind in schedule.COMPUTE and st.backward:
                     self._busy += end - start
                 if tracer is not None:
-                    tracer.record(kind, "compute" if kind in schedule.COMPUTE else "comm", start, end,
-                                  tid=action.chunk, args={"step": self.step, "mb": action.microbatch,
-                                                          "stage": v, "eval": not backward})
+                    tracer.record(action.kind, "compute" if action.kind in schedule.COMPUTE else "comm", start,
+                                  end, tid=action.chunk, args={"step": self.step, "mb": action.microbatch,
+                                                               "stage": self._stage(action),
+                                                               "eval": not st.backward})
         start = time.perf_counter()
-        for handle in sends:
+        for handle in st.sends:
             handle.wait()
         if tracer is not None:
             tracer.record("wait_sends", "comm", start, time.perf_counter(), tid=0,
-                          args={"step": self.step, "sends": len(sends), "eval": not backward})
-        assert not (stash or inputs or grads_in or grads_out), "the schedule left work undone"
-        return [losses[j] for j in sorted(losses)]
+                          args={"step": self.step, "sends": len(st.sends), "eval": not st.backward})
+        assert not (st.stash or st.inputs or st.grads_in or st.grads_out), "the schedule left work undone"
+        if not st.losses:
+            return []
+        # One device-to-host copy per step for every micro-batch's loss (not one sync each).
+        xp = backend.array_module(st.losses[0])
+        return [float(v) for v in backend.to_host(xp.stack([st.losses[j] for j in sorted(st.losses)]))]
+
+    def _stage(self, action: Action) -> int:
+        return schedule.stage_of(self.pp_rank, action.chunk, self.pp)
 
     def _tag(self, action: Action, m: int) -> int:
         return schedule.message_tag(action, self.pp, self.chunks, m)
+
+    def _recv_act(self, st: "_Step", action: Action) -> None:
+        """Irecv the input activation [mbs, T(/tp), C] and wrap it as a leaf (grad wanted in training)."""
+        buf = backend.xp.empty(st.act_shape, dtype=self._dtype)
+        data = self.comm.irecv(buf, action.peer, self._tag(action, st.m)).wait()
+        st.inputs[st.key(action)] = Tensor(data, requires_grad=st.backward)
+
+    def _forward(self, st: "_Step", action: Action) -> None:
+        """Run the chunk on token ids (first stage) or the received activation; stash (in, out)."""
+        key, v = st.key(action), self._stage(action)
+        stage = self.stages[action.chunk]
+        x, y = st.batches[action.microbatch]
+        if st.contexts is not None:
+            stage.rng_context = st.contexts[action.microbatch]
+        inp = x if v == 0 else st.inputs.pop(key)
+        if v == self.last_stage:
+            out = stage(inp, y)
+            st.losses[action.microbatch] = out.data  # a device scalar: read once at the end of the step
+        else:
+            out = stage(inp)
+            assert out.shape == st.act_shape, f"stage {v} produced {out.shape}, expected {st.act_shape}"
+        if st.backward or v < self.last_stage:
+            st.stash[key] = (inp, out)
+
+    def _send_act(self, st: "_Step", action: Action) -> None:
+        key = st.key(action)
+        out = st.stash[key][1] if st.backward else st.stash.pop(key)[1]
+        st.sends.append(self.comm.isend(out.data, action.peer, self._tag(action, st.m)))
+
+    def _recv_grad(self, st: "_Step", action: Action) -> None:
+        out = st.stash[st.key(action)][1]
+        buf = backend.xp.empty(out.shape, dtype=out.dtype)
+        st.grads_in[st.key(action)] = self.comm.irecv(buf, action.peer, self._tag(action, st.m)).wait()
+
+    def _backward(self, st: "_Step", action: Action) -> None:
+        key, v = st.key(action), self._stage(action)
+        inp, out = st.stash.pop(key)
+        # The loss is a mean over the micro-batch; 1/m makes the sum over m a global mean.
+        if v == self.last_stage:
+            out.backward(backend.array_module(out.data).asarray(1.0 / st.m, dtype=out.dtype))
+        else:
+            out.backward(st.grads_in.pop(key))
+        if v > 0:
+            st.grads_out[key] = inp.grad
+
+    def _send_grad(self, st: "_Step", action: Action) -> None:
+        st.sends.append(self.comm.isend(st.grads_out.pop(st.key(action)), action.peer,
+                                        self._tag(action, st.m)))
+
+
+class _Step:
+    """What one step's replay holds between actions, keyed by (microbatch, chunk)."""
+
+    def __init__(self, batches: Sequence[tuple[Any, Any]], m: int, backward: bool, contexts=None):
+        self.batches, self.m, self.backward = batches, m, backward
+        self.contexts = contexts if backward else None  # dropout rng contexts, training only
+        self.act_shape: tuple = ()
+        self.inputs: dict = {}     # received activation (leaf), till its forward
+        self.stash: dict = {}      # (input, output), forward till backward (or send, evaluating)
+        self.grads_in: dict = {}   # received output gradient, till its backward
+        self.grads_out: dict = {}  # input gradient, till it is sent
+        self.sends: list = []      # handles of every Isend, waited at the end of the step
+        self.losses: dict = {}     # microbatch -> loss (0-d array), last stage only
+
+    @staticmethod
+    def key(action: Action) -> tuple[int, int]:
+        return action.microbatch, action.chunk

@@ -30,16 +30,33 @@ Peak stashed activations on rank r (counted in chunk activations, each 1/v of th
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from hpcpar.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-COMPUTE = ("forward", "backward")
-SENDS = ("send_act", "send_grad")
-RECVS = ("recv_act", "recv_grad")
-KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad")
+
+
+class Kind(str, enum.Enum):
+    """What an action does. A str too, so traces, tests and files can say "forward"."""
+
+    RECV_ACT = "recv_act"    # receive the input activation of (microbatch, chunk)
+    FORWARD = "forward"
+    SEND_ACT = "send_act"    # send the output activation
+    RECV_GRAD = "recv_grad"  # receive the gradient of the output
+    BACKWARD = "backward"
+    SEND_GRAD = "send_grad"  # send the gradient of the input
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+COMPUTE = (Kind.FORWARD, Kind.BACKWARD)
+SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
+RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
+KINDS = tuple(Kind)
 
 
 @dataclass(frozen=True)
@@ -49,14 +66,15 @@ class Action:
     `peer` is the pipeline rank sent to / received from (None for forward/backward).
     """
 
-    kind: str
+    kind: Kind
     microbatch: int
     chunk: int = 0
     peer: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"Action kind {self.kind!r} is not one of {KINDS}")
+            raise ValueError(f"Action kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        object.__setattr__(self, "kind", Kind(self.kind))  # "forward" -> Kind.FORWARD
         if (self.peer is None) != (self.kind in COMPUTE):
             want = "no peer" if self.kind in COMPUTE else "a peer rank"
             raise ValueError(f"Action {self.kind} takes {want}, got peer={self.peer}")
@@ -80,13 +98,13 @@ def message_tag(action: Action, pp: int, chunks: int, microbatches: int) -> int:
     The acting rank is not in the action; it is the peer's neighbour (receive activations from
     rank - 1, send them to rank + 1, gradients the other way).
     """
-    if action.kind in ("recv_act", "send_grad"):  # the stage below us is the peer
+    if action.kind in (Kind.RECV_ACT, Kind.SEND_GRAD):  # the stage below us is the peer
         boundary = stage_of((action.peer + 1) % pp, action.chunk, pp) - 1
-    elif action.kind in ("send_act", "recv_grad"):  # the stage above us is the peer
+    elif action.kind in (Kind.SEND_ACT, Kind.RECV_GRAD):  # the stage above us is the peer
         boundary = stage_of((action.peer - 1) % pp, action.chunk, pp)
     else:
         raise ValueError(f"{action} moves no message")
-    direction = 0 if action.kind.endswith("_act") else 1
+    direction = 0 if action.kind in (Kind.RECV_ACT, Kind.SEND_ACT) else 1
     return (direction * (pp * chunks - 1) + boundary) * microbatches + action.microbatch
 
 
@@ -96,22 +114,22 @@ def message_tag(action: Action, pp: int, chunks: int, microbatches: int) -> int:
 def _forward(rank: int, chunk: int, mb: int, pp: int, chunks: int) -> list[Action]:
     """Receive the input activation (unless first stage), forward, send the output (unless last)."""
     stage = stage_of(rank, chunk, pp)
-    actions = [Action("forward", mb, chunk)]
+    actions = [Action(Kind.FORWARD, mb, chunk)]
     if stage > 0:
-        actions.insert(0, Action("recv_act", mb, chunk, (rank - 1) % pp))
+        actions.insert(0, Action(Kind.RECV_ACT, mb, chunk, (rank - 1) % pp))
     if stage < pp * chunks - 1:
-        actions.append(Action("send_act", mb, chunk, (rank + 1) % pp))
+        actions.append(Action(Kind.SEND_ACT, mb, chunk, (rank + 1) % pp))
     return actions
 
 
 def _backward(rank: int, chunk: int, mb: int, pp: int, chunks: int) -> list[Action]:
     """Receive the output gradient (unless last stage), backward, send the input gradient."""
     stage = stage_of(rank, chunk, pp)
-    actions = [Action("backward", mb, chunk)]
+    actions = [Action(Kind.BACKWARD, mb, chunk)]
     if stage < pp * chunks - 1:
-        actions.insert(0, Action("recv_grad", mb, chunk, (rank + 1) % pp))
+        actions.insert(0, Action(Kind.RECV_GRAD, mb, chunk, (rank + 1) % pp))
     if stage > 0:
-        actions.append(Action("send_grad", mb, chunk, (rank - 1) % pp))
+        actions.append(Action(Kind.SEND_GRAD, mb, chunk, (rank - 1) % pp))
     return actions
 
 
@@ -186,6 +204,23 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int = 1) -> list[list[A
     return schedules
 
 
+def forward_only(pp: int, rank: int, microbatches: int, chunks: int = 1) -> list[Action]:
+    """Rank `rank`'s actions for forwards alone (evaluation): recv_act, forward, send_act per
+    (chunk, microbatch) in lexicographic order. Deadlock-free: every recv waits on an action that
+    comes earlier in the global order (chunk, microbatch, rank), and sends never block."""
+    last = pp * chunks - 1
+    actions = []
+    for chunk in range(chunks):
+        v = stage_of(rank, chunk, pp)
+        for mb in range(microbatches):
+            if v > 0:
+                actions.append(Action(Kind.RECV_ACT, mb, chunk, (rank - 1) % pp))
+            actions.append(Action(Kind.FORWARD, mb, chunk))
+            if v < last:
+                actions.append(Action(Kind.SEND_ACT, mb, chunk, (rank + 1) % pp))
+    return actions
+
+
 _BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
 
 
@@ -252,7 +287,7 @@ class SimResult:
 def _expected_peer(rank: int, action: Action, pp: int, last_stage: int) -> int:
     """The peer a send/recv must name; raises if the stage has no such neighbour."""
     stage = stage_of(rank, action.chunk, pp)
-    downward = action.kind in ("recv_act", "send_grad")  # talks to the previous stage
+    downward = action.kind in (Kind.RECV_ACT, Kind.SEND_GRAD)  # talks to the previous stage
     if (downward and stage == 0) or (not downward and stage == last_stage):
         raise ScheduleError(f"rank {rank}: {action} on virtual stage {stage}, which has no "
                             f"{'previous' if downward else 'next'} stage")
@@ -308,9 +343,9 @@ def simulate(schedules: list[list[Action]], t_forward: float = 1.0, t_backward: 
     def run(rank: int, action: Action) -> None:
         """Check the action's data dependencies on `rank`, then advance that rank's clock."""
         stage, key = stage_of(rank, action.chunk, pp), (action.microbatch, action.chunk)
-        needs = {"forward": ["recv_act"] if stage > 0 else [], "send_act": ["forward"],
-                 "backward": ["forward"] + (["recv_grad"] if stage < last_stage else []),
-                 "send_grad": ["backward"]}.get(action.kind, [])
+        needs = {Kind.FORWARD: [Kind.RECV_ACT] if stage > 0 else [], Kind.SEND_ACT: [Kind.FORWARD],
+                 Kind.BACKWARD: [Kind.FORWARD] + ([Kind.RECV_GRAD] if stage < last_stage else []),
+                 Kind.SEND_GRAD: [Kind.BACKWARD]}.get(action.kind, [])
         for need in needs:
             if (need, *key) not in done[rank]:
                 raise ScheduleError(f"rank {rank}: {action} comes before its {need}")
@@ -319,7 +354,7 @@ def simulate(schedules: list[list[Action]], t_forward: float = 1.0, t_backward: 
         done[rank].add((action.kind, *key))
         start = clock[rank]
         if action.kind in COMPUTE:
-            forward = action.kind == "forward"
+            forward = action.kind == Kind.FORWARD
             clock[rank] += (t_forward if forward else t_backward) / chunks
             busy[rank] += clock[rank] - start
             stash[rank] += 1 if forward else -1

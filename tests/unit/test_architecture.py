@@ -78,3 +78,13 @@ def test_only_comm_and_mesh_touch_the_raw_mpi_communicator():
                  for name, path in _modules().items() if name not in ("comm", "mesh")
                  for i, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\.mpi\b", line)]
     assert not offenders, "use the Communicator's methods instead:\n" + "\n".join(offenders)
+
+
+def test_model_code_loads_without_mpi():
+    """nn/ (and the autograd under it) never imports mpi4py, so models run in any process."""
+    import subprocess
+    import sys
+    code = "import sys, hpcpar.nn, hpcpar.ops; print('mpi4py' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent, env={"PYTHONPATH": str(PACKAGE.parent), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

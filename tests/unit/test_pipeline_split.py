@@ -13,7 +13,7 @@ from hpcpar.errors import ConfigError
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.parallel import schedule
 from hpcpar.parallel.pipeline import (
-    PipelineExecutor, build_stages, forward_only_actions, head_cost, split_layers,
+    PipelineExecutor, build_stages, head_cost, split_layers,
 )
 from hpcpar.trace import Tracer
 
@@ -109,9 +109,9 @@ def test_stages_partition_the_model(pp, chunks):
     assert set(seen) == set(whole)
 
 
-def test_forward_only_actions_send_what_is_received():
+def test_forward_only_schedules_send_what_is_received():
     for pp, m, chunks in itertools.product((1, 2, 3, 4), (1, 3), (1, 2)):
-        lists = [forward_only_actions(pp, r, m, chunks) for r in range(pp)]
+        lists = [schedule.forward_only(pp, r, m, chunks) for r in range(pp)]
         tags = {k: sorted(schedule.message_tag(a, pp, chunks, m) for acts in lists for a in acts if a.kind == k)
                 for k in ("send_act", "recv_act")}
         assert tags["send_act"] == tags["recv_act"]
