@@ -439,22 +439,79 @@ def causal_attention(qkv: Tensor, n_head: int) -> Tensor:
     return Tensor.from_op(out, (qkv,), backward)
 
 
-def dropout(x: Tensor, p: float, mask_rng_keys=None, training: bool = True) -> Tensor:
-    """Inverted dropout with a seeded mask.
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 constants (Steele, Lea, Flood 2014)
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(xp, z):
+    """splitmix64's output function, in place on a uint64 array (wrapping arithmetic)."""
+    t = xp.empty_like(z)
+    z += xp.uint64(_GOLDEN)
+    for shift, mix in ((30, _MIX1), (27, _MIX2)):
+        xp.right_shift(z, xp.uint64(shift), out=t)
+        z ^= t
+        z *= xp.uint64(mix)
+    xp.right_shift(z, xp.uint64(31), out=t)
+    z ^= t
+    return z
+
+
+def _key_seed(key) -> int:
+    """A 64-bit stream id from an integer key tuple, e.g. (seed, step, sample id, site)."""
+    h = 0
+    for k in key:  # each part folded through a splitmix round: (1, 2) and (2, 1) differ
+        h = (h ^ (int(k) & _MASK64)) + _GOLDEN & _MASK64
+        h = ((h ^ (h >> 30)) * _MIX1) & _MASK64
+        h = ((h ^ (h >> 27)) * _MIX2) & _MASK64
+        h ^= h >> 31
+    return h
+
+
+def counter_uniform(xp, keys, shape: tuple, rows: slice | None = None):
+    """Uniform [0, 1) floats [len(keys), *shape]: element i of row n is a hash of (keys[n], i).
+
+    Counter-based (no generator state): the value of an element depends only on its key and its
+    flat index in `shape`, so NumPy and CuPy draw identical numbers, a sample's values do not
+    depend on its batch-mates, and `rows` (a slice of dim 0 of `shape`) draws just those rows of
+    the full array, exactly as the full draw would have them (a sequence shard's part).
+    """
+    inner = math.prod(shape[1:])
+    lo, hi = (0, shape[0]) if rows is None else (rows.start, rows.stop)
+    index = xp.arange(lo * inner, hi * inner, dtype=xp.uint64)
+    seeds = xp.asarray([_key_seed(k) for k in keys], dtype=xp.uint64)
+    with _wrapping(xp):
+        z = index * xp.uint64(_GOLDEN)
+        z = _splitmix64(xp, seeds[:, None] + z[None, :])
+    z >>= xp.uint64(11)  # the top 53 bits: a double in [0, 1) with every bit random
+    u = z.astype(xp.float64)
+    u *= 1.0 / (1 << 53)
+    return u.reshape((len(keys), hi - lo) + tuple(shape[1:]))
+
+
+def _wrapping(xp):
+    """uint64 overflow is the point of the hash: silence NumPy's overflow warnings."""
+    import contextlib
+    return xp.errstate(over="ignore") if hasattr(xp, "errstate") else contextlib.nullcontext()
+
+
+def dropout(x: Tensor, p: float, mask_rng_keys=None, training: bool = True, rows: slice | None = None,
+            full_shape: tuple | None = None) -> Tensor:
+    """Inverted dropout with a counter-based mask (see `counter_uniform`).
 
     `mask_rng_keys` is one integer key tuple per row of dim 0 (e.g. per sample:
-    (seed, step, sample_id, site)); the mask of row i is drawn from
-    numpy.random.default_rng(key_i) over x.shape[1:], so a sample's mask does not
-    depend on which other samples share its batch, or on the mesh.
+    (seed, step, sample_id, site)), so a sample's mask does not depend on which other samples
+    share its batch, on the mesh or on the backend. A shard of the sequence passes
+    `full_shape` (the per-sample shape [T, ..]) and its `rows` (of T): it gets those rows of the
+    mask the whole sequence would have.
     """
     if not training or p == 0.0:
         return x
-    import numpy as np
-    xp = array_module(x.data)
-    keep = 1.0 - p
     if mask_rng_keys is None:
         raise ValueError("dropout needs one rng key per sample (mask_rng_keys)")
-    mask = np.stack([np.random.default_rng(list(k)).random(x.shape[1:]) < keep
-                     for k in mask_rng_keys]).astype(x.dtype) / keep
-    mask = xp.asarray(mask)
+    xp = array_module(x.data)
+    keep = 1.0 - p
+    shape = tuple(full_shape) if full_shape is not None else x.shape[1:]
+    mask = (counter_uniform(xp, mask_rng_keys, shape, rows) < keep).astype(x.dtype)
+    mask *= 1.0 / keep
     return Tensor.from_op(x.data * mask, (x,), lambda g: (g * mask,))

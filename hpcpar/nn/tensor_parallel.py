@@ -252,16 +252,12 @@ def parallel_lm_head(h: Tensor, weight_shard: Parameter, targets, comm: Communic
 
 
 def sequence_parallel_dropout(x_shard: Tensor, p: float, mask_rng_keys, comm: Communicator) -> Tensor:
-    """Dropout on a sequence shard [B, T/tp, ..] with the single-process model's mask.
-
-    `ops.dropout` draws a sample's mask over the full [T, ..]; we draw the same full mask
-    and keep my rows, so results do not depend on tp.
-    """
-    xp = backend.array_module(x_shard.data)
+    """Dropout on a sequence shard [B, T/tp, ..] with the single-process model's mask: my rows
+    of the mask the full sequence [T, ..] would get (drawn directly, never the whole mask), so
+    results do not depend on tp."""
     n = x_shard.shape[SEQ_DIM]
-    full_shape = x_shard.shape[:SEQ_DIM] + (n * comm.size,) + x_shard.shape[SEQ_DIM + 1:]
-    mask = ops.dropout(Tensor(xp.ones(full_shape, dtype=x_shard.dtype)), p, mask_rng_keys).data
-    return x_shard * mask[:, comm.rank * n:(comm.rank + 1) * n]
+    full = (n * comm.size,) + x_shard.shape[SEQ_DIM + 1:]
+    return ops.dropout(x_shard, p, mask_rng_keys, rows=slice(comm.rank * n, (comm.rank + 1) * n), full_shape=full)
 
 
 class TensorParallelPlan:
