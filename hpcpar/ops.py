@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import math
 
-from hpcpar.backend import array_module
+from hpcpar import kernels
+from hpcpar.backend import array_module, is_device_array
 from hpcpar.tensor import Tensor
+
+
+def _fused(a) -> bool:
+    """Use the fused GPU kernel (kernels.py) for array `a`: a CuPy float32/float64 array."""
+    return is_device_array(a) and kernels.supported(a)
 
 
 def _unbroadcast(g, shape: tuple):
@@ -121,6 +127,9 @@ def gelu(x: Tensor) -> Tensor:
     """GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
     xp = array_module(x.data)
     xd = x.data
+    if _fused(xd):
+        out, t = kernels.gelu_forward(xd)
+        return Tensor.from_op(out, (x,), lambda g: (kernels.gelu_backward(xd, t, g),))
     t = xd * xd
     t *= 0.044715
     t += 1.0
@@ -333,6 +342,8 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
     """LayerNorm over the last dim. x [..., C], weight/bias [C]."""
     xp = array_module(x.data)
     xd = x.data
+    if _fused(xd):
+        return _layer_norm_fused(x, weight, bias, eps)
     mu = xd.mean(axis=-1, keepdims=True)
     xhat = xd - mu
     var = (xhat * xhat).mean(axis=-1, keepdims=True)
@@ -358,6 +369,21 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
     return Tensor.from_op(out, (x, weight, bias), backward)
 
 
+def _layer_norm_fused(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    """layer_norm on the GPU: one kernel per pass; saves per-row mean and 1/std, not xhat."""
+    xp = array_module(x.data)
+    xd = xp.ascontiguousarray(x.data)
+    out, mu, rstd = kernels.layer_norm_forward(xd, weight.data, None if bias is None else bias.data, eps)
+    c = xd.shape[-1]
+
+    def backward(g):
+        gx, g_xhat = kernels.layer_norm_backward(xd, weight.data, mu, rstd, xp.ascontiguousarray(g))
+        gw = g_xhat.sum(axis=0) if weight.requires_grad else None
+        gb = g.reshape(-1, c).sum(axis=0) if bias is not None and bias.requires_grad else None
+        return (gx if x.requires_grad else None), gw, gb
+    return Tensor.from_op(out, (x, weight, bias), backward)
+
+
 def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
     """Mean negative log-likelihood of `targets` under softmax(`logits`), fused.
 
@@ -370,6 +396,8 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
     z = ld.reshape(-1, v)
     t = (targets.data if isinstance(targets, Tensor) else targets).reshape(-1)
     valid = t != ignore_index
+    if _fused(ld):
+        return _cross_entropy_fused(logits, xp.ascontiguousarray(z), t.astype(xp.int64), valid, ignore_index)
     safe_t = xp.where(valid, t, 0)
     rows = xp.arange(z.shape[0])
     probs = z - z.max(axis=1, keepdims=True)
@@ -387,6 +415,19 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
         grad *= (valid * (g / count))[:, None].astype(grad.dtype)
         return (grad.reshape(ld.shape),)
     return Tensor.from_op(loss.astype(ld.dtype), (logits,), backward)
+
+
+def _cross_entropy_fused(logits: Tensor, z, t, valid, ignore_index: int) -> Tensor:
+    """cross_entropy on the GPU: a row kernel each way; keeps log-sum-exp per row, not the
+    [rows, V] probabilities."""
+    xp = array_module(z)
+    nll, lse = kernels.cross_entropy_forward(z, t, ignore_index)
+    count = xp.maximum(valid.sum(), 1).astype(z.dtype)
+
+    def backward(g):
+        coef = (g / count).reshape(1).astype(z.dtype)
+        return (kernels.cross_entropy_backward(z, t, lse, coef, ignore_index).reshape(logits.shape),)
+    return Tensor.from_op((nll.sum() / count).astype(z.dtype), (logits,), backward)
 
 
 _causal_bias_cache: dict = {}
@@ -417,11 +458,15 @@ def causal_attention(qkv: Tensor, n_head: int) -> Tensor:
     heads = qkv.data.reshape(b, t, 3, n_head, d).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, D]
     q, k, v = heads[0], heads[1], heads[2]
     probs = q @ k.swapaxes(-1, -2)                                         # [B, H, T, T]
-    probs *= scale
-    probs += _causal_bias(xp, t, probs.dtype)
-    probs -= probs.max(axis=-1, keepdims=True)
-    xp.exp(probs, out=probs)
-    probs /= probs.sum(axis=-1, keepdims=True)
+    fused = _fused(probs)
+    if fused:
+        kernels.causal_softmax_forward(probs, scale)
+    else:
+        probs *= scale
+        probs += _causal_bias(xp, t, probs.dtype)
+        probs -= probs.max(axis=-1, keepdims=True)
+        xp.exp(probs, out=probs)
+        probs /= probs.sum(axis=-1, keepdims=True)
     y = probs @ v                                                          # [B, H, T, D]
     out = y.transpose(0, 2, 1, 3).reshape(b, t, c)
 
@@ -430,9 +475,12 @@ def causal_attention(qkv: Tensor, n_head: int) -> Tensor:
         gqkv = xp.empty((3, b, n_head, t, d), dtype=g.dtype)
         xp.matmul(probs.swapaxes(-1, -2), gy, out=gqkv[2])                 # dV = P^T dY
         gs = gy @ v.swapaxes(-1, -2)                                       # dP = dY V^T
-        gs -= (gs * probs).sum(axis=-1, keepdims=True)
-        gs *= probs                                                        # dS = P (dP - rowsum(dP P))
-        gs *= scale
+        if fused:
+            kernels.causal_softmax_backward(probs, gs, scale)
+        else:
+            gs -= (gs * probs).sum(axis=-1, keepdims=True)
+            gs *= probs                                                    # dS = P (dP - rowsum(dP P))
+            gs *= scale
         xp.matmul(gs, k, out=gqkv[0])                                      # dQ = dS K
         xp.matmul(gs.swapaxes(-1, -2), q, out=gqkv[1])                     # dK = dS^T Q
         return (gqkv.transpose(1, 3, 0, 2, 4).reshape(b, t, three_c),)

@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from hpcpar import kernels
 from hpcpar.backend import array_module as _array_module
+from hpcpar.backend import is_device_array
 from hpcpar.errors import CheckpointError, ConfigError
 
 
@@ -121,8 +123,12 @@ class AdamW(_Optimizer):
                 continue
             xp = _array_module(p.data)
             m, v = state["exp_avg"], state["exp_avg_sq"]
-            if self.weight_decay and not getattr(p, "no_decay", False):
-                p.data *= 1.0 - lr * self.weight_decay
+            decay = 1.0 - lr * self.weight_decay if self.weight_decay and not getattr(p, "no_decay", False) else 1.0
+            if is_device_array(p.data) and kernels.supported(p.data):  # one fused kernel on the GPU
+                kernels.adamw_update(p.data, g, m, v, decay, b1, b2, self.eps, step_size, inv_bias2_sqrt)
+                continue
+            if decay != 1.0:
+                p.data *= decay
             tmp = xp.multiply(g, g)  # the one temporary, reused below
             tmp *= 1.0 - b2
             v *= b2

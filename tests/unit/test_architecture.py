@@ -1,6 +1,6 @@
 """The layer rule of docs/architecture.md, checked on the source: imports point down only.
 
-    foundation (errors, layout, data, metrics, ...) -> backend, watchdog, failure
+    foundation (errors, layout, data, metrics, ...) -> backend, GPU kernels, watchdog, failure
       -> comm, mesh -> autograd (tensor, ops) -> mappings and nn
       -> parallel (schedules, pipeline, data parallel, optimizer, checkpoints)
       -> config, train, generate -> cli
@@ -22,7 +22,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "hpcpar"
 LAYERS = [
     {"hpcpar", "errors", "layout", "threads", "metrics", "trace", "preemption", "data", "jobs", "plot",
      "nn.init"},
-    {"backend", "watchdog", "failure"},
+    {"backend", "kernels", "watchdog", "failure"},
     {"comm", "mesh"},
     {"tensor", "ops"},
     {"parallel.mappings", "nn", "nn.module", "nn.layers", "nn.gpt", "nn.tensor_parallel"},
