@@ -26,7 +26,8 @@ LAYERS = [
     {"comm", "mesh"},
     {"tensor", "ops"},
     {"parallel.mappings", "nn", "nn.module", "nn.layers", "nn.gpt", "nn.tensor_parallel"},
-    {"parallel", "parallel.schedule", "parallel.pipeline", "parallel.data_parallel", "optim", "checkpoint"},
+    {"parallel", "parallel.schedule", "parallel.pipeline", "parallel.buckets", "parallel.compression",
+     "parallel.zero", "parallel.clipping", "parallel.data_parallel", "optim", "checkpoint"},
     {"config", "train", "generate"},
     {"cli", "__main__"},
 ]
@@ -71,6 +72,18 @@ def test_imports_point_down(module):
 def test_comm_imports_no_autograd():
     deps = _imports(_modules()["comm"])
     assert not {d for d in deps if d in ("tensor", "ops") or d.startswith(("nn", "parallel"))}, deps
+
+
+DP_PIECES = ("parallel.buckets", "parallel.compression", "parallel.zero", "parallel.clipping",
+             "parallel.data_parallel")
+
+
+@pytest.mark.parametrize("module", DP_PIECES)
+def test_data_parallel_pieces_know_no_model_or_run(module):
+    """Gradient sync works on any objects with .data/.grad: no nn, autograd, config or train."""
+    allowed = {"backend", "comm", "mesh", "optim", "errors", *DP_PIECES}
+    extra = sorted(_imports(_modules()[module]) - allowed)
+    assert not extra, f"hpcpar.{module} imports {extra}"
 
 
 def test_only_comm_and_mesh_touch_the_raw_mpi_communicator():

@@ -1,0 +1,343 @@
+"""Gradient buckets: the plan, the flat buffers, and launching their reductions in order.
+
+A bucket is one flat gradient buffer `grad` of shape `[size]` (dtype of its parameters) that
+holds the gradients of several parameters back to back, each parameter's `.grad` being a view
+of its slice `grad[offset:offset + numel].reshape(shape)`; `size` is the sum of the numels
+rounded up to a multiple of `pad_to` (zero padding at the end). Backward then accumulates
+straight into the buffer that goes on the wire, and one large collective per bucket replaces
+many small ones (PyTorch DDP, arXiv 2006.15704).
+
+Three pieces, from pure to stateful:
+
+- `plan_buckets` -> `BucketPlan`s of `Slot`s: which parameter goes where (pure, no arrays).
+  Buckets are filled in *reverse* registration order, about the order backward completes the
+  gradients, so the first bucket can go on the wire while backward is still busy with earlier
+  layers. Tied copies (the embedding and the LM head on different pipeline stages) go in one
+  final bucket of their own, since they are summed across stages first.
+- `Bucket`: a plan plus its buffer, the parameter views and the state of this step's
+  reduction.
+- `BucketManager`: owns the buckets of one rank. A grad hook counts each parameter's
+  contributions over the step's micro-batches; once every parameter of a bucket has all of them
+  (with gradient accumulation only the last micro-batch's completes it), the bucket is ready.
+  Ready buckets are launched strictly in index order (a ready bucket waits for its
+  predecessors): every dp rank then issues identical collectives in identical order whatever
+  its own hook timing, which is what non-blocking collectives require. After launching, a
+  `comm.progress()` lets MPI (which has no progress thread) move the reductions in flight while
+  backward computes. `finish_backward` launches whatever is left (a bucket whose parameters
+  got no gradient is reduced as zeros, so no rank skips a collective another one issues) and
+  waits for all.
+
+How a bucket travels is pluggable (a "reduction"): `AllReduceAvg` leaves the dp average of the
+whole bucket in `grad`; `ReduceScatterAvg` leaves this rank's part, `part = average of
+grad[rank * size/dp : (rank + 1) * size/dp]` of shape `[size/dp]`, in `bucket.part` (ZeRO);
+`CompressedReduction` does either through a gradient compressor (hpcpar/parallel/compression.py).
+A reduction has `comm` (the dp communicator), `shards` (True: the result is this rank's part),
+`start(bucket) -> Handle` (non-blocking, called from grad hooks) and `finish(bucket, handle)`
+(waits; returns the part when `shards`, else leaves the whole average in `bucket.grad`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
+
+import numpy as np
+
+from hpcpar import backend
+from hpcpar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hpcpar.comm import Communicator, Handle
+    from hpcpar.parallel.compression import Compressor
+
+
+# -- the plan (pure) ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Slot:
+    """Where parameter `index` (position in the given list) lives in its bucket: [offset, offset+numel)."""
+
+    name: str
+    index: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One flat gradient buffer: its slots, padded size (a multiple of `pad_to`) and dtype."""
+
+    slots: tuple
+    size: int
+    dtype: str
+    tied: bool = False
+
+    @property
+    def used(self) -> int:
+        """Elements holding gradients (the rest is zero padding)."""
+        return sum(s.numel for s in self.slots)
+
+
+def plan_buckets(params: list[tuple[str, int, str]], bucket_bytes: int, pad_to: int = 1,
+                 tied: Iterable[str] = ()) -> list[BucketPlan]:
+    """Group parameters into flat buckets.
+
+    Args:
+        params: (name, numel, dtype) in registration order.
+        bucket_bytes: a bucket is closed once it holds at least this many bytes (a larger
+            parameter gets a bucket of its own).
+        pad_to: every bucket's size is rounded up to a multiple of this (dp, for ZeRO's
+            reduce-scatter and the compressed all-to-all).
+        tied: names that go in one final bucket (sorted by name), not in the regular ones.
+
+    Returns:
+        Regular buckets in reverse registration order (a new bucket also starts where the
+        dtype changes), then the tied bucket if any.
+    """
+    tied = set(tied)
+    buckets: list[BucketPlan] = []
+    current: list[Slot] = []
+    offset, dtype = 0, None
+
+    def close(slots: list[Slot], used: int, dt: str, is_tied: bool = False) -> None:
+        if slots:
+            buckets.append(BucketPlan(tuple(slots), -(-used // pad_to) * pad_to, dt, is_tied))
+
+    for index in reversed(range(len(params))):
+        name, numel, dt = params[index]
+        if name in tied:
+            continue
+        if current and dt != dtype:
+            close(current, offset, dtype)
+            current, offset = [], 0
+        dtype = dt
+        current.append(Slot(name, index, offset, numel))
+        offset += numel
+        if offset * np.dtype(dt).itemsize >= bucket_bytes:
+            close(current, offset, dtype)
+            current, offset = [], 0
+    close(current, offset, dtype)
+
+    tied_params = sorted((name, i) for i, (name, _, _) in enumerate(params) if name in tied)
+    if tied_params:
+        dtypes = {params[i][2] for _, i in tied_params}
+        if len(dtypes) > 1:
+            raise ConfigError(f"tied weights {[n for n, _ in tied_params]} have different dtypes {sorted(dtypes)}; "
+                              "tied copies must share one dtype")
+        slots, offset = [], 0
+        for name, i in tied_params:
+            slots.append(Slot(name, i, offset, params[i][1]))
+            offset += params[i][1]
+        close(slots, offset, dtypes.pop(), is_tied=True)
+    return buckets
+
+
+# -- reductions: how a bucket goes on the wire ----------------------------------------------------
+
+class Reduction(Protocol):
+    """How one bucket is averaged over `comm` (see the module docstring)."""
+
+    comm: Communicator
+    shards: bool
+
+    def start(self, bucket: Bucket) -> Handle: ...
+
+    def finish(self, bucket: Bucket, handle: Handle) -> Any: ...
+
+
+class AllReduceAvg:
+    """The whole bucket averaged in place on every rank (`iall_reduce(op="avg")`)."""
+
+    shards = False
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+
+    def start(self, bucket: Bucket) -> Handle:
+        return self.comm.iall_reduce(bucket.grad, op="avg")  # in place: the result is bucket.grad
+
+    def finish(self, bucket: Bucket, handle: Handle) -> None:
+        handle.wait()
+
+
+class ReduceScatterAvg:
+    """This rank's part of the averaged bucket, `[size/dp]` (`ireduce_scatter(op="avg")`): ZeRO."""
+
+    shards = True
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+
+    def start(self, bucket: Bucket) -> Handle:
+        return self.comm.ireduce_scatter(bucket.grad, dim=0, op="avg")
+
+    def finish(self, bucket: Bucket, handle: Handle):
+        return handle.wait()
+
+
+class CompressedReduction:
+    """A bucket through a gradient compressor: compress and exchange when launched; when
+    finished, decompress this rank's averaged part, and unless `shards`, gather the whole
+    averaged bucket back into `bucket.grad` (the all-reduce case)."""
+
+    def __init__(self, compressor: Compressor, shards: bool):
+        self.compressor = compressor
+        self.comm = compressor.comm
+        self.shards = shards
+
+    def start(self, bucket: Bucket) -> Handle:
+        return self.compressor.exchange(self.compressor.compress(bucket.index, bucket.grad))
+
+    def finish(self, bucket: Bucket, handle: Handle):
+        part = self.compressor.decompress(bucket.index, handle.wait())
+        if self.shards:
+            return part.astype(bucket.plan.dtype)
+        bucket.grad[...] = self.compressor.all_gather(bucket.index, part)
+        return None
+
+
+# -- runtime ------------------------------------------------------------------------------------
+
+class Bucket:
+    """A plan plus its buffers and the state of this step's reduction.
+
+    Attributes:
+        index: position in the manager's list (= launch order).
+        plan: the BucketPlan.
+        params: the parameters of `plan.slots`, in slot order.
+        grad: the flat gradient buffer `[plan.size]`; each parameter's `.grad` is a view of it.
+        views: those views, in slot order.
+        ready: parameters with all their contributions this step.
+        handle: the reduction in flight (None before launch, after completion, or when dp = 1).
+        part: after completion of a sharding reduction, this rank's averaged part `[size/dp]`
+            (with dp = 1 the whole `grad`); None otherwise.
+    """
+
+    def __init__(self, index: int, plan: BucketPlan, params: list, xp):
+        self.index = index
+        self.plan = plan
+        self.params = [params[s.index] for s in plan.slots]
+        self.grad = xp.zeros(plan.size, dtype=plan.dtype)
+        self.views = [self.grad[s.offset:s.offset + s.numel].reshape(p.shape)
+                      for s, p in zip(plan.slots, self.params)]
+        self.ready = 0
+        self.handle = None
+        self.part = None
+
+
+class BucketManager:
+    """The buckets of one rank and the in-order launching of their reductions.
+
+    Args:
+        named_params: (name, Parameter) in registration order (the order `plans` index into).
+        plans: from `plan_buckets` over the same list (regular buckets, then the tied one).
+        reduction: how each bucket is averaged; its `comm` is the dp communicator.
+        tied_comm: the tied bucket is summed over this communicator (first and last pipeline
+            stage) before its reduction; None: nothing to sum.
+        overlap: launch ready buckets from the grad hooks (False: all in `finish_backward`,
+            the no-overlap baseline for benchmarks).
+
+    Per step: `begin_step(microbatches)`, the backwards (hooks call `on_grad`),
+    `finish_backward()`.
+
+    Attributes:
+        events: (kind, what, time.perf_counter()) appended during the step: ("grad_ready", name, t)
+            when a parameter has all its contributions, ("bucket_start", i, t) when bucket i's
+            reduction is launched. Cleared by `begin_step`.
+    """
+
+    def __init__(self, named_params: list[tuple[str, Any]], plans: list[BucketPlan], reduction: Reduction,
+                 tied_comm: Communicator | None = None, overlap: bool = True):
+        params = [p for _, p in named_params]
+        self.reduction = reduction
+        self.comm = reduction.comm
+        self.tied_comm = tied_comm
+        self.overlap = overlap
+        xp = backend.array_module(*(p.data for p in params))
+        self.buckets = [Bucket(i, plan, params, xp) for i, plan in enumerate(plans)]
+        self.n_regular = sum(1 for b in self.buckets if not b.plan.tied)
+        self._name_of = {id(p): n for n, p in named_params}
+        self._where = {id(p): b for b in self.buckets for p in b.params}
+        self._counts = {id(p): 0 for p in params}
+        self._microbatches = 0
+        self._next_launch = 0
+        self._armed = False
+        self.events: list[tuple[str, Any, float]] = []
+        self.attach_grads()
+        for p in params:
+            p.register_grad_hook(self.on_grad)
+
+    def attach_grads(self) -> None:
+        """Point every parameter's `.grad` at its slice of its bucket (someone may have reset it)."""
+        for b in self.buckets:
+            for p, v in zip(b.params, b.views):
+                p.grad = v
+
+    def begin_step(self, microbatches: int = 1) -> None:
+        """Zero the buckets, point every `.grad` at its view, arm the hooks for `microbatches` backwards."""
+        if microbatches < 1:
+            raise ConfigError(f"microbatches must be >= 1, got {microbatches}")
+        for b in self.buckets:
+            b.grad.fill(0)
+            b.ready, b.handle, b.part = 0, None, None
+        self.attach_grads()
+        for k in self._counts:
+            self._counts[k] = 0
+        self._microbatches = microbatches
+        self._next_launch = 0
+        self._armed = True
+        self.events = []
+
+    def on_grad(self, p) -> None:
+        """Grad hook: one more contribution to `p`; launch buckets that became complete."""
+        if not self._armed:
+            return
+        key = id(p)
+        n = self._counts[key] + 1
+        self._counts[key] = n
+        if n > self._microbatches:
+            raise RuntimeError(f"parameter {self._name_of[key]} received {n} gradients in a step "
+                               f"of {self._microbatches} micro-batch(es); its bucket was already reduced. "
+                               "Call begin_step(microbatches=...) with the number of backward passes")
+        if n < self._microbatches:
+            return
+        self.events.append(("grad_ready", self._name_of[key], time.perf_counter()))
+        self._where[key].ready += 1
+        if self.overlap:
+            while (self._next_launch < self.n_regular
+                   and self.buckets[self._next_launch].ready == len(self.buckets[self._next_launch].params)):
+                self._launch(self.buckets[self._next_launch])
+                self._next_launch += 1
+            if self._next_launch:
+                self.comm.progress()  # keeps the launched reductions moving during backward
+
+    def _launch(self, b: Bucket) -> None:
+        """Start bucket `b`'s reduction (nothing to do on one rank)."""
+        self.events.append(("bucket_start", b.index, time.perf_counter()))
+        if self.comm.size > 1:
+            b.handle = self.reduction.start(b)
+
+    def _complete(self, b: Bucket) -> None:
+        """Wait for bucket `b`'s reduction; the average is left in `b.grad` (or `b.part`)."""
+        if self.comm.size == 1:  # one rank: the bucket is its own average, and all of it is this rank's part
+            b.part = b.grad if self.reduction.shards else None
+            return
+        handle, b.handle = b.handle, None
+        b.part = self.reduction.finish(b, handle)
+
+    def finish_backward(self) -> None:
+        """Launch the buckets not yet started (the tied one last, after summing it over
+        `tied_comm`), wait for every reduction."""
+        if not self._armed:
+            raise RuntimeError("finish_backward() without begin_step(); call begin_step(microbatches) first")
+        while self._next_launch < self.n_regular:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        for b in self.buckets[self.n_regular:]:
+            if self.tied_comm is not None:
+                self.tied_comm.iall_reduce(b.grad, op="sum").wait()  # in place
+            self._launch(b)
+        for b in self.buckets:
+            self._complete(b)
+        self._armed = False

@@ -1,0 +1,56 @@
+"""Gradient-norm clipping over the whole mesh: one global norm, the same float on every rank.
+
+The global norm is that of the single-process model's gradient, so every gradient element has
+to be counted exactly once across the mesh although many ranks hold copies:
+
+- tensor parallelism: a tp-split parameter's shards are disjoint, so every tp rank counts its
+  own; a tp-replicated one (LayerNorm, `wpe`, row-parallel biases) is identical on all tp ranks
+  and only tp rank 0 counts it;
+- pipeline parallelism: stages hold different parameters and all count; a tied copy (the LM
+  head mirroring the embedding, `tied_to`) is skipped, the embedding counts;
+- data parallelism: replicas are identical after the average, so only dp rank 0 counts,
+  except under ZeRO, where each dp rank counts the segments of its own part.
+
+Choosing those items is the caller's (`counts_toward_norm` gives the tp/pp rule). Each rank
+sums its squares in float64; the per-rank sums are all-gathered over the world and added in
+rank order with `math.fsum`, so the norm is bitwise the same everywhere (a tree all-reduce
+could add in a different order on different ranks) and the clipping decision agrees.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import numpy as np
+
+from hpcpar.comm import Communicator
+from hpcpar.optim import grad_norm_sq
+
+
+def counts_toward_norm(p: Any, tp_rank: int) -> bool:
+    """Whether parameter `p`'s gradient counts toward the global norm on a rank of `tp_rank`."""
+    if getattr(p, "tied_to", None):
+        return False
+    return tp_rank == 0 or not p.layout.is_replicated
+
+
+def global_grad_norm(items: Iterable[Any], world: Communicator) -> float:
+    """L2 norm over every rank of `world` of the `.grad`s of `items` (this rank's share)."""
+    sq = np.array([grad_norm_sq(items)], dtype=np.float64)
+    parts = world.all_gather(sq)  # one value per rank, summed in rank order below
+    return math.sqrt(math.fsum(float(v) for v in parts))
+
+
+def clip_global_norm(items: Iterable[Any], grads: Iterable[Any], max_norm: float, world: Communicator) -> float:
+    """Global norm of `items`' gradients (collective over `world`); when `max_norm > 0` and the
+    norm exceeds it, scale every array of `grads` in place by `max_norm / (norm + 1e-6)` (as
+    torch.nn.utils.clip_grad_norm_). `grads` are the buffers that hold the gradients (whole
+    buckets, or ZeRO parts), tied copies included. Returns the norm before clipping."""
+    norm = global_grad_norm(items, world)
+    if max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g *= coef
+    return norm
