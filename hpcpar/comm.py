@@ -145,11 +145,17 @@ class NcclTransport:
         import cupy
         from cupy.cuda import nccl
         self.nccl = nccl
-        uid = np.zeros(128, dtype=np.int64)  # NCCL_UNIQUE_ID_BYTES
+        # The id is NCCL_UNIQUE_ID_BYTES (128) bytes; CuPy hands it out as bytes or, in older
+        # releases, as a tuple of signed chars: broadcast the bytes plus which form it was.
+        uid = np.zeros(129, dtype=np.int8)
         if mpi_comm.rank == 0:
-            uid[:] = nccl.get_unique_id()
-        mpi_comm.Bcast([uid, MPI.INT64_T], root=0)
-        self.comm = nccl.NcclCommunicator(mpi_comm.size, tuple(int(v) for v in uid), mpi_comm.rank)
+            raw = nccl.get_unique_id()
+            as_bytes = isinstance(raw, (bytes, bytearray))
+            uid[:128] = np.frombuffer(bytes(raw), dtype=np.int8) if as_bytes else np.array(raw, dtype=np.int8)
+            uid[128] = as_bytes
+        mpi_comm.Bcast([uid, MPI.INT8_T], root=0)
+        comm_id = uid[:128].tobytes() if uid[128] else tuple(int(v) for v in uid[:128])
+        self.comm = nccl.NcclCommunicator(mpi_comm.size, comm_id, mpi_comm.rank)
         self.size = mpi_comm.size
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._mpi = MpiTransport(mpi_comm)

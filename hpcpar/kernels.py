@@ -25,6 +25,11 @@ import math
 _THREADS = 256  # per block for the row kernels: 8 warps, enough to stream a row of 768..50304
 
 _ROW_KERNELS = r"""
+// -infinity without <math.h> (NVRTC has no INFINITY): the identity of max.
+template <typename T> __device__ __forceinline__ T neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float((int)0xff800000u); }
+template <> __device__ __forceinline__ double neg_inf<double>() { return __longlong_as_double((long long)0xfff0000000000000ull); }
+
 template <typename T> __device__ __forceinline__ T warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -55,7 +60,7 @@ template <typename T> __device__ T block_max(T v, T* red) {
     if (lane == 0) red[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        v = lane < warps ? red[lane] : T(-INFINITY);
+        v = lane < warps ? red[lane] : neg_inf<T>();
         v = warp_max(v);
         if (lane == 0) red[32] = v;
     }
@@ -71,7 +76,7 @@ __global__ void causal_softmax_forward(T* s, long long rows, int n, T scale) {
     long long r = blockIdx.x;
     T* row = s + r * n;
     int last = (int)(r % n);
-    T m = -INFINITY;
+    T m = neg_inf<T>();
     for (int j = threadIdx.x; j <= last; j += blockDim.x) m = max(m, row[j] * scale);
     m = block_max(m, red);
     T total = 0;
@@ -150,7 +155,7 @@ __global__ void cross_entropy_forward(const T* z, const long long* t, T* nll, T*
     __shared__ T red[33];
     long long r = blockIdx.x;
     const T* zr = z + r * v;
-    T m = -INFINITY;
+    T m = neg_inf<T>();
     for (int j = threadIdx.x; j < v; j += blockDim.x) m = max(m, zr[j]);
     m = block_max(m, red);
     T total = 0;
