@@ -127,12 +127,11 @@ def torch_worker(args: argparse.Namespace) -> None:
 
     from hpcpar import config, data
     from hpcpar.nn import GPT
-    from hpcpar.train import gpt_config
 
     torch.set_num_threads(args.threads)
     cfg = config.load_config(None, overrides(args, 1, 1, 1, int(args.mbs)))
     tokens = data.split(data.load_corpus(cfg.data.corpus), cfg.data.val_fraction)[0]
-    step_fn = vs_torch.torch_trainer(GPT(gpt_config(cfg), seed=cfg.train.seed))
+    step_fn = vs_torch.torch_trainer(GPT(cfg.model, seed=cfg.train.seed))
     step_s, cpu_s = [], []
     for step in range(args.warmup + args.steps):
         batches = [data.get_batch(tokens, cfg.train.seed, step, data.microbatch_sample_ids(0, 1, int(args.mbs), j),

@@ -1,12 +1,14 @@
 """Run configuration: one TOML file plus `--set section.key=value` overrides.
 
-A `Config` is seven frozen sections: model, mesh, data, train, pipeline, checkpoint, run.
-Every field carries its documentation in `metadata["doc"]` (and its allowed values in
-`metadata["choices"]` where there is a fixed set); `to_toml` writes those as comments, so the
-shipped `hpcpar/defaults/default.toml` and `docs/config.md` describe the same fields as the code.
+A `Config` is seven frozen sections: model, mesh, data, train, pipeline, checkpoint, run. The
+`[model]` section is the model's own config, `nn.gpt.GPTConfig`, so `GPT(cfg.model)` needs no
+translation. Every field carries its documentation in `metadata["doc"]` (and its allowed values in
+`metadata["choices"]` where there is a fixed set; see `schema.field`); `to_toml` writes those as
+comments, so the shipped `hpcpar/defaults/default.toml` and `docs/config.md` describe the same
+fields as the code.
 
-Three steps, all pure (no MPI; the only I/O is reading the TOML file), so every rank reaches the
-same verdict before the first collective:
+Three steps, all pure (no communication; the only I/O is reading the TOML file), so every rank
+reaches the same verdict before the first collective:
 
 1. `load_config(path, overrides)` parses and type-checks: unknown sections or keys and wrong
    types are errors;
@@ -25,6 +27,7 @@ import logging
 import math
 import os
 import textwrap
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -33,39 +36,16 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from hpcpar.errors import ConfigError, MeshError
+from hpcpar.errors import ConfigError
+from hpcpar.nn.gpt import DTYPES, GPTConfig
+from hpcpar.schema import field as _field, require_divisible
 
 log = logging.getLogger(__name__)
 
 
-def _field(default: Any, doc: str, choices: tuple | None = None) -> Any:
-    """A config field with its documentation (and fixed set of values) kept next to it."""
-    metadata = {"doc": doc} if choices is None else {"doc": doc, "choices": choices}
-    return field(default=default, metadata=metadata)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The GPT (nanoGPT field names, so `GPT(cfg.model)` reads the same keys)."""
-
-    vocab_size: int = _field(256, "number of token ids; the corpus is bytes, so >= 256; divisible by mesh.tp "
-                                  "(the embedding is split by vocabulary)")
-    block_size: int = _field(128, "context length T in tokens (>= 2); divisible by mesh.tp with "
-                                  "mesh.sequence_parallel")
-    n_layer: int = _field(4, "transformer blocks; at least one per virtual pipeline stage "
-                             "(n_layer >= mesh.pp * pipeline.chunks)")
-    n_head: int = _field(4, "attention heads; divides n_embd; divisible by mesh.tp (a tp rank holds whole heads)")
-    n_embd: int = _field(128, "model width C")
-    bias: bool = _field(True, "biases in Linear and LayerNorm layers")
-    dropout: float = _field(0.0, "dropout probability, 0 <= dropout < 1")
-    dtype: str = _field("float32", "parameter and activation dtype; bfloat16/float16 (mixed precision) "
-                                   "are reserved for the GPU path and not implemented yet",
-                        ("float32", "float64", "bfloat16", "float16"))
-
-
 @dataclass(frozen=True)
 class MeshConfig:
-    """Parallel degrees; their product is the number of ranks. 0 = auto (see `resolve_mesh`)."""
+    """Parallel degrees; their product is the number of ranks. 0 = auto (`mesh.resolve_degrees`)."""
 
     dp: int = _field(0, "data-parallel degree (0 = auto: world // (tp * pp))")
     tp: int = _field(0, "tensor-parallel degree (0 = auto: 1)")
@@ -143,7 +123,7 @@ class RunConfig:
 class Config:
     """The whole run configuration; `validate` returns one with the mesh degrees resolved."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: GPTConfig = field(default_factory=GPTConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -159,6 +139,9 @@ class Config:
 
 # Section name -> section class, in file order.
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+# Section name -> key -> Python type (resolved: a module with postponed annotations, like
+# nn/gpt.py, leaves `Field.type` a string).
+_TYPES: dict[str, dict[str, type]] = {name: typing.get_type_hints(cls) for name, cls in SECTIONS.items()}
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 _SUGGEST_CUTOFF = 0.6
@@ -251,7 +234,7 @@ def _values_from_tables(tables: dict, shown: str) -> dict[str, dict[str, Any]]:
             _check_section(section)
             for key, value in table.items():
                 f = _check_key(section, key)
-                values.setdefault(section, {})[key] = _coerce(f"{section}.{key}", f.type, value)
+                values.setdefault(section, {})[key] = _coerce(f"{section}.{key}", _TYPES[section][f.name], value)
         except ConfigError as e:
             raise ConfigError(f"{shown}: {e}") from None
     return values
@@ -278,10 +261,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         parsed = {}
     # Anything but exactly one value (a bare word, or text that smuggles in more keys) is a string.
     value = parsed["v"] if set(parsed) == {"v"} else raw
-    if f.type is str and not isinstance(value, str):
+    ftype = _TYPES[section][f.name]
+    if ftype is str and not isinstance(value, str):
         value = raw
     try:
-        return section, key, _coerce(f"{section}.{key}", f.type, value)
+        return section, key, _coerce(f"{section}.{key}", ftype, value)
     except ConfigError as e:
         raise ConfigError(f"--set {text!r}: {e}") from None
 
@@ -356,69 +340,25 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --------------------------------------------------------------------------- the mesh
-
-
-def resolve_mesh(mesh: MeshConfig, world_size: int) -> tuple[int, int, int]:
-    """(dp, tp, pp) for `world_size` ranks, filling in the degrees given as 0 (auto).
-
-    Rule: tp = 1 when auto; pp = 2 when auto, the world is even and >= 4, and dp and tp are both
-    auto, else 1; dp = world_size // (tp * pp) when auto. So 4 ranks give dp=2 x pp=2 and one
-    rank 1x1x1. Raises MeshError when the degrees do not multiply to `world_size`.
-    """
-    if world_size < 1:
-        raise MeshError(f"world size must be >= 1, got {world_size}")
-    for axis in ("dp", "tp", "pp"):
-        if getattr(mesh, axis) < 0:
-            raise ConfigError(f"mesh.{axis}={getattr(mesh, axis)} is invalid: use a positive degree or 0 (auto)")
-    tp = mesh.tp or 1
-    if mesh.pp:
-        pp = mesh.pp
-    else:
-        pp = 2 if world_size >= 4 and world_size % 2 == 0 and mesh.dp == 0 and mesh.tp == 0 else 1
-    if mesh.dp:
-        dp = mesh.dp
-    elif world_size % (tp * pp):
-        divisors = _divisors(world_size)
-        raise MeshError(f"mesh tp={tp} x pp={pp} = {tp * pp} does not divide the world size {world_size}; "
-                        f"choose tp * pp in {{{', '.join(map(str, divisors))}}} or launch a multiple of "
-                        f"{tp * pp} ranks")
-    else:
-        dp = world_size // (tp * pp)
-    if dp * tp * pp != world_size:
-        shown = ", ".join(f"{axis}={value}{'' if getattr(mesh, axis) else ' (auto)'}"
-                          for axis, value in (("dp", dp), ("tp", tp), ("pp", pp)))
-        raise MeshError(f"mesh {shown}: product {dp * tp * pp} != world size {world_size}; choose degrees "
-                        f"whose product is {world_size}, or set some to 0 (auto)")
-    return dp, tp, pp
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 # --------------------------------------------------------------------------- memory
 
 
-_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+def _rank_chunks(cfg: Config, pp: int, rank: int) -> list[tuple[int, range, bool]]:
+    """(virtual stage, its blocks, holds the head) of each model chunk of pipeline rank `rank`:
+    the executor's own split (`pipeline.split_layers` with the LM head's cost)."""
+    # Imported here: parallel/ pulls in MPI, and loading a config must not.
+    from hpcpar.parallel import pipeline, schedule
+
+    chunks = cfg.pipeline.chunks
+    ranges = pipeline.split_layers(cfg.model.n_layer, pp * chunks, pipeline.head_cost(cfg.model))
+    return [(v, ranges[v], v == pp * chunks - 1)
+            for v in (schedule.stage_of(rank, chunk, pp) for chunk in range(chunks))]
 
 
 def _stage_parameters(cfg: Config, tp: int, pp: int, stage: int) -> int:
-    """Parameters held by one rank of pipeline stage `stage` (upper bound on layers per stage)."""
-    m = cfg.model
-    c, b = m.n_embd, int(m.bias)
-    # Per block: two LayerNorms and the row-parallel biases (attn.c_proj, mlp.c_proj) are
-    # replicated; c_attn (3C x C), attn.c_proj (C x C), c_fc (4C x C), mlp.c_proj (C x 4C) and
-    # the column-parallel biases (3C, 4C) are split over tp.
-    per_layer = 2 * c * (1 + b) + 2 * c * b + -(-(12 * c * c + 7 * c * b) // tp)
-    layers = -(-m.n_layer // (pp * cfg.pipeline.chunks)) * cfg.pipeline.chunks
-    params = layers * per_layer
-    wte = -(-m.vocab_size * c // tp)
-    if stage == 0:
-        params += wte + m.block_size * c  # token embedding (vocab-parallel) + position embedding
-    if stage == pp - 1:
-        params += c * (1 + b) + (wte if pp > 1 else 0)  # ln_f, and lm_head where wte is on another stage
-    return params
+    """Parameters held by one tp rank of pipeline rank `stage` (all its chunks), counted by the model."""
+    return sum(cfg.model.stage_params(len(blocks), embed=v == 0, head=head, tp=tp)
+               for v, blocks, head in _rank_chunks(cfg, pp, stage))
 
 
 def _memory_parts(cfg: Config, dp: int, tp: int, pp: int) -> tuple[int, int]:
@@ -426,7 +366,7 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int) -> tuple[int, int]:
     from hpcpar.parallel import schedule
 
     m, t = cfg.model, cfg.train
-    s = _DTYPE_BYTES[m.dtype]
+    s = DTYPES[m.dtype]
     half = s == 2
     # Optimizer state per parameter: AdamW two moments, SGD one momentum buffer (none at 0);
     # kept in float32 (plus a float32 master copy) under mixed precision; sharded over dp by ZeRO-1.
@@ -444,7 +384,6 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int) -> tuple[int, int]:
     per_layer = s * bsz * seq * ((6 + 2 * d) * c / r + 12 * c / tp + (2 + d) * heads * seq / tp)
     embed = s * bsz * seq * 2 * c                        # token + position embeddings
     head = s * bsz * seq * (2 * c + 2 * m.vocab_size / tp)  # ln_f, logits and softmax probabilities
-    layers_per_chunk = -(-m.n_layer // (pp * cfg.pipeline.chunks))
     # Peak stashed chunk activations per pipeline rank, from the schedule itself.
     stash = schedule.simulate(schedule.build(cfg.pipeline.schedule, pp, t.microbatches,
                                              cfg.pipeline.chunks)).peak_stash
@@ -453,7 +392,8 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int) -> tuple[int, int]:
         p = _stage_parameters(cfg, tp, pp, stage)
         state = 2 * p * s + -(-p * state_bytes // shards)  # weights + grads + optimizer state
         microbatches = -(-stash[stage] // cfg.pipeline.chunks)
-        act = stash[stage] * layers_per_chunk * per_layer
+        # A stashed chunk activation holds the blocks of one chunk: the rank's largest, as a bound.
+        act = stash[stage] * max(len(blocks) for _, blocks, _ in _rank_chunks(cfg, pp, stage)) * per_layer
         act += microbatches * ((embed if stage == 0 else 0) + (head if stage == pp - 1 else 0))
         if state + act > worst:
             worst_state, worst_act, worst = state, math.ceil(act), state + act
@@ -566,11 +506,11 @@ def _check_fields(cfg: Config) -> None:
     """Types (for configs built in code), finite numbers, UTF-8 text, fixed choices."""
     for section in SECTIONS:
         for f in dataclasses.fields(SECTIONS[section]):
-            name = f"{section}.{f.name}"
-            value = _coerce(name, f.type, _get(cfg, name))
-            if f.type is float and not math.isfinite(value):
+            name, ftype = f"{section}.{f.name}", _TYPES[section][f.name]
+            value = _coerce(name, ftype, _get(cfg, name))
+            if ftype is float and not math.isfinite(value):
                 raise ConfigError(f"{name}={value!r} is invalid: must be a finite number")
-            if f.type is str:
+            if ftype is str:
                 try:
                     value.encode("utf-8")
                 except UnicodeEncodeError:
@@ -592,12 +532,8 @@ def _check_ranges(cfg: Config) -> None:
 
 def _check_model(cfg: Config) -> None:
     m = cfg.model
-    if m.n_embd % m.n_head:
-        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head} (heads split "
-                          f"the width evenly); choose n_head in {{{', '.join(map(str, _divisors(m.n_embd)))}}}")
-    if m.dtype in ("bfloat16", "float16"):
-        raise ConfigError(f"model.dtype=\"{m.dtype}\" (mixed precision) is not implemented yet; "
-                          "use model.dtype=\"float32\" or \"float64\"")
+    require_divisible("model.n_embd", m.n_embd, "model.n_head", m.n_head, "(heads split the width evenly)")
+    m.check_dtype()
     t = cfg.train
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr!r} exceeds train.lr={t.lr!r}; the cosine schedule decays "
@@ -607,23 +543,17 @@ def _check_model(cfg: Config) -> None:
                           "set data.val_fraction > 0 (e.g. 0.05) or run.eval_every=0")
 
 
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
 def _check_tensor_parallel(cfg: Config, tp: int) -> None:
-    # (4 * n_embd) % tp == 0 (the MLP width) follows from n_head % tp == 0 and n_embd % n_head == 0.
+    """The rules the tensor-parallel layers guard (`nn.tensor_parallel.check_config`), reported first
+    and in the config's names. (4 * n_embd) % tp == 0, the MLP width, follows from n_head % tp == 0
+    and n_embd % n_head == 0."""
     m = cfg.model
-    if m.n_head % tp:
-        raise ConfigError(f"model.n_head={m.n_head} is not divisible by mesh.tp={tp} (a tp rank holds whole "
-                          f"heads); choose tp in {{{', '.join(map(str, _divisors(m.n_head)))}}}")
-    if m.vocab_size % tp:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by mesh.tp={tp} (the embedding "
-                          f"is split by vocabulary); use vocab_size={_round_up(m.vocab_size, tp)}")
-    if cfg.mesh.sequence_parallel and m.block_size % tp:
-        raise ConfigError(f"model.block_size={m.block_size} is not divisible by mesh.tp={tp} with "
-                          f"mesh.sequence_parallel=true (the sequence is split over tp); use "
-                          f"block_size={_round_up(m.block_size, tp)} or sequence_parallel=false")
+    require_divisible("model.n_head", m.n_head, "mesh.tp", tp, "(a tp rank holds whole heads)")
+    require_divisible("model.vocab_size", m.vocab_size, "mesh.tp", tp, "(the embedding is split by vocabulary)")
+    if cfg.mesh.sequence_parallel:
+        require_divisible("model.block_size", m.block_size, "mesh.tp", tp,
+                          "with mesh.sequence_parallel=true (the sequence is split over tp)",
+                          alternative="mesh.sequence_parallel=false")
 
 
 def _check_pipeline(cfg: Config, pp: int) -> None:
@@ -646,7 +576,7 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
 def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = None) -> Config:
     """Check every value and combination for `world_size` ranks; return `cfg` with the mesh resolved.
 
-    Pure (no MPI, no I/O) so that every rank reaches the same verdict before any collective.
+    Pure (no communication, no I/O) so that every rank reaches the same verdict before any collective.
     The returned config has mesh.dp, mesh.tp, mesh.pp >= 1 with product `world_size`; validating
     it again gives it back unchanged. `available_memory_bytes`, when given, is compared with
     `estimate_memory` (pass a value every rank agrees on, e.g. the smallest device's memory).
@@ -655,7 +585,9 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     _check_fields(cfg)
     _check_ranges(cfg)
     _check_model(cfg)
-    dp, tp, pp = resolve_mesh(cfg.mesh, world_size)
+    from hpcpar.mesh import resolve_degrees  # here, not at the top: mesh.py loads MPI
+
+    dp, tp, pp = resolve_degrees(world_size, cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp)
     _check_tensor_parallel(cfg, tp)
     _check_pipeline(cfg, pp)
     if cfg.train.warmup >= cfg.train.steps:

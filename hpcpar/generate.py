@@ -18,7 +18,6 @@ from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
 from hpcpar.nn import GPT
 from hpcpar.tensor import no_grad
-from hpcpar.train import gpt_config
 
 
 def load_model(path: str) -> GPT:
@@ -26,7 +25,7 @@ def load_model(path: str) -> GPT:
     resolved = checkpoint.latest(path) or path
     _, meta = checkpoint.load(resolved, {}, Communicator.local())
     cfg = config.loads(meta["config"], origin=f"config stored in {resolved}")
-    model = GPT(gpt_config(cfg), seed=cfg.train.seed)
+    model = GPT(cfg.model, seed=cfg.train.seed)
     wanted = {f"model/{name}": Layout.replicated(p.shape) for name, p in model.named_parameters()}
     arrays, _ = checkpoint.load(resolved, wanted, Communicator.local())
     model.load_state_dict({name[len("model/"):]: a for name, a in arrays.items()})

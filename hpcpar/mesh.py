@@ -9,6 +9,11 @@ it, never a global.
 Every sub-communicator is created in the constructor (collectively, on every
 rank), so later `mesh.comm(...)` calls are local look-ups that no rank can skip
 into a hang.
+
+The degrees: `resolve_degrees` is the one rule that turns the `[mesh]` section's
+degrees (0 = auto) into (dp, tp, pp) for a world size; it is pure, and config
+validation calls it on every rank before any collective. `validate_degrees` is
+the guard `Mesh` applies to the degrees it is given.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpar.comm import Communicator
-from hpcpar.errors import MeshError
+from hpcpar.errors import ConfigError, MeshError
+from hpcpar.schema import divisors
+
 
 class Axis(str, enum.Enum):
     """A mesh axis. A str too, so `Axis.DP` and "dp" name the same axis everywhere (keys, arguments,
@@ -52,7 +59,11 @@ def _fits_message(degrees: dict, world: int) -> str:
 
 
 def validate_degrees(dp: int, tp: int, pp: int, world: int) -> None:
-    """Raise MeshError unless dp, tp, pp are positive integers whose product is `world`."""
+    """Raise MeshError unless dp, tp, pp are positive integers whose product is `world`.
+
+    The guard of explicitly given degrees (`Mesh`); degrees a user may leave to "auto" go
+    through `resolve_degrees` first, which reports in the config's terms.
+    """
     degrees = {"dp": dp, "tp": tp, "pp": pp}
     shape = " x ".join(f"{k}={v}" for k, v in degrees.items())
     bad = [k for k, v in degrees.items() if not _positive_int(v)]
@@ -65,22 +76,36 @@ def validate_degrees(dp: int, tp: int, pp: int, world: int) -> None:
                         f"dp, tp and pp must equal the number of ranks ({_fits_message(degrees, world)})")
 
 
-def fill_degrees(world: int, dp: int | None = None, tp: int | None = None,
-                 pp: int | None = None) -> tuple[int, int, int]:
-    """Missing degrees: tp and pp default to 1, dp fills the world. Returns validated (dp, tp, pp)."""
-    tp = 1 if tp is None else tp
-    pp = 1 if pp is None else pp
-    if dp is None:
-        for name, value in (("tp", tp), ("pp", pp)):
-            if not _positive_int(value):
-                raise MeshError(f"mesh {name}={value}: {name} must be a positive integer (dp fills the "
-                                f"rest of the {world} ranks)")
+def resolve_degrees(world: int, dp: int = 0, tp: int = 0, pp: int = 0) -> tuple[int, int, int]:
+    """(dp, tp, pp) for `world` ranks, filling in the degrees given as 0 (auto): the `[mesh]` rule.
+
+    Rule: tp = 1 when auto; pp = 2 when auto, the world is even and >= 4, and dp and tp are both
+    auto, else 1; dp = world // (tp * pp) when auto. So 4 ranks give dp=2 x pp=2 and one rank
+    1x1x1. Pure (no MPI), so config validation calls it on every rank before any collective.
+    Raises ConfigError for a negative degree, MeshError when tp * pp does not divide the world
+    (dp auto) or when the degrees do not multiply to `world`.
+    """
+    if world < 1:
+        raise MeshError(f"world size must be >= 1, got {world}")
+    given = {Axis.DP: dp, Axis.TP: tp, Axis.PP: pp}
+    for axis, value in given.items():
+        if value < 0:
+            raise ConfigError(f"mesh.{axis}={value} is invalid: use a positive degree or 0 (auto)")
+    tp = tp or 1
+    if not pp:
+        pp = 2 if world >= 4 and world % 2 == 0 and dp == 0 and given[Axis.TP] == 0 else 1
+    if not dp:
         if world % (tp * pp):
-            raise MeshError(f"mesh tp={tp} x pp={pp} = {tp * pp} ranks does not divide the world of {world} "
-                            f"ranks, so dp cannot fill it; choose tp and pp whose product divides {world}")
+            raise MeshError(f"mesh tp={tp} x pp={pp} = {tp * pp} does not divide the world size {world}; "
+                            f"choose tp * pp in {{{', '.join(map(str, divisors(world)))}}} or launch a multiple "
+                            f"of {tp * pp} ranks")
         dp = world // (tp * pp)
-    validate_degrees(dp, tp, pp, world)
-    return int(dp), int(tp), int(pp)
+    if dp * tp * pp != world:
+        resolved = {Axis.DP: dp, Axis.TP: tp, Axis.PP: pp}
+        shown = ", ".join(f"{axis}={resolved[axis]}{'' if given[axis] else ' (auto)'}" for axis in resolved)
+        raise MeshError(f"mesh {shown}: product {dp * tp * pp} != world size {world}; choose degrees "
+                        f"whose product is {world}, or set some to 0 (auto)")
+    return dp, tp, pp
 
 
 def _axes_key(axes: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -232,8 +257,9 @@ def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = N
     """The text of `hpcpar info` (collective). Rank 0 gets it; other ranks get "".
 
     Always: MPI library, mpi4py, backend, world size, threads per rank. With any
-    degree given: the mesh shape, each rank's coordinates and the placement report.
-    Degrees that do not fit raise MeshError on every rank.
+    degree given: the mesh shape, each rank's coordinates and the placement report; tp and pp
+    left out are 1, and dp left out fills the world. Degrees that do not fit raise MeshError
+    on every rank.
     """
     import mpi4py
 
@@ -242,7 +268,14 @@ def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = N
     world = MPI.COMM_WORLD
     mesh = None
     if (dp, tp, pp) != (None, None, None):
-        mesh = Mesh(*fill_degrees(world.Get_size(), dp, tp, pp), comm=world)
+        tp, pp = (1 if tp is None else tp), (1 if pp is None else pp)
+        if dp is None:  # dp fills the world, by the [mesh] rule for dp = 0 (auto)
+            for name, value in (("tp", tp), ("pp", pp)):
+                if not _positive_int(value):
+                    raise MeshError(f"mesh {name}={value}: {name} must be a positive integer (dp fills the "
+                                    f"rest of the {world.Get_size()} ranks)")
+            dp = resolve_degrees(world.Get_size(), 0, tp, pp)[0]
+        mesh = Mesh(dp, tp, pp, comm=world)
     lines = [
         f"MPI library: {MPI.Get_library_version().splitlines()[0].strip()} "
         f"(MPI {'.'.join(map(str, MPI.Get_version()))})",

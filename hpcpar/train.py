@@ -11,7 +11,6 @@ data.py) and takes its dp share, so results do not depend on the mesh.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -27,7 +26,6 @@ import hpcpar
 from hpcpar import backend, checkpoint, config, data, metrics, threads, watchdog
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.mesh import Axis, Mesh
-from hpcpar.nn import GPTConfig
 from hpcpar.optim import SGD, AdamW, lr_at
 from hpcpar.parallel import pipeline, schedule
 from hpcpar.parallel.data_parallel import DataParallel
@@ -48,10 +46,6 @@ class StepResult:
     bad_parameter: str   # first parameter with a non-finite gradient ("" if none)
 
 
-def gpt_config(cfg: config.Config) -> GPTConfig:
-    return GPTConfig(**dataclasses.asdict(cfg.model))
-
-
 class Trainer:
     """One rank's part of a training run on a (dp, tp, pp) mesh.
 
@@ -69,8 +63,7 @@ class Trainer:
             backend.use(cfg.run.backend)
         self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=comm)
         backend.select_device(self.mesh.node_comm.rank)
-        self.gpt_config = gpt_config(cfg)
-        self.stages = pipeline.build_stages(self.gpt_config, self.mesh, chunks=cfg.pipeline.chunks,
+        self.stages = pipeline.build_stages(cfg.model, self.mesh, chunks=cfg.pipeline.chunks,
                                             seed=cfg.train.seed,
                                             sequence_parallel=cfg.mesh.sequence_parallel)
         self.named_parameters = [(n, p) for s in self.stages for n, p in s.named_parameters()]
@@ -356,7 +349,7 @@ def main(config_path: str | None, overrides: list) -> int:
              "%.2fM non-embedding parameters; GEMM peak %.1f GFLOP/s",
              hpcpar.__version__, mesh.size(Axis.DP), mesh.size(Axis.TP), mesh.size(Axis.PP), world.Get_size(),
              data.corpus_description(cfg.data.corpus), tokens_per_step,
-             gpt_config(cfg).non_embedding_params() / 1e6, peak / 1e9)
+             cfg.model.non_embedding_params() / 1e6, peak / 1e9)
 
     writer = metrics.JsonLines(os.path.join(cfg.run.dir, "metrics.jsonl")) if rank0 else None
     progress = _Progress(rank0 and cfg.run.progress, t.steps, trainer.step)
@@ -442,7 +435,7 @@ def _save(trainer: Trainer, cfg: config.Config, final: bool = False) -> None:
 
 
 def _model_flops_per_token(cfg: config.Config) -> float:
-    return metrics.flops_per_token(gpt_config(cfg).non_embedding_params(), cfg.model.n_layer, cfg.model.n_embd,
+    return metrics.flops_per_token(cfg.model.non_embedding_params(), cfg.model.n_layer, cfg.model.n_embd,
                                    cfg.model.block_size)
 
 

@@ -23,32 +23,88 @@ import math
 from dataclasses import dataclass
 
 from hpcpar import backend, ops
+from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
 from hpcpar.nn import init
 from hpcpar.nn.layers import Embedding, LayerNorm, Linear
 from hpcpar.nn.module import Module, Parameter
 from hpcpar.nn.tensor_parallel import TensorParallelPlan
+from hpcpar.schema import field
 from hpcpar.tensor import Tensor
 
-DTYPES = ("float32", "float64")
+# model.dtype: every name the config accepts, with its size in bytes (the memory estimate's s).
+# The 16-bit ones are mixed precision, reserved for the GPU path: accepted names, refused by
+# `GPTConfig.check_dtype` until implemented.
+DTYPES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    vocab_size: int = 256      # byte-level tokens
-    block_size: int = 128      # maximum sequence length T
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    bias: bool = True          # biases in Linear and LayerNorm
-    dropout: float = 0.0       # residual and embedding dropout (attention probabilities: none)
-    dtype: str = "float32"     # parameter and compute dtype
+    """The architecture, and the `[model]` section of the run configuration (`config.Config.model`).
+
+    nanoGPT's field names. Each field documents itself (`metadata["doc"]`, `["choices"]`) for
+    `config.to_toml` and docs/config.md; value ranges and the rules that involve the mesh are
+    checked by `config.validate`. The parameter counts below are the single source for MFU and
+    the memory estimate; a unit test holds them equal to the elements of a built GPT.
+
+    Parameters of one block (C = n_embd, b = 1 with bias), by layout under tensor parallelism:
+        replicated    ln_1, ln_2 (weight, bias): 2 C (1 + b); attn.c_proj.bias, mlp.c_proj.bias
+                      (row-parallel: added after the reduction): 2 C b
+        split over tp c_attn [3C, C], attn.c_proj [C, C], mlp.c_fc [4C, C], mlp.c_proj [C, 4C]:
+                      12 C^2; c_attn.bias [3C], mlp.c_fc.bias [4C]: 7 C b
+    """
+
+    vocab_size: int = field(256, "number of token ids; the corpus is bytes, so >= 256; divisible by mesh.tp "
+                                 "(the embedding is split by vocabulary)")
+    block_size: int = field(128, "context length T in tokens (>= 2); divisible by mesh.tp with "
+                                 "mesh.sequence_parallel")
+    n_layer: int = field(4, "transformer blocks; at least one per virtual pipeline stage "
+                            "(n_layer >= mesh.pp * pipeline.chunks)")
+    n_head: int = field(4, "attention heads; divides n_embd; divisible by mesh.tp (a tp rank holds whole heads)")
+    n_embd: int = field(128, "model width C")
+    bias: bool = field(True, "biases in Linear and LayerNorm layers")
+    dropout: float = field(0.0, "dropout probability, 0 <= dropout < 1")
+    dtype: str = field("float32", "parameter and activation dtype; bfloat16/float16 (mixed precision) "
+                                  "are reserved for the GPU path and not implemented yet", tuple(DTYPES))
+
+    def check_dtype(self) -> None:
+        """Raise ConfigError unless a GPT computes in `dtype` today (16-bit: not yet)."""
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype=\"{self.dtype}\" is not one of "
+                              + ", ".join(f'"{d}"' for d in DTYPES))
+        if DTYPES[self.dtype] == 2:
+            raise ConfigError(f"model.dtype=\"{self.dtype}\" (mixed precision) is not implemented yet; "
+                              "use model.dtype=\"float32\" or \"float64\"")
+
+    # -- parameter counts (elements on one tp rank of `tp`; tp = 1: the global count) ----------
+    def block_params(self, tp: int = 1) -> int:
+        """One transformer block: 2C(1+b) + 2Cb replicated + (12C^2 + 7Cb) / tp split."""
+        c, b = self.n_embd, int(self.bias)
+        return 2 * c * (1 + b) + 2 * c * b + (12 * c * c + 7 * c * b) // tp
+
+    def embedding_params(self, tp: int = 1) -> int:
+        """wte (vocab-parallel: [V/tp, C]) + wpe ([T, C], replicated)."""
+        return self.vocab_size * self.n_embd // tp + self.block_size * self.n_embd
+
+    def head_params(self, tp: int = 1, tied: bool = True) -> int:
+        """ln_f, plus the LM head's own copy of wte ([V/tp, C]) unless it is `tied` to the wte of
+        the same module (a pipeline stage with the head but not the embedding holds the copy)."""
+        return self.n_embd * (1 + int(self.bias)) + (0 if tied else self.vocab_size * self.n_embd // tp)
+
+    def stage_params(self, n_blocks: int, embed: bool = True, head: bool = True, tp: int = 1) -> int:
+        """One rank's parameters of `GPT(self, layers=<n_blocks blocks>, embed=embed, head=head)`
+        with a tp communicator of size `tp`."""
+        return (n_blocks * self.block_params(tp) + (self.embedding_params(tp) if embed else 0)
+                + (self.head_params(tp, tied=embed) if head else 0))
+
+    def num_params(self, tp: int = 1) -> int:
+        """The whole model (tied head), on one tp rank of `tp`; tp = 1: nanoGPT's
+        12 L C^2 + 13 L C + V C + T C + 2 C with bias."""
+        return self.stage_params(self.n_layer, tp=tp)
 
     def non_embedding_params(self) -> int:
-        """Parameters outside wte/wpe (the N of MFU's 6N): per block 12C^2 weights, 2 LayerNorm
-        weights (2C) and with bias 11C biases; plus ln_f."""
-        c, bias = self.n_embd, int(self.bias)
-        return self.n_layer * (12 * c * c + 2 * c + 11 * c * bias) + c * (1 + bias)
+        """The N of MFU's 6 N: every parameter outside wte/wpe (the tied head adds none)."""
+        return self.n_layer * self.block_params() + self.head_params()
 
 
 class CausalSelfAttention(Module):
@@ -157,8 +213,7 @@ class GPT(Module):
     def __init__(self, config: GPTConfig, tp_comm=None, layers=None, embed: bool = True,
                  head: bool = True, sequence_parallel: bool = False, seed: int = 0):
         super().__init__()
-        if config.dtype not in DTYPES:
-            raise ValueError(f"model dtype {config.dtype!r} not supported here; choose one of {DTYPES}")
+        config.check_dtype()
         self.config = config
         self.embed, self.head = embed, head
         self.layer_ids = list(range(config.n_layer) if layers is None else layers)
@@ -235,16 +290,3 @@ class GPT(Module):
             targets = backend.array_module(self.head_weight.data).asarray(
                 targets.data if isinstance(targets, Tensor) else targets)
         return self.plan.lm_head(self.transformer.ln_f(h), self.head_weight, targets)
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Global parameter count of this module (non-embedding excludes wte/wpe/lm_head)."""
-        total = 0
-        for name, p in self.named_parameters():
-            if non_embedding and (name.startswith("transformer.wte") or name.startswith("transformer.wpe")
-                                  or p.tied_to):
-                continue
-            n = 1
-            for d in p.layout.global_shape:
-                n *= d
-            total += n
-        return total

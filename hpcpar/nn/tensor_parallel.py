@@ -31,11 +31,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hpcpar import backend, ops
-from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
 from hpcpar.nn.layers import LayerNorm
 from hpcpar.nn.module import Module, Parameter
 from hpcpar.parallel.mappings import all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim, split_to
+from hpcpar.schema import require_divisible
 from hpcpar.tensor import Tensor
 
 if TYPE_CHECKING:  # annotations only: model code never needs MPI loaded
@@ -44,18 +44,20 @@ if TYPE_CHECKING:  # annotations only: model code never needs MPI loaded
 SEQ_DIM = 1  # activations are [B, T, C]
 
 
-def _require_divisible(what: str, n: int, tp: int, hint: str = "") -> None:
-    if n % tp:
-        choices = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-        raise ConfigError(f"{what}={n} is not divisible by the tensor-parallel degree tp={tp}"
-                          f"{hint}; choose tp in {{{choices}}}")
+# Why each size must divide by tp (the hint of `require_divisible`'s message).
+_WHOLE_HEADS = "(a tp rank holds whole heads)"
+_MLP_SPLIT = "(the MLP width is split)"
+_VOCAB_SPLIT = "(the embedding is split by vocabulary)"
 
 
 def check_config(config, tp: int) -> None:
-    """Raise ConfigError unless n_head, 4*n_embd and vocab_size divide by `tp` (a GPTConfig)."""
-    _require_divisible("n_head", config.n_head, tp, " (a tp rank holds whole heads)")
-    _require_divisible("4*n_embd", 4 * config.n_embd, tp, " (the MLP width is split)")
-    _require_divisible("vocab_size", config.vocab_size, tp, " (the embedding is split by vocabulary)")
+    """Raise ConfigError unless n_head, 4*n_embd and vocab_size divide by `tp` (a GPTConfig).
+
+    A guard: `config.validate` reports the same rules (in the same words) before any collective.
+    """
+    require_divisible("n_head", config.n_head, "tp", tp, _WHOLE_HEADS)
+    require_divisible("4*n_embd", 4 * config.n_embd, "tp", tp, _MLP_SPLIT)
+    require_divisible("vocab_size", config.vocab_size, "tp", tp, _VOCAB_SPLIT)
 
 
 def _zeros(layout: Layout, dtype, no_decay: bool = False) -> Parameter:
@@ -64,7 +66,7 @@ def _zeros(layout: Layout, dtype, no_decay: bool = False) -> Parameter:
 
 def vocab_layout(vocab_size: int, n_embd: int, comm: Communicator) -> Layout:
     """wte / LM-head shard: rows [rank*V/tp, (rank+1)*V/tp) of the global [V, C]."""
-    _require_divisible("vocab_size", vocab_size, comm.size, " (the embedding is split by vocabulary)")
+    require_divisible("vocab_size", vocab_size, "tp", comm.size, _VOCAB_SPLIT)
     return Layout.split((vocab_size, n_embd), 0, comm.rank, comm.size)
 
 
@@ -81,7 +83,9 @@ class ColumnParallelLinear(Module):
                  dtype="float32", groups: int = 1, gather_output: bool = False,
                  sequence_parallel: bool = False):
         super().__init__()
-        _require_divisible(f"out_features/groups ({out_features}/{groups})", out_features // groups, comm.size)
+        # Each group of rows is split on its own: out_features / groups must divide by tp.
+        require_divisible("out_features" if groups == 1 else f"out_features/{groups}", out_features // groups,
+                          "tp", comm.size)
         if gather_output and groups > 1:
             raise ValueError("gather_output needs groups=1: gathered grouped shards are not in global order")
         self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, sequence_parallel
@@ -106,7 +110,7 @@ class RowParallelLinear(Module):
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
                  dtype="float32", sequence_parallel: bool = False):
         super().__init__()
-        _require_divisible("in_features", in_features, comm.size)
+        require_divisible("in_features", in_features, "tp", comm.size)
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.weight = _zeros(Layout.split((out_features, in_features), 1, comm.rank, comm.size), dtype)
         self.bias = _zeros(Layout.replicated((out_features,)), dtype, True) if bias else None
@@ -130,7 +134,7 @@ class ParallelSelfAttention(Module):
 
     def __init__(self, config, comm: Communicator, sequence_parallel: bool = False):
         super().__init__()
-        _require_divisible("n_head", config.n_head, comm.size, " (a tp rank holds whole heads)")
+        require_divisible("n_head", config.n_head, "tp", comm.size, _WHOLE_HEADS)
         c = config.n_embd
         self.n_head_local = config.n_head // comm.size
         self.c_attn = ColumnParallelLinear(c, 3 * c, comm, config.bias, config.dtype, groups=3,
@@ -148,7 +152,7 @@ class ParallelMLP(Module):
     def __init__(self, config, comm: Communicator, sequence_parallel: bool = False):
         super().__init__()
         c = config.n_embd
-        _require_divisible("4*n_embd", 4 * c, comm.size, " (the MLP width is split)")
+        require_divisible("4*n_embd", 4 * c, "tp", comm.size, _MLP_SPLIT)
         self.c_fc = ColumnParallelLinear(c, 4 * c, comm, config.bias, config.dtype,
                                          sequence_parallel=sequence_parallel)
         self.c_proj = RowParallelLinear(4 * c, c, comm, config.bias, config.dtype, sequence_parallel)
@@ -293,9 +297,8 @@ class TensorParallelPlan:
         all-gathered back), else all of them."""
         if not self.sequence_parallel:
             return pos
-        if t % self.comm.size:
-            raise ConfigError(f"sequence length {t} is not divisible by tp={self.comm.size} with "
-                              f"sequence parallelism; use a multiple of {self.comm.size}")
+        # config checks block_size; a shorter batch is checked here
+        require_divisible("sequence length T", t, "tp", self.comm.size, "with sequence parallelism")
         return split_to(pos, self.comm, 0)
 
     def dropout(self, x: Tensor, p: float, keys) -> Tensor:

@@ -169,16 +169,16 @@ def test_unknown_axes(make_mesh):
         m.rank("x")
 
 
-def test_fill_degrees():
-    assert mesh_mod.fill_degrees(N) == (N, 1, 1)
-    assert mesh_mod.fill_degrees(12, tp=2, pp=3) == (2, 2, 3)
-    assert mesh_mod.fill_degrees(8, dp=2, tp=4) == (2, 4, 1)
-    with pytest.raises(MeshError, match="mesh tp=3 x pp=1 = 3 ranks does not divide the world of 4 ranks"):
-        mesh_mod.fill_degrees(4, tp=3)
-    with pytest.raises(MeshError, match="mesh pp=0: pp must be a positive integer"):
-        mesh_mod.fill_degrees(4, pp=0)
-    with pytest.raises(MeshError, match="= 6 ranks, but the world has 4 ranks"):
-        mesh_mod.fill_degrees(4, dp=3, tp=2)
+def test_info_fills_dp_with_the_config_rule():
+    # `hpcpar info`: tp and pp left out are 1, dp left out fills the world as the config's dp = 0 does.
+    assert mesh_mod.resolve_degrees(12, 0, 2, 3) == (2, 2, 3)
+    assert mesh_mod.resolve_degrees(8, 2, 4, 1) == (2, 4, 1)
+    with pytest.raises(MeshError, match=rf"mesh tp={N + 1} x pp=1 = {N + 1} does not divide the world size {N}"):
+        mesh_mod.info_report(tp=N + 1)
+    with pytest.raises(MeshError, match=f"mesh pp=0: pp must be a positive integer \\(dp fills the rest of the {N}"):
+        mesh_mod.info_report(pp=0)
+    with pytest.raises(MeshError, match=rf"= {2 * N} ranks, but the world has {N} ranks"):
+        mesh_mod.info_report(dp=N, tp=2)
 
 
 def test_info_report_is_returned_on_rank_zero_only():

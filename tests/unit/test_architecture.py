@@ -1,6 +1,6 @@
 """The layer rule of docs/architecture.md, checked on the source: imports point down only.
 
-    foundation (errors, layout, data, metrics, ...) -> backend, GPU kernels, watchdog, failure
+    foundation (errors, schema, layout, data, metrics, ...) -> backend, GPU kernels, watchdog, failure
       -> comm, mesh -> autograd (tensor, ops) -> mappings and nn
       -> parallel (schedules, pipeline, data parallel, optimizer, checkpoints)
       -> config, train, generate -> cli
@@ -20,7 +20,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "hpcpar"
 
 LAYERS = [
-    {"hpcpar", "errors", "layout", "threads", "metrics", "trace", "preemption", "data", "jobs", "plot",
+    {"hpcpar", "errors", "schema", "layout", "threads", "metrics", "trace", "preemption", "data", "jobs", "plot",
      "nn.init"},
     {"backend", "kernels", "watchdog", "failure"},
     {"comm", "mesh"},

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar import config
-from hpcpar.config import Config, ConfigError, load_config, resolve_mesh, to_toml, validate
+from hpcpar import config, schema
+from hpcpar.config import Config, ConfigError, load_config, to_toml, validate
 from hpcpar.errors import HpcparError, MeshError
+from hpcpar.mesh import resolve_degrees
+from hpcpar.nn import GPT, GPTConfig, tensor_parallel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,6 +80,7 @@ BAD = [
     (["model.block_size=130", "mesh.tp=4", "mesh.sequence_parallel=true"], 4,
      "model.block_size=130 is not divisible by mesh.tp=4 with mesh.sequence_parallel=true"),
     (["model.block_size=130", "mesh.tp=4", "mesh.sequence_parallel=true"], 4, "use block_size=132"),
+    (["model.block_size=130", "mesh.tp=4", "mesh.sequence_parallel=true"], 4, "or mesh.sequence_parallel=false"),
     # pipeline
     (["model.n_layer=1"], 4, "model.n_layer=1 is fewer than mesh.pp=2 x pipeline.chunks=1 = 2 virtual stages"),
     (["model.n_layer=1"], 4, "or mesh.pp=1 (pp=2 is the auto default)"),
@@ -134,7 +137,7 @@ def test_defaults_are_valid_at_every_small_world():
 @pytest.mark.parametrize("world, expected", [(1, (1, 1, 1)), (2, (2, 1, 1)), (3, (3, 1, 1)),
                                              (4, (2, 1, 2)), (8, (4, 1, 2)), (6, (3, 1, 2))])
 def test_mesh_auto_rule(world, expected):
-    assert resolve_mesh(config.MeshConfig(), world) == expected
+    assert resolve_degrees(world) == expected
     resolved = validate(Config(), world)
     assert (resolved.mesh.dp, resolved.mesh.tp, resolved.mesh.pp) == expected
 
@@ -147,7 +150,8 @@ def test_mesh_auto_rule(world, expected):
     (["mesh.dp=1", "mesh.tp=2", "mesh.pp=2"], 4, (1, 2, 2)),
 ])
 def test_mesh_partial_degrees(overrides, world, expected):
-    assert resolve_mesh(load_config(None, overrides).mesh, world) == expected
+    m = load_config(None, overrides).mesh
+    assert resolve_degrees(world, m.dp, m.tp, m.pp) == expected
 
 
 def test_validate_returns_resolved_config_and_is_idempotent():
@@ -249,7 +253,7 @@ def test_file_values_and_int_as_float(tmp_path):
     cfg = load_config(str(path), [])
     assert cfg.train.lr == 1.0 and type(cfg.train.lr) is float
     assert cfg.train.steps == 20 and cfg.data.corpus == "x.txt" and cfg.mesh.tp == 1
-    assert cfg.model == config.ModelConfig()
+    assert cfg.model == GPTConfig()
 
 
 @pytest.mark.parametrize("text, fragments", [
@@ -394,6 +398,53 @@ def test_parameter_count_matches_nanogpt_formula():
     cfg = Config()
     c, layers, v, t = 128, 4, 256, 128
     assert config._stage_parameters(cfg, 1, 1, 0) == 12 * layers * c * c + 13 * layers * c + v * c + t * c + 2 * c
+    assert config._stage_parameters(cfg, 1, 1, 0) == cfg.model.num_params()
+
+
+def test_memory_estimate_uses_the_executors_layer_split():
+    # 5 layers on 2 stages: the executor gives the head stage 2 blocks ([0, 3), [3, 5)), not ceil(5/2) = 3.
+    cfg = load_config(None, ["model.n_layer=5"])
+    m = cfg.model
+    assert config._stage_parameters(cfg, 1, 2, 0) == m.stage_params(3, embed=True, head=False)
+    assert config._stage_parameters(cfg, 1, 2, 1) == m.stage_params(2, embed=False, head=True)
+    # Interleaved, 2 chunks per rank on 2 ranks: rank 0 holds virtual stages 0 and 2, rank 1 holds 1 and 3.
+    inter = load_config(None, ["model.n_layer=6", "pipeline.schedule=interleaved", "pipeline.chunks=2",
+                               "train.microbatches=4"])
+    m = inter.model
+    assert config._stage_parameters(inter, 2, 2, 0) == (m.stage_params(2, embed=True, head=False, tp=2)
+                                                        + m.stage_params(1, embed=False, head=False, tp=2))
+    assert config._stage_parameters(inter, 2, 2, 1) == (m.stage_params(2, embed=False, head=False, tp=2)
+                                                        + m.stage_params(1, embed=False, head=True, tp=2))
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def test_the_model_section_is_the_models_config():
+    cfg = load_config(None, ["model.n_layer=2", "model.dtype=float64"])
+    assert type(cfg.model) is GPTConfig and cfg.model == GPTConfig(n_layer=2, dtype="float64")
+    assert GPT(cfg.model).config is cfg.model
+    with pytest.raises(ConfigError, match='model.dtype="bfloat16" \\(mixed precision\\) is not implemented yet'):
+        GPT(GPTConfig(dtype="bfloat16"))
+
+
+def test_divisibility_message():
+    assert schema.divisors(1) == [1] and schema.divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    schema.require_divisible("model.n_head", 8, "mesh.tp", 4)
+    with pytest.raises(ConfigError) as info:
+        schema.require_divisible("model.n_head", 6, "mesh.tp", 4, "(a tp rank holds whole heads)")
+    assert str(info.value) == ("model.n_head=6 is not divisible by mesh.tp=4 (a tp rank holds whole heads); "
+                               "choose tp in {1, 2, 3, 6} or use n_head=8")
+    with pytest.raises(ConfigError, match=r"; choose tp in \{1, 7\} or use T=8, or a shorter batch$"):
+        schema.require_divisible("T", 7, "tp", 2, alternative="a shorter batch")
+
+
+def test_layer_guards_say_what_config_validation_says():
+    with pytest.raises(ConfigError) as by_config:
+        _validate(["model.n_head=6", "model.n_embd=96", "mesh.tp=4"], world=4)
+    with pytest.raises(ConfigError) as by_layer:
+        tensor_parallel.check_config(GPTConfig(n_head=6, n_embd=96), 4)
+    assert str(by_layer.value) == str(by_config.value).replace("model.", "").replace("mesh.", "")
 
 
 def test_memory_check():

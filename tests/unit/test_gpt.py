@@ -2,6 +2,7 @@
 naming/initialisation contracts."""
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -95,7 +96,36 @@ def test_initial_loss_is_near_uniform():
     assert model(x).shape == (3, 16, 256)
 
 
-def test_non_embedding_parameter_count_matches_the_model():
-    for bias in (True, False):
-        cfg = GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, bias=bias)
-        assert cfg.non_embedding_params() == GPT(cfg).num_params(non_embedding=True)
+@dataclass
+class Ranks:
+    """Stands in for a tp Communicator where only the group's size and my rank matter (layer setup)."""
+
+    size: int
+    rank: int = 0
+
+
+def elements(model) -> int:
+    """Parameter elements this rank holds (its shards, the head's own copy of wte included)."""
+    return sum(p.data.size for _, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_parameter_counts_are_the_elements_of_a_built_gpt(bias):
+    cfg = GPTConfig(vocab_size=256, block_size=8, n_layer=3, n_head=4, n_embd=16, bias=bias)
+    assert cfg.num_params() == elements(GPT(cfg))
+    b = int(bias)
+    c, layers, v, t = 16, 3, 256, 8
+    assert cfg.num_params() == 12 * layers * c * c + 2 * layers * c + 11 * layers * c * b + v * c + t * c + c + c * b
+    whole = dict(GPT(cfg).named_parameters())
+    outside_embeddings = sum(p.data.size for n, p in whole.items() if not n.startswith(("transformer.wte",
+                                                                                        "transformer.wpe")))
+    assert cfg.non_embedding_params() == outside_embeddings
+    for tp in (1, 2, 4):
+        for rank in range(tp):
+            tp_comm = Ranks(tp, rank) if tp > 1 else None
+            assert cfg.num_params(tp) == elements(GPT(cfg, tp_comm=tp_comm))
+            # pipeline stages: blocks only, embedding + blocks, blocks + head holding its own wte copy
+            for embed, head in ((False, False), (True, False), (False, True), (True, True)):
+                stage = GPT(cfg, tp_comm=tp_comm, layers=[1, 2], embed=embed, head=head)
+                assert cfg.stage_params(2, embed, head, tp) == elements(stage), (tp, rank, embed, head)
+    assert cfg.num_params(4) < cfg.num_params(2) < cfg.num_params()
