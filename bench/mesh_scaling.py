@@ -9,8 +9,9 @@ thread per rank) once per mesh shape of that size:
     N=4  dp=4, tp=4, pp=4, dp=2xpp=2, dp=2xtp=2, tp=2xpp=2
 
 Each launch builds `hpcpar.train.Trainer` from the default config with the overrides below,
-once per scaling mode, runs --warmup steps, then times --steps steps of `train_step` (slowest
-rank, barrier to barrier); the fastest timed step counts (the median is kept in the JSON).
+once per scaling mode, and runs its training loop (`Trainer.train`, the loop of `hpcpar train`,
+writing no files) for --warmup + --steps steps; the last --steps are timed (the slowest rank's
+step time); the fastest timed step counts (the median is kept in the JSON).
 Every mesh uses --microbatches micro-batches per step (>= the largest pp, so every pipeline
 can fill); the batch per step is
 
@@ -82,40 +83,42 @@ def overrides(args: argparse.Namespace, dp: int, tp: int, pp: int, mbs: int) -> 
             f"model.block_size={args.block}", "model.dtype=float32",
             f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}",
             f"train.micro_batch_size={mbs}", f"train.microbatches={args.microbatches}",
-            "train.steps=1000", "run.progress=false"]  # steps: only the lr schedule sees it
+            "train.steps=1000", "run.progress=false", "run.eval_every=0"]  # steps: only the lr schedule sees it
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One mpiexec launch: a Trainer per micro-batch size in --mbs, timing train_step; rank 0
-    prints MARKER + a JSON list with a row per size."""
+    """One mpiexec launch: a Trainer per micro-batch size in --mbs, timing the steps of its training
+    loop; rank 0 prints MARKER + a JSON list with a row per size."""
+    import numpy as np
     from mpi4py import MPI
 
     from hpcpar import config
     from hpcpar.train import Trainer
 
-    world = MPI.COMM_WORLD
     rows = []
     for mbs in (int(m) for m in args.mbs.split(",")):
-        trainer = Trainer(config.load_config(None, overrides(args, args.dp, args.tp, args.pp, mbs)), world)
-        step_s, cpu_s, loss = [], [], None
-        for step in range(args.warmup + args.steps):
-            world.Barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            loss = trainer.train_step(step).loss
-            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-            slowest, busiest = world.allreduce(elapsed, op=MPI.MAX), world.allreduce(cpu, op=MPI.MAX)
-            if step >= args.warmup:  # the first steps allocate buffers and open connections
-                step_s.append(slowest)
-                cpu_s.append(busiest)
-        tokens = args.dp * mbs * args.microbatches * args.block
+        trainer = Trainer(config.load_config(None, overrides(args, args.dp, args.tp, args.pp, mbs)), MPI.COMM_WORLD)
+        world = trainer.mesh.world
+        step_s, cpu_s, losses = [], [], []
+
+        def on_step(record: dict) -> None:
+            """The slowest rank's step time and the busiest rank's CPU time in the step."""
+            slowest, busiest = world.all_reduce(np.array([record["step_time_s"], record["cpu_time_s"]]), op="max")
+            if record["step"] >= args.warmup:  # the first steps allocate buffers and open connections
+                step_s.append(float(slowest))
+                cpu_s.append(float(busiest))
+            losses.append(record["loss"])
+
+        trainer.train(steps=args.warmup + args.steps, files=False, progress=False, on_step=on_step, peak_flops=0.0)
+        tokens = trainer.tokens_per_step
         best = min(range(len(step_s)), key=step_s.__getitem__)  # the step least disturbed by other work
         rows.append({"micro_batch_size": mbs, "tokens_per_step": tokens, "step_s": step_s[best],
                      "step_s_all": step_s, "tokens_per_s": tokens / step_s[best],
                      "tokens_per_s_median": tokens / statistics.median(step_s),
-                     "tokens_per_cpu_s": tokens / cpu_s[best], "loss": loss,
+                     "tokens_per_cpu_s": tokens / cpu_s[best], "loss": losses[-1],
                      "pipeline_bubble": trainer.executor.measured_bubble()})
         trainer.mesh.free()
-    if world.Get_rank() == 0:
+    if MPI.COMM_WORLD.Get_rank() == 0:
         print(MARKER + json.dumps(rows), flush=True)
 
 
@@ -124,24 +127,24 @@ def torch_worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import torch
     import vs_torch
+    from mpi4py import MPI
 
-    from hpcpar import config, data
-    from hpcpar.nn import GPT
+    from hpcpar import config
+    from hpcpar.train import Trainer
 
     torch.set_num_threads(args.threads)
     cfg = config.load_config(None, overrides(args, 1, 1, 1, int(args.mbs)))
-    tokens = data.split(data.load_corpus(cfg.data.corpus), cfg.data.val_fraction)[0]
-    step_fn = vs_torch.torch_trainer(GPT(cfg.model, seed=cfg.train.seed))
+    reference = Trainer(cfg, MPI.COMM_SELF)  # the 1x1x1 run's model and batches
+    step_fn = vs_torch.torch_trainer(reference.stages[0], max_norm=cfg.train.grad_clip)
     step_s, cpu_s = [], []
     for step in range(args.warmup + args.steps):
-        batches = [data.get_batch(tokens, cfg.train.seed, step, data.microbatch_sample_ids(0, 1, int(args.mbs), j),
-                                  args.block) for j in range(args.microbatches)]
+        batches = reference.microbatches(step)
         t0, c0 = time.perf_counter(), time.process_time()
         step_fn(batches)
         if step >= args.warmup:
             step_s.append(time.perf_counter() - t0)
             cpu_s.append(time.process_time() - c0)
-    tokens_per_step = int(args.mbs) * args.microbatches * args.block
+    tokens_per_step = reference.tokens_per_step
     best = min(range(len(step_s)), key=step_s.__getitem__)
     print(MARKER + json.dumps({"threads": args.threads, "version": torch.__version__, "step_s": step_s[best],
                                "tokens_per_s": tokens_per_step / step_s[best],

@@ -68,7 +68,7 @@ BENCHMARKS = (
               "data parallelism, weak scaling dp=2 vs dp=1, gradient communication hidden behind backward",
               args=("--steps", "12", "--repeats", "4"), quick_args=("--steps", "2", "--repeats", "1")),
     Benchmark("mesh_scaling", "bench/mesh_scaling.py", None,
-              "training (Trainer.train_step) over mesh shapes: strong and weak scaling vs 1x1x1, PyTorch peer",
+              "training (Trainer.train) over mesh shapes: strong and weak scaling vs 1x1x1, PyTorch peer",
               quick_args=("--worlds", "1,2", "--steps", "2", "--warmup", "1", "--repeats", "1"), timeout_s=480.0),
     Benchmark("vs_torch", "bench/vs_torch.py", None,
               "one process, hpcpar vs PyTorch eager on the same GPT and batches (1 thread)",

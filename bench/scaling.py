@@ -6,9 +6,9 @@ communication hides behind backward.
 The script launches itself under `mpiexec -n 1` and `mpiexec -n 2` (1 BLAS thread per rank,
 the same per-rank batch: weak scaling), alternating the launches `--repeats` times so that
 load from other work on the machine hits both alike; for each world size the best repeat is
-kept (the run least disturbed by others). Each worker trains a float32 GPT with the local
-step loop (GPT + DataParallel + AdamW) for a warm-up step and `--steps` timed steps in each of
-four runs:
+kept (the run least disturbed by others). Each worker trains a float32 GPT on a dp=world mesh
+with `Trainer.train` (the training loop of `hpcpar train`, writing no files) for a warm-up
+step and `--steps` timed steps in each of four runs:
 
   overlap            reductions start from grad hooks during backward (the normal mode):
                      the throughput figure;
@@ -49,48 +49,49 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One mpiexec launch: both modes on Mesh(dp=world); rank 0 writes a JSON row to args.out."""
+    """One mpiexec launch: the four runs on a dp=world mesh; rank 0 writes a JSON row to args.out."""
     from mpi4py import MPI
 
-    from hpcpar import data
-    from hpcpar.mesh import Mesh
-    from hpcpar.nn import GPT, GPTConfig
-    from hpcpar.optim import AdamW
-    from hpcpar.parallel.data_parallel import DataParallel
+    from hpcpar import config
+    from hpcpar.train import Trainer
 
-    world = MPI.COMM_WORLD
-    cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.embd,
-                    dtype="float32")
+    dp = MPI.COMM_WORLD.Get_size()
+    cfg = config.load_config(None, [
+        f"model.block_size={args.block}", f"model.n_layer={args.layers}", "model.n_head=4",
+        f"model.n_embd={args.embd}", "model.dtype=float32", f"mesh.dp={dp}", "mesh.tp=1", "mesh.pp=1",
+        f"train.micro_batch_size={args.batch}", "train.microbatches=1", f"train.bucket_mb={args.bucket_mb}",
+        "train.steps=1000", "run.eval_every=0", "run.progress=false"])  # steps: only the lr schedule sees it
     tokens = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
-    mesh = Mesh(dp=world.Get_size(), comm=world)
-    row = {"dp": mesh.size("dp"), "micro_batch": args.batch, "block": args.block}
+    row = {"dp": dp, "micro_batch": args.batch, "block": args.block}
 
     def run(overlap: bool, sync: bool) -> dict:
         """Medians over the timed steps; `sync` puts a barrier between backward and
         finish_backward, so that finish_backward times communication, not rank skew."""
-        model = GPT(cfg, seed=0)
-        named = list(model.named_parameters())
-        dp = DataParallel(named, mesh, bucket_mb=args.bucket_mb, overlap=overlap,
-                          make_optimizer=lambda ps: AdamW(ps, lr=1e-3))
-        row["params"], row["buckets"] = sum(p.data.size for _, p in named), len(dp.buckets)
+        trainer = Trainer(cfg, MPI.COMM_WORLD, tokens=tokens)
+        world, data_parallel = trainer.mesh.world, trainer.dp
+        data_parallel.overlap = overlap
+        if sync:
+            finish_backward = data_parallel.finish_backward
+
+            def synced_finish_backward() -> None:
+                world.barrier()
+                finish_backward()
+            data_parallel.finish_backward = synced_finish_backward
+        row["params"] = sum(p.data.size for _, p in trainer.named_parameters)
+        row["buckets"] = len(data_parallel.buckets)
         step_s, wait_s, cpu_s = [], [], []
-        for step in range(args.steps + 1):
-            x, y = data.get_batch(tokens, 0, step, data.microbatch_sample_ids(mesh.rank("dp"), mesh.size("dp"),
-                                                                              args.batch, 0), cfg.block_size)
-            world.Barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            dp.begin_step(microbatches=1)
-            model(x, y).backward()
-            if sync:
-                world.Barrier()
-            dp.finish_backward()
-            dp.clip_grad_norm(1.0)
-            dp.step(1e-3)
-            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if step:  # step 0 warms up allocators and connections
-                step_s.append(world.allreduce(elapsed, op=MPI.MAX))
-                wait_s.append(world.allreduce(dp.wait_s, op=MPI.MAX))
-                cpu_s.append(world.allreduce(cpu, op=MPI.MAX))
+
+        def on_step(record: dict) -> None:
+            """The slowest rank's step and finish_backward times, the busiest rank's CPU time."""
+            times = np.array([record["step_time_s"], data_parallel.wait_s, record["cpu_time_s"]])
+            slowest = world.all_reduce(times, op="max")
+            if record["step"]:  # step 0 warms up allocators and connections
+                step_s.append(float(slowest[0]))
+                wait_s.append(float(slowest[1]))
+                cpu_s.append(float(slowest[2]))
+
+        trainer.train(steps=args.steps + 1, files=False, progress=False, on_step=on_step, peak_flops=0.0)
+        trainer.mesh.free()
         return {"step_s": statistics.median(step_s), "finish_backward_s": statistics.median(wait_s),
                 "cpu_s": statistics.median(cpu_s)}
 
@@ -99,13 +100,12 @@ def worker(args: argparse.Namespace) -> None:
     row["comm_overlap"] = run(overlap=True, sync=True)      # unhidden communication
     row["comm_no_overlap"] = run(overlap=False, sync=True)  # all of the communication
     t = row["overlap"]["step_s"]
-    row["tokens_per_s"] = mesh.size("dp") * args.batch * args.block / t
+    row["tokens_per_s"] = dp * args.batch * args.block / t
     # Per CPU-second of the busiest rank: what the rate would be with a core per rank to itself
     # (on a machine shared with other work, wall time mostly measures the scheduler).
-    row["tokens_per_cpu_s"] = mesh.size("dp") * args.batch * args.block / row["overlap"]["cpu_s"]
-    if world.Get_rank() == 0:
+    row["tokens_per_cpu_s"] = dp * args.batch * args.block / row["overlap"]["cpu_s"]
+    if MPI.COMM_WORLD.Get_rank() == 0:
         Path(args.out).write_text(json.dumps(row))
-    mesh.free()
 
 
 def launch(n: int, args: argparse.Namespace) -> dict:

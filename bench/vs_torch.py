@@ -1,9 +1,10 @@
 """hpcpar vs PyTorch eager on the CPU: the same GPT, the same batches, the same threads.
 
 Trains the same config (default n_layer=4, n_embd=256, T=128, B=16) for the same steps
-in both (forward, backward, AdamW step), interleaving the two so machine noise hits
-both alike, and reports tokens/s and MFU (model FLOPs / this machine's measured GEMM
-peak at the same thread count) for each and their ratio. Also times a tiny elementwise
+in both (forward, backward, gradient clipping, AdamW step; hpcpar through `Trainer.train`, the
+loop of `hpcpar train`, on one rank and writing no files), interleaving the two so machine
+noise hits both alike, and reports tokens/s and MFU (model FLOPs / this machine's measured
+GEMM peak at the same thread count) for each and their ratio. Also times a tiny elementwise
 op, to show per-op framework overhead. JSON to bench/results/vs_torch.json.
 
     OMP_NUM_THREADS=1 python bench/vs_torch.py [--threads 1] [--steps 10]
@@ -39,11 +40,12 @@ if __name__ == "__main__":  # imported (bench/mesh_scaling.py), the importer has
         os.environ[var] = str(args.threads)
 
 import numpy as np  # noqa: E402  (after the thread variables)
+from mpi4py import MPI  # noqa: E402
 
-from hpcpar import data, metrics, ops  # noqa: E402
+from hpcpar import config, metrics, ops  # noqa: E402
 from hpcpar.nn import GPT, GPTConfig  # noqa: E402
-from hpcpar.optim import AdamW  # noqa: E402
 from hpcpar.tensor import Tensor  # noqa: E402
+from hpcpar.train import Trainer  # noqa: E402
 
 try:
     import torch
@@ -76,11 +78,12 @@ def torch_model(params: dict, cfg: GPTConfig):
     return loss_fn
 
 
-def torch_trainer(model: GPT, lr: float = 1e-4) -> Callable[[list], None]:
+def torch_trainer(model: GPT, lr: float = 1e-4, max_norm: float = 1.0) -> Callable[[list], None]:
     """PyTorch twin of `model` (a copy of its parameters) with AdamW set up as hpcpar's.
 
     Returns `step(batches)`: one optimizer step over micro-batches [(x, y), ...] (int64 NumPy
-    [B, T] each), gradients accumulated as the mean loss over the micro-batches.
+    [B, T] each), gradients accumulated as the mean loss over the micro-batches and their global
+    norm clipped to `max_norm` (0: no clipping), as `Trainer.train_step` does.
     """
     cfg = model.config
     tparams = {n: torch.tensor(p.data.copy(), requires_grad=True) for n, p in model.named_parameters()}
@@ -95,6 +98,8 @@ def torch_trainer(model: GPT, lr: float = 1e-4) -> Callable[[list], None]:
         for x, y in batches:
             loss = tloss(torch.from_numpy(x), torch.from_numpy(y))
             (loss / len(batches) if len(batches) > 1 else loss).backward()
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(list(tparams.values()), max_norm, foreach=False)
         topt.step()
     return step
 
@@ -103,36 +108,37 @@ def main() -> None:
     if torch is None:
         sys.exit("bench/vs_torch.py needs PyTorch: pip install torch==2.13.0")
     torch.set_num_threads(args.threads)
-    cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
-    tokens = data.load_corpus()
-    batches = [data.get_batch(tokens, 0, s, range(args.batch), cfg.block_size) for s in range(args.steps)]
-
-    model = GPT(cfg, seed=0)
-    opt = AdamW(model.parameters(), lr=1e-4)
-    torch_step = torch_trainer(model)
+    total = (args.rounds + 1) * args.steps  # a warm-up round, then the timed ones
+    trainer = Trainer(config.load_config(None, [
+        f"model.n_layer={args.n_layer}", f"model.n_head={args.n_head}", f"model.n_embd={args.n_embd}",
+        f"model.block_size={args.block_size}", "model.dtype=float32", "mesh.dp=1", "mesh.tp=1", "mesh.pp=1",
+        f"train.micro_batch_size={args.batch}", "train.microbatches=1", f"train.steps={total}", "train.warmup=0",
+        "run.eval_every=0", "run.progress=false"]), MPI.COMM_SELF)
+    cfg = trainer.cfg.model
+    # Round r of each framework trains steps r*steps .. (r+1)*steps - 1: PyTorch gets the batches
+    # hpcpar's loop draws for those steps, made before the clock starts.
+    batches = [trainer.microbatches(s) for s in range(total)]
+    torch_step = torch_trainer(trainer.stages[0], max_norm=trainer.cfg.train.grad_clip)
 
     def hpcpar_steps() -> float:
         start = time.perf_counter()
-        for x, y in batches:
-            opt.zero_grad()
-            model(x, y).backward()
-            opt.step()
+        trainer.train(steps=args.steps, files=False, progress=False, peak_flops=0.0)
         return time.perf_counter() - start
 
-    def torch_steps() -> float:
+    def torch_steps(r: int) -> float:
         start = time.perf_counter()
-        for batch in batches:
-            torch_step([batch])
+        for step in range(r * args.steps, (r + 1) * args.steps):
+            torch_step(batches[step])
         return time.perf_counter() - start
 
-    hpcpar_steps(), torch_steps()  # warm-up: allocator, thread pools
+    hpcpar_steps(), torch_steps(0)  # warm-up: allocator, thread pools
     # The GEMM peak is measured inside every round too (best of all), so a machine that is
     # busy during some rounds lowers the peak no more than it lowers the two frameworks.
     h_times, t_times, peaks = [], [], []
-    for _ in range(args.rounds):
+    for r in range(1, args.rounds + 1):
         peaks.append(metrics.measure_gemm_flops("float32", n=1024, seconds=0.5))
         h_times.append(hpcpar_steps())
-        t_times.append(torch_steps())
+        t_times.append(torch_steps(r))
     tokens_per_round = args.steps * args.batch * cfg.block_size
     h_tok, t_tok = tokens_per_round / min(h_times), tokens_per_round / min(t_times)
     flops = metrics.flops_per_token(cfg.non_embedding_params(), cfg.n_layer, cfg.n_embd, cfg.block_size)

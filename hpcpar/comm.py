@@ -95,7 +95,7 @@ class MpiTransport:
     _CALLS = {"all_reduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "all_gather": "Allgather",
               "all_to_all": "Alltoall", "broadcast": "Bcast", "send": "Send", "recv": "Recv",
               "barrier": "Barrier"}
-    _REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}  # avg: sum, divided when finished
+    _REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}  # avg: sum, divided when finished
 
     def __init__(self, mpi_comm: MPI.Comm):
         self.comm = mpi_comm
@@ -159,7 +159,7 @@ class NcclTransport:
         self.size = mpi_comm.size
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._mpi = MpiTransport(mpi_comm)
-        self._ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX}
+        self._ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
 
     def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
               blocking: bool = False) -> _EventRequest:
@@ -425,7 +425,7 @@ class Communicator:
 
     # -- reductions -----------------------------------------------------------------------------
 
-    def _check_op(self, what: str, op: str, a, allowed=("sum", "avg", "max")) -> None:
+    def _check_op(self, what: str, op: str, a, allowed=("sum", "avg", "max", "min")) -> None:
         if op not in allowed:
             raise ValueError(f"{what} on '{self.name}': unknown op {op!r}; use one of {', '.join(allowed)}")
         if op == "avg" and not np.issubdtype(np.dtype(a.dtype), np.inexact):
@@ -446,7 +446,7 @@ class Communicator:
         return self._iall_reduce(a, op, in_place=True)
 
     def all_reduce(self, a, op: str = "sum"):
-        """Elementwise sum/avg/max of `a` over the ranks (replicated result); `a` is not modified."""
+        """Elementwise sum/avg/max/min of `a` over the ranks (replicated result); `a` is not modified."""
         return self._iall_reduce(a, op, in_place=False, blocking=self._blocking).wait()
 
     def _iall_reduce(self, a, op: str, in_place: bool, blocking: bool = False) -> Handle:

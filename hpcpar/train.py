@@ -1,12 +1,15 @@
-"""The training loop: data -> pipeline schedule -> gradient sync -> optimizer -> metrics/checkpoints.
+"""Training: `Trainer` owns one rank's share of a run and its step loop; `main` is `hpcpar train`.
 
-`Trainer` holds one rank's share of a run (its mesh coordinates, pipeline stages,
-data-parallel state) and runs steps; `main` is `hpcpar train`: config, run
-directory, resume, the step loop with progress/metrics/evaluation/checkpoints,
-preemption and the end-of-run summary.
+`Trainer` holds this rank's mesh coordinates, pipeline stages, data-parallel state and data.
+`train_step(step)` runs one global step (data -> pipeline schedule -> gradient sync -> clip ->
+optimizer); `train()` is the loop around it: step accounting, the skip policy for non-finite
+steps, evaluation / log / checkpoint cadence, preemption, metrics JSON lines, the progress bar
+and the run summary. Benchmarks and tests run the same loop with `train(steps=..., files=False,
+on_step=...)`. `main` only sets up (logging, config, watchdog, run directory, rank table,
+resume), calls `train()` and writes the summary and trace.
 
-Every rank builds the same global batch for step s (samples 0 .. dp*mbs*m - 1, see
-data.py) and takes its dp share, so results do not depend on the mesh.
+Every rank builds the same global batch for step s (samples 0 .. dp*mbs*m - 1, see data.py) and
+takes its dp share, so results do not depend on the mesh.
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 from mpi4py import MPI
 
 import hpcpar
-from hpcpar import backend, checkpoint, config, data, metrics, threads, watchdog
+from hpcpar import backend, checkpoint, config, data, metrics, preemption, threads, watchdog
+from hpcpar.comm import Communicator
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.mesh import Axis, Mesh
 from hpcpar.optim import SGD, AdamW, lr_at
@@ -46,6 +51,25 @@ class StepResult:
     bad_parameter: str   # first parameter with a non-finite gradient ("" if none)
 
 
+@dataclass
+class RunResult:
+    """What `Trainer.train` returns."""
+
+    status: int      # process exit status: 0, or REQUEUE_STATUS when a preemption signal ended the run
+    summary: dict    # summary.json's content (throughput from this rank's step times; rank 0 writes it)
+
+
+@dataclass
+class _RunState:
+    """What the loop accumulates for the skip policy and the summary."""
+
+    bad_in_a_row: int = 0                               # consecutive skipped steps
+    step_times: list = field(default_factory=list)      # seconds of each completed (not skipped) step
+    first_loss: float | None = None
+    last_loss: float | None = None
+    val_loss: float | None = None
+
+
 class Trainer:
     """One rank's part of a training run on a (dp, tp, pp) mesh.
 
@@ -53,6 +77,7 @@ class Trainer:
         cfg: configuration (validated here for `comm`'s size).
         comm: mpi4py communicator spanning the run (default COMM_WORLD).
         tokens: the corpus as uint8 tokens (default: load `cfg.data.corpus`).
+        available_memory_bytes: memory per rank to check the model against (None: no check).
     """
 
     def __init__(self, cfg: config.Config, comm=None, tokens: np.ndarray | None = None,
@@ -85,49 +110,57 @@ class Trainer:
             tokens = data.load_corpus(cfg.data.corpus)
         self.train_tokens, self.val_tokens = data.split(tokens, cfg.data.val_fraction)
         self.is_loss_reporter = (self.stages[-1].head and self.mesh.rank(Axis.TP) == 0)
+        self.tokens_per_step = self.mesh.size(Axis.DP) * t.micro_batch_size * t.microbatches * cfg.model.block_size
         self.step = 0  # the next step to run
         self.save_in_flight = None  # checkpoint.SaveHandle of an asynchronous save not yet committed
 
-    # -- one step -----------------------------------------------------------------------
-    def microbatches(self, step: int) -> list:
-        """This dp rank's micro-batches (x, y) of global step `step`."""
+    # -- data ------------------------------------------------------------------------------
+    def sample_ids(self) -> list[range]:
+        """Global sample ids of this dp rank's micro-batches, one range of micro_batch_size ids
+        per micro-batch (see data.microbatch_sample_ids). The same ids serve every training step,
+        its dropout masks and every evaluation batch: only the key (step or batch index) changes."""
         t = self.cfg.train
         dp, d = self.mesh.size(Axis.DP), self.mesh.rank(Axis.DP)
-        return [data.get_batch(self.train_tokens, t.seed, step,
-                               data.microbatch_sample_ids(d, dp, t.micro_batch_size, j),
-                               self.cfg.model.block_size)
-                for j in range(t.microbatches)]
+        return [data.microbatch_sample_ids(d, dp, t.micro_batch_size, j) for j in range(t.microbatches)]
 
-    def _global_mean_loss(self, losses: list) -> float:
-        """Mean over every micro-batch of every dp rank; the same float on every rank."""
+    def microbatches(self, step: int) -> list:
+        """This dp rank's micro-batches of global step `step`: (x, y), int64 [B, T] each."""
+        t = self.cfg.train
+        return [data.get_batch(self.train_tokens, t.seed, step, ids, self.cfg.model.block_size)
+                for ids in self.sample_ids()]
+
+    def _global_mean_loss(self, losses: list, microbatches: int) -> float:
+        """Mean loss over the global batch, the same float on every rank (one world all-reduce).
+
+        `losses` are this rank's per-micro-batch losses (the executor returns them on the last
+        stage's ranks, [] elsewhere; tp rank 0 reports them), `microbatches` how many each dp
+        rank ran.
+        """
         local = np.array([float(sum(losses)) if self.is_loss_reporter else 0.0])
         total = self.mesh.world.all_reduce(local, op="sum")
-        return float(total[0]) / (self.mesh.size(Axis.DP) * self.cfg.train.microbatches)
+        return float(total[0]) / (self.mesh.size(Axis.DP) * microbatches)
 
+    # -- one step ----------------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
+        """Run global step `step`: forward/backward of every micro-batch through the pipeline
+        schedule, gradient sync over dp, clipping and the optimizer update (none when the loss
+        or gradient norm is not finite). Collective. Afterwards `self.step` is `step + 1`: a
+        skipped step's batch is passed over, not retried."""
         t = self.cfg.train
         batches = self.microbatches(step)
-        self._set_rng_context(step, batches)
+        if self.cfg.model.dropout:  # masks are keyed by (seed, step, sample id), not by rank
+            self.executor.rng_contexts = [(t.seed, step, list(ids)) for ids in self.sample_ids()]
         self.dp.begin_step(microbatches=t.microbatches)
         losses = self.executor.run(batches)
         self.dp.finish_backward()
-        loss = self._global_mean_loss(losses)
+        loss = self._global_mean_loss(losses, t.microbatches)
         norm = self.dp.clip_grad_norm(t.grad_clip)
         lr = lr_at(step, t.lr, t.warmup, t.steps, t.min_lr)
+        self.step = step + 1
         if not (math.isfinite(loss) and math.isfinite(norm)):
             return StepResult(loss, norm, lr, True, self._first_bad_parameter())
         self.dp.step(lr)
-        self.step = step + 1
         return StepResult(loss, norm, lr, False, "")
-
-    def _set_rng_context(self, step: int, batches: list) -> None:
-        """Dropout masks are keyed by (seed, step, sample id): give every stage its ids."""
-        if self.cfg.model.dropout == 0.0:
-            return
-        t = self.cfg.train
-        dp, d = self.mesh.size(Axis.DP), self.mesh.rank(Axis.DP)
-        ids = [list(data.microbatch_sample_ids(d, dp, t.micro_batch_size, j)) for j in range(len(batches))]
-        self.executor.rng_contexts = [(t.seed, step, i) for i in ids]
 
     def _first_bad_parameter(self) -> str:
         """Name of the first parameter (in model order) whose gradient is not finite, on any rank."""
@@ -148,21 +181,144 @@ class Trainer:
         figure depends on the global batch, not on the mesh.
         """
         t = self.cfg.train
-        dp, d = self.mesh.size(Axis.DP), self.mesh.rank(Axis.DP)
+        eval_batches = [data.get_eval_batch(self.val_tokens, t.seed, i, ids, self.cfg.model.block_size)
+                        for i in range(batches) for ids in self.sample_ids()]
         for stage in self.stages:
             stage.eval()
         try:
             with no_grad():
-                eval_batches = [data.get_eval_batch(self.val_tokens, t.seed, i,
-                                                    data.microbatch_sample_ids(d, dp, t.micro_batch_size, j),
-                                                    self.cfg.model.block_size)
-                                for i in range(batches) for j in range(t.microbatches)]
                 losses = self.executor.run(eval_batches, forward_only=True)
         finally:
             for stage in self.stages:
                 stage.train()
-        local = np.array([float(sum(losses)) if self.is_loss_reporter else 0.0])
-        return float(self.mesh.world.all_reduce(local, op="sum")[0]) / (dp * len(eval_batches))
+        return self._global_mean_loss(losses, len(eval_batches))
+
+    # -- the loop -----------------------------------------------------------------------------
+    def train(self, steps: int | None = None, *, files: bool = True, progress: bool | None = None,
+              on_step: Callable[[dict], None] | None = None, peak_flops: float | None = None) -> RunResult:
+        """Run steps from `self.step` on; collective. Returns the exit status and the run summary.
+
+        Per step: `train_step`, the skip policy (a non-finite loss or gradient norm skips the
+        update with a warning; `train.max_bad_steps` in a row raise HpcparError), evaluation every
+        `run.eval_every` steps and after the last, a metrics record (a JSON line in
+        <run.dir>/metrics.jsonl on rank 0), the progress bar or a log line every `run.log_every`
+        steps, a checkpoint every `checkpoint.every` steps, and a check for a preemption signal
+        on any rank (then save and stop with REQUEUE_STATUS). The run ends with a synchronous save.
+
+        Args:
+            steps: how many steps to run (default: up to `train.steps`, which alone sets the
+                learning-rate schedule).
+            files: write metrics.jsonl and checkpoints; False touches no file (benchmarks, tests).
+            progress: draw the progress bar on rank 0 (default `run.progress`); without it rank 0
+                logs every `run.log_every` steps.
+            on_step: called on every rank with each step's record: the metrics line's fields plus
+                `cpu_time_s`, this process's CPU time in `train_step`.
+            peak_flops: the FLOP/s that MFU is relative to (default: the GEMM peak, measured here
+                by one rank per node in about a second; 0 reports MFU 0).
+        """
+        cfg, t, run = self.cfg, self.cfg.train, self.cfg.run
+        end = t.steps if steps is None else self.step + steps
+        rank0 = self.mesh.world.rank == 0
+        model_flops = _model_flops_per_token(cfg)
+        peak = _measure_peak(self.mesh, cfg.model.dtype) if peak_flops is None else peak_flops
+        log.info("hpcpar %s: mesh dp=%d x tp=%d x pp=%d on %d rank(s); %s; global batch %d tokens/step; "
+                 "%.2fM non-embedding parameters; GEMM peak %.1f GFLOP/s",
+                 hpcpar.__version__, self.mesh.size(Axis.DP), self.mesh.size(Axis.TP), self.mesh.size(Axis.PP),
+                 self.mesh.world.size, data.corpus_description(cfg.data.corpus), self.tokens_per_step,
+                 self.cfg.model.non_embedding_params() / 1e6, peak / 1e9)
+        draw = rank0 and (run.progress if progress is None else progress)
+        writer = metrics.JsonLines(os.path.join(run.dir, "metrics.jsonl")) if files and rank0 else None
+        bar = _Progress(draw, end, self.step)
+        state = _RunState()
+        status = 0
+        try:
+            while self.step < end:
+                step = self.step
+                start, cpu_start = time.perf_counter(), time.process_time()
+                result = self.train_step(step)
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+                self._account(step, result, elapsed, state)
+                tok_s = self.tokens_per_step / elapsed
+                mfu = tok_s * model_flops / peak if peak else 0.0
+                record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                          "tokens_per_s": tok_s, "mfu": mfu, "step_time_s": elapsed, "skipped": result.skipped}
+                if run.eval_every and (self.step % run.eval_every == 0 or self.step == end):
+                    state.val_loss = record["val_loss"] = self.evaluate(run.eval_batches)
+                if writer:
+                    writer.write(record)
+                if on_step:
+                    on_step({**record, "cpu_time_s": cpu})
+                bar.update(f"loss {result.loss:.3f} | {tok_s:,.0f} tok/s | MFU {mfu:.1%}")
+                if rank0 and not draw and (step % run.log_every == 0 or self.step == end):
+                    log.info("step %5d | loss %.4f | lr %.2e | %8.0f tok/s | MFU %.1f%%%s", step, result.loss,
+                             result.lr, tok_s, 100 * mfu,
+                             f" | val {record['val_loss']:.4f}" if "val_loss" in record else "")
+                if files and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < end:
+                    self._checkpoint()
+                if preemption.agreed(self.mesh.world):
+                    log.warning("preemption signal received: saving a checkpoint at step %d and exiting with "
+                                "status %d (requeue and resume with checkpoint.resume=auto)",
+                                self.step, REQUEUE_STATUS)
+                    status = REQUEUE_STATUS
+                    break
+        finally:
+            bar.close()
+            if writer:
+                writer.close()
+        if files:
+            self._checkpoint(final=True)
+        return RunResult(status, self._summary(state, model_flops, peak))
+
+    def _account(self, step: int, result: StepResult, elapsed: float, state: _RunState) -> None:
+        """The skip policy and the summary's figures: a skipped step is warned about (naming the
+        first bad parameter) and counted; `train.max_bad_steps` in a row raise HpcparError."""
+        if not result.skipped:
+            state.bad_in_a_row = 0
+            state.step_times.append(elapsed)
+            state.first_loss = result.loss if state.first_loss is None else state.first_loss
+            state.last_loss = result.loss
+            return
+        state.bad_in_a_row += 1
+        limit = self.cfg.train.max_bad_steps
+        log.warning("step %d: non-finite %s (first bad parameter gradient: %s); step skipped (%d/%d)",
+                    step, "loss" if not math.isfinite(result.loss) else "gradient norm",
+                    result.bad_parameter, state.bad_in_a_row, limit)
+        if state.bad_in_a_row >= limit:
+            raise HpcparError(f"{state.bad_in_a_row} consecutive steps with a non-finite loss or gradient "
+                              f"(last: step {step}, first bad parameter: {result.bad_parameter}); "
+                              "lower train.lr, raise train.warmup or check the data")
+
+    def _checkpoint(self, final: bool = False) -> None:
+        """Checkpoint now into the configured directory. With checkpoint.async_save the rank files
+        are written in the background while training goes on, and committed at the next save; the
+        `final` save (end of the run, preemption) is synchronous, so the job never exits with a
+        save in flight."""
+        previous = self.finish_save()
+        if previous:
+            log.info("checkpoint: %s", previous)
+        c = self.cfg.checkpoint
+        result = self.save(self.cfg.checkpoint_dir, keep=c.keep, async_save=c.async_save and not final)
+        if isinstance(result, str):
+            log.info("checkpoint: %s", result)
+
+    def _summary(self, state: _RunState, model_flops: float, peak: float) -> dict:
+        """summary.json's content (collective: gathers every rank's peak memory). Throughput
+        leaves out the first completed step (allocations, connections) when there are others."""
+        cfg, mesh = self.cfg, self.mesh
+        steady = state.step_times[1:] if len(state.step_times) > 1 else state.step_times
+        tok_s = self.tokens_per_step * len(steady) / sum(steady) if steady else 0.0
+        sim = schedule.simulate(schedule.build(cfg.pipeline.schedule, mesh.size(Axis.PP), cfg.train.microbatches,
+                                               cfg.pipeline.chunks))
+        peak_rss = mesh.world.all_gather_object(metrics.peak_rss_bytes())
+        return {
+            "steps": self.step, "tokens_per_s": tok_s, "mfu": tok_s * model_flops / peak if peak else 0.0,
+            "gemm_peak_flops": peak, "first_loss": state.first_loss, "final_loss": state.last_loss,
+            "val_loss": state.val_loss, "mesh": {str(a): mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP)},
+            "schedule": cfg.pipeline.schedule, "microbatches": cfg.train.microbatches,
+            "pipeline_bubble_predicted": sim.bubble,
+            "pipeline_bubble_measured": self.executor.measured_bubble(),
+            "peak_memory_bytes_per_rank": peak_rss, "run_dir": cfg.run.dir,
+        }
 
     # -- global views (tests, checkpoints) -------------------------------------------------
     def _owns_blocks(self, p) -> bool:
@@ -255,12 +411,45 @@ class Trainer:
 # ----------------------------------------------------------------------------------------
 # hpcpar train
 # ----------------------------------------------------------------------------------------
+def main(config_path: str | None, overrides: list) -> int:
+    """`hpcpar train`: set up, run `Trainer.train`, write the summary; returns the process exit
+    status (0, or REQUEUE_STATUS after preemption)."""
+    world = MPI.COMM_WORLD
+    _setup_logging(world.rank)
+    trainer = Trainer(config.load_config(config_path, overrides), world,
+                      available_memory_bytes=_agreed_memory_per_rank(world))
+    cfg, mesh = trainer.cfg, trainer.mesh  # cfg: validated, mesh resolved
+    watchdog.set_timeout(cfg.run.timeout)
+    watchdog.set_check_every(cfg.run.debug_check_every)
+    preemption.install()
+    _prepare_run_dir(cfg, mesh.world)
+    _log_ranks(cfg, mesh.world)
+    _resume(trainer)
+    result = trainer.train()
+    if cfg.pipeline.trace:
+        trainer.tracer.write_chrome_trace(os.path.join(cfg.run.dir, "trace.json"), mesh.world)
+    if mesh.world.rank == 0:
+        with open(os.path.join(cfg.run.dir, "summary.json"), "w") as f:
+            json.dump(result.summary, f, indent=2, sort_keys=True)
+        log.info("%s", _format_summary(result.summary))
+    return result.status
+
+
 def _setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
 
 
-def _prepare_run_dir(cfg: config.Config, world) -> None:
+def _agreed_memory_per_rank(world: MPI.Comm) -> int | None:
+    """The smallest share of node memory per rank over the job (None when unknown anywhere),
+    agreed by one all-reduce before validation so that every rank reaches the same verdict."""
+    available = metrics.available_memory_bytes()
+    share = available // threads.local_ranks() if available is not None else -1
+    agreed = int(Communicator(world, "world").all_reduce(np.array([share], dtype=np.int64), op="min")[0])
+    return agreed if agreed >= 0 else None
+
+
+def _prepare_run_dir(cfg: config.Config, world: Communicator) -> None:
     """Create the run directory and write config.toml (rank 0); every rank raises the same error."""
     problem = ""
     if world.rank == 0:
@@ -280,7 +469,7 @@ def _prepare_run_dir(cfg: config.Config, world) -> None:
         raise ConfigError(problem)
 
 
-def _log_ranks(cfg: config.Config, world) -> None:
+def _log_ranks(cfg: config.Config, world: Communicator) -> None:
     """Write <run.dir>/ranks.json (rank -> host, pid) and log it for small jobs: a launcher that
     reports a dead process by its PID (MPICH's hydra after a SIGKILL) then tells which rank died."""
     where = world.all_gather_object((socket.gethostname(), os.getpid()))  # once, at startup
@@ -291,13 +480,17 @@ def _log_ranks(cfg: config.Config, world) -> None:
             log.info("ranks (rank:pid@host): %s", ", ".join(f"{r}:{p}@{h}" for r, (h, p) in enumerate(where)))
 
 
-def _resume_path(cfg: config.Config) -> str | None:
+def _resume(trainer: Trainer) -> None:
+    """Load the checkpoint `checkpoint.resume` names: "" none, "auto" the newest in the
+    checkpoint directory (if any), else a path."""
+    cfg = trainer.cfg
     resume = cfg.checkpoint.resume
-    if not resume:
-        return None
-    if resume == "auto":
-        return checkpoint.latest(cfg.checkpoint_dir)
-    return resume
+    path = checkpoint.latest(cfg.checkpoint_dir) if resume == "auto" else resume or None
+    if path:
+        trainer.load(path)
+        log.info("resumed from %s at step %d", path, trainer.step)
+    elif resume == "auto":
+        log.info("checkpoint.resume=auto: no checkpoint in %s, starting fresh", cfg.checkpoint_dir)
 
 
 class _Progress:
@@ -317,121 +510,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def main(config_path: str | None, overrides: list) -> int:
-    """`hpcpar train`: returns the process exit status (0, or REQUEUE_STATUS after preemption)."""
-    from hpcpar import preemption
-
-    world = MPI.COMM_WORLD
-    _setup_logging(world.rank)
-    trainer = Trainer(config.load_config(config_path, overrides), world,
-                      available_memory_bytes=_agreed_memory_per_rank(world))
-    cfg, mesh, rank0 = trainer.cfg, trainer.mesh, world.rank == 0  # cfg: validated, mesh resolved
-    watchdog.set_timeout(cfg.run.timeout)
-    watchdog.set_check_every(cfg.run.debug_check_every)
-    preemption.install()
-    _prepare_run_dir(cfg, mesh.world)
-    _log_ranks(cfg, mesh.world)
-
-    resume = _resume_path(cfg)
-    if resume:
-        trainer.load(resume)
-        log.info("resumed from %s at step %d", resume, trainer.step)
-    elif cfg.checkpoint.resume == "auto":
-        log.info("checkpoint.resume=auto: no checkpoint in %s, starting fresh", cfg.checkpoint_dir)
-
-    t = cfg.train
-    model_flops = _model_flops_per_token(cfg)
-    peak = _measure_peak(mesh, cfg.model.dtype)
-    tokens_per_step = mesh.size(Axis.DP) * t.micro_batch_size * t.microbatches * cfg.model.block_size
-    log.info("hpcpar %s: mesh dp=%d x tp=%d x pp=%d on %d rank(s); %s; global batch %d tokens/step; "
-             "%.2fM non-embedding parameters; GEMM peak %.1f GFLOP/s",
-             hpcpar.__version__, mesh.size(Axis.DP), mesh.size(Axis.TP), mesh.size(Axis.PP), world.Get_size(),
-             data.corpus_description(cfg.data.corpus), tokens_per_step,
-             cfg.model.non_embedding_params() / 1e6, peak / 1e9)
-
-    writer = metrics.JsonLines(os.path.join(cfg.run.dir, "metrics.jsonl")) if rank0 else None
-    progress = _Progress(rank0 and cfg.run.progress, t.steps, trainer.step)
-    step_times: list = []
-    bad_in_a_row, first_loss, last_loss, val_loss = 0, None, None, None
-    status = 0
-    try:
-        while trainer.step < t.steps:
-            step = trainer.step
-            start = time.perf_counter()
-            result = trainer.train_step(step)
-            elapsed = time.perf_counter() - start
-            if result.skipped:
-                bad_in_a_row += 1
-                trainer.step = step + 1  # the batch is skipped; the optimizer state is untouched
-                log.warning("step %d: non-finite %s (first bad parameter gradient: %s); step skipped (%d/%d)",
-                            step, "loss" if not math.isfinite(result.loss) else "gradient norm",
-                            result.bad_parameter, bad_in_a_row, t.max_bad_steps)
-                if bad_in_a_row >= t.max_bad_steps:
-                    raise HpcparError(f"{bad_in_a_row} consecutive steps with a non-finite loss or gradient "
-                                      f"(last: step {step}, first bad parameter: {result.bad_parameter}); "
-                                      "lower train.lr, raise train.warmup or check the data")
-            else:
-                bad_in_a_row = 0
-                step_times.append(elapsed)
-                first_loss = result.loss if first_loss is None else first_loss
-                last_loss = result.loss
-            tok_s = tokens_per_step / elapsed
-            mfu = tok_s * model_flops / peak if peak else 0.0
-            record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                      "tokens_per_s": tok_s, "mfu": mfu, "step_time_s": elapsed, "skipped": result.skipped}
-            if cfg.run.eval_every and (trainer.step % cfg.run.eval_every == 0 or trainer.step == t.steps):
-                val_loss = trainer.evaluate(cfg.run.eval_batches)
-                record["val_loss"] = val_loss
-            if writer:
-                writer.write(record)
-            progress.update(f"loss {result.loss:.3f} | {tok_s:,.0f} tok/s | MFU {mfu:.1%}")
-            if rank0 and not cfg.run.progress and (step % cfg.run.log_every == 0 or trainer.step == t.steps):
-                log.info("step %5d | loss %.4f | lr %.2e | %8.0f tok/s | MFU %.1f%%%s", step, result.loss,
-                         result.lr, tok_s, 100 * mfu, f" | val {val_loss:.4f}" if "val_loss" in record else "")
-            if cfg.checkpoint.every and trainer.step % cfg.checkpoint.every == 0 and trainer.step < t.steps:
-                _save(trainer, cfg)
-            if preemption.agreed(mesh.world):
-                log.warning("preemption signal received: saving a checkpoint at step %d and exiting with "
-                            "status %d (requeue and resume with checkpoint.resume=auto)",
-                            trainer.step, REQUEUE_STATUS)
-                status = REQUEUE_STATUS
-                break
-    finally:
-        progress.close()
-    _save(trainer, cfg, final=True)
-    if cfg.pipeline.trace:
-        trainer.tracer.write_chrome_trace(os.path.join(cfg.run.dir, "trace.json"), mesh.world)
-    summary = _summary(trainer, step_times, tokens_per_step, model_flops, peak, first_loss, last_loss, val_loss)
-    if rank0:
-        writer.close()
-        with open(os.path.join(cfg.run.dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
-        log.info("%s", _format_summary(summary))
-    return status
-
-
-def _agreed_memory_per_rank(world) -> int | None:
-    """The smallest share of node memory per rank over the job (None when unknown anywhere),
-    agreed by one all-reduce before validation so that every rank reaches the same verdict."""
-    available = metrics.available_memory_bytes()
-    share = available // threads.local_ranks() if available is not None else -1
-    agreed = world.allreduce(share, op=MPI.MIN)  # one integer, once per run
-    return agreed if agreed >= 0 else None
-
-
-def _save(trainer: Trainer, cfg: config.Config, final: bool = False) -> None:
-    """Checkpoint now. With checkpoint.async_save the rank files are written in the background
-    while training goes on, and committed at the next save; the `final` save (end of the run,
-    preemption) is synchronous, so the job never exits with a save in flight."""
-    previous = trainer.finish_save()
-    if previous:
-        log.info("checkpoint: %s", previous)
-    result = trainer.save(cfg.checkpoint_dir, keep=cfg.checkpoint.keep,
-                          async_save=cfg.checkpoint.async_save and not final)
-    if isinstance(result, str):
-        log.info("checkpoint: %s", result)
 
 
 def _model_flops_per_token(cfg: config.Config) -> float:
@@ -454,26 +532,8 @@ def _measure_peak(mesh: Mesh, dtype: str) -> float:
     return float(mesh.world.all_reduce(np.array([rate]), op="sum")[0])
 
 
-def _summary(trainer: Trainer, step_times: list, tokens_per_step: int, model_flops: float, peak: float,
-             first_loss, last_loss, val_loss) -> dict:
-    cfg, mesh = trainer.cfg, trainer.mesh
-    steady = step_times[1:] if len(step_times) > 1 else step_times
-    tok_s = tokens_per_step * len(steady) / sum(steady) if steady else 0.0
-    sim = schedule.simulate(schedule.build(cfg.pipeline.schedule, mesh.size(Axis.PP), cfg.train.microbatches,
-                                           cfg.pipeline.chunks))
-    peak_rss = mesh.world.all_gather_object(metrics.peak_rss_bytes())
-    return {
-        "steps": trainer.step, "tokens_per_s": tok_s, "mfu": tok_s * model_flops / peak if peak else 0.0,
-        "gemm_peak_flops": peak, "first_loss": first_loss, "final_loss": last_loss, "val_loss": val_loss,
-        "mesh": {str(a): mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP)},
-        "schedule": cfg.pipeline.schedule, "microbatches": cfg.train.microbatches,
-        "pipeline_bubble_predicted": sim.bubble,
-        "pipeline_bubble_measured": trainer.executor.measured_bubble(),
-        "peak_memory_bytes_per_rank": peak_rss, "run_dir": cfg.run.dir,
-    }
-
-
 def _format_summary(s: dict) -> str:
+    """The summary as printed at the end of `hpcpar train`."""
     mem = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
     measured = s["pipeline_bubble_measured"]
     lines = [

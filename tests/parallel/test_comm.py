@@ -43,12 +43,14 @@ def reference_reduce(parts, op, dtype):
     stacked = np.stack([p.astype(np.float64) for p in parts])
     if op == "max":
         return stacked.max(axis=0)
+    if op == "min":
+        return stacked.min(axis=0)
     total = stacked.sum(axis=0)
     return total / N if op == "avg" else total
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (1,), (0,), ()])
 def test_all_reduce(world, dtype, op, shape):
     if op == "avg" and np.issubdtype(dtype, np.integer):
