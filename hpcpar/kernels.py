@@ -28,7 +28,9 @@ _ROW_KERNELS = r"""
 // -infinity without <math.h> (NVRTC has no INFINITY): the identity of max.
 template <typename T> __device__ __forceinline__ T neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float((int)0xff800000u); }
-template <> __device__ __forceinline__ double neg_inf<double>() { return __longlong_as_double((long long)0xfff0000000000000ull); }
+template <> __device__ __forceinline__ double neg_inf<double>() {
+    return __longlong_as_double((long long)0xfff0000000000000ull);
+}
 
 template <typename T> __device__ __forceinline__ T warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -68,14 +70,16 @@ template <typename T> __device__ T block_max(T v, T* red) {
     return red[32];
 }
 
-// Causal softmax of scale * s over each row of [rows, n] in place; row r is query r % n, so
-// columns j > r % n get 0 (the -inf mask of ops.causal_attention).
+// Causal softmax of scale * s over each row of [rows, n] in place. The rows come in blocks of
+// `queries` consecutive queries starting at query `first` (a chunk of one head's queries), so
+// row r is query first + r % queries and sees keys 0 .. that query: later columns get 0 (the
+// -inf mask of ops.causal_attention).
 template <typename T>
-__global__ void causal_softmax_forward(T* s, long long rows, int n, T scale) {
+__global__ void causal_softmax_forward(T* s, long long rows, int n, int queries, int first, T scale) {
     __shared__ T red[33];
     long long r = blockIdx.x;
     T* row = s + r * n;
-    int last = (int)(r % n);
+    int last = first + (int)(r % queries);
     T m = neg_inf<T>();
     for (int j = threadIdx.x; j <= last; j += blockDim.x) m = max(m, row[j] * scale);
     m = block_max(m, red);
@@ -279,12 +283,15 @@ def _rows(a) -> tuple[int, int]:
     return a.size // n if n else 0, n
 
 
-def causal_softmax_forward(scores, scale: float):
-    """In place on C-contiguous scores [..., T, T]: softmax over the last dim of scale * scores
-    with the causal mask (column j > row i -> 0). Returns the probabilities (the same array)."""
+def causal_softmax_forward(scores, scale: float, first_query: int = 0):
+    """In place on C-contiguous scores [..., Q, K] of queries first_query .. first_query + Q - 1
+    against keys 0 .. K - 1: softmax over the last dim of scale * scores with the causal mask
+    (key j > query i -> 0). Returns the probabilities (the same array)."""
     rows, n = _rows(scores)
-    _kernel("causal_softmax_forward", scores.dtype)((rows,), (_THREADS,),
-                                                    (scores, _i64(rows), _i32(n), _scalar(scores.dtype, scale)))
+    queries = scores.shape[-2]
+    _kernel("causal_softmax_forward", scores.dtype)(
+        (rows,), (_THREADS,),
+        (scores, _i64(rows), _i32(n), _i32(queries), _i32(first_query), _scalar(scores.dtype, scale)))
     return scores
 
 

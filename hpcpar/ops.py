@@ -24,6 +24,15 @@ def _fused(a) -> bool:
     return is_device_array(a) and kernels.supported(a)
 
 
+def _sum_rows(a2d):
+    """Column sums of a [rows, n] array (bias and LayerNorm gradients). On the GPU as a GEMV,
+    ones[rows] @ a: cuBLAS reads the rows coalesced, where a reduction over axis 0 strides."""
+    if not _fused(a2d):
+        return a2d.sum(axis=0)
+    xp = array_module(a2d)
+    return xp.ones(a2d.shape[0], dtype=a2d.dtype) @ a2d
+
+
 def _unbroadcast(g, shape: tuple):
     """Sum `g` over the dims that broadcasting added or stretched to reach its shape."""
     if g.shape == shape:
@@ -185,7 +194,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         g2 = g.reshape(-1, g.shape[-1])
         gx = (g2 @ wd).reshape(xd.shape) if x.requires_grad else None
         gw = g2.T @ x2 if weight.requires_grad else None
-        gb = g2.sum(axis=0) if bias is not None and bias.requires_grad else None
+        gb = _sum_rows(g2) if bias is not None and bias.requires_grad else None
         return gx, gw, gb
     return Tensor.from_op(out, (x, weight, bias), backward)
 
@@ -378,8 +387,8 @@ def _layer_norm_fused(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float
 
     def backward(g):
         gx, g_xhat = kernels.layer_norm_backward(xd, weight.data, mu, rstd, xp.ascontiguousarray(g))
-        gw = g_xhat.sum(axis=0) if weight.requires_grad else None
-        gb = g.reshape(-1, c).sum(axis=0) if bias is not None and bias.requires_grad else None
+        gw = _sum_rows(g_xhat) if weight.requires_grad else None
+        gb = _sum_rows(g.reshape(-1, c)) if bias is not None and bias.requires_grad else None
         return (gx if x.requires_grad else None), gw, gb
     return Tensor.from_op(out, (x, weight, bias), backward)
 
@@ -448,42 +457,81 @@ def causal_attention(qkv: Tensor, n_head: int) -> Tensor:
 
     qkv [B, T, 3*H*D] holds q, k, v side by side (the c_attn output, rows [q; k; v]);
     returns [B, T, H*D] with heads merged. Scores, mask, softmax and the weighted sum
-    happen inside; only the [B, H, T, T] probabilities are kept for backward.
+    happen inside; only the [B, H, T, T] probabilities are kept for backward (on a GPU only
+    their causal part, see `_causal_attention_fused`).
     """
-    xp = array_module(qkv.data)
     b, t, three_c = qkv.shape
-    c = three_c // 3
-    d = c // n_head
-    scale = 1.0 / math.sqrt(d)
+    d = three_c // 3 // n_head
     heads = qkv.data.reshape(b, t, 3, n_head, d).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, D]
+    if _fused(heads):
+        return _causal_attention_fused(qkv, heads)
+    xp = array_module(qkv.data)
+    scale = 1.0 / math.sqrt(d)
     q, k, v = heads[0], heads[1], heads[2]
     probs = q @ k.swapaxes(-1, -2)                                         # [B, H, T, T]
-    fused = _fused(probs)
-    if fused:
-        kernels.causal_softmax_forward(probs, scale)
-    else:
-        probs *= scale
-        probs += _causal_bias(xp, t, probs.dtype)
-        probs -= probs.max(axis=-1, keepdims=True)
-        xp.exp(probs, out=probs)
-        probs /= probs.sum(axis=-1, keepdims=True)
+    probs *= scale
+    probs += _causal_bias(xp, t, probs.dtype)
+    probs -= probs.max(axis=-1, keepdims=True)
+    xp.exp(probs, out=probs)
+    probs /= probs.sum(axis=-1, keepdims=True)
     y = probs @ v                                                          # [B, H, T, D]
-    out = y.transpose(0, 2, 1, 3).reshape(b, t, c)
+    out = y.transpose(0, 2, 1, 3).reshape(b, t, three_c // 3)
 
     def backward(g):
         gy = g.reshape(b, t, n_head, d).transpose(0, 2, 1, 3)              # [B, H, T, D]
         gqkv = xp.empty((3, b, n_head, t, d), dtype=g.dtype)
         xp.matmul(probs.swapaxes(-1, -2), gy, out=gqkv[2])                 # dV = P^T dY
         gs = gy @ v.swapaxes(-1, -2)                                       # dP = dY V^T
-        if fused:
-            kernels.causal_softmax_backward(probs, gs, scale)
-        else:
-            gs -= (gs * probs).sum(axis=-1, keepdims=True)
-            gs *= probs                                                    # dS = P (dP - rowsum(dP P))
-            gs *= scale
+        gs -= (gs * probs).sum(axis=-1, keepdims=True)
+        gs *= probs                                                        # dS = P (dP - rowsum(dP P))
+        gs *= scale
         xp.matmul(gs, k, out=gqkv[0])                                      # dQ = dS K
         xp.matmul(gs.swapaxes(-1, -2), q, out=gqkv[1])                     # dK = dS^T Q
         return (gqkv.transpose(1, 3, 0, 2, 4).reshape(b, t, three_c),)
+    return Tensor.from_op(out, (qkv,), backward)
+
+
+_QUERY_CHUNK = 256  # GPU attention: queries per chunk (a chunk's scores stop at its causal edge)
+
+
+def _causal_attention_fused(qkv: Tensor, heads) -> Tensor:
+    """causal_attention on the GPU: cuBLAS for the products, one row kernel for each softmax.
+
+    The queries go in chunks of `_QUERY_CHUNK`: chunk [a, e) needs keys [0, e) only, so the
+    scores above the diagonal's blocks are never computed, stored or read (for T = 1024 and
+    chunks of 256, 10/16 of B H T^2). Within a chunk the kernel masks keys past each query.
+    The [.., T, T] operands keep their own layout in every product; the small [.., T, D] ones
+    are the transposed side (a transposed batch operand is copied by cuBLAS's caller).
+    """
+    xp = array_module(heads)
+    _, b, n_head, t, d = heads.shape
+    scale = 1.0 / math.sqrt(d)
+    q, k, v = (xp.ascontiguousarray(h) for h in heads)                     # [B, H, T, D] each
+    kt = xp.ascontiguousarray(k.swapaxes(-1, -2))                          # [B, H, D, T]
+    bounds = [(a, min(a + _QUERY_CHUNK, t)) for a in range(0, t, _QUERY_CHUNK)]
+    probs, y = [], xp.empty_like(q)
+    for a, e in bounds:
+        p = q[:, :, a:e] @ kt[:, :, :, :e]                                 # [B, H, e-a, e] scores
+        kernels.causal_softmax_forward(p, scale, first_query=a)
+        y[:, :, a:e] = p @ v[:, :, :e]
+        probs.append(p)
+    out = y.transpose(0, 2, 1, 3).reshape(b, t, n_head * d)
+
+    def backward(g):
+        gy = xp.ascontiguousarray(g.reshape(b, t, n_head, d).transpose(0, 2, 1, 3))  # [B, H, T, D]
+        gq = xp.empty_like(q)
+        gkt = xp.zeros_like(kt)                                            # dK^T [B, H, D, T]
+        gvt = xp.zeros((b, n_head, d, t), dtype=q.dtype)                   # dV^T [B, H, D, T]
+        vt = v.swapaxes(-1, -2)
+        for (a, e), p in zip(bounds, probs):
+            gya = gy[:, :, a:e]
+            gvt[:, :, :, :e] += gya.swapaxes(-1, -2) @ p                   # dV^T += dY^T P
+            gs = gya @ vt[:, :, :, :e]                                     # dP = dY V^T
+            kernels.causal_softmax_backward(p, gs, scale)                  # dS, in place
+            gq[:, :, a:e] = gs @ k[:, :, :e]                               # dQ = dS K
+            gkt[:, :, :, :e] += q[:, :, a:e].swapaxes(-1, -2) @ gs         # dK^T += Q^T dS
+        gqkv = xp.stack([gq, gkt.swapaxes(-1, -2), gvt.swapaxes(-1, -2)])  # [3, B, H, T, D]
+        return (gqkv.transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * n_head * d),)
     return Tensor.from_op(out, (qkv,), backward)
 
 

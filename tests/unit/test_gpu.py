@@ -44,8 +44,10 @@ def both(fn, arrays, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("op", ["gelu", "layer_norm", "layer_norm_nobias", "attention", "cross_entropy"])
-def test_fused_kernel_matches_numpy(op, dtype):
+@pytest.mark.parametrize("op", ["gelu", "layer_norm", "layer_norm_nobias", "attention", "attention_chunked",
+                                "cross_entropy"])
+def test_fused_kernel_matches_numpy(op, dtype, monkeypatch):
+    monkeypatch.setattr(ops, "_QUERY_CHUNK", 16)  # attention_chunked: 3 query chunks (16, 16, 5); attention: 1
     rng = np.random.default_rng(3)
     targets = rng.integers(0, 50, (4, 6))
     targets[0, :2] = -100  # ignored positions
@@ -55,7 +57,8 @@ def test_fused_kernel_matches_numpy(op, dtype):
                        [rng.standard_normal((4, 6, 40)) + 2, rng.standard_normal(40), rng.standard_normal(40)]),
         "layer_norm_nobias": (lambda x, w: ops.layer_norm(x, w, None),
                               [rng.standard_normal((4, 6, 40)), rng.standard_normal(40)]),
-        "attention": (lambda qkv: ops.causal_attention(qkv, 4), [rng.standard_normal((2, 37, 3 * 32))]),
+        "attention": (lambda qkv: ops.causal_attention(qkv, 4), [rng.standard_normal((2, 13, 3 * 32))]),
+        "attention_chunked": (lambda qkv: ops.causal_attention(qkv, 4), [rng.standard_normal((2, 37, 3 * 32))]),
         "cross_entropy": (lambda z: ops.cross_entropy(z, (cp if isinstance(z.data, cp.ndarray) else np).asarray(
             targets)), [rng.standard_normal((4, 6, 50)) * 4]),
     }
@@ -84,7 +87,8 @@ def test_fused_adamw_matches_numpy(dtype):
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_gpt_training_on_gpu_matches_numpy(dtype):
-    """Three AdamW steps of a small GPT with dropout: losses and parameters agree with NumPy."""
+    """Three AdamW steps of a small GPT with dropout: the losses, the first step's gradients and
+    the final parameters agree with NumPy's."""
     from hpcpar import backend, data
     from hpcpar.nn import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1, dtype=dtype)
@@ -95,25 +99,28 @@ def test_gpt_training_on_gpu_matches_numpy(dtype):
         backend.use(name)
         try:
             model = GPT(cfg, seed=4)
-            params = model.parameters()
-            opt = AdamW(params, lr=3e-3)
-            losses = []
+            named = list(model.named_parameters())
+            opt = AdamW([p for _, p in named], lr=3e-3)
+            losses, first_grads = [], None
             for step in range(3):
-                for p in params:
+                for _, p in named:
                     p.grad = None
                 x, y = data.get_batch(tokens, 4, step, range(4), cfg.block_size)
                 model.rng_context = (4, step, list(range(4)))
                 loss = model(x, y)
                 loss.backward()
+                first_grads = first_grads or {n: backend.to_host(p.grad) for n, p in named}
                 opt.step()
                 losses.append(loss.item())
-            runs.append((losses, {n: backend.to_host(p.data) for n, p in model.named_parameters()}))
+            final = np.concatenate([backend.to_host(p.data).ravel() for _, p in named])
+            runs.append((losses, first_grads, final))
         finally:
             backend.use(previous)
-    (host_losses, host_params), (dev_losses, dev_params) = runs
+    (host_losses, host_grads, host_final), (dev_losses, dev_grads, dev_final) = runs
     assert rel(dev_losses, host_losses) < TOL[dtype]
-    for name in host_params:
-        assert rel(dev_params[name], host_params[name]) < TOL[dtype] * 10, name  # three steps of drift
+    for name in host_grads:
+        assert rel(dev_grads[name], host_grads[name]) < TOL[dtype], name
+    assert rel(dev_final, host_final) < TOL[dtype]
 
 
 def test_nccl_transport_runs_every_kind_on_one_rank():
