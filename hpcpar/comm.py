@@ -163,12 +163,26 @@ class NcclTransport:
 
     def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
               blocking: bool = False) -> _EventRequest:
-        import cupy
         if kind == "barrier":
             return self._mpi.start(kind, None, None, blocking=blocking)
+        return self.start_group([(kind, send, recv, op, peer)])
+
+    def start_group(self, ops: list[tuple]) -> _EventRequest:
+        """Post `ops` ((kind, send, recv, op, peer) each) as one NCCL group: they progress together,
+        so a send and a receive in one group cannot wait on each other's order."""
+        import cupy
         ready = cupy.cuda.Event(block=False, disable_timing=True)
         ready.record(cupy.cuda.get_current_stream())
         self.stream.wait_event(ready)
+        if len(ops) > 1:
+            self.nccl.groupStart()
+        for kind, send, recv, op, peer in ops:
+            self._post(kind, send, recv, op, peer)
+        if len(ops) > 1:
+            self.nccl.groupEnd()
+        return _EventRequest(self.stream)
+
+    def _post(self, kind: str, send, recv, op: str | None, peer: int | None) -> None:
         s, c = self.stream.ptr, self.comm
         if kind == "all_reduce":
             ptr, count, dtype = backend.nccl_buffer(send)
@@ -196,7 +210,6 @@ class NcclTransport:
         else:  # recv
             ptr, count, dtype = backend.nccl_buffer(recv)
             c.recv(ptr, count, dtype, peer, s)
-        return _EventRequest(self.stream)
 
 
 def _nccl_possible(mpi_comm: MPI.Comm) -> bool:
@@ -605,6 +618,33 @@ class Communicator:
                 out[...] = buf
             return out
         return self._start("recv", out, None, buf, finish, transport, blocking, peer=source, tag=tag)
+
+    def isend_irecv(self, a, dest: int, out, source: int, send_tag: int = 0, recv_tag: int = 0
+                    ) -> tuple[Handle, Handle]:
+        """Start sending `a` to `dest` and receiving into `out` from `source` at once; returns the
+        (send, receive) handles. On NCCL the two are one group: NCCL matches messages in posting
+        order and a send waits for its receiver, so two ranks that each send, then receive, would
+        wait on each other forever if posted one by one (`schedule.check_in_order_transport`).
+        On MPI, where tags match messages, it is an Isend and an Irecv."""
+        self._check_rank("send", dest, "dest")
+        self._check_rank("recv", source, "source")
+        transport = self._transport(a)
+        if not isinstance(transport, NcclTransport) or self._transport(out) is not transport:
+            return self._isend(a, dest, send_tag), self._irecv(out, source, recv_tag)
+        buf = _contiguous(a)
+        rbuf = out if out.flags.c_contiguous else backend.array_module(out).empty_like(out, order="C")
+        sent, received = self._begin("send", a, peer=dest), self._begin("recv", out, peer=source)
+        request = transport.start_group([("send", buf, None, None, dest), ("recv", None, rbuf, None, source)])
+
+        def sent_done():
+            self._wait(request, sent)
+
+        def received_done():
+            self._wait(request, received)
+            if rbuf is not out:
+                out[...] = rbuf
+            return out
+        return Handle(sent_done, keep=buf), Handle(received_done, keep=rbuf)
 
     def ibarrier(self) -> Handle:
         """Start a barrier; `wait()` returns once every rank has started it."""

@@ -23,16 +23,20 @@ def flops_per_token(n_params_non_embedding: int, n_layer: int, n_embd: int, bloc
     return 6.0 * n_params_non_embedding + 12.0 * n_layer * n_embd * block_size
 
 
-def measure_gemm_flops(dtype: str = "float32", n: int = 1024, seconds: float = 0.5) -> float:
-    """This process's dense matmul rate in FLOP/s for `dtype` ([n, n] @ [n, n], host NumPy)."""
+def measure_gemm_flops(dtype: str = "float32", n: int = 1024, seconds: float = 0.5, xp=np,
+                       sync=lambda: None) -> float:
+    """This process's dense matmul rate in FLOP/s for `dtype` ([n, n] @ [n, n]) with array module
+    `xp` (NumPy; CuPy with `sync` waiting for the device, so the clock sees finished products)."""
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n)).astype(dtype)
-    b = rng.standard_normal((n, n)).astype(dtype)
-    a @ b  # warm-up (thread pool, caches)
+    a = xp.asarray(rng.standard_normal((n, n)).astype(dtype))
+    b = xp.asarray(rng.standard_normal((n, n)).astype(dtype))
+    a @ b  # warm-up (thread pool, caches, GPU handles)
+    sync()
     reps, start = 0, time.perf_counter()
     while True:
         a @ b
         reps += 1
+        sync()
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             return 2.0 * n ** 3 * reps / elapsed

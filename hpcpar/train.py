@@ -102,10 +102,10 @@ class Trainer:
         self.dp = DataParallel(self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
                                wire_dtype=t.grad_wire_dtype, zero=t.zero, make_optimizer=make_optimizer)
         self.tracer = pipeline.Tracer(enabled=cfg.pipeline.trace, rank=self.mesh.world.rank)
-        actions = schedule.build(cfg.pipeline.schedule, cfg.mesh.pp, t.microbatches,
-                                 cfg.pipeline.chunks)[self.mesh.rank(Axis.PP)]
-        self.executor = pipeline.PipelineExecutor(self.stages, self.mesh, actions,
-                                                  microbatches=t.microbatches, tracer=self.tracer)
+        every_rank = schedule.build(cfg.pipeline.schedule, cfg.mesh.pp, t.microbatches, cfg.pipeline.chunks)
+        self.executor = pipeline.PipelineExecutor(self.stages, self.mesh, every_rank[self.mesh.rank(Axis.PP)],
+                                                  microbatches=t.microbatches, tracer=self.tracer,
+                                                  in_order_safe=schedule.in_order_safe(every_rank))
         if tokens is None:
             tokens = data.load_corpus(cfg.data.corpus)
         self.train_tokens, self.val_tokens = data.split(tokens, cfg.data.val_fraction)
@@ -518,16 +518,20 @@ def _model_flops_per_token(cfg: config.Config) -> float:
 
 
 def _measure_peak(mesh: Mesh, dtype: str) -> float:
-    """The job's dense GEMM peak (FLOP/s): per node, one rank times a matmul with its BLAS
-    threads while the node's other ranks wait, scaled to the node's cores; summed over nodes."""
-    if backend.name() != "numpy":
-        return 0.0
+    """The job's dense GEMM peak (FLOP/s), summed over nodes. Per node one rank times a matmul
+    while the node's other ranks wait: on the CPU with its BLAS threads, scaled to the node's
+    cores; on GPUs one device's rate times the GPUs the node's ranks use."""
+    dtype = dtype if dtype in ("float32", "float64") else "float32"
     rate = 0.0
     mesh.world.ibarrier().wait()  # polling waits yield the core: the other ranks idle meanwhile
     if mesh.node_comm.rank == 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        rate = metrics.measure_gemm_flops(dtype if dtype in ("float32", "float64") else "float32")
-        rate *= cores / min(threads.blas_threads(), cores)
+        if backend.name() == "cupy":
+            xp = backend.xp
+            gpus = min(mesh.node_comm.size, xp.cuda.runtime.getDeviceCount())
+            rate = gpus * metrics.measure_gemm_flops(dtype, n=4096, seconds=0.3, xp=xp, sync=backend.synchronize)
+        else:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            rate = metrics.measure_gemm_flops(dtype) * cores / min(threads.blas_threads(), cores)
     mesh.world.ibarrier().wait()
     return float(mesh.world.all_reduce(np.array([rate]), op="sum")[0])
 

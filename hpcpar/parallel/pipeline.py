@@ -22,10 +22,13 @@ Executor (`PipelineExecutor`). One step replays this rank's action list from `sc
     recv_grad  Irecv the gradient of the output (shape of the stashed output);
     backward   output.backward(grad) (the loss: backward with 1/microbatches), drop the stash;
     send_grad  Isend the input's gradient.
-Tags come from `schedule.message_tag`, so every MPI message is matched by tag, not by order
-(NCCL has no tags and its sends can block the stream until the peer's recv is posted; CuPy
-arrays on an NCCL communicator therefore rely on the schedule's message order, which is
-untested on GPUs). Arrays travel with the buffer methods (never pickled). The pp communicator
+Tags come from `schedule.message_tag`, so every MPI message is matched by tag, not by order.
+A send and the receive right after it are posted together (`schedule.message_groups`,
+`Communicator.isend_irecv`): NCCL has no tags, matches messages in posting order and its sends
+wait for their receiver, so 1F1B's "send the activation, then receive a gradient" on both
+sides of a boundary would deadlock if posted one by one; as one NCCL group it cannot. Where the
+schedule still could (`schedule.check_in_order_transport`: interleaved with m > pp), GPU arrays
+go through host memory and MPI instead. Arrays travel with the buffer methods (never pickled). The pp communicator
 is per (dp, tp) coordinate, so with tp > 1 every tp rank of a stage talks to the same tp rank of
 its neighbour. Data-parallel gradient hooks on the parameters simply fire inside the backwards;
 the tied embedding/head copies on the first and last stage are kept equal by DataParallel
@@ -114,6 +117,8 @@ class PipelineExecutor:
         microbatches: m; each micro-batch's loss is backpropagated with scale 1/m.
         tracer: a `Tracer`; when enabled, every action becomes a span (pid = its rank,
             tid = the chunk) and the final wait for sends one more.
+        in_order_safe: the whole schedule (every rank's list) passes
+            `schedule.check_in_order_transport`; if not, GPU arrays travel through host memory.
 
     Attributes:
         rng_contexts: None, or per micro-batch the `rng_context` (seed, step, sample_ids) that is
@@ -121,7 +126,7 @@ class PipelineExecutor:
     """
 
     def __init__(self, stages: Sequence[Any], mesh, actions: Sequence[Action], microbatches: int,
-                 tracer: Tracer | None = None):
+                 tracer: Tracer | None = None, in_order_safe: bool = True):
         self.stages = list(stages)
         self.actions = list(actions)
         self.microbatches = microbatches
@@ -142,9 +147,10 @@ class PipelineExecutor:
         # Megatron-SP: activations between blocks are split along the sequence over tp.
         self._split_t = self.tp if getattr(self.stages[0], "sequence_parallel", False) else 1
         self._channels, self._dtype = config.n_embd, config.dtype
-        self._handlers = {Kind.RECV_ACT: self._recv_act, Kind.FORWARD: self._forward, Kind.SEND_ACT: self._send_act,
-                          Kind.RECV_GRAD: self._recv_grad, Kind.BACKWARD: self._backward,
-                          Kind.SEND_GRAD: self._send_grad}
+        self._compute = {Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward}
+        # Pipeline messages of GPU arrays go through host memory (MPI, matched by tag) when this
+        # schedule could deadlock on NCCL's in-order matching (`schedule.check_in_order_transport`).
+        self.host_messages = backend.name() == "cupy" and not in_order_safe
 
     def run(self, batches: Sequence[tuple[Any, Any]], forward_only: bool = False) -> list[float]:
         """One step over `batches` (pairs (x, y) of int [mbs, T]); returns the per-microbatch
@@ -180,18 +186,22 @@ class PipelineExecutor:
         mbs, t = st.batches[0][0].shape
         st.act_shape = (mbs, t // self._split_t, self._channels)
         tracer = self.tracer if self.tracer is not None and self.tracer.enabled else None
-        for action in actions:
+        for group in schedule.message_groups(actions):
             start = time.perf_counter()
-            self._handlers[action.kind](st, action)
-            if action.kind in schedule.COMPUTE or tracer is not None:
+            kind = group[0].kind
+            if kind in schedule.COMPUTE:
+                self._compute[kind](st, group[0])
+            else:
+                self._messages(st, group)
+            if kind in schedule.COMPUTE or tracer is not None:
                 end = time.perf_counter()
-                if action.kind in schedule.COMPUTE and st.backward:
+                if kind in schedule.COMPUTE and st.backward:
                     self._busy += end - start
                 if tracer is not None:
-                    tracer.record(action.kind, "compute" if action.kind in schedule.COMPUTE else "comm", start,
-                                  end, tid=action.chunk, args={"step": self.step, "mb": action.microbatch,
-                                                               "stage": self._stage(action),
-                                                               "eval": not st.backward})
+                    for action in group:
+                        tracer.record(action.kind, "compute" if kind in schedule.COMPUTE else "comm", start, end,
+                                      tid=action.chunk, args={"step": self.step, "mb": action.microbatch,
+                                                              "stage": self._stage(action), "eval": not st.backward})
         start = time.perf_counter()
         for handle in st.sends:
             handle.wait()
@@ -211,11 +221,55 @@ class PipelineExecutor:
     def _tag(self, action: Action, m: int) -> int:
         return schedule.message_tag(action, self.pp, self.chunks, m)
 
-    def _recv_act(self, st: "_Step", action: Action) -> None:
-        """Irecv the input activation [mbs, T(/tp), C] and wrap it as a leaf (grad wanted in training)."""
-        buf = backend.xp.empty(st.act_shape, dtype=self._dtype)
-        data = self.comm.irecv(buf, action.peer, self._tag(action, st.m)).wait()
-        st.inputs[st.key(action)] = Tensor(data, requires_grad=st.backward)
+    # -- messages: a send alone, a receive alone, or a send with the receive after it ------------
+
+    def _messages(self, st: "_Step", group: list[Action]) -> None:
+        """Post the group's send (Isend, waited at the end of the step) and its receive (waited
+        now: the next compute needs it). A send and a receive go out together (one NCCL group);
+        `host_messages` moves device arrays through host memory (MPI) instead."""
+        send = next((a for a in group if a.kind in schedule.SENDS), None)
+        recv = next((a for a in group if a.kind in schedule.RECVS), None)
+        data = self._outgoing(st, send) if send is not None else None
+        buf = self._incoming(st, recv) if recv is not None else None
+        if self.host_messages:
+            data = backend.to_host(data) if data is not None else None
+            buf = backend.to_host(buf) if buf is not None else None
+        if send is not None and recv is not None:
+            sent, received = self.comm.isend_irecv(data, send.peer, buf, recv.peer, self._tag(send, st.m),
+                                                   self._tag(recv, st.m))
+        else:
+            sent = self.comm.isend(data, send.peer, self._tag(send, st.m)) if send is not None else None
+            received = self.comm.irecv(buf, recv.peer, self._tag(recv, st.m)) if recv is not None else None
+        if sent is not None:
+            st.sends.append(sent)
+        if received is not None:
+            arrived = received.wait()
+            self._arrived(st, recv, backend.to_device(arrived) if self.host_messages else arrived)
+
+    def _outgoing(self, st: "_Step", action: Action):
+        """The array a send action moves: the stashed output (send_act), the input gradient (send_grad)."""
+        key = st.key(action)
+        if action.kind == Kind.SEND_ACT:
+            return (st.stash[key][1] if st.backward else st.stash.pop(key)[1]).data
+        return st.grads_out.pop(key)
+
+    def _incoming(self, st: "_Step", action: Action):
+        """A buffer for what a receive action brings: [mbs, T(/tp), C] activations, or the gradient
+        of a stashed output (its shape)."""
+        if action.kind == Kind.RECV_ACT:
+            return backend.xp.empty(st.act_shape, dtype=self._dtype)
+        out = st.stash[st.key(action)][1]
+        return backend.xp.empty(out.shape, dtype=out.dtype)
+
+    def _arrived(self, st: "_Step", action: Action, data) -> None:
+        """An activation becomes a leaf (its gradient is wanted in training); a gradient waits
+        for its backward."""
+        if action.kind == Kind.RECV_ACT:
+            st.inputs[st.key(action)] = Tensor(data, requires_grad=st.backward)
+        else:
+            st.grads_in[st.key(action)] = data
+
+    # -- compute ---------------------------------------------------------------------------------
 
     def _forward(self, st: "_Step", action: Action) -> None:
         """Run the chunk on token ids (first stage) or the received activation; stash (in, out)."""
@@ -234,16 +288,6 @@ class PipelineExecutor:
         if st.backward or v < self.last_stage:
             st.stash[key] = (inp, out)
 
-    def _send_act(self, st: "_Step", action: Action) -> None:
-        key = st.key(action)
-        out = st.stash[key][1] if st.backward else st.stash.pop(key)[1]
-        st.sends.append(self.comm.isend(out.data, action.peer, self._tag(action, st.m)))
-
-    def _recv_grad(self, st: "_Step", action: Action) -> None:
-        out = st.stash[st.key(action)][1]
-        buf = backend.xp.empty(out.shape, dtype=out.dtype)
-        st.grads_in[st.key(action)] = self.comm.irecv(buf, action.peer, self._tag(action, st.m)).wait()
-
     def _backward(self, st: "_Step", action: Action) -> None:
         key, v = st.key(action), self._stage(action)
         inp, out = st.stash.pop(key)
@@ -254,10 +298,6 @@ class PipelineExecutor:
             out.backward(st.grads_in.pop(key))
         if v > 0:
             st.grads_out[key] = inp.grad
-
-    def _send_grad(self, st: "_Step", action: Action) -> None:
-        st.sends.append(self.comm.isend(st.grads_out.pop(st.key(action)), action.peer,
-                                        self._tag(action, st.m)))
 
 
 class _Step:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from hpcpar.errors import ConfigError
 
@@ -390,6 +390,91 @@ def simulate(schedules: list[list[Action]], t_forward: float = 1.0, t_backward: 
                 raise ScheduleError(f"rank {rank}: no {kind} for (microbatch, chunk) {missing}")
     makespan = max(clock)
     return SimResult(makespan, busy, [1 - b / makespan if makespan else 0.0 for b in busy], peak, events)
+
+
+def message_groups(actions: Sequence[Action]) -> list[list[Action]]:
+    """A rank's actions as the executor issues them: a send together with the recv that follows
+    it (one NCCL group: both progress at once), every other action alone."""
+    groups: list[list[Action]] = []
+    for action in actions:
+        if action.kind in RECVS and groups and len(groups[-1]) == 1 and groups[-1][0].kind in SENDS:
+            groups[-1].append(action)
+        else:
+            groups.append([action])
+    return groups
+
+
+def check_in_order_transport(schedules: list[list[Action]], grouped: bool = True) -> None:
+    """Raise ScheduleError if the schedule can deadlock on NCCL-like point-to-point messages.
+
+    NCCL matches messages in posting order on one stream per communicator, and a send does not
+    finish before its receiver has reached the matching recv; everything queued behind waits.
+    So rank A posting [send to B, recv from B] while B posts [send to A, recv from A] hangs,
+    where MPI's tagged non-blocking sends would not. Model: each rank's host walks its actions
+    (`message_groups` when `grouped`, else one action at a time), posts messages to its stream
+    and waits only for receives; the head group of every stream is active, and an active
+    message completes when its counterpart is active on the peer.
+    """
+    pp = len(schedules)
+    chunks = 1 + max((a.chunk for actions in schedules for a in actions), default=0)
+    microbatches = 1 + max((a.microbatch for actions in schedules for a in actions), default=0)
+    units = [message_groups(a) if grouped else [[x] for x in a] for a in schedules]
+    host = [0] * pp                                   # next unit each host issues
+    waiting: list[int | None] = [None] * pp           # stream index of the group a host waits for
+    streams: list[list[set]] = [[] for _ in range(pp)]  # per rank: posted groups of message tags
+    popped = [0] * pp                                 # groups already finished on each stream
+
+    def tag(action: Action) -> int:
+        return message_tag(action, pp, chunks, microbatches)
+
+    owner = {}  # tag -> (sending rank, receiving rank)
+    for rank, actions in enumerate(schedules):
+        for a in actions:
+            if a.kind in SENDS:
+                owner[tag(a)] = (rank, a.peer)
+    while True:
+        progressed = False
+        for rank in range(pp):  # hosts run until they wait for a receive
+            while waiting[rank] is None and host[rank] < len(units[rank]):
+                unit = [a for a in units[rank][host[rank]] if a.kind not in COMPUTE]
+                host[rank] += 1
+                progressed = True
+                if unit:
+                    streams[rank].append({(a.kind in SENDS, tag(a)) for a in unit})
+                    if any(a.kind in RECVS for a in unit):
+                        waiting[rank] = popped[rank] + len(streams[rank]) - 1
+        heads = [s[0] if s else set() for s in streams]
+        done = set()
+        for rank in range(pp):
+            for is_send, t in heads[rank]:
+                sender, receiver = owner[t]
+                peer = receiver if is_send else sender
+                if (not is_send, t) in heads[peer]:
+                    done.add((rank, is_send, t))
+        for rank, is_send, t in done:
+            heads[rank].discard((is_send, t))
+            progressed = True
+        for rank in range(pp):
+            if streams[rank] and not streams[rank][0]:
+                streams[rank].pop(0)
+                popped[rank] += 1
+                if waiting[rank] is not None and popped[rank] > waiting[rank]:
+                    waiting[rank] = None
+        if all(host[r] == len(units[r]) and not streams[r] for r in range(pp)):
+            return
+        if not progressed:
+            stuck = [f"rank {r} at {units[r][host[r] - 1][-1] if host[r] else 'start'}" for r in range(pp)
+                     if streams[r]]
+            raise ScheduleError("deadlock with in-order point-to-point messages (NCCL): " + "; ".join(stuck))
+
+
+def in_order_safe(schedules: list[list[Action]]) -> bool:
+    """Whether `check_in_order_transport` finds no deadlock (GPU arrays may then use NCCL)."""
+    try:
+        check_in_order_transport(schedules)
+    except ScheduleError:
+        return False
+    return True
 
 
 def predict_step_time(name: str, pp: int, microbatches: int, chunks: int, t_forward: float,

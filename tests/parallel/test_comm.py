@@ -292,3 +292,15 @@ def test_results_held_by_the_caller_are_never_recycled(world):
         np.testing.assert_allclose(got, expected[2 * i + 1], rtol=1e-12, atol=1e-12)
     for i, got in enumerate(views):
         np.testing.assert_allclose(got, expected[2 * i][1:], rtol=1e-12, atol=1e-12)
+
+
+def test_isend_irecv_exchanges_around_a_ring(world):
+    """Every rank sends to the next and receives from the previous in one call (the pipeline's
+    paired messages): each gets its neighbour's array, and the send handle completes."""
+    nxt, prv = (world.rank + 1) % world.size, (world.rank - 1) % world.size
+    mine = np.full((3, 5), float(world.rank))
+    out = np.empty_like(mine)
+    sent, received = world.isend_irecv(mine, nxt, out, prv, send_tag=7, recv_tag=7)
+    got = received.wait()
+    sent.wait()
+    assert got is out and np.array_equal(out, np.full((3, 5), float(prv))), f"got {out[0, 0]} from {prv}"

@@ -7,8 +7,8 @@ import pytest
 
 from hpcpar.errors import ConfigError
 from hpcpar.parallel.schedule import (
-    Action, ScheduleError, build, gpipe, interleaved_1f1b, message_tag, one_f_one_b,
-    predict_step_time, simulate, validate,
+    RECVS, SENDS, Action, ScheduleError, build, check_in_order_transport, gpipe, in_order_safe, interleaved_1f1b,
+    message_groups, message_tag, one_f_one_b, predict_step_time, simulate, validate,
 )
 
 
@@ -234,3 +234,35 @@ def test_action_checks_its_fields():
         Action("send_act", 0)
     with pytest.raises(ValueError):
         Action("forward", 0, peer=1)
+
+
+def test_message_groups_join_a_send_with_the_next_receive_only():
+    for actions in build("1f1b", 4, 8)[1], build("interleaved", 2, 4, 2)[0]:
+        groups = message_groups(actions)
+        assert [a for g in groups for a in g] == actions
+        for g in groups:
+            assert len(g) == 1 or (len(g) == 2 and g[0].kind in SENDS and g[1].kind in RECVS)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
+def test_grouped_messages_cannot_deadlock_on_an_in_order_transport(name, pp, m):
+    check_in_order_transport(build(name, pp, m))  # raises on a deadlock
+    assert in_order_safe(build(name, pp, m))
+
+
+def test_one_by_one_1f1b_would_deadlock_on_nccl():
+    """1F1B posts "send activation, receive gradient" on one side of a boundary and "send
+    gradient, receive activation" on the other: one at a time, NCCL's in-order matching hangs."""
+    with pytest.raises(ScheduleError, match="deadlock with in-order point-to-point messages"):
+        check_in_order_transport(build("1f1b", 2, 4), grouped=False)
+    crossing = [[Action("send_act", 0, 0, 1), Action("recv_grad", 0, 0, 1)],
+                [Action("send_grad", 0, 0, 0), Action("recv_act", 0, 0, 0)]]
+    with pytest.raises(ScheduleError, match="rank 0 at .*rank 1 at"):
+        check_in_order_transport(crossing, grouped=False)
+
+
+def test_interleaved_beyond_pp_microbatches_is_flagged_unsafe():
+    assert in_order_safe(build("interleaved", 2, 2, 2))
+    assert not in_order_safe(build("interleaved", 2, 4, 2))  # the executor then stages via host and MPI
