@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert
+from collective import collective_assert, host
 
-from hpcpar import data
+from hpcpar import backend, data
 from hpcpar.mesh import Mesh
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.optim import AdamW, clip_grad_norm
@@ -87,7 +87,8 @@ class Setup:
         mesh, dpn, d = self.mesh, self.mesh.size("dp"), self.mesh.rank("dp")
         x, y = data.get_batch(TOKENS, SEED, step, data.microbatch_sample_ids(d, dpn, MBS, j), self.cfg.block_size)
         pp = mesh.comm("pp")
-        scale = np.float64(1.0 / m)
+        xp = backend.xp  # the model's arrays: activations and gradients cross stages in them
+        scale = xp.asarray(1.0 / m, dtype=np.float64)
         if pp.size == 1:
             loss = self.model(x, y)
             loss.backward(scale)
@@ -95,10 +96,10 @@ class Setup:
         if self.model.embed:
             h = self.model(x)
             pp.send(h.data, mesh.next_stage, tag=j)
-            grad = pp.recv(np.empty_like(h.data), mesh.next_stage, tag=j)
+            grad = pp.recv(xp.empty_like(h.data), mesh.next_stage, tag=j)
             h.backward(grad)
             return 0.0
-        hin = Tensor(pp.recv(np.empty((MBS, self.cfg.block_size, self.cfg.n_embd)), mesh.prev_stage, tag=j),
+        hin = Tensor(pp.recv(xp.empty((MBS, self.cfg.block_size, self.cfg.n_embd)), mesh.prev_stage, tag=j),
                      requires_grad=True)
         loss = self.model(hin, y)
         loss.backward(scale)
@@ -122,8 +123,9 @@ class Setup:
 
 
 def rel_err(a, b) -> float:
+    a, b = host(a), host(b)
     scale = float(np.max(np.abs(b))) or 1.0
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) / scale
+    return float(np.max(np.abs(a - b))) / scale
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -224,15 +226,15 @@ def test_compressed_wire_close_to_exact_and_identical_on_replicas(wire, zero):
     if zero:  # this rank's averaged part, as the optimizer's segments see it
         names = {id(p): n for n, p in packed.named}
         for seg in packed.dp.optimizer.params:
-            full = exact_by_name[names[id(seg.param)]].grad
-            if np.max(np.abs(seg.grad - full.reshape(-1)[seg.lo:seg.hi])) > tol * (np.max(np.abs(full)) + 1e-12):
+            full = host(exact_by_name[names[id(seg.param)]].grad)
+            if np.max(np.abs(host(seg.grad) - full.reshape(-1)[seg.lo:seg.hi])) > tol * (np.max(np.abs(full)) + 1e-12):
                 problems.append(names[id(seg.param)])
     else:
         for name, p in packed.named:
-            ref = exact_by_name[name].grad
-            if np.max(np.abs(p.grad - ref)) > tol * (np.max(np.abs(ref)) + 1e-12):
+            grad, ref = host(p.grad), host(exact_by_name[name].grad)
+            if np.max(np.abs(grad - ref)) > tol * (np.max(np.abs(ref)) + 1e-12):
                 problems.append(name)
-            same = WORLD.allgather(p.grad.tobytes())
+            same = WORLD.allgather(grad.tobytes())
             if len(set(same)) != 1:
                 problems.append(f"{name} differs between replicas")
     exact.close()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert
+from collective import collective_assert, host
 
 from hpcpar.config import load_config
 from hpcpar.train import Trainer
@@ -34,7 +34,8 @@ TOKENS = np.random.default_rng(0).integers(0, 256, 50_000).astype(np.uint8)
 
 
 def rel_err(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(b), 1e-300))
+    a, b = host(a), host(b)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 _reference_cache: dict = {}

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert
+from collective import collective_assert, host
 
 from hpcpar import checkpoint as ck
 from hpcpar import config
@@ -63,10 +63,10 @@ def local_mismatches(trainer: Trainer, glob: dict) -> list[str]:
     bad = []
     for name, p in trainer.named_parameters:
         key = p.tied_to or name  # the last stage's lm_head.weight is a copy of transformer.wte.weight
-        if not np.array_equal(np.asarray(p.data), p.layout.take(glob[f"model/{key}"])):
+        if not np.array_equal(host(p.data), p.layout.take(glob[f"model/{key}"])):
             bad.append(f"model/{name}")
         for k, v in state[name].items():
-            if not np.array_equal(np.asarray(v), p.layout.take(glob[f"optim/{key}/{k}"])):
+            if not np.array_equal(host(v), p.layout.take(glob[f"optim/{key}/{k}"])):
                 bad.append(f"optim/{name}/{k}")
     return bad
 

@@ -9,7 +9,7 @@ import collections
 
 import numpy as np
 import pytest
-from collective import collective_assert
+from collective import collective_assert, host
 from mpi4py import MPI
 
 from hpcpar.comm import Communicator
@@ -29,7 +29,8 @@ REL = 1e-10
 
 
 def rel_err(a, b) -> float:
-    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / max(np.abs(b).max(), 1e-300))
+    a, b = host(a), host(b)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ def global_grad(p, comm: Communicator) -> np.ndarray:
     """The full gradient from every tp rank's shard (replicated parts averaged over their copies)."""
     total = np.zeros(p.layout.global_shape)
     copies = np.zeros(p.layout.global_shape)
-    p.layout.put(p.grad, total)
+    p.layout.put(host(p.grad), total)
     p.layout.put(np.ones(p.layout.local_shape), copies)
     return comm.all_reduce(total) / comm.all_reduce(copies)
 
@@ -87,8 +88,9 @@ def test_gpt_loss_logits_and_grads_match_single_process(groups, sp, dropout):
     ids = range(3)
     reference = with_dropout(GPT(cfg, seed=SEED), ids)
     model = with_dropout(GPT(cfg, tp_comm=tp_comm, sequence_parallel=sp, seed=SEED), ids)
+    ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
-        collective_assert(np.array_equal(p.data, p.layout.take(dict(reference.named_parameters())[name].data)),
+        collective_assert(np.array_equal(host(p.data), host(p.layout.take(ref_params[name].data))),
                           f"{name}: the shard is not the slice of the single-process tensor")
 
     ref_logits, logits = reference(x).data, model(x).data

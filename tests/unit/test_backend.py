@@ -1,6 +1,11 @@
-"""backend.py: the array module, host/device moves and MPI buffer specs (NumPy only here)."""
+"""backend.py: the array module (chosen by HPCPAR_BACKEND, else NumPy), host/device moves and MPI
+buffer specs of host arrays."""
 
 import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,14 +15,31 @@ from hpcpar import backend
 from hpcpar.errors import ConfigError
 
 HAVE_CUPY = importlib.util.find_spec("cupy") is not None
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_numpy_is_the_default():
-    assert backend.name() == "numpy"
-    assert backend.xp is np
+@pytest.fixture
+def restore_backend():
+    """Put the backend of this session back after a test that switches it (later tests in the
+    same process build their models with it)."""
+    previous = backend.name()
+    yield
+    backend.use(previous)
 
 
-def test_use_numpy_and_unknown_backend():
+def test_default_is_hpcpar_backend_when_set_else_numpy():
+    expected = os.environ.get("HPCPAR_BACKEND", "numpy").strip().lower() or "numpy"
+    assert backend.name() == expected
+    assert backend.xp is (np if expected == "numpy" else importlib.import_module(expected))
+    # Unset: numpy, in a fresh interpreter that imports the backend anew.
+    env = {k: v for k, v in os.environ.items() if k != "HPCPAR_BACKEND"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    code = "import numpy; from hpcpar import backend; print(backend.name(), backend.xp is numpy)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["numpy", "True"], out.stdout + out.stderr
+
+
+def test_use_numpy_and_unknown_backend(restore_backend):
     assert backend.use("numpy") is np
     with pytest.raises(ConfigError, match="unknown backend 'jax'; choose one of numpy, cupy"):
         backend.use("jax")
@@ -38,8 +60,8 @@ def test_array_module_and_moves_on_host_arrays():
     assert not backend.is_device_array(a)
     assert backend.to_host(a) is a
     assert np.array_equal(backend.to_host([1, 2]), np.array([1, 2]))
-    moved = backend.to_device(a)
-    assert isinstance(moved, np.ndarray) and np.array_equal(moved, a)
+    moved = backend.to_device(a)  # an array of the current backend: NumPy (the same values) or CuPy
+    assert isinstance(moved, backend.xp.ndarray) and np.array_equal(backend.to_host(moved), a)
     backend.synchronize()  # no-op under numpy, must not fail
 
 
