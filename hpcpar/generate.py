@@ -12,7 +12,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from hpcpar import checkpoint, config
+from hpcpar import backend, checkpoint, config
 from hpcpar.comm import Communicator
 from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
@@ -45,7 +45,7 @@ def generate(model: GPT, prompt: bytes, tokens: int, temperature: float = 0.8, t
     with no_grad():
         for _ in range(tokens):
             context = np.array([ids[-block:]], dtype=np.int64)
-            logits = np.asarray(model(context).data[0, -1], dtype=np.float64) / temperature
+            logits = backend.to_host(model(context).data[0, -1]).astype(np.float64) / temperature
             if 0 < top_k < logits.size:
                 cutoff = np.partition(logits, -top_k)[-top_k]
                 logits[logits < cutoff] = -np.inf

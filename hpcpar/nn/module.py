@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from hpcpar.backend import array_module
 from hpcpar.layout import Layout
 from hpcpar.tensor import Tensor
 
@@ -106,4 +107,4 @@ class Module:
             value = state[name]
             if tuple(value.shape) != tuple(p.shape):
                 raise ValueError(f"{name}: shape {tuple(value.shape)} does not match {tuple(p.shape)}")
-            p.data[...] = value
+            p.data[...] = array_module(p.data).asarray(value)  # host arrays onto a GPU parameter
