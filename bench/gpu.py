@@ -8,9 +8,9 @@
    parameters and AdamW settings), in fp32 and tf32: tokens/s, MFU against the measured GEMM
    peak of that precision, and hpcpar / PyTorch.
 
-Each precision runs in its own process (CuPy reads CUPY_TF32 when it loads), steps of the two
-frameworks alternate so clock and thermal drift hit both, and times are the median of CUDA-event
-timed repeats after warm-up. Results: bench/results/gpu.json, with the GPU named.
+Each precision runs in its own process (CuPy reads CUPY_TF32 when it loads); in it hpcpar's steps
+are timed, then PyTorch's, each the median of CUDA-event-timed repeats after warm-up. Results:
+bench/results/gpu.json, with the GPU named; docs/benchmarks-gpu.md shows them.
 
     python bench/gpu.py [--quick]
 """

@@ -3,7 +3,7 @@
 On a GPU the transformer's non-GEMM ops are memory-bound, and a chain of CuPy elementwise
 calls reads and writes the whole tensor once per call (plus ~10 us of host time per launch).
 Each function here computes the same values as its NumPy twin in `ops.py`/`optim.py` (same
-formulas, same order of the arithmetic where it matters; tests/unit/test_kernels.py compares
+formulas, same order of the arithmetic where it matters; tests/unit/test_gpu.py compares
 them) in one pass, or one pass per row:
 
     gelu_forward / gelu_backward        elementwise, tanh form (saves tanh(u) for backward)

@@ -1,6 +1,6 @@
 """Model code: modules, layers, the GPT, and tensor-parallel layers.
 
-Never imports mpi4py: tensor-parallel layers call `hpcpar.comm` functions on a
+Never imports mpi4py: tensor-parallel layers call the mappings of `hpcpar.parallel.mappings` on a
 `Communicator` they are given.
 """
 

@@ -2,7 +2,7 @@
 
 Every GEMM of a transformer layer is split over the ranks of a tensor-parallel
 `Communicator` (`tp` ranks); communication happens only through the differentiable
-collectives of `hpcpar.comm`, so the model reads as math plus f/g:
+collectives of `hpcpar.parallel.mappings`, so the model reads as math plus f/g:
 
     attention:  x -f-> c_attn (column: my heads' q, k, v) -> attention on my heads
                   -> c_proj (row) -g-> + bias

@@ -42,6 +42,8 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+import numpy
+
 from hpcpar import backend
 from hpcpar.errors import ConfigError
 from hpcpar.mesh import Axis
@@ -229,11 +231,11 @@ class PipelineExecutor:
         `host_messages` moves device arrays through host memory (MPI) instead."""
         send = next((a for a in group if a.kind in schedule.SENDS), None)
         recv = next((a for a in group if a.kind in schedule.RECVS), None)
+        xp = numpy if self.host_messages else backend.xp
         data = self._outgoing(st, send) if send is not None else None
-        buf = self._incoming(st, recv) if recv is not None else None
-        if self.host_messages:
-            data = backend.to_host(data) if data is not None else None
-            buf = backend.to_host(buf) if buf is not None else None
+        if self.host_messages and data is not None:
+            data = backend.to_host(data)
+        buf = self._incoming(st, recv, xp) if recv is not None else None
         if send is not None and recv is not None:
             sent, received = self.comm.isend_irecv(data, send.peer, buf, recv.peer, self._tag(send, st.m),
                                                    self._tag(recv, st.m))
@@ -253,13 +255,13 @@ class PipelineExecutor:
             return (st.stash[key][1] if st.backward else st.stash.pop(key)[1]).data
         return st.grads_out.pop(key)
 
-    def _incoming(self, st: "_Step", action: Action):
-        """A buffer for what a receive action brings: [mbs, T(/tp), C] activations, or the gradient
-        of a stashed output (its shape)."""
+    def _incoming(self, st: "_Step", action: Action, xp):
+        """A buffer (of array module `xp`) for what a receive action brings: [mbs, T(/tp), C]
+        activations, or the gradient of a stashed output (its shape)."""
         if action.kind == Kind.RECV_ACT:
-            return backend.xp.empty(st.act_shape, dtype=self._dtype)
+            return xp.empty(st.act_shape, dtype=self._dtype)
         out = st.stash[st.key(action)][1]
-        return backend.xp.empty(out.shape, dtype=out.dtype)
+        return xp.empty(out.shape, dtype=out.dtype)
 
     def _arrived(self, st: "_Step", action: Action, data) -> None:
         """An activation becomes a leaf (its gradient is wanted in training); a gradient waits
