@@ -386,9 +386,10 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
     #   12 B n C / tp        q, k, v, attention output, MLP hidden before/after GELU
     #   (2 + d) B H T^2 / (tp u)  attention scores and probabilities (+ dropout mask); u = cp for
     #                        Ulysses (whole sequences of H/(tp cp) heads), 1 without cp;
-    #   B H n / tp           ring attention instead: the row log-sum-exp only, plus, once per rank
-    #                        (not per layer or micro-batch), 3 B H n^2 / tp for the block in hand
-    #                        (mask, scores/probabilities, dS in backward)
+    #   B H n / tp           ring attention instead: the row log-sum-exp only
+    # plus, once per rank (freed op by op, not stashed), the attention's working set in backward:
+    #   (2 B H / (tp u) + 1) q^2   scores/probabilities and dS, and the causal mask, with q = n
+    #                        for ring attention (one block of the ring), q = T otherwise
     bsz, seq, c, heads = t.micro_batch_size, m.block_size, m.n_embd, m.n_head
     n = seq / cp
     d = int(m.dropout > 0)
@@ -396,7 +397,8 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
     ring = cp > 1 and cfg.mesh.cp_impl == "ring"
     attention = heads / tp * (1 if ring else (2 + d) * seq * seq / (cp * n))  # per token of n
     per_layer = s * bsz * n * ((6 + 2 * d) * c / r + 12 * c / tp + attention)
-    transient = 3 * s * bsz * heads / tp * n * n if ring else 0.0
+    q = n if ring else seq
+    transient = s * (2 * bsz * heads / (tp * (1 if ring else cp)) + 1) * q * q
     embed = s * bsz * n * 2 * c                        # token + position embeddings
     head = s * bsz * n * (2 * c + 2 * m.vocab_size / tp)  # ln_f, logits and softmax probabilities
     # Peak stashed chunk activations per pipeline rank, from the schedule itself.

@@ -149,6 +149,8 @@ class ContextParallel:
         if impl == ULYSSES and self.layout != CONTIGUOUS:
             raise ValueError("ulysses needs the contiguous layout (its all-to-all gathers chunks in order)")
         self.tracer = tracer
+        if tracer is not None and self.size > 1:
+            tracer.thread_names[TRACE_TID] = f"context parallel ({impl})"
         self.events: list | None = None
         self._positions: dict[int, np.ndarray] = {}
         self._blocks: dict[tuple, _Block | None] = {}
@@ -284,6 +286,7 @@ def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
             acc[:, :, r0:r1] = acc[:, :, r0:r1] * alpha[..., None] + s @ held[1][:, :, block.c0:block.c1]
             row_max[:, :, r0:r1] = new_max
             cp.stats["pairs"] += b * n_head * block.pairs
+            del s  # before the next block's scores exist: one [n, n] block at a time
         cp._event("computed", step)
         if cp._tracing():
             cp._span("cp_attention_block", "compute", start, {"step": step, "source": src})
@@ -339,6 +342,7 @@ def _ring_backward(g, q, kv, out_heads, lse, n_head: int, scale: float, cp: Cont
             ds *= scale                                                    # dS = P (dP - delta) / sqrt(D)
             dq[:, :, r0:r1] += ds @ held[0][:, :, c0:c1]                   # dQ += dS K
             part[0][:, :, c0:c1] = ds.swapaxes(-1, -2) @ q[:, :, r0:r1]    # dK = dS^T Q
+            del p, ds  # one block's P and dS at a time
         cp._event("back_computed", step)
         if cp._tracing():
             cp._span("cp_attention_block", "compute", start, {"step": step, "source": src, "backward": True})

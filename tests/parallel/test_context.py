@@ -199,6 +199,33 @@ def test_training_matches_single_process(dp, tp, pp, cp, impl, extra):
     collective_assert(not problems, "; ".join(problems[:3]))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(SIZE < 2, reason="needs >= 2 ranks for cp > 1")
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_trace_shows_cp_communication(shared_dir, impl):
+    """`pipeline.trace = true`: every rank's timeline has a context-parallel row with its messages
+    (and, for the ring, the attention blocks they overlap)."""
+    trainer = make_trainer(1, 1, 1, SIZE, impl, ["pipeline.trace=true"] + (SIX_HEADS if SIZE == 3 else []))
+    trainer.train_step(0)
+    path = os.path.join(shared_dir, "trace.json")
+    trainer.tracer.write_chrome_trace(path, trainer.mesh.world)
+    problem = ""
+    if RANK == 0:
+        import json
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        want = {"cp_kv_send_recv", "cp_kv_wait", "cp_attention_block", "cp_dkv_send_recv"} if impl == "ring" \
+            else {"cp_all_to_all"}
+        for rank in range(SIZE):
+            names = {e["name"] for e in events if e["pid"] == rank and e["ph"] == "X" and e["tid"] == 99}
+            rows = [e["args"]["name"] for e in events if e["pid"] == rank and e["name"] == "thread_name"
+                    and e["tid"] == 99]
+            if not want <= names or rows != [f"context parallel ({impl})"]:
+                problem = f"rank {rank}: cp spans {sorted(names)}, rows {rows}"
+    problem = WORLD.bcast(problem, root=0)
+    assert not problem, problem
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoints across cp
 # ---------------------------------------------------------------------------------------------

@@ -430,7 +430,8 @@ def test_memory_estimate_divides_activations_by_cp():
         parts = {cp: config._memory_parts(cfg, 1, 1, 1, cp) for cp in (1, 2, 4)}
         assert parts[1] == plain and all(state == plain[0] for state, _ in parts.values())
         assert parts[4][1] < parts[2][1] < parts[1][1]
-        assert parts[4][1] <= 0.5 * parts[2][1] * 1.05        # about 1/cp: the sequence terms dominate
+        # About 1/cp: everything but Ulysses' [T, T] causal mask (one per rank) scales with T/cp.
+        assert parts[4][1] <= 0.5 * parts[2][1] * (1.05 if impl == "ring" else 1.25)
     ring = config._memory_parts(load_config(None, long + ["mesh.cp_impl=ring"]), 1, 1, 1, 4)[1]
     ulysses = config._memory_parts(load_config(None, long + ["mesh.cp_impl=ulysses"]), 1, 1, 1, 4)[1]
     assert ring < ulysses                                      # no [T, T] per layer
