@@ -272,9 +272,10 @@ def _context(d: dict) -> list[str]:
     naive = {r["k"]: r for r in d["naive"]}
     longest = ", ".join(f"cp={r['cp']} {r['block_size']}" for r in d["longest"])
     ok = d["checks"]
+    proportional = "yes" if ok["activations_proportional_to_1_over_k_within_10pct"] else "NO"
     return [f"T={meta['seq']}, k={k}: attention activations per rank "
             + ", ".join(f"{n} {at_k[n]['saved_bytes_per_rank'] / MiB:.2f} MiB" for n in at_k)
-            + f" (x k constant within 10%: {'yes' if ok['activations_proportional_to_1_over_k_within_10pct'] else 'NO'})",
+            + f" (x k constant within 10%: {proportional})",
             "bytes sent per rank per layer: " + ", ".join(
                 f"{n} {r['bytes_sent_per_layer'] / 1024:.0f} KiB (formula {r['formula_bytes'] / 1024:.0f})"
                 for n, r in sent.items()),
@@ -416,29 +417,20 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
                       + (f", {when}, load {e['load_average_before'][0]:.1f}" if e.get("load_average_before") else ""))
         lines.append(f"| {b.name} | {_escape(b.what)} | {figures} | {cmd} | {run} |")
     details = summary["benchmarks"]
-    mesh = details.get("mesh_scaling", {}).get("results")
-    if mesh:
-        lines += ["", "## Mesh scaling", ""]
+    # Detail sections: (benchmark, title, table from its results, image alt text or None).
+    for name, title, table, image in (("mesh_scaling", "Mesh scaling", _mesh_table, "mesh scaling"),
+                                      ("pipeline", "Pipeline bubble", _pipeline_table, "pipeline"),
+                                      ("context", "Context parallelism", _context_table, None)):
+        results = details.get(name, {}).get("results")
+        if not results:
+            continue
+        lines += ["", f"## {title}", ""]
         try:
-            lines += _mesh_table(mesh)
+            lines += table(results)
         except (KeyError, TypeError, ZeroDivisionError) as e:
             lines.append(f"(results not in the expected form: {type(e).__name__}: {e})")
-        lines += _image("mesh scaling", details["mesh_scaling"]["results_file"], docs_path)
-    pipe = details.get("pipeline", {}).get("results")
-    if pipe:
-        lines += ["", "## Pipeline bubble", ""]
-        try:
-            lines += _pipeline_table(pipe)
-        except (KeyError, TypeError) as e:
-            lines.append(f"(results not in the expected form: {type(e).__name__}: {e})")
-        lines += _image("pipeline", details["pipeline"]["results_file"], docs_path)
-    context = details.get("context", {}).get("results")
-    if context:
-        lines += ["", "## Context parallelism", ""]
-        try:
-            lines += _context_table(context)
-        except (KeyError, TypeError, ZeroDivisionError) as e:
-            lines.append(f"(results not in the expected form: {type(e).__name__}: {e})")
+        if image:
+            lines += _image(image, details[name]["results_file"], docs_path)
     return "\n".join(lines) + "\n"
 
 

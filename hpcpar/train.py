@@ -236,8 +236,8 @@ class Trainer:
         peak = _measure_peak(self.mesh, cfg.model.dtype) if peak_flops is None else peak_flops
         log.info("hpcpar %s: mesh %s on %d rank(s); %s; global batch %d tokens/step; "
                  "%.2fM non-embedding parameters; GEMM peak %.1f GFLOP/s",
-                 hpcpar.__version__, self._mesh_text(), self.mesh.world.size, data.corpus_description(cfg.data.corpus), self.tokens_per_step,
-                 self.cfg.model.non_embedding_params() / 1e6, peak / 1e9)
+                 hpcpar.__version__, self._mesh_text(), self.mesh.world.size, data.corpus_description(cfg.data.corpus),
+                 self.tokens_per_step, self.cfg.model.non_embedding_params() / 1e6, peak / 1e9)
         draw = rank0 and (run.progress if progress is None else progress)
         writer = metrics.JsonLines(os.path.join(run.dir, "metrics.jsonl")) if files and rank0 else None
         bar = _Progress(draw, end, self.step)

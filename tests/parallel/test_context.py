@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert, host
+from collective import collective_assert, one_step_trace, rel_err, stored, training_problems
 
 from hpcpar import checkpoint as ck, ops
 from hpcpar.comm import Communicator
@@ -40,11 +40,6 @@ BASE = ["model.vocab_size=256", "model.block_size=24", "model.n_layer=2", "model
         "train.warmup=1", "train.lr=0.01", "train.grad_clip=1.0", "train.seed=7", "run.progress=false"]
 SIX_HEADS = ["model.n_head=6", "model.n_embd=12"]   # Ulysses over cp = 3
 TOKENS = np.random.default_rng(0).integers(0, 256, 50_000).astype(np.uint8)
-
-
-def rel_err(a, b) -> float:
-    a, b = host(a), host(b)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 @pytest.fixture(scope="module")
@@ -183,15 +178,7 @@ def test_training_matches_single_process(dp, tp, pp, cp, impl, extra):
     results = [trainer.train_step(s) for s in range(STEPS)]
     ref_steps, ref_params, ref_eval = reference(dp * 2, tuple(o for o in extra if o.startswith("model.")))
     problems = [] if shape_ok else [f"micro-batch shape {x.shape}"]
-    for s, (r, (loss, norm)) in enumerate(zip(results, ref_steps)):
-        if rel_err(r.loss, loss) > RTOL or rel_err(r.grad_norm, norm) > RTOL:
-            problems.append(f"step {s}: loss {r.loss!r} vs {loss!r}, grad norm {r.grad_norm!r} vs {norm!r}")
-    params = trainer.global_parameters()
-    if set(params) != set(ref_params):
-        problems.append(f"parameter names differ: {sorted(set(params) ^ set(ref_params))}")
-    for key in sorted(set(params) & set(ref_params)):
-        if rel_err(params[key], ref_params[key]) > RTOL:
-            problems.append(f"{key}: relative error {rel_err(params[key], ref_params[key]):.2e}")
+    problems += training_problems(results, ref_steps, trainer.global_parameters(), ref_params, RTOL)
     if pp == 1 and tp == 1:   # evaluation (forward-only replay) on the trained weights
         got = trainer.evaluate(2)
         if rel_err(got, ref_eval) > RTOL:
@@ -206,14 +193,9 @@ def test_trace_shows_cp_communication(shared_dir, impl):
     """`pipeline.trace = true`: every rank's timeline has a context-parallel row with its messages
     (and, for the ring, the attention blocks they overlap)."""
     trainer = make_trainer(1, 1, 1, SIZE, impl, ["pipeline.trace=true"] + (SIX_HEADS if SIZE == 3 else []))
-    trainer.train_step(0)
-    path = os.path.join(shared_dir, "trace.json")
-    trainer.tracer.write_chrome_trace(path, trainer.mesh.world)
+    events = one_step_trace(trainer, shared_dir)
     problem = ""
     if RANK == 0:
-        import json
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
         want = {"cp_kv_send_recv", "cp_kv_wait", "cp_attention_block", "cp_dkv_send_recv"} if impl == "ring" \
             else {"cp_all_to_all"}
         for rank in range(SIZE):
@@ -229,14 +211,6 @@ def test_trace_shows_cp_communication(shared_dir, impl):
 # ---------------------------------------------------------------------------------------------
 # Checkpoints across cp
 # ---------------------------------------------------------------------------------------------
-def _stored(path: str) -> dict:
-    import h5py
-    out = {}
-    with h5py.File(os.path.join(path, ck.INDEX), "r", locking=False) as f:
-        f.visititems(lambda n, obj: out.__setitem__(n, obj[()]) if isinstance(obj, h5py.Dataset) else None)
-    return out
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(SIZE < 2, reason="needs >= 2 ranks for cp > 1")
 def test_checkpoint_of_a_cp_run_loads_on_cp_1_and_back(shared_dir):
@@ -247,13 +221,13 @@ def test_checkpoint_of_a_cp_run_loads_on_cp_1_and_back(shared_dir):
     old = make_trainer(1, 1, 1, SIZE, "ring", [])
     for step in range(2):
         old.train_step(step)
-    original = _stored(old.save(os.path.join(shared_dir, "cp"), keep=1))
+    original = stored(old.save(os.path.join(shared_dir, "cp"), keep=1))
     old_losses = [old.train_step(s).loss for s in (2, 3)]
     old_params = old.global_parameters()
 
     single = make_trainer(1, 1, 1, 1, "ring", [], comm=MPI.COMM_SELF)   # each rank: a 1-process run
     single.load(ck.latest(os.path.join(shared_dir, "cp")))
-    resaved = _stored(single.save(os.path.join(shared_dir, f"single-{RANK}"), keep=1))
+    resaved = stored(single.save(os.path.join(shared_dir, f"single-{RANK}"), keep=1))
     problems = [n for n in original if not np.array_equal(original[n], resaved.get(n))]
     single_losses = [single.train_step(s).loss for s in (2, 3)]
     single_params = single.global_parameters()
