@@ -299,7 +299,9 @@ class GPT(Module):
             if t > self.config.block_size:
                 raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
             tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
-            pos = self.plan.positions(ops.getitem(self.transformer.wpe.weight, self.plan.position_ids(t)), t)
+            rows = self.plan.position_ids(t)   # slice(0, t), or my positions under context parallelism
+            rows = rows if isinstance(rows, slice) else xp.asarray(rows)
+            pos = self.plan.positions(ops.getitem(self.transformer.wpe.weight, rows), t)
             h = self._dropout(tok + pos, 0)
         else:
             h = x
