@@ -70,6 +70,10 @@ BENCHMARKS = (
     Benchmark("mesh_scaling", "bench/mesh_scaling.py", None,
               "training (Trainer.train) over mesh shapes: strong and weak scaling vs 1x1x1, PyTorch peer",
               quick_args=("--worlds", "1,2", "--steps", "2", "--warmup", "1", "--repeats", "1"), timeout_s=480.0),
+    Benchmark("context", "bench/context.py", 4,
+              "context parallelism (ring attention, Ulysses) vs tp+sp at the same T: attention activations and "
+              "bytes sent per rank, work balance, tokens/s, longest block_size under a memory limit",
+              quick_args=("--seq", "256", "--limit-mib", "16", "--steps", "1", "--repeats", "1")),
     Benchmark("vs_torch", "bench/vs_torch.py", None,
               "one process, hpcpar vs PyTorch eager on the same GPT and batches (1 thread)",
               args=("--steps", "5"), quick_args=("--steps", "1", "--rounds", "1", "--n-embd", "128"),
@@ -261,6 +265,28 @@ def _mesh_scaling(d: dict) -> list[str]:
     return out
 
 
+def _context(d: dict) -> list[str]:
+    meta, k = d["meta"], d["meta"]["ranks"]
+    at_k = {r["design"]: r for r in d["attention"] if r["k"] == k}
+    sent = {r["design"]: r for r in d["bytes"] if r["k"] == k}
+    naive = {r["k"]: r for r in d["naive"]}
+    longest = ", ".join(f"cp={r['cp']} {r['block_size']}" for r in d["longest"])
+    ok = d["checks"]
+    proportional = "yes" if ok["activations_proportional_to_1_over_k_within_10pct"] else "NO"
+    return [f"T={meta['seq']}, k={k}: attention activations per rank "
+            + ", ".join(f"{n} {at_k[n]['saved_bytes_per_rank'] / MiB:.2f} MiB" for n in at_k)
+            + f" (x k constant within 10%: {proportional})",
+            "bytes sent per rank per layer: " + ", ".join(
+                f"{n} {r['bytes_sent_per_layer'] / 1024:.0f} KiB (formula {r['formula_bytes'] / 1024:.0f})"
+                for n, r in sent.items()),
+            f"attention work max/mean: zigzag {at_k['ring']['work_max_over_mean']:.3f}, contiguous split "
+            f"{naive[k]['work_max_over_mean']:.3f} ((2cp-1)/cp = {(2 * k - 1) / k:.3f})" if k in naive else
+            "attention work: not measured",
+            "tokens/s: " + ", ".join(f"{r['design']} {r['tokens_per_s']:,.0f}" for r in d["throughput"]),
+            f"longest block_size under {meta['limit_bytes'] / MiB:.0f} MiB per rank (ring): {longest}; "
+            f"measured peak within the limit: {'yes' if ok['measured_peak_within_limit'] else 'NO'}"]
+
+
 def _vs_torch(d: dict) -> list[str]:
     c, h, t = d["config"], d["hpcpar"], d["torch"]
     return [f"hpcpar / PyTorch {t['version']} = {d['ratio_hpcpar_over_torch']:.2f}x tokens/s "
@@ -277,7 +303,7 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
         if name == "checkpoint":
             return _checkpoint(data, ranks or 4)
         return {"allreduce": _allreduce, "pipeline": _pipeline, "scaling": _scaling,
-                "mesh_scaling": _mesh_scaling, "vs_torch": _vs_torch}[name](data)
+                "mesh_scaling": _mesh_scaling, "context": _context, "vs_torch": _vs_torch}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
 
@@ -391,23 +417,46 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
                       + (f", {when}, load {e['load_average_before'][0]:.1f}" if e.get("load_average_before") else ""))
         lines.append(f"| {b.name} | {_escape(b.what)} | {figures} | {cmd} | {run} |")
     details = summary["benchmarks"]
-    mesh = details.get("mesh_scaling", {}).get("results")
-    if mesh:
-        lines += ["", "## Mesh scaling", ""]
+    # Detail sections: (benchmark, title, table from its results, image alt text or None).
+    for name, title, table, image in (("mesh_scaling", "Mesh scaling", _mesh_table, "mesh scaling"),
+                                      ("pipeline", "Pipeline bubble", _pipeline_table, "pipeline"),
+                                      ("context", "Context parallelism", _context_table, None)):
+        results = details.get(name, {}).get("results")
+        if not results:
+            continue
+        lines += ["", f"## {title}", ""]
         try:
-            lines += _mesh_table(mesh)
+            lines += table(results)
         except (KeyError, TypeError, ZeroDivisionError) as e:
             lines.append(f"(results not in the expected form: {type(e).__name__}: {e})")
-        lines += _image("mesh scaling", details["mesh_scaling"]["results_file"], docs_path)
-    pipe = details.get("pipeline", {}).get("results")
-    if pipe:
-        lines += ["", "## Pipeline bubble", ""]
-        try:
-            lines += _pipeline_table(pipe)
-        except (KeyError, TypeError) as e:
-            lines.append(f"(results not in the expected form: {type(e).__name__}: {e})")
-        lines += _image("pipeline", details["pipeline"]["results_file"], docs_path)
+        if image:
+            lines += _image(image, details[name]["results_file"], docs_path)
     return "\n".join(lines) + "\n"
+
+
+def _context_table(d: dict) -> list[str]:
+    m = d["meta"]
+    sent = {(r["design"], r["k"]): r for r in d["bytes"]}
+    lines = [f"T={m['seq']}, B={m['batch']}, C={m['n_embd']}, H={m['n_head']}, float32; k = the design's degree "
+             "(cp, or tp with sequence parallelism); k = 1 is plain attention. Activations: what the attention op "
+             "keeps for backward per rank. Bytes: sent per rank per transformer layer, forward + backward.", "",
+             "| design | k | activations MiB | bytes x k / first | work max/mean | KiB sent / layer | formula KiB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["attention"] + d["naive"]:
+        naive = r in d["naive"]
+        s = None if naive else sent.get((r["design"], r["k"]))
+        ratio = r.get("saved_x_k_over_reference")
+        ratio_text = "–" if ratio is None or naive or (r["design"] == "ring" and r["k"] == 1) else f"{ratio:.3f}"
+        measured = f"{s['bytes_sent_per_layer'] / 1024:.1f}" if s else "–"
+        formula = f"{s['formula_bytes'] / 1024:.1f}" if s else "–"
+        lines.append(f"| {r['design']}{' (contiguous)' if naive else ''} | {r['k']} | "
+                     f"{r['saved_bytes_per_rank'] / MiB:.3f} | {ratio_text} | {r['work_max_over_mean']:.3f} | "
+                     f"{measured} | {formula} |")
+    lines += ["", "| cp | longest block_size | estimate MiB | measured peak MiB |", "|---:|---:|---:|---:|"]
+    for r in d["longest"]:
+        lines.append(f"| {r['cp']} | {r['block_size']} | {r['estimate_bytes'] / MiB:.1f} | "
+                     f"{r['measured_peak_bytes'] / MiB:.1f} |")
+    return lines
 
 
 def _image(title: str, results_file: str, docs_path: Path | None) -> list[str]:

@@ -38,7 +38,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from hpcpar.errors import ConfigError
 from hpcpar.nn.gpt import DTYPES, GPTConfig
-from hpcpar.schema import field as _field, require_divisible
+from hpcpar.schema import divisors, field as _field, require_divisible
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +47,16 @@ log = logging.getLogger(__name__)
 class MeshConfig:
     """Parallel degrees; their product is the number of ranks. 0 = auto (`mesh.resolve_degrees`)."""
 
-    dp: int = _field(0, "data-parallel degree (0 = auto: world // (tp * pp))")
+    dp: int = _field(0, "data-parallel degree (0 = auto: world // (tp * pp * cp))")
     tp: int = _field(0, "tensor-parallel degree (0 = auto: 1)")
-    pp: int = _field(0, "pipeline stages (0 = auto: 2 when the world is even and >= 4 and dp, tp "
-                        "are auto, else 1)")
+    pp: int = _field(0, "pipeline stages (0 = auto: 2 when the world is even and >= 4 and dp, tp, "
+                        "cp are auto, else 1)")
     sequence_parallel: bool = _field(False, "split LayerNorm/dropout activations along the sequence "
                                             "across tp ranks (Megatron-SP); a no-op when tp == 1")
+    cp: int = _field(0, "context-parallel degree: the sequence is split over cp ranks (0 = auto: 1)")
+    cp_impl: str = _field("ring", "context parallelism: ring attention (K/V passed around the cp ring, "
+                                  "zigzag-balanced; block_size divisible by 2*cp) or ulysses (all-to-all "
+                                  "to whole heads; n_head divisible by tp*cp)", ("ring", "ulysses"))
 
 
 @dataclass(frozen=True)
@@ -361,8 +365,9 @@ def _stage_parameters(cfg: Config, tp: int, pp: int, stage: int) -> int:
                for v, blocks, head in _rank_chunks(cfg, pp, stage))
 
 
-def _memory_parts(cfg: Config, dp: int, tp: int, pp: int) -> tuple[int, int]:
-    """(weights + grads + optimizer state, activations) in bytes on the busiest rank."""
+def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None) -> tuple[int, int]:
+    """(weights + grads + optimizer state, activations) in bytes on the busiest rank.
+    `cp` defaults to the config's resolved `mesh.cp` (1 when auto)."""
     from hpcpar.parallel import schedule
 
     m, t = cfg.model, cfg.train
@@ -372,18 +377,30 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int) -> tuple[int, int]:
     # kept in float32 (plus a float32 master copy) under mixed precision; sharded over dp by ZeRO-1.
     n_state = 2 if t.optimizer == "adamw" else int(t.momentum > 0)
     state_bytes = n_state * (4 if half else s) + (4 if half else 0)
-    shards = dp if t.zero == 1 else 1
+    cp = cp if cp is not None else (cfg.mesh.cp or 1)
+    shards = dp * cp if t.zero == 1 else 1  # ZeRO shards over the gradient group, dp x cp
 
-    # Activations kept for backward per block per micro-batch, in elements:
-    #   (6 + 2d) B T C / r   LayerNorm inputs/outputs, residuals (+ dropout masks), r = tp under SP
-    #   12 B T C / tp        q, k, v, attention output, MLP hidden before/after GELU
-    #   (2 + d) B H T^2 / tp attention scores and probabilities (+ dropout mask)
+    # Activations kept for backward per block per micro-batch, in elements, for the n = T/cp
+    # tokens of a rank (context parallelism divides every token-wise activation by cp):
+    #   (6 + 2d) B n C / r   LayerNorm inputs/outputs, residuals (+ dropout masks), r = tp under SP
+    #   12 B n C / tp        q, k, v, attention output, MLP hidden before/after GELU
+    #   (2 + d) B H T^2 / (tp u)  attention scores and probabilities (+ dropout mask); u = cp for
+    #                        Ulysses (whole sequences of H/(tp cp) heads), 1 without cp;
+    #   B H n / tp           ring attention instead: the row log-sum-exp only
+    # plus, once per rank (freed op by op, not stashed), the attention's working set in backward:
+    #   (2 B H / (tp u) + 1) q^2   scores/probabilities and dS, and the causal mask, with q = n
+    #                        for ring attention (one block of the ring), q = T otherwise
     bsz, seq, c, heads = t.micro_batch_size, m.block_size, m.n_embd, m.n_head
+    n = seq / cp
     d = int(m.dropout > 0)
     r = tp if cfg.mesh.sequence_parallel else 1
-    per_layer = s * bsz * seq * ((6 + 2 * d) * c / r + 12 * c / tp + (2 + d) * heads * seq / tp)
-    embed = s * bsz * seq * 2 * c                        # token + position embeddings
-    head = s * bsz * seq * (2 * c + 2 * m.vocab_size / tp)  # ln_f, logits and softmax probabilities
+    ring = cp > 1 and cfg.mesh.cp_impl == "ring"
+    attention = heads / tp * (1 if ring else (2 + d) * seq * seq / (cp * n))  # per token of n
+    per_layer = s * bsz * n * ((6 + 2 * d) * c / r + 12 * c / tp + attention)
+    q = n if ring else seq
+    transient = s * (2 * bsz * heads / (tp * (1 if ring else cp)) + 1) * q * q
+    embed = s * bsz * n * 2 * c                        # token + position embeddings
+    head = s * bsz * n * (2 * c + 2 * m.vocab_size / tp)  # ln_f, logits and softmax probabilities
     # Peak stashed chunk activations per pipeline rank, from the schedule itself.
     stash = schedule.simulate(schedule.build(cfg.pipeline.schedule, pp, t.microbatches,
                                              cfg.pipeline.chunks)).peak_stash
@@ -394,20 +411,21 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int) -> tuple[int, int]:
         microbatches = -(-stash[stage] // cfg.pipeline.chunks)
         # A stashed chunk activation holds the blocks of one chunk: the rank's largest, as a bound.
         act = stash[stage] * max(len(blocks) for _, blocks, _ in _rank_chunks(cfg, pp, stage)) * per_layer
-        act += microbatches * ((embed if stage == 0 else 0) + (head if stage == pp - 1 else 0))
+        act += microbatches * ((embed if stage == 0 else 0) + (head if stage == pp - 1 else 0)) + transient
         if state + act > worst:
             worst_state, worst_act, worst = state, math.ceil(act), state + act
     return worst_state, worst_act
 
 
-def estimate_memory(cfg: Config, dp: int, tp: int, pp: int) -> int:
+def estimate_memory(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None) -> int:
     """Estimated bytes per rank on the busiest pipeline stage (see docs/config.md, "Memory").
 
-    weights + grads (2 P s) + optimizer state (P x 2 moments, / dp with ZeRO-1) + activations
-    stashed by the schedule (peak micro-batches in flight x layers x per-layer activations).
-    P counts the rank's share of parameters under tp and pp; s is the dtype's size.
+    weights + grads (2 P s) + optimizer state (P x 2 moments, / (dp cp) with ZeRO-1) + activations
+    stashed by the schedule (peak micro-batches in flight x layers x per-layer activations of the
+    rank's T/cp tokens). P counts the rank's share of parameters under tp and pp (cp shards no
+    weight); s is the dtype's size. `cp` defaults to the config's `mesh.cp`.
     """
-    state, act = _memory_parts(cfg, dp, tp, pp)
+    state, act = _memory_parts(cfg, dp, tp, pp, cp)
     return state + act
 
 
@@ -427,6 +445,7 @@ def _check_memory(cfg: Config, available: int) -> None:
             remedies.append("pipeline.schedule=\"1f1b\" (stashes <= pp micro-batches, not all)")
         if tp > 1 and not cfg.mesh.sequence_parallel:
             remedies.append("mesh.sequence_parallel=true")
+        remedies.append("more ranks for mesh.cp (splits the sequence)")
     if cfg.train.zero == 0 and dp > 1:
         remedies.append("train.zero=1 (shards optimizer state over dp)")
     remedies.append("more ranks for mesh.tp or mesh.pp")
@@ -469,6 +488,7 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("mesh.dp", _ge0, ">= 0 (0 = auto)"),
     ("mesh.tp", _ge0, ">= 0 (0 = auto)"),
     ("mesh.pp", _ge0, ">= 0 (0 = auto)"),
+    ("mesh.cp", _ge0, ">= 0 (0 = auto)"),
     ("data.val_fraction", _unit, "in [0, 1)"),
     ("train.steps", _ge1, ">= 1"),
     ("train.micro_batch_size", _ge1, ">= 1"),
@@ -556,6 +576,33 @@ def _check_tensor_parallel(cfg: Config, tp: int) -> None:
                           alternative="mesh.sequence_parallel=false")
 
 
+def _check_context_parallel(cfg: Config, tp: int, cp: int) -> None:
+    """The sequence must cut into the chunks of the cp layout (2cp zigzag chunks for ring, cp for
+    Ulysses; times tp under sequence parallelism) and Ulysses needs whole heads on every tp x cp
+    rank. One line each, naming the degrees that would fit."""
+    if cp == 1:
+        return
+    m, ring = cfg.model, cfg.mesh.cp_impl == "ring"
+    sp = cfg.mesh.sequence_parallel and tp > 1
+    factor = (2 if ring else 1) * (tp if sp else 1)   # sequence pieces per cp rank
+    if m.block_size % (factor * cp):
+        pieces = "*".join((["2"] if ring else []) + ["mesh.cp"] + (["mesh.tp"] if sp else []))
+        why = ("ring attention cuts the sequence into 2*cp zigzag chunks" if ring
+               else "each cp rank holds block_size/cp tokens")
+        if sp:
+            why += ", each split over tp by sequence parallelism"
+        fits = [c for c in divisors(m.block_size) if m.block_size % (factor * c) == 0]
+        raise ConfigError(f"model.block_size={m.block_size} is not divisible by {pieces}={factor * cp} ({why}); "
+                          f"choose cp in {{{', '.join(map(str, fits))}}} or use block_size="
+                          f"{-(-m.block_size // (factor * cp)) * factor * cp}")
+    if not ring and m.n_head % (tp * cp):
+        fits = [c for c in divisors(m.n_head) if m.n_head % (tp * c) == 0]
+        raise ConfigError(f"model.n_head={m.n_head} is not divisible by mesh.tp*mesh.cp={tp * cp} "
+                          f"(mesh.cp_impl=\"ulysses\" gives every tp x cp rank whole heads); choose cp in "
+                          f"{{{', '.join(map(str, fits))}}} or use n_head={-(-m.n_head // (tp * cp)) * tp * cp}, "
+                          f"or mesh.cp_impl=\"ring\"")
+
+
 def _check_pipeline(cfg: Config, pp: int) -> None:
     from hpcpar.parallel import schedule
 
@@ -577,7 +624,7 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     """Check every value and combination for `world_size` ranks; return `cfg` with the mesh resolved.
 
     Pure (no communication, no I/O) so that every rank reaches the same verdict before any collective.
-    The returned config has mesh.dp, mesh.tp, mesh.pp >= 1 with product `world_size`; validating
+    The returned config has mesh.dp, mesh.tp, mesh.pp, mesh.cp >= 1 with product `world_size`; validating
     it again gives it back unchanged. `available_memory_bytes`, when given, is compared with
     `estimate_memory` (pass a value every rank agrees on, e.g. the smallest device's memory).
     Raises ConfigError / MeshError (one line); logs warnings for legal but doubtful settings.
@@ -587,13 +634,14 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     _check_model(cfg)
     from hpcpar.mesh import resolve_degrees  # here, not at the top: mesh.py loads MPI
 
-    dp, tp, pp = resolve_degrees(world_size, cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp)
+    dp, tp, pp, cp = resolve_degrees(world_size, cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp)
     _check_tensor_parallel(cfg, tp)
+    _check_context_parallel(cfg, tp, cp)
     _check_pipeline(cfg, pp)
     if cfg.train.warmup >= cfg.train.steps:
         log.warning("train.warmup=%d >= train.steps=%d: the learning rate never reaches train.lr",
                     cfg.train.warmup, cfg.train.steps)
-    resolved = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=dp, tp=tp, pp=pp))
+    resolved = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=dp, tp=tp, pp=pp, cp=cp))
     if available_memory_bytes is not None:
         _check_memory(resolved, available_memory_bytes)
     return resolved

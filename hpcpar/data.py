@@ -225,7 +225,7 @@ def _check_nonneg(name: str, value: int) -> int:
 
 
 def _gather(tokens: np.ndarray, key: Sequence[int], sample_ids: Iterable[int], block_size: int,
-            what: str) -> tuple[np.ndarray, np.ndarray]:
+            what: str, positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     block_size = _check_nonneg("block_size", block_size)
     if block_size == 0:
         raise DataError("block_size must be at least 1")
@@ -237,27 +237,32 @@ def _gather(tokens: np.ndarray, key: Sequence[int], sample_ids: Iterable[int], b
         raise DataError(f"sample_ids must be non-negative integers, got {sample_ids!r}")
     # Start offsets uniform in [0, len - T - 1]; the modulo bias (about len / 2**64) is negligible.
     starts = (_hash_keys(key, ks) % np.uint64(len(tokens) - block_size)).astype(np.int64)
-    window = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)  # [B, T+1]
-    return np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])
+    if positions is None:
+        window = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)  # [B, T+1]
+        return np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])
+    at = starts[:, None] + np.asarray(positions, dtype=np.int64)[None, :]           # [B, n]: my tokens only
+    return tokens[at].astype(np.int64), tokens[at + 1].astype(np.int64)
 
 
 def get_batch(tokens: np.ndarray, seed: int, step: int, sample_ids: Iterable[int],
-              block_size: int) -> tuple[np.ndarray, np.ndarray]:
+              block_size: int, positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Training samples ``sample_ids`` of step ``step``.
 
     Returns:
         ``(x, y)``, int64 ``[len(sample_ids), block_size]``, ``y`` is ``x`` shifted by one.
-        Row i depends only on ``(seed, step, sample_ids[i])``.
+        Row i depends only on ``(seed, step, sample_ids[i])``. With ``positions`` (indices into
+        ``[0, block_size)``, a context-parallel rank's tokens) only those columns are built:
+        ``[len(sample_ids), len(positions)]``, exactly those columns of the whole batch.
     """
     key = (_check_nonneg("seed", seed), _TRAIN_STREAM, _check_nonneg("step", step))
-    return _gather(tokens, key, sample_ids, block_size, "training")
+    return _gather(tokens, key, sample_ids, block_size, "training", positions)
 
 
 def get_eval_batch(tokens: np.ndarray, seed: int, index: int, sample_ids: Iterable[int],
-                   block_size: int) -> tuple[np.ndarray, np.ndarray]:
+                   block_size: int, positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Validation batch ``index``: like :func:`get_batch` but from a stream disjoint from training's."""
     key = (_check_nonneg("seed", seed), _EVAL_STREAM, _check_nonneg("index", index))
-    return _gather(tokens, key, sample_ids, block_size, "validation")
+    return _gather(tokens, key, sample_ids, block_size, "validation", positions)
 
 
 def microbatch_sample_ids(dp_rank: int, dp: int, micro_batch_size: int, microbatch: int) -> range:

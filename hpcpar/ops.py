@@ -565,17 +565,24 @@ def _key_seed(key) -> int:
     return h
 
 
-def counter_uniform(xp, keys, shape: tuple, rows: slice | None = None):
+def counter_uniform(xp, keys, shape: tuple, rows=None):
     """Uniform [0, 1) floats [len(keys), *shape]: element i of row n is a hash of (keys[n], i).
 
     Counter-based (no generator state): the value of an element depends only on its key and its
     flat index in `shape`, so NumPy and CuPy draw identical numbers, a sample's values do not
-    depend on its batch-mates, and `rows` (a slice of dim 0 of `shape`) draws just those rows of
-    the full array, exactly as the full draw would have them (a sequence shard's part).
+    depend on its batch-mates, and `rows` (a slice of dim 0 of `shape`, or the indices of the rows
+    wanted, in any order) draws just those rows of the full array, exactly as the full draw would
+    have them (a sequence shard's part; under context parallelism, the positions a rank holds).
     """
     inner = math.prod(shape[1:])
-    lo, hi = (0, shape[0]) if rows is None else (rows.start, rows.stop)
-    index = xp.arange(lo * inner, hi * inner, dtype=xp.uint64)
+    if rows is None or isinstance(rows, slice):
+        lo, hi = (0, shape[0]) if rows is None else (rows.start, rows.stop)
+        index = xp.arange(lo * inner, hi * inner, dtype=xp.uint64)
+        n = hi - lo
+    else:
+        picked = xp.asarray(rows, dtype=xp.uint64)
+        index = (picked[:, None] * xp.uint64(inner) + xp.arange(inner, dtype=xp.uint64)[None, :]).reshape(-1)
+        n = int(picked.size)
     seeds = xp.asarray([_key_seed(k) for k in keys], dtype=xp.uint64)
     with _wrapping(xp):
         z = index * xp.uint64(_GOLDEN)
@@ -583,7 +590,7 @@ def counter_uniform(xp, keys, shape: tuple, rows: slice | None = None):
     z >>= xp.uint64(11)  # the top 53 bits: a double in [0, 1) with every bit random
     u = z.astype(xp.float64)
     u *= 1.0 / (1 << 53)
-    return u.reshape((len(keys), hi - lo) + tuple(shape[1:]))
+    return u.reshape((len(keys), n) + tuple(shape[1:]))
 
 
 def _wrapping(xp):
@@ -592,15 +599,15 @@ def _wrapping(xp):
     return xp.errstate(over="ignore") if hasattr(xp, "errstate") else contextlib.nullcontext()
 
 
-def dropout(x: Tensor, p: float, mask_rng_keys=None, training: bool = True, rows: slice | None = None,
+def dropout(x: Tensor, p: float, mask_rng_keys=None, training: bool = True, rows=None,
             full_shape: tuple | None = None) -> Tensor:
     """Inverted dropout with a counter-based mask (see `counter_uniform`).
 
     `mask_rng_keys` is one integer key tuple per row of dim 0 (e.g. per sample:
     (seed, step, sample_id, site)), so a sample's mask does not depend on which other samples
     share its batch, on the mesh or on the backend. A shard of the sequence passes
-    `full_shape` (the per-sample shape [T, ..]) and its `rows` (of T): it gets those rows of the
-    mask the whole sequence would have.
+    `full_shape` (the per-sample shape [T, ..]) and its `rows` of T (a slice, or the positions it
+    holds): it gets those rows of the mask the whole sequence would have.
     """
     if not training or p == 0.0:
         return x

@@ -1,6 +1,7 @@
 """A per-rank timeline of spans, merged into one Chrome trace (open in Perfetto or chrome://tracing).
 
-`Tracer.record(name, category, start, end, tid, args)` keeps one span; start and end are
+`Tracer.record(name, category, start, end, tid, args)` keeps one span (tid: the timeline row, a
+model chunk, or a named row such as context parallelism's); start and end are
 `time.perf_counter()` readings. Callers test `tracer.enabled` once and then skip the clock
 reads and records entirely, so a disabled tracer costs nothing per event.
 
@@ -34,6 +35,7 @@ class Tracer:
         self.enabled = enabled
         self.label = label if label is not None else f"rank {rank}"
         self.events: list[tuple[str, str, float, float, int, dict]] = []
+        self.thread_names: dict[int, str] = {}  # tid -> row name in the viewer (default "chunk <tid>")
         self._wall_offset = time.time() - time.perf_counter()
 
     def record(self, name: str, category: str, start: float, end: float, tid: int = 0,
@@ -49,7 +51,7 @@ class Tracer:
                                       "args": {"sort_index": self.rank}}]
         for tid in sorted({e[4] for e in self.events}):
             out.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
-                        "args": {"name": f"chunk {tid}"}})
+                        "args": {"name": self.thread_names.get(tid, f"chunk {tid}")}})
         for name, category, start, end, tid, args in self.events:
             out.append({"name": name, "cat": category, "ph": "X", "pid": self.rank, "tid": tid,
                         "ts": (start + self._wall_offset) * 1e6, "dur": (end - start) * 1e6, "args": args})

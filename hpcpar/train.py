@@ -33,6 +33,7 @@ from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.mesh import Axis, Mesh
 from hpcpar.optim import SGD, AdamW, lr_at
 from hpcpar.parallel import pipeline, schedule
+from hpcpar.parallel.context import ContextParallel
 from hpcpar.parallel.data_parallel import DataParallel
 from hpcpar.tensor import no_grad
 
@@ -86,11 +87,15 @@ class Trainer:
         self.cfg = cfg = config.validate(cfg, comm.Get_size(), available_memory_bytes)
         if cfg.run.backend != "auto":  # auto: what HPCPAR_BACKEND chose at import (default numpy)
             backend.use(cfg.run.backend)
-        self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=comm)
+        self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=comm, cp=cfg.mesh.cp)
         backend.select_device(self.mesh.node_comm.rank)
+        self.tracer = pipeline.Tracer(enabled=cfg.pipeline.trace, rank=self.mesh.world.rank)
+        # Context parallelism: this rank holds the tokens at `positions` of every sample (None: all).
+        self.cp = ContextParallel(self.mesh.comm(Axis.CP), cfg.mesh.cp_impl, tracer=self.tracer)
+        self.positions = self.cp.positions(cfg.model.block_size) if self.cp.size > 1 else None
         self.stages = pipeline.build_stages(cfg.model, self.mesh, chunks=cfg.pipeline.chunks,
                                             seed=cfg.train.seed,
-                                            sequence_parallel=cfg.mesh.sequence_parallel)
+                                            sequence_parallel=cfg.mesh.sequence_parallel, cp=self.cp)
         self.named_parameters = [(n, p) for s in self.stages for n, p in s.named_parameters()]
         t = cfg.train
         if t.optimizer == "adamw":
@@ -101,7 +106,6 @@ class Trainer:
                 return SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
         self.dp = DataParallel(self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
                                wire_dtype=t.grad_wire_dtype, zero=t.zero, make_optimizer=make_optimizer)
-        self.tracer = pipeline.Tracer(enabled=cfg.pipeline.trace, rank=self.mesh.world.rank)
         every_rank = schedule.build(cfg.pipeline.schedule, cfg.mesh.pp, t.microbatches, cfg.pipeline.chunks)
         self.executor = pipeline.PipelineExecutor(self.stages, self.mesh, every_rank[self.mesh.rank(Axis.PP)],
                                                   microbatches=t.microbatches, tracer=self.tracer,
@@ -114,6 +118,12 @@ class Trainer:
         self.step = 0  # the next step to run
         self.save_in_flight = None  # checkpoint.SaveHandle of an asynchronous save not yet committed
 
+    def _mesh_text(self) -> str:
+        """"dp=2 x tp=1 x pp=2" (with "cp=.. (ring)" after dp under context parallelism)."""
+        cp = f" x cp={self.mesh.size(Axis.CP)} ({self.cfg.mesh.cp_impl})" if self.mesh.size(Axis.CP) > 1 else ""
+        return (f"dp={self.mesh.size(Axis.DP)}{cp} x tp={self.mesh.size(Axis.TP)} "
+                f"x pp={self.mesh.size(Axis.PP)}")
+
     # -- data ------------------------------------------------------------------------------
     def sample_ids(self) -> list[range]:
         """Global sample ids of this dp rank's micro-batches, one range of micro_batch_size ids
@@ -124,9 +134,10 @@ class Trainer:
         return [data.microbatch_sample_ids(d, dp, t.micro_batch_size, j) for j in range(t.microbatches)]
 
     def microbatches(self, step: int) -> list:
-        """This dp rank's micro-batches of global step `step`: (x, y), int64 [B, T] each."""
+        """This dp rank's micro-batches of global step `step`: (x, y), int64 [B, T] each; under
+        context parallelism only this rank's tokens, [B, T/cp] (`self.positions`)."""
         t = self.cfg.train
-        return [data.get_batch(self.train_tokens, t.seed, step, ids, self.cfg.model.block_size)
+        return [data.get_batch(self.train_tokens, t.seed, step, ids, self.cfg.model.block_size, self.positions)
                 for ids in self.sample_ids()]
 
     def _global_mean_loss(self, losses: list, microbatches: int) -> float:
@@ -134,11 +145,12 @@ class Trainer:
 
         `losses` are this rank's per-micro-batch losses (the executor returns them on the last
         stage's ranks, [] elsewhere; tp rank 0 reports them), `microbatches` how many each dp
-        rank ran.
+        rank ran. Under context parallelism each cp rank's loss is the mean over its T/cp tokens
+        of the micro-batch; every cp rank has as many, so their average is the whole mean.
         """
         local = np.array([float(sum(losses)) if self.is_loss_reporter else 0.0])
         total = self.mesh.world.all_reduce(local, op="sum")
-        return float(total[0]) / (self.mesh.size(Axis.DP) * microbatches)
+        return float(total[0]) / (self.mesh.size(Axis.DP) * self.mesh.size(Axis.CP) * microbatches)
 
     # -- one step ----------------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
@@ -181,7 +193,8 @@ class Trainer:
         figure depends on the global batch, not on the mesh.
         """
         t = self.cfg.train
-        eval_batches = [data.get_eval_batch(self.val_tokens, t.seed, i, ids, self.cfg.model.block_size)
+        eval_batches = [data.get_eval_batch(self.val_tokens, t.seed, i, ids, self.cfg.model.block_size,
+                                            self.positions)
                         for i in range(batches) for ids in self.sample_ids()]
         for stage in self.stages:
             stage.eval()
@@ -221,11 +234,10 @@ class Trainer:
         rank0 = self.mesh.world.rank == 0
         model_flops = _model_flops_per_token(cfg)
         peak = _measure_peak(self.mesh, cfg.model.dtype) if peak_flops is None else peak_flops
-        log.info("hpcpar %s: mesh dp=%d x tp=%d x pp=%d on %d rank(s); %s; global batch %d tokens/step; "
+        log.info("hpcpar %s: mesh %s on %d rank(s); %s; global batch %d tokens/step; "
                  "%.2fM non-embedding parameters; GEMM peak %.1f GFLOP/s",
-                 hpcpar.__version__, self.mesh.size(Axis.DP), self.mesh.size(Axis.TP), self.mesh.size(Axis.PP),
-                 self.mesh.world.size, data.corpus_description(cfg.data.corpus), self.tokens_per_step,
-                 self.cfg.model.non_embedding_params() / 1e6, peak / 1e9)
+                 hpcpar.__version__, self._mesh_text(), self.mesh.world.size, data.corpus_description(cfg.data.corpus),
+                 self.tokens_per_step, self.cfg.model.non_embedding_params() / 1e6, peak / 1e9)
         draw = rank0 and (run.progress if progress is None else progress)
         writer = metrics.JsonLines(os.path.join(run.dir, "metrics.jsonl")) if files and rank0 else None
         bar = _Progress(draw, end, self.step)
@@ -313,7 +325,8 @@ class Trainer:
         return {
             "steps": self.step, "tokens_per_s": tok_s, "mfu": tok_s * model_flops / peak if peak else 0.0,
             "gemm_peak_flops": peak, "first_loss": state.first_loss, "final_loss": state.last_loss,
-            "val_loss": state.val_loss, "mesh": {str(a): mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP)},
+            "val_loss": state.val_loss, "mesh": {str(a): mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP, Axis.CP)},
+            "cp_impl": cfg.mesh.cp_impl,
             "schedule": cfg.pipeline.schedule, "microbatches": cfg.train.microbatches,
             "pipeline_bubble_predicted": sim.bubble,
             "pipeline_bubble_measured": self.executor.measured_bubble(),
@@ -323,7 +336,7 @@ class Trainer:
     # -- global views (tests, checkpoints) -------------------------------------------------
     def _owns_blocks(self, p) -> bool:
         """Whether this rank contributes `p`'s blocks to a global sum: one holder per element."""
-        if p.tied_to or self.mesh.rank(Axis.DP) != 0:
+        if p.tied_to or self.mesh.rank(Axis.DP) != 0 or self.mesh.rank(Axis.CP) != 0:
             return False
         return p.layout.split_dim is not None or self.mesh.rank(Axis.TP) == 0
 
@@ -374,7 +387,7 @@ class Trainer:
         t = self.cfg.train
         meta = {"step": self.step, "optimizer_step": self.dp.optimizer_step_count(),
                 "config": config.to_toml(self.cfg), "hpcpar_version": hpcpar.__version__,
-                "mesh": {**{str(a): self.mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP)}, "zero": t.zero},
+                "mesh": {**{str(a): self.mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP, Axis.CP)}, "zero": t.zero},
                 "data_position": {"next_step": self.step, "seed": t.seed},
                 "rng": {"kind": "counter-based: (seed, step, sample id)", "seed": t.seed, "next_step": self.step},
                 "lr_schedule": {"next_step": self.step, "warmup": t.warmup, "total": t.steps}}
@@ -548,7 +561,9 @@ def _format_summary(s: dict) -> str:
         f"val loss         {s['val_loss']:.4f}" if s["val_loss"] is not None else "val loss         (not evaluated)",
         f"throughput       {s['tokens_per_s']:,.0f} tokens/s",
         f"MFU              {s['mfu']:.1%} of a measured GEMM peak of {s['gemm_peak_flops'] / 1e9:.1f} GFLOP/s",
-        f"mesh             dp={s['mesh']['dp']} x tp={s['mesh']['tp']} x pp={s['mesh']['pp']}, "
+        f"mesh             dp={s['mesh']['dp']}"
+        + (f" x cp={s['mesh']['cp']} ({s.get('cp_impl', 'ring')})" if s["mesh"].get("cp", 1) > 1 else "")
+        + f" x tp={s['mesh']['tp']} x pp={s['mesh']['pp']}, "
         f"schedule {s['schedule']}, {s['microbatches']} micro-batches",
         f"pipeline bubble  {s['pipeline_bubble_predicted']:.1%} predicted"
         + (f", {measured:.1%} measured" if measured is not None else ""),

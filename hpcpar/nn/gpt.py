@@ -27,6 +27,7 @@ from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
 from hpcpar.nn import init
 from hpcpar.nn.layers import Embedding, LayerNorm, Linear
+from hpcpar.nn.context_parallel import ContextParallelPlan
 from hpcpar.nn.module import Module, Parameter
 from hpcpar.nn.tensor_parallel import TensorParallelPlan
 from hpcpar.schema import field
@@ -108,16 +109,21 @@ class GPTConfig:
 
 
 class CausalSelfAttention(Module):
-    """c_attn: [3C, C] rows [q; k; v] -> fused causal attention -> c_proj: [C, C]."""
+    """c_attn: [3C, C] rows [q; k; v] -> fused causal attention -> c_proj: [C, C].
 
-    def __init__(self, cfg: GPTConfig):
+    `attend(qkv, n_head)` is the attention itself: `ops.causal_attention`, or under context
+    parallelism ring attention / Ulysses over the cp group (`parallel.context.ContextParallel`).
+    """
+
+    def __init__(self, cfg: GPTConfig, attend=ops.causal_attention):
         super().__init__()
         self.n_head = cfg.n_head
+        self.attend = attend
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, cfg.bias, cfg.dtype)
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, cfg.bias, cfg.dtype)
 
     def forward(self, x):
-        return self.c_proj(ops.causal_attention(self.c_attn(x), self.n_head))
+        return self.c_proj(self.attend(self.c_attn(x), self.n_head))
 
 
 class MLP(Module):
@@ -164,15 +170,16 @@ class Transformer(Module):
 class PlainPlan:
     """The one-process layer plan: which module fills each role of a GPT, and how the head and
     the sequence are treated. `tensor_parallel.TensorParallelPlan` has the same methods (the
-    Megatron plan); GPT is built from whichever plan its tensor-parallel degree calls for."""
+    Megatron plan); GPT is built from whichever plan its tensor-parallel degree calls for, and
+    `context_parallel.ContextParallelPlan` wraps either when the sequence is split over cp ranks."""
 
     sequence_parallel = False
 
     def wte(self, cfg: GPTConfig) -> Module:
         return Embedding(cfg.vocab_size, cfg.n_embd, cfg.dtype)
 
-    def attn(self, cfg: GPTConfig) -> Module:
-        return CausalSelfAttention(cfg)
+    def attn(self, cfg: GPTConfig, attend=ops.causal_attention) -> Module:
+        return CausalSelfAttention(cfg, attend)
 
     def mlp(self, cfg: GPTConfig) -> Module:
         return MLP(cfg)
@@ -184,12 +191,19 @@ class PlainPlan:
         """Layout of wte / a stage's tied LM-head copy [V, C]."""
         return Layout.replicated((cfg.vocab_size, cfg.n_embd))
 
+    def position_ids(self, t: int):
+        """The rows of wpe that a rank's `t` tokens use: positions 0 .. t-1."""
+        return slice(0, t)
+
     def positions(self, pos: Tensor, t: int) -> Tensor:
         """The position embeddings [T, C] this rank adds to its activations."""
         return pos
 
-    def dropout(self, x: Tensor, p: float, keys) -> Tensor:
-        return ops.dropout(x, p, keys)
+    def dropout(self, x: Tensor, p: float, keys, rows=None, length: int | None = None) -> Tensor:
+        """Dropout on x [B, T, ..]; `rows` (positions in a sequence of `length`) when x holds
+        only those tokens (context parallelism): their rows of the whole sequence's mask."""
+        full = None if rows is None else (length,) + tuple(x.shape[2:])
+        return ops.dropout(x, p, keys, rows=rows, full_shape=full)
 
     def lm_head(self, h: Tensor, weight: Tensor, targets) -> Tensor:
         """ln_f output [B, T, C] -> the mean loss (with targets) or logits [B, T, V]."""
@@ -208,10 +222,13 @@ class GPT(Module):
         head: this stage holds ln_f and the LM head and returns logits or the loss.
         sequence_parallel: Megatron-SP (with tp > 1).
         seed: initialisation seed (values depend only on seed, name and global shape).
+        cp: the context-parallel group (`parallel.context.ContextParallel`; None or size 1: the
+            whole sequence on this rank). With cp > 1 token ids, targets and activations are this
+            rank's tokens only, [B, T/cp(, C)] (`cp.positions(T)`).
     """
 
     def __init__(self, config: GPTConfig, tp_comm=None, layers=None, embed: bool = True,
-                 head: bool = True, sequence_parallel: bool = False, seed: int = 0):
+                 head: bool = True, sequence_parallel: bool = False, seed: int = 0, cp=None):
         super().__init__()
         config.check_dtype()
         self.config = config
@@ -223,6 +240,9 @@ class GPT(Module):
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
         self.plan = (PlainPlan() if self.tp_comm is None
                      else TensorParallelPlan(cfg, self.tp_comm, bool(sequence_parallel)))
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        if self.cp is not None:
+            self.plan = ContextParallelPlan(cfg, self.plan, self.cp)
         self.sequence_parallel = self.plan.sequence_parallel
         plan = self.plan
         self.transformer = Transformer()
@@ -270,7 +290,8 @@ class GPT(Module):
     def forward(self, x, targets=None):
         """x: idx int [B, T] (embed; host or device) or activations [B, T, C] ([B, T/tp, C] under
         sequence parallelism); targets int [B, T] (head). Returns the loss, logits [B, T, V] or
-        activations (same layout as x). Token ids and targets move to the parameters' device here."""
+        activations (same layout as x). Token ids and targets move to the parameters' device here.
+        Under context parallelism T is this rank's share of the sequence, T/cp."""
         if self.embed:
             xp = backend.array_module(self.transformer.wpe.weight.data)
             idx = xp.asarray(x.data if isinstance(x, Tensor) else x)
@@ -278,7 +299,9 @@ class GPT(Module):
             if t > self.config.block_size:
                 raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
             tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
-            pos = self.plan.positions(ops.getitem(self.transformer.wpe.weight, slice(0, t)), t)
+            rows = self.plan.position_ids(t)   # slice(0, t), or my positions under context parallelism
+            rows = rows if isinstance(rows, slice) else xp.asarray(rows)
+            pos = self.plan.positions(ops.getitem(self.transformer.wpe.weight, rows), t)
             h = self._dropout(tok + pos, 0)
         else:
             h = x

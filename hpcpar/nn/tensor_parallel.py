@@ -132,18 +132,19 @@ class ParallelSelfAttention(Module):
     In/out: [B, T, C] replicated, or [B, T/tp, C] under sequence parallelism.
     """
 
-    def __init__(self, config, comm: Communicator, sequence_parallel: bool = False):
+    def __init__(self, config, comm: Communicator, sequence_parallel: bool = False, attend=ops.causal_attention):
         super().__init__()
         require_divisible("n_head", config.n_head, "tp", comm.size, _WHOLE_HEADS)
         c = config.n_embd
         self.n_head_local = config.n_head // comm.size
+        self.attend = attend  # ops.causal_attention, or context-parallel attention over my heads
         self.c_attn = ColumnParallelLinear(c, 3 * c, comm, config.bias, config.dtype, groups=3,
                                            sequence_parallel=sequence_parallel)
         self.c_proj = RowParallelLinear(c, c, comm, config.bias, config.dtype, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.c_attn(x)                                    # [B, T, 3C/tp]: my heads' q, k, v
-        return self.c_proj(ops.causal_attention(qkv, self.n_head_local))
+        return self.c_proj(self.attend(qkv, self.n_head_local))
 
 
 class ParallelMLP(Module):
@@ -255,13 +256,16 @@ def parallel_lm_head(h: Tensor, weight_shard: Parameter, targets, comm: Communic
     return vocab_parallel_cross_entropy(logits, targets, comm)
 
 
-def sequence_parallel_dropout(x_shard: Tensor, p: float, mask_rng_keys, comm: Communicator) -> Tensor:
+def sequence_parallel_dropout(x_shard: Tensor, p: float, mask_rng_keys, comm: Communicator, rows=None,
+                              length: int | None = None) -> Tensor:
     """Dropout on a sequence shard [B, T/tp, ..] with the single-process model's mask: my rows
     of the mask the full sequence [T, ..] would get (drawn directly, never the whole mask), so
-    results do not depend on tp."""
+    results do not depend on tp. `rows` (positions in a sequence of `length`): the tokens the tp
+    group holds when that is not the whole sequence (context parallelism); I hold part `rank`."""
     n = x_shard.shape[SEQ_DIM]
-    full = (n * comm.size,) + x_shard.shape[SEQ_DIM + 1:]
-    return ops.dropout(x_shard, p, mask_rng_keys, rows=slice(comm.rank * n, (comm.rank + 1) * n), full_shape=full)
+    mine = slice(comm.rank * n, (comm.rank + 1) * n)
+    full = ((n * comm.size,) if rows is None else (length,)) + x_shard.shape[SEQ_DIM + 1:]
+    return ops.dropout(x_shard, p, mask_rng_keys, rows=mine if rows is None else rows[mine], full_shape=full)
 
 
 class TensorParallelPlan:
@@ -278,8 +282,8 @@ class TensorParallelPlan:
     def wte(self, cfg) -> Module:
         return VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, self.comm, cfg.dtype, self.sequence_parallel)
 
-    def attn(self, cfg) -> Module:
-        return ParallelSelfAttention(cfg, self.comm, self.sequence_parallel)
+    def attn(self, cfg, attend=ops.causal_attention) -> Module:
+        return ParallelSelfAttention(cfg, self.comm, self.sequence_parallel, attend)
 
     def mlp(self, cfg) -> Module:
         return ParallelMLP(cfg, self.comm, self.sequence_parallel)
@@ -292,6 +296,10 @@ class TensorParallelPlan:
     def vocab_layout(self, cfg) -> Layout:
         return vocab_layout(cfg.vocab_size, cfg.n_embd, self.comm)
 
+    def position_ids(self, t: int):
+        """The rows of wpe that the tp group's `t` tokens use: positions 0 .. t-1."""
+        return slice(0, t)
+
     def positions(self, pos: Tensor, t: int) -> Tensor:
         """Position embeddings [T, C] -> my rows [T/tp, C] under sequence parallelism (gradient
         all-gathered back), else all of them."""
@@ -301,10 +309,12 @@ class TensorParallelPlan:
         require_divisible("sequence length T", t, "tp", self.comm.size, "with sequence parallelism")
         return split_to(pos, self.comm, 0)
 
-    def dropout(self, x: Tensor, p: float, keys) -> Tensor:
+    def dropout(self, x: Tensor, p: float, keys, rows=None, length: int | None = None) -> Tensor:
+        """As `PlainPlan.dropout`; under sequence parallelism x is my part of the group's tokens."""
         if self.sequence_parallel:  # x is a sequence shard: use my rows of the full-sequence mask
-            return sequence_parallel_dropout(x, p, keys, self.comm)
-        return ops.dropout(x, p, keys)
+            return sequence_parallel_dropout(x, p, keys, self.comm, rows, length)
+        full = None if rows is None else (length,) + tuple(x.shape[2:])
+        return ops.dropout(x, p, keys, rows=rows, full_shape=full)
 
     def lm_head(self, h: Tensor, weight: Tensor, targets) -> Tensor:
         return parallel_lm_head(h, weight, targets, self.comm, self.sequence_parallel)

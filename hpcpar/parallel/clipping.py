@@ -9,7 +9,9 @@ to be counted exactly once across the mesh although many ranks hold copies:
 - pipeline parallelism: stages hold different parameters and all count; a tied copy (the LM
   head mirroring the embedding, `tied_to`) is skipped, the embedding counts;
 - data parallelism: replicas are identical after the average, so only dp rank 0 counts,
-  except under ZeRO, where each dp rank counts the segments of its own part.
+  except under ZeRO, where each dp rank counts the segments of its own part. Context-parallel
+  ranks are replicas of the same kind (the gradient group is dp x cp): "dp rank" is the rank in
+  that group.
 
 Choosing those items is the caller's (`counts_toward_norm` gives the tp/pp rule). Each rank
 sums its squares in float64; the per-rank sums are all-gathered over the world and added in

@@ -2,7 +2,10 @@
 
 Every dp rank holds the same parameters and computes gradients on its own samples of the
 global batch; averaging the gradients over dp makes each replica take the step the whole
-batch would give (PyTorch DDP, arXiv 2006.15704). `DataParallel` is the one object the
+batch would give (PyTorch DDP, arXiv 2006.15704). Context parallelism adds replicas of the
+same kind: the cp ranks of a sequence hold the same weights and each computes the gradient of
+the mean loss over its equal share of tokens, so the reduction group is dp x cp
+(`mesh.comm((Axis.DP, Axis.CP))`; "dp" below means that group). `DataParallel` is the one object the
 training loop talks to; the mechanisms live in their own modules:
 
 - hpcpar/parallel/buckets.py: the bucket plan, the flat gradient buffers every `.grad` is a
@@ -48,7 +51,9 @@ class DataParallel:
     Args:
         named_params: (global name, Parameter) of every parameter on this rank (all its
             pipeline chunks), in registration order.
-        mesh: the Mesh; uses `comm(Axis.DP)`, `comm(Axis.TP)`, `world` and `embedding_comm`.
+        mesh: the Mesh; uses `comm((Axis.DP, Axis.CP))` (the replicas: weights are replicated
+            over context parallelism too, so dp x cp ranks average their gradients), `comm(Axis.TP)`,
+            `world` and `embedding_comm`.
         bucket_mb: bucket size in MiB.
         wire_dtype: "float32" (no compression), "float16" or "bfloat16".
         zero: 0 (replicated optimizer state) or 1 (state sharded over dp).
@@ -72,7 +77,8 @@ class DataParallel:
     def __init__(self, named_params: Iterable[tuple[str, Any]], mesh, bucket_mb: float = 25.0,
                  wire_dtype: str = "float32", zero: int = 0,
                  make_optimizer: Callable[[list], Any] = AdamW, overlap: bool = True):
-        self.dp_comm = mesh.comm(Axis.DP)
+        # The gradient group: every rank holding the same weights on other tokens (dp x cp).
+        self.dp_comm = mesh.comm((Axis.DP, Axis.CP))
         compressor = make_compressor(wire_dtype, self.dp_comm)  # validates wire_dtype
         if zero not in (0, 1):
             raise ConfigError(f"zero={zero!r} is not a supported ZeRO stage; choose 0 or 1")

@@ -15,7 +15,8 @@ give the head stage the fewest blocks, and leftover blocks go to the earliest st
 
 Executor (`PipelineExecutor`). One step replays this rank's action list from `schedule.build`:
     recv_act   Irecv into a fresh buffer of the known activation shape [mbs, T, C] ([mbs, T/tp, C]
-               with sequence parallelism), wait, wrap as a leaf Tensor(requires_grad=True);
+               with sequence parallelism; T is the rank's T/cp tokens under context
+               parallelism, as the batches it is given), wait, wrap as a leaf Tensor;
     forward    run the chunk's stage (token ids on virtual stage 0, targets on the last); stash
                (input, output) until the backward;
     send_act   Isend the output's array; the handle is kept and waited at the end of the step;
@@ -49,6 +50,7 @@ from hpcpar.errors import ConfigError
 from hpcpar.mesh import Axis
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.parallel import schedule
+from hpcpar.parallel.context import ContextParallel
 from hpcpar.parallel.schedule import Action, Kind
 from hpcpar.tensor import Tensor, no_grad
 from hpcpar.trace import Tracer
@@ -92,11 +94,15 @@ def split_layers(n_layer: int, virtual_stages: int, head_cost: float = 0.0) -> l
 
 
 def build_stages(gpt_config: GPTConfig, mesh, chunks: int, seed: int,
-                 sequence_parallel: bool = False) -> list[GPT]:
+                 sequence_parallel: bool = False, cp: ContextParallel | None = None) -> list[GPT]:
     """This rank's model chunks: element c is virtual stage c * pp + pp_rank.
 
     Parameters are initialised from the seed by global name, so they equal the whole model's.
+    `cp`: the context-parallel group every chunk's attention uses (default: ring attention over
+    `mesh.comm(Axis.CP)`).
     """
+    if cp is None:
+        cp = ContextParallel(mesh.comm(Axis.CP))
     pp, rank = mesh.size(Axis.PP), mesh.rank(Axis.PP)
     n_virtual = pp * chunks
     ranges = split_layers(gpt_config.n_layer, n_virtual, head_cost(gpt_config))
@@ -104,7 +110,7 @@ def build_stages(gpt_config: GPTConfig, mesh, chunks: int, seed: int,
     for chunk in range(chunks):
         v = schedule.stage_of(rank, chunk, pp)
         stages.append(GPT(gpt_config, tp_comm=mesh.comm(Axis.TP), layers=ranges[v], embed=v == 0,
-                          head=v == n_virtual - 1, sequence_parallel=sequence_parallel, seed=seed))
+                          head=v == n_virtual - 1, sequence_parallel=sequence_parallel, seed=seed, cp=cp))
     return stages
 
 

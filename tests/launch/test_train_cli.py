@@ -25,7 +25,13 @@ def train(mpirun, n, run_dir, *extra):
     (2, ["--set", "mesh.tp=2"], []),
     (2, ["--set", "mesh.tp=2", "--set", "mesh.sequence_parallel=true"], []),
     # 4 ranks: the default dp=2 x pp=2; one rank sees the same global batch as 4 micro-batches.
-    (4, [], ["--set", "train.microbatches=4"])])
+    (4, [], ["--set", "train.microbatches=4"]),
+    # context parallelism with dropout (both runs): each design over 4 ranks, and ring cp=2 x dp=2.
+    (4, ["--set", "mesh.cp=4", "--set", "model.dropout=0.1"], ["--set", "model.dropout=0.1"]),
+    (4, ["--set", "mesh.cp=4", "--set", "mesh.cp_impl=ulysses", "--set", "model.dropout=0.1"],
+     ["--set", "model.dropout=0.1"]),
+    (4, ["--set", "mesh.cp=2", "--set", "mesh.dp=2", "--set", "model.dropout=0.1"],
+     ["--set", "model.dropout=0.1", "--set", "train.microbatches=4"])])
 def test_loss_curve_matches_the_one_rank_run(mpirun, tmp_path, n, mesh, same_global_batch):
     reference, _ = train(mpirun, 1, tmp_path / "one", *same_global_batch)
     parallel, job = train(mpirun, n, tmp_path / "many", *mesh)
@@ -43,7 +49,7 @@ def test_run_directory_contents(mpirun, tmp_path):
     for name in ("config.toml", "metrics.jsonl", "summary.json", "trace.json", "checkpoints/latest"):
         assert (run / name).exists(), name
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["mesh"] == {"dp": 2, "tp": 1, "pp": 2}
+    assert summary["mesh"] == {"dp": 2, "tp": 1, "pp": 2, "cp": 1}
     assert len(summary["peak_memory_bytes_per_rank"]) == 4
     assert summary["final_loss"] < summary["first_loss"]
     assert 0.0 < summary["pipeline_bubble_predicted"] < 1.0
@@ -61,3 +67,13 @@ def test_sample_and_plot_from_a_run(mpirun, tmp_path):
                  timeout=120)
     assert job.returncode == 0, job.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sample_from_a_context_parallel_run(mpirun, tmp_path):
+    """Context parallelism shards no weight: `hpcpar sample` on one rank reads a cp=2 checkpoint."""
+    _, job = train(mpirun, 2, tmp_path / "run", "--set", "mesh.cp=2", "--set", "train.steps=2")
+    assert "mesh             dp=1 x cp=2 (ring) x tp=1 x pp=1" in job.output
+    job = mpirun(1, [sys.executable, "-m", "hpcpar", "sample", str(tmp_path / "run" / "checkpoints"),
+                     "--prompt", "def ", "--tokens", "20"], timeout=120)
+    assert job.returncode == 0, job.output
+    assert job.stdout.startswith("def ") and len(job.stdout.strip()) > len("def ")

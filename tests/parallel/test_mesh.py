@@ -80,7 +80,7 @@ def test_coordinates_and_sub_communicators(make_mesh, shape):
     case = CASES[shape]
     m = make_mesh(dp=dp, tp=tp, pp=pp)
     me = MPI.COMM_WORLD.Get_rank()
-    assert m.coords == dict(zip(("pp", "dp", "tp"), case["coords"][me]))
+    assert m.coords == {**dict(zip(("pp", "dp", "tp"), case["coords"][me])), "cp": 0}
     assert (m.size("pp"), m.size("dp"), m.size("tp")) == (pp, dp, tp)
     assert (m.rank("pp"), m.rank("dp"), m.rank("tp")) == case["coords"][me]
     seen = {key: members(m.comm(key)) for key in case["groups"]}
@@ -119,7 +119,8 @@ def test_axis_sets_are_canonical_and_cached(make_mesh):
     assert m.comm(("tp", "dp")) is m.comm(("dp", "tp"))
     assert m.comm(("tp", "dp")).name == "dp+tp"
     assert m.comm("dp") is m.comm(["dp"])
-    assert m.comm(("pp", "dp", "tp")) is m.world and m.world.name == "world"
+    assert m.comm(("pp", "dp", "cp", "tp")) is m.world and m.world.name == "world"
+    assert m.comm(("cp", "dp")).name == "dp+cp" and m.comm(("cp", "dp")).size == N
     assert m.size(("dp", "tp")) == N and m.rank("dp") == MPI.COMM_WORLD.Get_rank()
 
 
@@ -162,18 +163,20 @@ def test_bad_degrees_raise_mesh_error_on_every_rank(degrees, message):
 def test_unknown_axes(make_mesh):
     m = make_mesh(dp=N)
     for axes in ("ep", ("dp", "sp"), (), ("dp", "dp")):
-        with pytest.raises(MeshError, match="the axes are pp, dp and tp"):
+        with pytest.raises(MeshError, match="the axes are pp, dp, cp and tp"):
             m.comm(axes)
-    with pytest.raises(MeshError, match=r"unknown or repeated mesh axes \['cp'\]"):
-        m.size("cp")
+    with pytest.raises(MeshError, match=r"unknown or repeated mesh axes \['ep'\]"):
+        m.size("ep")
+    assert m.size("cp") == 1 and m.rank("cp") == 0
     with pytest.raises(MeshError):
         m.rank("x")
 
 
 def test_info_fills_dp_with_the_config_rule():
     # `hpcpar info`: tp and pp left out are 1, dp left out fills the world as the config's dp = 0 does.
-    assert mesh_mod.resolve_degrees(12, 0, 2, 3) == (2, 2, 3)
-    assert mesh_mod.resolve_degrees(8, 2, 4, 1) == (2, 4, 1)
+    assert mesh_mod.resolve_degrees(12, 0, 2, 3) == (2, 2, 3, 1)
+    assert mesh_mod.resolve_degrees(8, 2, 4, 1) == (2, 4, 1, 1)
+    assert mesh_mod.resolve_degrees(8, 0, 2, 1, 2) == (2, 2, 1, 2)
     with pytest.raises(MeshError, match=rf"mesh tp={N + 1} x pp=1 = {N + 1} does not divide the world size {N}"):
         mesh_mod.info_report(tp=N + 1)
     with pytest.raises(MeshError, match=f"mesh pp=0: pp must be a positive integer \\(dp fills the rest of the {N}"):
@@ -205,3 +208,48 @@ def test_info_report_with_degrees():
 def test_info_report_bad_degrees_raise_everywhere():
     with pytest.raises(MeshError, match=f"the world has {N} ranks"):
         mesh_mod.info_report(dp=N + 1, tp=1)
+
+
+# dp, cp, tp, pp -> per world rank (pp, dp, cp, tp) and groups; cp sits between dp and tp.
+CP_CASES = {
+    (1, 2, 2, 1): dict(coords=[(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 0, 1, 1)],
+                       groups={"cp": [[0, 2], [1, 3]], "tp": [[0, 1], [2, 3]], ("dp", "cp"): [[0, 2], [1, 3]]},
+                       embedding=None),
+    (2, 2, 1, 1): dict(coords=[(0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 0), (0, 1, 1, 0)],
+                       groups={"cp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], ("dp", "cp"): ALL(4)},
+                       embedding=None),
+    (1, 2, 1, 2): dict(coords=[(0, 0, 0, 0), (0, 0, 1, 0), (1, 0, 0, 0), (1, 0, 1, 0)],
+                       groups={"cp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]], ("dp", "cp"): [[0, 1], [2, 3]]},
+                       embedding=[[0, 2], [1, 3]]),
+    (1, 2, 1, 1): dict(coords=[(0, 0, 0, 0), (0, 0, 1, 0)],
+                       groups={"cp": [[0, 1]], ("dp", "cp"): [[0, 1]], "tp": ONE(2)}, embedding=None),
+}
+
+
+@pytest.mark.parametrize("shape", list(CP_CASES), ids=lambda s: "dp%dxcp%dxtp%dxpp%d" % s)
+def test_context_parallel_axis_sits_between_dp_and_tp(make_mesh, shape):
+    if np.prod(shape) != N:
+        pytest.skip(f"{shape} needs {np.prod(shape)} ranks")
+    dp, cp, tp, pp = shape
+    case = CP_CASES[shape]
+    m = make_mesh(dp=dp, tp=tp, pp=pp, cp=cp)
+    me = MPI.COMM_WORLD.Get_rank()
+    assert m.coords == dict(zip(("pp", "dp", "cp", "tp"), case["coords"][me]))
+    for key, groups in case["groups"].items():
+        assert members(m.comm(key)) == next(g for g in groups if me in g), f"axis {key}"
+    if case["embedding"] is not None:
+        assert members(m.embedding_comm) == next(g for g in case["embedding"] if me in g)
+    assert f"cp={cp}" in m.shape_str()
+    header = m.rank_table().splitlines()[0].split()
+    assert header[:5] == ["rank", "pp", "dp", "cp", "tp"]
+
+
+def test_info_report_shows_the_cp_axis():
+    if N % 2:
+        pytest.skip("needs an even world")
+    text = mesh_mod.info_report(cp=2)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert f"mesh: pp=1 x dp={N // 2} x cp=2 x tp=1" in text
+    if N != 2:
+        with pytest.raises(MeshError, match=r"mesh dp=1 x cp=2 x tp=1 x pp=1 = 2 ranks, but the world has"):
+            mesh_mod.info_report(dp=1, cp=2)

@@ -9,14 +9,12 @@ reference's own pp = 1 executor path is checked against a plain forward/backward
 tests/unit/test_pipeline_split.py.)
 """
 
-import json
-import os
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert, host
+from collective import collective_assert, one_step_trace, rel_err, training_problems
 
 from hpcpar.config import load_config
 from hpcpar.train import Trainer
@@ -31,11 +29,6 @@ BASE = ["model.vocab_size=256", "model.block_size=8", "model.n_layer=8", "model.
 # A fixed pseudo-random byte corpus: no file reading, the same on every rank.
 TOKENS = np.random.default_rng(0).integers(0, 256, 50_000).astype(np.uint8)
 
-
-
-def rel_err(a, b) -> float:
-    a, b = host(a), host(b)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 _reference_cache: dict = {}
@@ -95,16 +88,7 @@ def check_training(dp, tp, pp, name, m, chunks, sp, host_messages=False):
     results = [trainer.train_step(s) for s in range(STEPS)]
     ref_steps, ref_params = reference(dp * m)
 
-    problems = []
-    for s, (r, (loss, norm)) in enumerate(zip(results, ref_steps)):
-        if rel_err(r.loss, loss) > RTOL or rel_err(r.grad_norm, norm) > RTOL:
-            problems.append(f"step {s}: loss {r.loss!r} vs {loss!r}, grad norm {r.grad_norm!r} vs {norm!r}")
-    params = trainer.global_parameters()
-    if set(params) != set(ref_params):
-        problems.append(f"parameter names differ: {sorted(set(params) ^ set(ref_params))}")
-    for key in sorted(set(params) & set(ref_params)):
-        if rel_err(params[key], ref_params[key]) > RTOL:
-            problems.append(f"{key}: relative error {rel_err(params[key], ref_params[key]):.2e}")
+    problems = training_problems(results, ref_steps, trainer.global_parameters(), ref_params, RTOL)
     # The head's tied copy on the last stage (not in global_parameters) must track wte exactly.
     for stage in trainer.stages:
         for pname, p in stage.named_parameters():
@@ -137,14 +121,9 @@ def test_trace_has_every_rank(shared_dir):
     m = 2
     cfg = load_config(None, BASE + ["mesh.dp=1", "mesh.tp=1", f"mesh.pp={SIZE}", "pipeline.schedule=1f1b",
                                     f"train.microbatches={m}", "pipeline.trace=true"])
-    trainer = Trainer(cfg, comm=WORLD, tokens=TOKENS)
-    trainer.train_step(0)
-    path = os.path.join(shared_dir, "trace.json")
-    trainer.tracer.write_chrome_trace(path, trainer.mesh.world)
+    events = one_step_trace(Trainer(cfg, comm=WORLD, tokens=TOKENS), shared_dir)
     problem = ""
     if RANK == 0:
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
         spans = [e for e in events if e["ph"] == "X"]
         for rank in range(SIZE):
             mine = [e for e in spans if e["pid"] == rank]

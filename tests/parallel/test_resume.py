@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import os
 
-import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert, host
+from collective import collective_assert, host, stored
 
-from hpcpar import checkpoint as ck
 from hpcpar import config
 from hpcpar.train import Trainer
 
@@ -47,14 +45,6 @@ def make_trainer(layout, tokens) -> Trainer:
     cfg = config.load_config(None, TINY + [f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"train.zero={zero}",
                                            f"train.micro_batch_size={SEQUENCES_PER_MICROBATCH[SIZE] // dp}"])
     return Trainer(cfg, WORLD, tokens=tokens)
-
-
-def stored(path: str) -> dict:
-    """Every global tensor of a checkpoint, through index.h5 (each rank reads it)."""
-    out = {}
-    with h5py.File(os.path.join(path, ck.INDEX), "r", locking=False) as f:
-        f.visititems(lambda n, obj: out.__setitem__(n, obj[()]) if isinstance(obj, h5py.Dataset) else None)
-    return out
 
 
 def local_mismatches(trainer: Trainer, glob: dict) -> list[str]:

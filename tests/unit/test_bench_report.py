@@ -67,6 +67,21 @@ SAMPLES = {
                  mesh_row("tp=2", 2, 1100.0, 1000.0), mesh_row("dp=2xpp=2", 4, 1500.0, 1000.0),
                  {"mesh": "tp=4", "ranks": 4, "oversubscribed": True, "error": "exit status 1"}],
         "torch": None, "torch_note": "torch is not installed"},
+    "context": {
+        "meta": {"ranks": 4, "seq": 2048, "batch": 1, "n_embd": 64, "n_head": 4, "n_layer": 2, "dtype": "float32",
+                 "limit_bytes": 64 * MiB},
+        "attention": [{"design": d, "k": k, "saved_bytes_per_rank": b, "work_max_over_mean": w,
+                       "saved_x_k_over_reference": 1.0}
+                      for d, k, b, w in (("ring", 1, 64 * MiB, 1.0), ("ring", 4, MiB // 2, 1.0),
+                                         ("ulysses", 4, 16 * MiB, 1.0), ("tp+sp", 4, 16 * MiB, 1.0))],
+        "naive": [{"design": "ring", "k": 4, "saved_bytes_per_rank": MiB // 2, "work_max_over_mean": 1.749}],
+        "bytes": [{"design": d, "k": 4, "bytes_sent_per_layer": b, "formula_bytes": b}
+                  for d, b in (("ring", 2560 * 1024), ("ulysses", 768 * 1024), ("tp+sp", 3074 * 1024))],
+        "throughput": [{"design": d, "tokens_per_s": t} for d, t in (("ring", 15000.0), ("ulysses", 7000.0),
+                                                                      ("tp+sp", 7100.0))],
+        "longest": [{"cp": cp, "block_size": t, "estimate_bytes": 60 * MiB, "measured_peak_bytes": 58 * MiB}
+                    for cp, t in ((1, 1664), (2, 4352), (4, 8704))],
+        "checks": {"activations_proportional_to_1_over_k_within_10pct": True, "measured_peak_within_limit": True}},
 }
 
 
@@ -106,6 +121,13 @@ def test_key_figures_computed_from_the_json(run_all):
     assert mesh[0].startswith("strong tokens/s vs 1x1x1: 2 ranks: dp=2 1.60x, tp=2 1.20x; best dp=2 (1.76x per CPU-s)")
     assert "4 ranks*: dp=2xpp=2 1.70x; best dp=2xpp=2" in mesh[0] and "failed: tp=4" in mesh[0]
     assert "PyTorch peer skipped: torch is not installed" in mesh
+    context = run_all.key_figures("context", SAMPLES["context"])
+    assert context[0] == ("T=2048, k=4: attention activations per rank ring 0.50 MiB, ulysses 16.00 MiB, "
+                          "tp+sp 16.00 MiB (x k constant within 10%: yes)")
+    assert "ring 2560 KiB (formula 2560)" in context[1]
+    assert "zigzag 1.000, contiguous split 1.749 ((2cp-1)/cp = 1.750)" in context[2]
+    assert context[3] == "tokens/s: ring 15,000, ulysses 7,000, tp+sp 7,100"
+    assert "cp=1 1664, cp=2 4352, cp=4 8704; measured peak within the limit: yes" in context[4]
 
 
 def test_malformed_results_are_reported_not_raised(run_all):
@@ -128,6 +150,8 @@ def test_markdown_table(run_all, summary):
     assert "| tp=4 | 4\\* | failed | – | – | – | failed | – | – | – |" in text
     assert "PyTorch peer skipped: torch is not installed." in text
     assert "| 1f1b | 1 | 16 | 3.000 | 3.450 | +15.0% |" in text
+    assert "## Context parallelism" in text and "| ring (contiguous) | 4 | 0.500 | – | 1.749 | – | – |" in text
+    assert "| 4 | 8704 | 60.0 | 58.0 |" in text
 
 
 def test_quiet_machine_and_missing_results(run_all, tmp_path):

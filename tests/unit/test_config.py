@@ -31,6 +31,7 @@ BAD = [
     (["model.dropout=1.0"], 1, "model.dropout=1.0 is invalid: must be in [0, 1)"),
     (["model.dropout=-0.1"], 1, "model.dropout=-0.1 is invalid"),
     (["mesh.tp=-1"], 1, "mesh.tp=-1 is invalid: must be >= 0 (0 = auto)"),
+    (["mesh.cp=-1"], 1, "mesh.cp=-1 is invalid: must be >= 0 (0 = auto)"),
     (["data.val_fraction=1.0"], 1, "data.val_fraction=1.0 is invalid: must be in [0, 1)"),
     (["train.steps=0"], 1, "train.steps=0 is invalid: must be >= 1"),
     (["train.micro_batch_size=0"], 1, "train.micro_batch_size=0 is invalid"),
@@ -66,6 +67,8 @@ BAD = [
     (["model.dtype=float8"], 1, 'model.dtype="float8" is not one of'),
     (["run.backend=torch"], 1, 'run.backend="torch" is not one of "auto", "numpy", "cupy"'),
     (["train.grad_wire_dtype=int8"], 1, 'train.grad_wire_dtype="int8" is not one of'),
+    (["mesh.cp_impl=star"], 1, 'mesh.cp_impl="star" is not one of "ring", "ulysses"'),
+    (["mesh.cp_impl=ulyses"], 1, "did you mean 'ulysses'?"),
     # combinations
     (["model.n_embd=130"], 1, "model.n_embd=130 is not divisible by model.n_head=4"),
     (["model.dtype=bfloat16"], 1, 'model.dtype="bfloat16" (mixed precision) is not implemented yet'),
@@ -81,6 +84,23 @@ BAD = [
      "model.block_size=130 is not divisible by mesh.tp=4 with mesh.sequence_parallel=true"),
     (["model.block_size=130", "mesh.tp=4", "mesh.sequence_parallel=true"], 4, "use block_size=132"),
     (["model.block_size=130", "mesh.tp=4", "mesh.sequence_parallel=true"], 4, "or mesh.sequence_parallel=false"),
+    # context parallelism
+    (["mesh.cp=4", "model.block_size=12"], 4,
+     "model.block_size=12 is not divisible by 2*mesh.cp=8 (ring attention cuts the sequence into 2*cp zigzag "
+     "chunks); choose cp in {1, 2, 3, 6} or use block_size=16"),
+    (["mesh.cp=3", "model.block_size=128"], 3, "model.block_size=128 is not divisible by 2*mesh.cp=6"),
+    (["mesh.cp=3", "mesh.cp_impl=ulysses", "model.block_size=128"], 3,
+     "model.block_size=128 is not divisible by mesh.cp=3 (each cp rank holds block_size/cp tokens)"),
+    (["mesh.cp=4", "mesh.cp_impl=ulysses", "model.n_head=2", "model.n_embd=64"], 4,
+     'model.n_head=2 is not divisible by mesh.tp*mesh.cp=4 (mesh.cp_impl="ulysses" gives every tp x cp rank '
+     'whole heads); choose cp in {1, 2} or use n_head=4, or mesh.cp_impl="ring"'),
+    (["mesh.cp=2", "mesh.tp=2", "mesh.cp_impl=ulysses", "model.n_head=2", "model.n_embd=64"], 4,
+     "model.n_head=2 is not divisible by mesh.tp*mesh.cp=4"),
+    (["mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true", "model.block_size=36"], 4,
+     "model.block_size=36 is not divisible by 2*mesh.cp*mesh.tp=8 (ring attention cuts the sequence into 2*cp "
+     "zigzag chunks, each split over tp by sequence parallelism); choose cp in {1, 3, 9} or use block_size=40"),
+    (["mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true", "mesh.cp_impl=ulysses", "model.block_size=6"], 4,
+     "model.block_size=6 is not divisible by mesh.cp*mesh.tp=4"),
     # pipeline
     (["model.n_layer=1"], 4, "model.n_layer=1 is fewer than mesh.pp=2 x pipeline.chunks=1 = 2 virtual stages"),
     (["model.n_layer=1"], 4, "or mesh.pp=1 (pp=2 is the auto default)"),
@@ -98,6 +118,9 @@ MESH_BAD = [
     (["mesh.dp=3"], 4, "mesh dp=3, tp=1 (auto), pp=1 (auto): product 3 != world size 4"),
     (["mesh.tp=3"], 4, "mesh tp=3 x pp=1 = 3 does not divide the world size 4; choose tp * pp in {1, 2, 4}"),
     (["mesh.pp=2"], 3, "mesh tp=1 x pp=2 = 2 does not divide the world size 3"),
+    (["mesh.cp=3"], 4, "mesh cp=3 x tp=1 x pp=1 = 3 does not divide the world size 4; choose cp * tp * pp in "
+                       "{1, 2, 4}"),
+    (["mesh.cp=2", "mesh.dp=3"], 4, "mesh dp=3, cp=2, tp=1 (auto), pp=1 (auto): product 6 != world size 4"),
 ]
 
 
@@ -137,9 +160,9 @@ def test_defaults_are_valid_at_every_small_world():
 @pytest.mark.parametrize("world, expected", [(1, (1, 1, 1)), (2, (2, 1, 1)), (3, (3, 1, 1)),
                                              (4, (2, 1, 2)), (8, (4, 1, 2)), (6, (3, 1, 2))])
 def test_mesh_auto_rule(world, expected):
-    assert resolve_degrees(world) == expected
+    assert resolve_degrees(world) == expected + (1,)
     resolved = validate(Config(), world)
-    assert (resolved.mesh.dp, resolved.mesh.tp, resolved.mesh.pp) == expected
+    assert (resolved.mesh.dp, resolved.mesh.tp, resolved.mesh.pp, resolved.mesh.cp) == expected + (1,)
 
 
 @pytest.mark.parametrize("overrides, world, expected", [
@@ -148,16 +171,20 @@ def test_mesh_auto_rule(world, expected):
     (["mesh.pp=4"], 4, (1, 1, 4)),
     (["mesh.tp=2", "mesh.pp=2"], 8, (2, 2, 2)),
     (["mesh.dp=1", "mesh.tp=2", "mesh.pp=2"], 4, (1, 2, 2)),
+    (["mesh.cp=2"], 4, (2, 1, 1, 2)),      # cp given: pp stays 1, dp fills the rest
+    (["mesh.cp=2", "mesh.pp=2"], 4, (1, 1, 2, 2)),
+    (["mesh.cp=4", "mesh.tp=2"], 8, (1, 2, 1, 4)),
 ])
 def test_mesh_partial_degrees(overrides, world, expected):
     m = load_config(None, overrides).mesh
-    assert resolve_degrees(world, m.dp, m.tp, m.pp) == expected
+    expected = expected if len(expected) == 4 else expected + (1,)
+    assert resolve_degrees(world, m.dp, m.tp, m.pp, m.cp) == expected
 
 
 def test_validate_returns_resolved_config_and_is_idempotent():
     cfg = load_config(None, ["train.steps=7"])
     resolved = validate(cfg, 4)
-    assert resolved.mesh == dataclasses.replace(cfg.mesh, dp=2, tp=1, pp=2)
+    assert resolved.mesh == dataclasses.replace(cfg.mesh, dp=2, tp=1, pp=2, cp=1)
     assert resolved.train == cfg.train
     assert validate(resolved, 4) == resolved
     with pytest.raises(MeshError):
@@ -391,6 +418,27 @@ def test_memory_estimate_scales_as_documented():
     gpipe = load_config(None, many + ["pipeline.schedule=gpipe"])
     one_f = load_config(None, many + ["pipeline.schedule=1f1b"])
     assert config._memory_parts(gpipe, 1, 1, 2)[1] > config._memory_parts(one_f, 1, 1, 2)[1]
+
+
+def test_memory_estimate_divides_activations_by_cp():
+    """Context parallelism shards no weight: the model state stays, the activations of a rank's
+    T/cp tokens shrink. Ring keeps no [T, T] probabilities; Ulysses keeps them for H/cp heads."""
+    long = ["model.block_size=1024", "train.micro_batch_size=1", "model.n_layer=2"]
+    plain = config._memory_parts(load_config(None, long), 1, 1, 1)
+    for impl in ("ring", "ulysses"):
+        cfg = load_config(None, long + [f"mesh.cp_impl={impl}"])
+        parts = {cp: config._memory_parts(cfg, 1, 1, 1, cp) for cp in (1, 2, 4)}
+        assert parts[1] == plain and all(state == plain[0] for state, _ in parts.values())
+        assert parts[4][1] < parts[2][1] < parts[1][1]
+        # About 1/cp: everything but Ulysses' [T, T] causal mask (one per rank) scales with T/cp.
+        assert parts[4][1] <= 0.5 * parts[2][1] * (1.05 if impl == "ring" else 1.25)
+    ring = config._memory_parts(load_config(None, long + ["mesh.cp_impl=ring"]), 1, 1, 1, 4)[1]
+    ulysses = config._memory_parts(load_config(None, long + ["mesh.cp_impl=ulysses"]), 1, 1, 1, 4)[1]
+    assert ring < ulysses                                      # no [T, T] per layer
+    # The resolved config carries cp; ZeRO-1 shards the optimizer state over dp x cp.
+    zero = validate(load_config(None, long + ["mesh.cp=4", "train.zero=1"]), 4)
+    assert config.estimate_memory(zero, 1, 1, 1) == sum(config._memory_parts(zero, 1, 1, 1, 4))
+    assert config._memory_parts(zero, 1, 1, 1)[0] < plain[0]
 
 
 def test_parameter_count_matches_nanogpt_formula():

@@ -1,0 +1,76 @@
+"""The context-parallel layer plan: a GPT whose sequence is split over the ranks of a cp group.
+
+`ContextParallelPlan(config, base, cp)` wraps the plan of the tp group (`gpt.PlainPlan` or
+`tensor_parallel.TensorParallelPlan`) and changes only what depends on which tokens a rank
+holds; every token-wise layer (embeddings, LayerNorm, MLP, the LM head and its loss) is the
+base plan's, run on this rank's T/cp tokens:
+
+    attn        the base attention module, its attention computed by `cp.attention`
+                (ring attention or Ulysses, `parallel/context.py`) instead of
+                `ops.causal_attention`;
+    position_ids  my tokens' global positions (`cp.positions(T)`: zigzag chunks r and 2cp-1-r
+                for ring, chunk r for Ulysses): wpe rows are gathered there, and the gradient
+                scatter-adds back into those rows;
+    dropout     my rows of the whole sequence's counter-based mask (then the base plan's part of
+                them under sequence parallelism), so masks do not depend on cp.
+
+Weights are replicated over cp: each rank's weight gradient is the sum over its tokens, the cp
+ranks' gradients add up to the whole sequence's, and data parallelism averages them over
+dp x cp (every cp rank holds the same number of tokens).
+"""
+
+from __future__ import annotations
+
+from hpcpar.schema import require_divisible
+
+
+class ContextParallelPlan:
+    """A GPT layer plan over a cp group (see the module doc); same methods as `gpt.PlainPlan`.
+
+    Args:
+        config: the GPTConfig (checked: Ulysses needs whole heads per rank).
+        base: the plan of this rank's tp group (PlainPlan or TensorParallelPlan).
+        cp: the `parallel.context.ContextParallel` group (size > 1).
+    """
+
+    def __init__(self, config, base, cp):
+        tp = base.comm.size if getattr(base, "comm", None) is not None else 1
+        if cp.impl == "ulysses":
+            require_divisible("n_head", config.n_head, "tp*cp", tp * cp.size,
+                              "(Ulysses gives each rank whole heads)")
+        self.base, self.cp = base, cp
+        self.block_size = config.block_size
+        self.sequence_parallel = base.sequence_parallel
+
+    def wte(self, cfg):
+        return self.base.wte(cfg)
+
+    def attn(self, cfg):
+        return self.base.attn(cfg, attend=self.cp.attention)
+
+    def mlp(self, cfg):
+        return self.base.mlp(cfg)
+
+    def norm(self, cfg):
+        return self.base.norm(cfg)
+
+    def vocab_layout(self, cfg):
+        return self.base.vocab_layout(cfg)
+
+    def position_ids(self, t: int):
+        """Global positions (int64 [t]) of this rank's `t` tokens of a cp*t-token sequence."""
+        if t * self.cp.size > self.block_size:
+            raise ValueError(f"sequence length {t * self.cp.size} ({t} tokens on each of cp={self.cp.size} "
+                             f"ranks) exceeds block_size {self.block_size}")
+        return self.cp.positions(t * self.cp.size)
+
+    def positions(self, pos, t: int):
+        return self.base.positions(pos, t)
+
+    def dropout(self, x, p: float, keys):
+        """x [B, T/cp, ..] (or the base plan's sequence shard of it): my rows of the full mask."""
+        t = x.shape[1] * self.cp.size * (self.base.comm.size if self.sequence_parallel else 1)
+        return self.base.dropout(x, p, keys, rows=self.cp.positions(t), length=t)
+
+    def lm_head(self, h, weight, targets):
+        return self.base.lm_head(h, weight, targets)
