@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=None)
     p.add_argument("--pp", type=int, default=None)
     p.add_argument("--cp", type=int, default=None, help="context-parallel degree")
+    p.add_argument("--dp-replicate", type=int, default=None,
+                   help="HSDP: dp = dp_replicate x dp_shard (shard groups are reported inside a node or not)")
 
     p = verbs.add_parser("ckpt", help="inspect, verify or export a checkpoint")
     p.add_argument("action", choices=["info", "verify", "export"])
@@ -73,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
                              temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     if args.verb == "info":
         from hpcpar import mesh
-        print(mesh.info_report(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp), end="")
+        print(mesh.info_report(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
+                                     dp_replicate=args.dp_replicate), end="")
         return 0
     if args.verb == "ckpt":
         from hpcpar import checkpoint

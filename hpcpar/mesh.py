@@ -7,6 +7,13 @@ parallelism's frequent all-reduces are cheapest; a cp group (the ring of ring at
 all-to-all of Ulysses) comes next. With cp = 1 the layout is the (pp, dp, tp) mesh of before.
 The mesh is an argument passed to whoever needs it, never a global.
 
+The data-parallel axis is two Cartesian axes, `dp_replicate x dp_shard` (HSDP: shard inside a
+node, replicate across nodes), dp_shard inner: the Cartesian order is (pp, dp_replicate,
+dp_shard, cp, tp) and dp_coord = replicate_coord * dp_shard + shard_coord, so every rank keeps
+its place and its data whatever the split. `Axis.DP` names both together (its size is their
+product, its communicator spans both); with dp_replicate = 1 (the default) dp_shard is dp and
+every name, message and shape string is the one of the (pp, dp, cp, tp) mesh.
+
 Every sub-communicator is created in the constructor (collectively, on every
 rank), so later `mesh.comm(...)` calls are local look-ups that no rank can skip
 into a hang.
@@ -37,15 +44,19 @@ class Axis(str, enum.Enum):
     config values); code says `Axis.DP`, users and files say "dp"."""
 
     PP = "pp"
-    DP = "dp"
+    DP = "dp"              # dp_replicate x dp_shard together
     CP = "cp"
     TP = "tp"
+    DP_REPLICATE = "dp_replicate"  # HSDP: the replicas of a sharded model (across nodes)
+    DP_SHARD = "dp_shard"          # the ranks ZeRO/FSDP shard over (with cp: dp_shard x cp)
 
     __str__ = str.__str__
     __format__ = str.__format__
 
 
-AXES = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)  # Cartesian order: pp outermost, tp innermost
+AXES = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)  # the four degrees, pp outermost, tp innermost
+# The Cartesian axes: dp is dp_replicate x dp_shard, dp_shard the inner one.
+CART_AXES = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP)
 
 
 def _positive_int(value) -> bool:
@@ -71,8 +82,9 @@ def _fits_message(degrees: dict, world: int) -> str:
     return f"e.g. dp={world} x tp=1 x pp=1"
 
 
-def validate_degrees(dp: int, tp: int, pp: int, world: int, cp: int = 1) -> None:
-    """Raise MeshError unless dp, tp, pp, cp are positive integers whose product is `world`.
+def validate_degrees(dp: int, tp: int, pp: int, world: int, cp: int = 1, dp_replicate: int = 1) -> None:
+    """Raise MeshError unless dp, tp, pp, cp are positive integers whose product is `world` and
+    `dp_replicate` divides dp.
 
     The guard of explicitly given degrees (`Mesh`); degrees a user may leave to "auto" go
     through `resolve_degrees` first, which reports in the config's terms.
@@ -87,6 +99,15 @@ def validate_degrees(dp: int, tp: int, pp: int, world: int, cp: int = 1) -> None
     if product != world:
         raise MeshError(f"mesh {shape} = {product} ranks, but the world has {world} ranks; the product of "
                         f"{axes} must equal the number of ranks ({_fits_message(degrees, world)})")
+    check_dp_replicate(dp, dp_replicate)
+
+
+def check_dp_replicate(dp: int, dp_replicate: int) -> None:
+    """Raise MeshError unless `dp_replicate` is a positive divisor of dp (dp = dp_replicate x dp_shard)."""
+    if not _positive_int(dp_replicate) or dp % dp_replicate:
+        raise MeshError(f"mesh.dp_replicate={dp_replicate} does not divide mesh.dp={dp} (HSDP splits dp into "
+                        f"dp_replicate x dp_shard); choose dp_replicate in "
+                        f"{{{', '.join(map(str, divisors(dp)))}}}")
 
 
 def resolve_degrees(world: int, dp: int = 0, tp: int = 0, pp: int = 0, cp: int = 0) -> tuple[int, int, int, int]:
@@ -126,12 +147,15 @@ def resolve_degrees(world: int, dp: int = 0, tp: int = 0, pp: int = 0, cp: int =
 
 
 def _axes_key(axes: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """Axis names in Cartesian order, checked: "tp" -> ("tp",); ("tp", "dp") -> ("dp", "tp")."""
+    """Cartesian axes in order, checked: "tp" -> ("tp",); ("tp", "dp") -> ("dp_replicate",
+    "dp_shard", "tp") (dp is both dp sub-axes)."""
     names = (axes,) if isinstance(axes, str) else tuple(axes)
-    unknown = [a for a in names if a not in AXES]
-    if unknown or not names or len(set(names)) != len(names):
-        raise MeshError(f"unknown or repeated mesh axes {list(names)}; the axes are pp, dp, cp and tp")
-    return tuple(a for a in AXES if a in names)
+    expanded = [x for a in names for x in ((Axis.DP_REPLICATE, Axis.DP_SHARD) if a == Axis.DP else (a,))]
+    unknown = [a for a in names if a not in AXES and a not in CART_AXES]
+    if unknown or not names or len(set(expanded)) != len(expanded):
+        raise MeshError(f"unknown or repeated mesh axes {list(names)}; the axes are pp, dp, cp and tp "
+                        "(dp = dp_replicate x dp_shard)")
+    return tuple(a for a in CART_AXES if a in expanded)
 
 
 @dataclass(frozen=True)
@@ -143,12 +167,16 @@ class Placement:
         nodes: node index of each mesh rank (ranks that share memory share a node).
         tp_groups: the mesh ranks of each tp group.
         tp_in_one_node: per tp group, whether all its ranks are on one node.
+        dp_shard_groups: the mesh ranks of each dp_shard group (those ZeRO/FSDP shard over).
+        dp_shard_in_one_node: per dp_shard group, whether all its ranks are on one node.
     """
 
     hostnames: tuple[str, ...]
     nodes: tuple[int, ...]
     tp_groups: tuple[tuple[int, ...], ...]
     tp_in_one_node: tuple[bool, ...]
+    dp_shard_groups: tuple[tuple[int, ...], ...] = ()
+    dp_shard_in_one_node: tuple[bool, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -162,30 +190,53 @@ class Placement:
             hosts = sorted({self.hostnames[r] for r in group})
             lines.append(f"  tp group ranks {list(group)}: {'one node' if inside else 'SPANS NODES'} "
                          f"({', '.join(hosts)})")
+        if self.dp_shard_groups:
+            lines.append(f"every dp_shard group inside one node: {'yes' if all(self.dp_shard_in_one_node) else 'NO'}")
+            for group, inside in zip(self.dp_shard_groups, self.dp_shard_in_one_node):
+                hosts = sorted({self.hostnames[r] for r in group})
+                lines.append(f"  dp_shard group ranks {list(group)}: {'one node' if inside else 'SPANS NODES'} "
+                             f"({', '.join(hosts)})")
         return "\n".join(lines)
 
 
 class Mesh:
-    """A (pp, dp, cp, tp) Cartesian mesh over `comm` (default MPI.COMM_WORLD).
+    """A (pp, dp, cp, tp) Cartesian mesh over `comm` (default MPI.COMM_WORLD), dp split into
+    dp_replicate x dp_shard (Cartesian axes pp, dp_replicate, dp_shard, cp, tp).
 
-    `dp * cp * tp * pp` must equal the number of ranks of `comm`; otherwise MeshError
-    is raised on every rank before any collective call. `comm(axes)` serves every set of
-    axes (e.g. `(Axis.DP, Axis.CP)`, the group weights replicated over cp are reduced on).
+    `dp * cp * tp * pp` must equal the number of ranks of `comm` and `dp_replicate` divide dp;
+    otherwise MeshError is raised on every rank before any collective call. `comm(axes)` serves
+    every set of axes (e.g. `(Axis.DP, Axis.CP)`, the group weights replicated over cp are
+    reduced on; `(Axis.DP_SHARD, Axis.CP)`, the group ZeRO shards over). `degrees` and `coords`
+    hold the four degrees pp, dp, cp, tp (dp's coordinate is replicate * dp_shard + shard);
+    `size`/`rank` also answer for `Axis.DP_REPLICATE` and `Axis.DP_SHARD`.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, comm: MPI.Comm | None = None, cp: int = 1):
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, comm: MPI.Comm | None = None, cp: int = 1,
+                 dp_replicate: int = 1):
         base = MPI.COMM_WORLD if comm is None else comm
-        validate_degrees(dp, tp, pp, base.Get_size(), cp)
+        validate_degrees(dp, tp, pp, base.Get_size(), cp, dp_replicate)
         self.degrees = {Axis.PP: int(pp), Axis.DP: int(dp), Axis.CP: int(cp), Axis.TP: int(tp)}
-        self.cart: MPI.Cartcomm = base.Create_cart([self.degrees[a] for a in AXES],
-                                                   periods=[False] * len(AXES), reorder=False)
-        self.coords: dict[str, int] = dict(zip(AXES, self.cart.Get_coords(self.cart.Get_rank())))
+        replicate = int(dp_replicate)
+        self._cart_degrees = {Axis.PP: int(pp), Axis.DP_REPLICATE: replicate, Axis.DP_SHARD: int(dp) // replicate,
+                              Axis.CP: int(cp), Axis.TP: int(tp)}
+        self.cart: MPI.Cartcomm = base.Create_cart([self._cart_degrees[a] for a in CART_AXES],
+                                                   periods=[False] * len(CART_AXES), reorder=False)
+        self._cart_coords = dict(zip(CART_AXES, self.cart.Get_coords(self.cart.Get_rank())))
+        self.coords: dict[str, int] = {
+            Axis.PP: self._cart_coords[Axis.PP],
+            Axis.DP: self._cart_coords[Axis.DP_REPLICATE] * self._cart_degrees[Axis.DP_SHARD]
+            + self._cart_coords[Axis.DP_SHARD],
+            Axis.CP: self._cart_coords[Axis.CP], Axis.TP: self._cart_coords[Axis.TP]}
         self.world = Communicator(self.cart, "world")
-        self._comms: dict[tuple[str, ...], Communicator] = {AXES: self.world}
-        for r in range(1, len(AXES)):
-            for key in itertools.combinations(AXES, r):
-                sub = self.cart.Sub([a in key for a in AXES])
-                self._comms[key] = Communicator(sub, "+".join(key))
+        # Without HSDP (dp_replicate = 1) the replicate axis has size 1 and is left out of every key:
+        # the groups (and their names) are those of the (pp, dp, cp, tp) mesh.
+        self._used = tuple(a for a in CART_AXES if a != Axis.DP_REPLICATE or replicate > 1)
+        self._comms: dict[tuple[str, ...], Communicator] = {self._used: self.world}
+        for r in range(1, len(self._used)):
+            for key in itertools.combinations(self._used, r):
+                sub = self.cart.Sub([a in key for a in CART_AXES])
+                self._comms[key] = Communicator(sub, self._name(key))
+        self._comms[()] = Communicator(self.cart.Sub([False] * len(CART_AXES)), "dp_replicate")
         stage, stages = self.coords[Axis.PP], self.degrees[Axis.PP]
         self.prev_stage: int | None = stage - 1 if stage > 0 else None
         self.next_stage: int | None = stage + 1 if stage < stages - 1 else None
@@ -193,6 +244,18 @@ class Mesh:
         self.node_comm = Communicator(self.cart.Split_type(MPI.COMM_TYPE_SHARED, key=self.cart.Get_rank()),
                                       "node")
         self._placement = self._gather_placement()
+
+    def _name(self, key: tuple[str, ...]) -> str:
+        """"dp+cp" for (dp_replicate, dp_shard, cp), or for (dp_shard, cp) when dp_replicate is 1."""
+        both = Axis.DP_SHARD in key and (Axis.DP_REPLICATE in key or self._cart_degrees[Axis.DP_REPLICATE] == 1)
+        names = []
+        for a in key:
+            if both and a in (Axis.DP_REPLICATE, Axis.DP_SHARD):
+                if Axis.DP not in names:
+                    names.append(Axis.DP)
+            else:
+                names.append(a)
+        return "+".join(names)
 
     def _make_embedding_comm(self) -> Communicator | None:
         """The first and last stage of this rank's (dp, cp, tp) position (tied embedding gradients)."""
@@ -223,27 +286,44 @@ class Mesh:
         hostnames = tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in names)
         node_ids = {leader_rank: i for i, leader_rank in enumerate(sorted(set(leaders.tolist())))}
         nodes = tuple(node_ids[int(x)] for x in leaders)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for r in range(n):
-            groups.setdefault(tuple(self.cart.Get_coords(r)[:-1]), []).append(r)  # all but tp
-        tp_groups = tuple(tuple(g) for _, g in sorted(groups.items()))
-        inside = tuple(len({nodes[r] for r in g}) == 1 for g in tp_groups)
-        return Placement(hostnames, nodes, tp_groups, inside)
+
+        def groups_along(axis: int) -> tuple[tuple[int, ...], ...]:
+            """Groups of ranks that differ only in Cartesian dim `axis`."""
+            found: dict[tuple[int, ...], list[int]] = {}
+            for r in range(n):
+                coords = self.cart.Get_coords(r)
+                found.setdefault(tuple(coords[:axis] + coords[axis + 1:]), []).append(r)
+            return tuple(tuple(g) for _, g in sorted(found.items()))
+
+        tp_groups = groups_along(CART_AXES.index(Axis.TP))
+        shard_groups = groups_along(CART_AXES.index(Axis.DP_SHARD))
+
+        def inside(groups):
+            return tuple(len({nodes[r] for r in g}) == 1 for g in groups)
+        return Placement(hostnames, nodes, tp_groups, inside(tp_groups), shard_groups, inside(shard_groups))
 
     def size(self, axis: str) -> int:
-        """Degree of `axis` ("pp", "dp", "cp" or "tp")."""
-        return self.degrees[_axes_key(axis)[0]] if isinstance(axis, str) else self.comm(axis).size
+        """Degree of `axis` ("pp", "dp", "cp", "tp", "dp_replicate" or "dp_shard"), or of a set of axes."""
+        if not isinstance(axis, str):
+            return self.comm(axis).size
+        key = _axes_key(axis)
+        return self.degrees[Axis.DP] if axis == Axis.DP else self._cart_degrees[key[0]]
 
     def rank(self, axis: str) -> int:
-        """This rank's coordinate along `axis` (its rank in that axis's communicator)."""
-        return self.coords[_axes_key(axis)[0]] if isinstance(axis, str) else self.comm(axis).rank
+        """This rank's coordinate along `axis` (its rank in that axis's communicator); along "dp"
+        it is replicate * dp_shard + shard."""
+        if not isinstance(axis, str):
+            return self.comm(axis).rank
+        key = _axes_key(axis)
+        return self.coords[Axis.DP] if axis == Axis.DP else self._cart_coords[key[0]]
 
     def comm(self, axes: str | tuple[str, ...]) -> Communicator:
         """The Communicator along one axis ("tp") or several (("dp", "tp") -> named "dp+tp")."""
-        return self._comms[_axes_key(axes)]
+        return self._comms[tuple(a for a in _axes_key(axes) if a in self._used)]
 
     def placement(self) -> Placement:
-        """Host names, nodes, and whether each tp group lies inside one node (gathered at creation)."""
+        """Host names, nodes, and whether each tp (and dp_shard) group lies inside one node
+        (gathered at creation)."""
         return self._placement
 
     def _shown_axes(self) -> tuple[str, ...]:
@@ -251,22 +331,34 @@ class Mesh:
         return tuple(a for a in AXES if a != Axis.CP or self.degrees[a] > 1)
 
     def shape_str(self) -> str:
-        """"pp=2 x dp=2 x tp=1" ("pp=1 x dp=1 x cp=2 x tp=2" with context parallelism)."""
-        return " x ".join(f"{a}={self.degrees[a]}" for a in self._shown_axes())
+        """"pp=2 x dp=2 x tp=1" ("pp=1 x dp=1 x cp=2 x tp=2" with context parallelism; "dp=4
+        (dp_replicate=2 x dp_shard=2)" with HSDP)."""
+        def text(a):
+            shown = f"{a}={self.degrees[a]}"
+            if a == Axis.DP and self._cart_degrees[Axis.DP_REPLICATE] > 1:
+                shown += (f" (dp_replicate={self._cart_degrees[Axis.DP_REPLICATE]} x "
+                          f"dp_shard={self._cart_degrees[Axis.DP_SHARD]})")
+            return shown
+        return " x ".join(text(a) for a in self._shown_axes())
 
     def rank_table(self) -> str:
-        """One line per mesh rank: its coordinates and host."""
-        hosts, shown = self._placement.hostnames, self._shown_axes()
-        lines = [f"{'rank':>6} " + " ".join(f"{a:>4}" for a in shown) + "  host"]
+        """One line per mesh rank: its coordinates and host (with HSDP also dp_replicate, dp_shard)."""
+        hosts, shown = self._placement.hostnames, list(self._shown_axes())
+        if self._cart_degrees[Axis.DP_REPLICATE] > 1:
+            shown[shown.index(Axis.DP) + 1:shown.index(Axis.DP) + 1] = [Axis.DP_REPLICATE, Axis.DP_SHARD]
+        widths = {a: max(4, len(a)) for a in shown}
+        lines = [f"{'rank':>6} " + " ".join(f"{a:>{widths[a]}}" for a in shown) + "  host"]
+        shard = self._cart_degrees[Axis.DP_SHARD]
         for r in range(self.cart.Get_size()):
-            coords = dict(zip(AXES, self.cart.Get_coords(r)))
-            lines.append(f"{r:>6} " + " ".join(f"{coords[a]:>4}" for a in shown) + f"  {hosts[r]}")
+            coords = dict(zip(CART_AXES, self.cart.Get_coords(r)))
+            coords[Axis.DP] = coords[Axis.DP_REPLICATE] * shard + coords[Axis.DP_SHARD]
+            lines.append(f"{r:>6} " + " ".join(f"{coords[a]:>{widths[a]}}" for a in shown) + f"  {hosts[r]}")
         return "\n".join(lines)
 
     def free(self) -> None:
         """Release every communicator this mesh created (collective)."""
         for key, c in self._comms.items():
-            if key != AXES:
+            if key != self._used:
                 c.free()
         for c in (self.embedding_comm, self.node_comm):
             if c is not None:
@@ -278,12 +370,13 @@ class Mesh:
 
 
 def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = None,
-                cp: int | None = None) -> str:
+                cp: int | None = None, dp_replicate: int | None = None) -> str:
     """The text of `hpcpar info` (collective). Rank 0 gets it; other ranks get "".
 
     Always: MPI library, mpi4py, backend, world size, threads per rank. With any
-    degree given: the mesh shape, each rank's coordinates and the placement report; tp, pp and
-    cp left out are 1, and dp left out fills the world. Degrees that do not fit raise MeshError
+    degree given: the mesh shape, each rank's coordinates and the placement report (tp groups
+    and dp_shard groups: inside one node or not); tp, pp, cp and dp_replicate left out are 1, and
+    dp left out fills the world. Degrees that do not fit raise MeshError
     on every rank.
     """
     import mpi4py
@@ -292,7 +385,7 @@ def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = N
 
     world = MPI.COMM_WORLD
     mesh = None
-    if (dp, tp, pp, cp) != (None, None, None, None):
+    if (dp, tp, pp, cp, dp_replicate) != (None, None, None, None, None):
         tp, pp, cp = (1 if tp is None else tp), (1 if pp is None else pp), (1 if cp is None else cp)
         if dp is None:  # dp fills the world, by the [mesh] rule for dp = 0 (auto)
             for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
@@ -300,7 +393,7 @@ def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = N
                     raise MeshError(f"mesh {name}={value}: {name} must be a positive integer (dp fills the "
                                     f"rest of the {world.Get_size()} ranks)")
             dp = resolve_degrees(world.Get_size(), 0, tp, pp, cp)[0]
-        mesh = Mesh(dp, tp, pp, comm=world, cp=cp)
+        mesh = Mesh(dp, tp, pp, comm=world, cp=cp, dp_replicate=1 if dp_replicate is None else dp_replicate)
     lines = [
         f"MPI library: {MPI.Get_library_version().splitlines()[0].strip()} "
         f"(MPI {'.'.join(map(str, MPI.Get_version()))})",

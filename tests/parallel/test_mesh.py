@@ -253,3 +253,27 @@ def test_info_report_shows_the_cp_axis():
     if N != 2:
         with pytest.raises(MeshError, match=r"mesh dp=1 x cp=2 x tp=1 x pp=1 = 2 ranks, but the world has"):
             mesh_mod.info_report(dp=1, cp=2)
+
+
+@pytest.mark.skipif(N != 4, reason="needs 4 ranks")
+def test_hsdp_splits_dp_into_replicate_and_shard(make_mesh):
+    """dp = dp_replicate x dp_shard, dp_shard inner: ranks keep their dp coordinate and their data."""
+    m = make_mesh(dp=4, dp_replicate=2)
+    me = MPI.COMM_WORLD.Get_rank()
+    assert m.coords == {"pp": 0, "dp": me, "cp": 0, "tp": 0}
+    assert (m.size("dp"), m.size("dp_replicate"), m.size("dp_shard")) == (4, 2, 2)
+    assert (m.rank("dp_replicate"), m.rank("dp_shard")) == (me // 2, me % 2)
+    assert members(m.comm("dp_shard")) == [[0, 1], [2, 3]][me // 2]
+    assert members(m.comm("dp_replicate")) == [[0, 2], [1, 3]][me % 2]
+    assert members(m.comm("dp")) == [0, 1, 2, 3] and m.comm("dp").name == "dp"
+    assert m.comm(("dp_shard", "cp")).name == "dp_shard+cp" and m.comm(("dp", "cp")).name == "dp+cp"
+    assert m.shape_str() == "pp=1 x dp=4 (dp_replicate=2 x dp_shard=2) x tp=1"
+    assert "dp_replicate" in m.rank_table().splitlines()[0]
+    assert "every dp_shard group inside one node: yes" in m.placement().report()
+    assert m.placement().dp_shard_groups == ((0, 1), (2, 3))
+    plain = make_mesh(dp=4)  # without HSDP the shard group is dp itself, under the same name
+    assert plain.comm(("dp_shard", "cp")) is plain.comm(("dp", "cp")) and plain.comm("dp_shard").name == "dp"
+    assert plain.comm("dp_replicate").size == 1 and plain.size("dp_replicate") == 1
+    with pytest.raises(MeshError, match=r"mesh.dp_replicate=3 does not divide mesh.dp=4 .*choose dp_replicate in "
+                                        r"\{1, 2, 4\}"):
+        Mesh(dp=4, dp_replicate=3)
