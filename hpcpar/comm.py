@@ -489,53 +489,84 @@ class Communicator:
             return recv.astype(a.dtype)
         return self._start("all_reduce", a, send, recv, finish, transport, blocking, op=op)
 
-    def ireduce_scatter(self, a, dim: int = 0, op: str = "sum") -> Handle:
+    def ireduce_scatter(self, a, dim: int = 0, op: str = "sum", out=None) -> Handle:
         """Start a reduce-scatter; `wait()` returns this rank's part of the reduction.
 
         `a`: [..., n, ...] (n at `dim`, n divisible by size) -> [..., n/size, ...], part `rank`.
+        `out` (dim 0 only): an array of the result's shape and dtype to receive into, which
+        `wait()` returns, instead of recycled memory (for results kept across steps).
         """
-        return self._ireduce_scatter(a, dim, op)
+        return self._ireduce_scatter(a, dim, op, out=out)
 
     def reduce_scatter(self, a, dim: int = 0, op: str = "sum"):
         """Sum (or avg) over ranks, keeping part `rank` of `dim`: [.., n, ..] -> [.., n/size, ..]."""
         return self._ireduce_scatter(a, dim, op, blocking=self._blocking).wait()
 
-    def _ireduce_scatter(self, a, dim: int, op: str, blocking: bool = False) -> Handle:
+    def _ireduce_scatter(self, a, dim: int, op: str, blocking: bool = False, out=None) -> Handle:
         self._check_op("reduce_scatter", op, a, allowed=("sum", "avg"))
         dim = self._dim_divisible("reduce_scatter", a, dim)
+        if out is not None:
+            self._check_out("reduce_scatter", a, dim, out, a.shape[0] // self.size)
         if self.size == 1:
-            return Handle.ready(a)
+            if out is None:
+                return Handle.ready(a)
+            out[...] = a
+            return Handle.ready(out)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._ireduce_scatter, a, dim, op, blocking)
+            return self._staged(self._ireduce_scatter, a, dim, op, blocking, into=out)
         send = self._work_buffer(_to_front(a, dim), transport)
-        recv = self._result((send.shape[0] // self.size,) + send.shape[1:], send.dtype, backend.array_module(a))
+        own = out is not None and out.dtype == send.dtype
+        recv = out if own else self._result((send.shape[0] // self.size,) + send.shape[1:], send.dtype,
+                                            backend.array_module(a))
 
         def finish():
             if op == "avg":
                 recv[...] /= self.size
+            if out is not None and not own:
+                out[...] = recv
+                return out
             return _from_front(recv.astype(a.dtype, copy=False), dim)
         return self._start("reduce_scatter", a, send, recv, finish, transport, blocking, op=op)
 
+    def _check_out(self, what: str, a, dim: int, out, rows: int) -> None:
+        """`out` must be a C-contiguous array of `a`'s dtype and the result's shape (dim 0 only)."""
+        shape = (rows,) + tuple(a.shape[1:])
+        if dim != 0 or tuple(out.shape) != shape or out.dtype != a.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"{what} on '{self.name}': out must be a C-contiguous {a.dtype} array of shape "
+                             f"{shape} (dim 0), got {out.dtype} {tuple(out.shape)} for dim {dim}")
+
     # -- data movement --------------------------------------------------------------------------
 
-    def iall_gather(self, a, dim: int = 0) -> Handle:
-        """Start an all-gather; `wait()` returns [..., size*m, ...] with rank r's `a` as part r."""
-        return self._iall_gather(a, dim)
+    def iall_gather(self, a, dim: int = 0, out=None) -> Handle:
+        """Start an all-gather; `wait()` returns [..., size*m, ...] with rank r's `a` as part r.
+
+        `out` (dim 0 only): an array of the result's shape and dtype to receive into, which
+        `wait()` returns, instead of recycled memory: a result its owner frees when done with
+        it (ZeRO-3's gathered parameters) must not stay alive in the recycling pool. `a` must
+        not overlap `out`.
+        """
+        return self._iall_gather(a, dim, out=out)
 
     def all_gather(self, a, dim: int = 0):
         """Concatenate every rank's `a` along `dim` in rank order: [.., m, ..] -> [.., size*m, ..]."""
         return self._iall_gather(a, dim, blocking=self._blocking).wait()
 
-    def _iall_gather(self, a, dim: int, blocking: bool = False) -> Handle:
+    def _iall_gather(self, a, dim: int, blocking: bool = False, out=None) -> Handle:
         dim = self._dim("all_gather", a, dim)
+        if out is not None:
+            self._check_out("all_gather", a, dim, out, a.shape[0] * self.size)
         if self.size == 1:
-            return Handle.ready(a)
+            if out is None:
+                return Handle.ready(a)
+            out[...] = a
+            return Handle.ready(out)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._iall_gather, a, dim, blocking)
+            return self._staged(self._iall_gather, a, dim, blocking, into=out)
         send = _to_front(a, dim)
-        recv = self._result((send.shape[0] * self.size,) + send.shape[1:], send.dtype, backend.array_module(a))
+        recv = out if out is not None else self._result((send.shape[0] * self.size,) + send.shape[1:], send.dtype,
+                                                        backend.array_module(a))
         return self._start("all_gather", a, send, recv, lambda: _from_front(recv, dim), transport, blocking)
 
     def iall_to_all(self, a, dim: int = 0) -> Handle:

@@ -120,6 +120,24 @@ def test_all_gather(world, dtype, shape, dim):
     np.testing.assert_array_equal(got, expected)  # pure data movement: exact
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_gather_and_reduce_scatter_into_given_out(world, dtype):
+    """`out=`: the result lands in the caller's array (no recycled buffer), which wait() returns."""
+    me = world.rank
+    part = make((3, 2), dtype, me)
+    out = np.empty((3 * N, 2), dtype=dtype)
+    got = world.iall_gather(part, out=out).wait()
+    assert got is out
+    assert_matches(out, np.concatenate(everyone((3, 2), dtype)), dtype)
+    whole = make((2 * N, 3), dtype, me, seed=1)
+    mine = np.empty((2, 3), dtype=dtype)
+    assert world.ireduce_scatter(whole, op="avg", out=mine).wait() is mine
+    expected = sum(everyone((2 * N, 3), dtype, seed=1)) / N
+    assert_matches(mine, expected[2 * me:2 * me + 2], dtype)
+    with pytest.raises(ValueError, match="out must be a C-contiguous"):
+        world.iall_gather(part, out=np.empty((3 * N + 1, 2), dtype=dtype))
+
+
 def test_all_gather_non_contiguous(world):
     parts = [make((5, 7), np.int64, r) for r in range(N)]
     got = world.all_gather(parts[world.rank][1::2, ::3], dim=1)
