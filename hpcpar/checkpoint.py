@@ -45,7 +45,7 @@ import numpy as np
 import hpcpar
 from hpcpar.comm import Communicator
 from hpcpar.errors import CheckpointError
-from hpcpar.layout import Layout
+from hpcpar.layout import Layout, is_flat
 
 FORMAT = "hpcpar-checkpoint"
 FORMAT_VERSION = 1
@@ -407,9 +407,10 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
         for b in t.blocks:
             if b.rank != rank:
                 continue
-            # The writer of a region is a rank holding exactly that region (assign_writers).
+            # The writer of a region is a rank holding exactly that region (assign_writers); a
+            # flat block (a ZeRO shard's piece) is reshaped to its region.
             src = next(lb for lb in layout.blocks if _region(lb.glob) == b.region)
-            items.append((b, name, array[src.local]))
+            items.append((b, name, array[src.local].reshape(tuple(e - s for s, e in b.region))))
 
     def write() -> dict | None:
         if not items:
@@ -579,6 +580,10 @@ def _assemble(name: str, t: StoredTensor, layout: Layout, shards: _Shards) -> np
     out = np.empty(layout.local_shape, dtype=np.dtype(t.dtype))
     for want in layout.blocks:
         want_glob = _region(want.glob)
+        # A flat block (a ZeRO shard's piece) is read into an array of its region's shape first.
+        flat = is_flat(want)
+        target = np.empty(tuple(e - s for s, e in want_glob), dtype=out.dtype) if flat else out
+        origin = tuple(slice(0, e - s) for s, e in want_glob) if flat else want.local
         for b in t.blocks:
             part = _intersect(want_glob, b.region)
             if part is None:
@@ -586,18 +591,20 @@ def _assemble(name: str, t: StoredTensor, layout: Layout, shards: _Shards) -> np
             f = shards.get(b.file, name)
             src = tuple(slice(s - o, e - o) for (s, e), (o, _) in zip(part, b.region))
             dst = tuple(slice(lo.start + s - g, lo.start + e - g)
-                        for lo, (s, e), (g, _) in zip(want.local, part, want_glob))
+                        for lo, (s, e), (g, _) in zip(origin, part, want_glob))
             try:
                 ds = f[b.dataset]
                 if ds.chunks is None:  # scalar or empty: read whole, checked against its crc32
                     block = _read_checked(ds)
-                    out[dst] = block[src]
+                    target[dst] = block[src]
                 else:  # fletcher32: HDF5 verifies every chunk it reads
-                    ds.read_direct(out, source_sel=src, dest_sel=dst)
+                    ds.read_direct(target, source_sel=src, dest_sel=dst)
             except (OSError, KeyError, ValueError, TypeError) as err:
                 raise CheckpointError(f"{os.path.join(shards.ckpt, b.file)}: cannot read tensor {name} "
                                       f"(dataset {b.dataset}): corrupt data ({err}); run `hpcpar ckpt verify` "
                                       "on the checkpoint") from None
+        if flat:
+            out[want.local] = target.reshape(-1)
     return out
 
 

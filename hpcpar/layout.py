@@ -7,11 +7,18 @@ weight `c_attn` ([3C, C], rows [q; k; v]) split over tp has three blocks: rank r
 holds rows r of q, r of k and r of v. Checkpoints and gradient-norm clipping read
 layouts; they never need to know which layer produced them.
 
+ZeRO shards a parameter's *flattened* local array: `layout.flat_range(lo, hi)` is the layout of
+elements [lo, hi) of it, a 1-D local array whose blocks are *flat blocks*: a contiguous range of
+the local array (one slice) holding a rectangular global region in C order. A flat range of an
+[R, C] tensor is at most 3 rectangles (a partial first row, whole rows, a partial last row).
+`take`, `put` and checkpoints reshape a flat block's elements to its region.
+
 Pure Python: no MPI, no array module.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 Region = tuple  # tuple[slice, ...], one slice per dim
@@ -87,17 +94,38 @@ class Layout:
         """The local array cut out of a full global array (same array module)."""
         if self.is_replicated:
             return global_array.copy()
-        if len(self.blocks) == 1:
+        if len(self.blocks) == 1 and not is_flat(self.blocks[0]):
             return global_array[self.blocks[0].glob].copy()
         out = _module_of(global_array).empty(self.local_shape, dtype=global_array.dtype)
         for b in self.blocks:
-            out[b.local] = global_array[b.glob]
+            out[b.local] = global_array[b.glob].reshape(out[b.local].shape)
         return out
 
     def put(self, local_array, global_out) -> None:
         """Write this rank's blocks of `local_array` into `global_out` (in place)."""
         for b in self.blocks:
-            global_out[b.glob] = local_array[b.local]
+            global_out[b.glob] = local_array[b.local].reshape(region_shape(b.glob))
+
+    def flat_range(self, lo: int, hi: int) -> "Layout":
+        """The layout of elements [lo, hi) of this layout's local array flattened in C order (a
+        ZeRO shard of a parameter): local shape `(hi - lo,)`, one flat block per rectangular
+        piece of the global tensor, in local order."""
+        n = math.prod(self.local_shape)
+        if not 0 <= lo <= hi <= n:
+            raise ValueError(f"flat range [{lo}, {hi}) is outside a local array of {n} elements")
+        blocks = []
+        for piece in _flat_pieces(tuple(self.local_shape), lo, hi):
+            for b in self.blocks:
+                inner = _intersect(piece, b.local)
+                if inner is None:
+                    continue
+                for part in _contiguous_parts(inner, tuple(self.local_shape)):
+                    start = _flat_index(part, tuple(self.local_shape)) - lo
+                    glob = tuple(slice(g.start + p.start - q.start, g.start + p.stop - q.start)
+                                 for p, q, g in zip(part, b.local, b.glob))
+                    blocks.append(Block((slice(start, start + math.prod(region_shape(part))),), glob))
+        blocks.sort(key=lambda b: b.local[0].start)
+        return Layout(tuple(self.global_shape), (hi - lo,), tuple(blocks), None)
 
     def to_json(self) -> dict:
         """Plain-data form (for checkpoint attributes and metadata exchange)."""
@@ -116,6 +144,64 @@ class Layout:
         return cls(tuple(d["global_shape"]), tuple(d["local_shape"]),
                    tuple(Block(region(lo), region(gl)) for lo, gl in d["blocks"]),
                    d["split_dim"])
+
+
+def region_shape(region: Region) -> tuple:
+    """The shape of a region: (stop - start) per dim."""
+    return tuple(s.stop - s.start for s in region)
+
+
+def is_flat(block: Block) -> bool:
+    """A flat block: a range of a 1-D local array holding a global region of more dims."""
+    return len(block.local) != len(block.glob)
+
+
+def _intersect(a: Region, b: Region) -> Region | None:
+    out = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
+    return out if all(s.start < s.stop for s in out) else None
+
+
+def _flat_index(region: Region, shape: tuple) -> int:
+    """Flat (C order) index of a region's first element in an array of `shape`."""
+    index = 0
+    for s, n in zip(region, shape):
+        index = index * n + s.start
+    return index
+
+
+def _contiguous_parts(region: Region, shape: tuple) -> list:
+    """`region` cut into pieces that are contiguous in C order: after the first dim with more than
+    one index, every dim must be whole; otherwise split along that dim, one index at a time."""
+    for d, (s, n) in enumerate(zip(region, shape)):
+        if s.stop - s.start > 1:
+            if all(t.start == 0 and t.stop == m for t, m in zip(region[d + 1:], shape[d + 1:])):
+                return [region]
+            return [part for i in range(s.start, s.stop)
+                    for part in _contiguous_parts(region[:d] + (slice(i, i + 1),) + region[d + 1:], shape)]
+    return [region]
+
+
+def _flat_pieces(shape: tuple, lo: int, hi: int) -> list:
+    """Flat elements [lo, hi) of an array of `shape` as rectangles contiguous in C order, in order:
+    for 2-D a partial first row, the whole rows, a partial last row (at most 3)."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [(slice(lo, hi),)]
+    inner = math.prod(shape[1:])
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:
+        return [(slice(first, first + 1),) + r for r in _flat_pieces(shape[1:], lo - first * inner, hi - first * inner)]
+    pieces = []
+    if lo % inner:
+        pieces += _flat_pieces(shape, lo, (first + 1) * inner)
+        first += 1
+    whole_end = hi // inner
+    if whole_end > first:
+        pieces.append((slice(first, whole_end),) + tuple(slice(0, n) for n in shape[1:]))
+    if hi % inner:
+        pieces += _flat_pieces(shape, whole_end * inner, hi)
+    return pieces
 
 
 def _module_of(array):

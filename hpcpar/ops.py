@@ -182,17 +182,22 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x @ weight.T + bias.  x [..., in], weight [out, in] (nn.Linear layout), bias [out]."""
+    """y = x @ weight.T + bias.  x [..., in], weight [out, in] (nn.Linear layout), bias [out].
+
+    The backward reads `weight.data` when it runs: the graph keeps no reference to a parameter's
+    array (ZeRO-3 frees gathered parameters after forward and gathers them again for backward).
+    """
     xd, wd = x.data, weight.data
     x2 = xd.reshape(-1, xd.shape[-1])
     y = x2 @ wd.T
     if bias is not None:
         y += bias.data
     out = y.reshape(xd.shape[:-1] + (wd.shape[0],))
+    del wd
 
     def backward(g):
         g2 = g.reshape(-1, g.shape[-1])
-        gx = (g2 @ wd).reshape(xd.shape) if x.requires_grad else None
+        gx = (g2 @ weight.data).reshape(xd.shape) if x.requires_grad else None
         gw = g2.T @ x2 if weight.requires_grad else None
         gb = _sum_rows(g2) if bias is not None and bias.requires_grad else None
         return gx, gw, gb
@@ -266,10 +271,11 @@ def getitem(x: Tensor, index) -> Tensor:
         index = index.data
     if _is_basic(index):
         return _slice(x, index)
+    shape, dtype = xd.shape, xd.dtype
 
     def backward(g):
         xp = array_module(g)
-        gx = xp.zeros_like(xd)
+        gx = xp.zeros(shape, dtype=dtype)
         xp.add.at(gx, index, g)
         return (gx,)
     return Tensor.from_op(xd[index], (x,), backward)
@@ -294,14 +300,19 @@ def split(x: Tensor, sections, axis: int = -1) -> list:
 
 
 def _slice(x: Tensor, index: tuple) -> Tensor:
-    """A basic (slice-only) index: gradient written into a zero array, no scatter needed."""
+    """A basic (slice-only) index: gradient written into a zero array, no scatter needed.
+
+    A slice of a leaf (a parameter, e.g. wpe's rows) is a copy, not a view: the graph keeps no
+    reference to a parameter's array (ZeRO-3 frees gathered parameters after forward)."""
     xd = x.data
+    shape, dtype = xd.shape, xd.dtype
 
     def backward(g):
-        gx = array_module(g).zeros_like(xd)
+        gx = array_module(g).zeros(shape, dtype=dtype)
         gx[index] = g
         return (gx,)
-    return Tensor.from_op(xd[index], (x,), backward)
+    out = xd[index]
+    return Tensor.from_op(out.copy() if x.is_leaf and x.requires_grad else out, (x,), backward)
 
 
 def concat(tensors: list, axis: int = 0) -> Tensor:
@@ -325,11 +336,12 @@ def embedding(idx, weight: Tensor) -> Tensor:
     """weight[idx]: idx int [...], weight [V, C] -> [..., C]; gradient is a scatter-add."""
     ids = idx.data if isinstance(idx, Tensor) else idx
     wd = weight.data
+    shape, dtype = wd.shape, wd.dtype  # not the array: the graph keeps no reference to a parameter's
 
     def backward(g):
         xp = array_module(g)
-        gw = xp.zeros_like(wd)
-        xp.add.at(gw, ids.reshape(-1), g.reshape(-1, wd.shape[1]))
+        gw = xp.zeros(shape, dtype=dtype)
+        xp.add.at(gw, ids.reshape(-1), g.reshape(-1, shape[1]))
         return (gw,)
     return Tensor.from_op(wd[ids], (weight,), backward)
 

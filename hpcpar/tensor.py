@@ -67,6 +67,18 @@ class Tensor:
                     return out
         return Tensor(data)
 
+    @staticmethod
+    def view_of_leaf(leaf: "Tensor", backward: Callable) -> "Tensor":
+        """An op whose result *is* the leaf's array (an identity such as tensor parallelism's f on
+        a parameter), with `backward(g)` as its gradient rule. The result reads `leaf.data` on
+        every access instead of holding the array, so the graph keeps no reference to it: ZeRO-3
+        frees a gathered parameter between forward and backward and gathers it again, and the
+        ops that consume this result read it at backward time. A plain Tensor of the array when
+        no gradient is recorded."""
+        if _grad_enabled and leaf.requires_grad:
+            return _LeafView(leaf, backward)
+        return Tensor(leaf.data)
+
     # -- array-like facts -------------------------------------------------------------
     @property
     def shape(self) -> tuple:
@@ -183,6 +195,24 @@ class Tensor:
 
     def transpose(self, *axes):
         return _ops.transpose(self, axes[0] if len(axes) == 1 and isinstance(axes[0], tuple) else (axes or None))
+
+
+class _LeafView(Tensor):
+    """See `Tensor.view_of_leaf`: an op result whose `data` is its leaf parent's current array."""
+
+    __slots__ = ("leaf",)
+
+    def __init__(self, leaf: Tensor, backward: Callable):  # noqa: D107 - fields as Tensor.from_op sets them
+        self.leaf = leaf
+        self.grad = None
+        self.requires_grad = True
+        self._parents = (leaf,)
+        self._backward = backward
+        self._hooks = None
+
+    @property
+    def data(self):  # noqa: D102 - read through the leaf, never stored
+        return self.leaf.data
 
 
 def _topological_order(root: Tensor) -> tuple[list, dict]:

@@ -53,10 +53,14 @@ def copy_to(x: Tensor, comm: Communicator | None) -> Tensor:
     """Megatron's f, at the entry of a region whose ranks differ (sharded GEMMs).
 
     In: replicated. Out: replicated (the same array). Backward: all-reduce (sum), because
-    each rank's gradient is only its shard's contribution (partial-sum -> replicated).
+    each rank's gradient is only its shard's contribution (partial-sum -> replicated). On a
+    parameter (sequence-parallel LayerNorm weights, row-parallel biases) the result reads the
+    parameter's array when used (`Tensor.view_of_leaf`): the graph keeps no reference to it.
     """
     if _trivial(comm):
         return x
+    if x.is_leaf:
+        return Tensor.view_of_leaf(x, lambda g: (comm.all_reduce(g),))
     return Tensor.from_op(x.data, (x,), lambda g: (comm.all_reduce(g),))
 
 

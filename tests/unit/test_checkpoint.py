@@ -57,6 +57,35 @@ def test_load_any_split(tmp_path, dim, count, groups):
         assert np.array_equal(got[name], layout.take(glob[name]))
 
 
+def test_flat_shards_save_and_load_any_layout(tmp_path):
+    """ZeRO shards (flat ranges of a parameter, `Layout.flat_range`) written by "ranks" of a
+    partition give the global tensor; any layout, flat or not, loads from it and back."""
+    from hpcpar.checkpoint import assign_writers
+    glob = reference(3)["model/transformer.h.0.attn.c_attn.weight"]  # [24, 8]
+    name = "model/transformer.h.0.attn.c_attn.weight"
+    parent = Layout.split(glob.shape, 0, 1, 2, groups=3)  # a tp rank's q, k, v rows: [12, 8]
+    cuts = [0, 13, 50, 51, 96]  # four "dp ranks", ranges that cut rows
+    shards = [parent.flat_range(lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+    holdings = [{name: (glob.shape, glob.dtype.str, [tuple((s.start, s.stop) for s in b.glob) for b in lay.blocks])}
+                for lay in shards]
+    holdings.append({name: (glob.shape, glob.dtype.str, [tuple((s.start, s.stop) for s in b.glob)
+                                                        for b in Layout.split(glob.shape, 0, 0, 2, groups=3).blocks])})
+    assert assign_writers(holdings)[name].blocks  # tiles the tensor; no partial overlap
+    other = Layout.split(glob.shape, 0, 0, 2, groups=3)
+    whole = {name: (glob, Layout.replicated(glob.shape))}
+    path = ck.save(str(tmp_path / "a"), 1, whole, {}, COMM)
+    for lay in shards:
+        got, _ = ck.load(path, {name: lay}, COMM)
+        assert np.array_equal(got[name], lay.take(glob))
+    # Saved from flat blocks (one process holds them all: a flat range of the whole tensor cut
+    # into q, k and v pieces), it reads back as the global tensor.
+    flat = Layout.split(glob.shape, 0, 0, 1, groups=3).flat_range(0, glob.size)
+    assert len(flat.blocks) == 3
+    path2 = ck.save(str(tmp_path / "b"), 1, {name: (flat.take(glob), flat)}, {}, COMM)
+    got, _ = ck.load(path2, {name: other}, COMM)
+    assert np.array_equal(got[name], other.take(glob))
+
+
 def test_index_reads_global_tensors_with_plain_h5py(tmp_path):
     glob, path = save_ref(tmp_path)
     with h5py.File(os.path.join(path, ck.INDEX), "r") as f:

@@ -62,3 +62,37 @@ def test_split_that_does_not_divide():
         Layout.split((10, 4), 0, 0, 3)
     with pytest.raises(ValueError, match="does not split"):
         Layout.split((12, 4), 0, 0, 5, groups=3)
+
+
+@pytest.mark.parametrize("parent", [
+    Layout.replicated((6, 5)), Layout.replicated((7,)), Layout.split((6, 8), 1, 1, 2),
+    Layout.split((12, 4), 0, 1, 2, groups=3), Layout.split((2, 3, 4), 0, 1, 2)])
+def test_flat_range_of_a_local_array(parent):
+    """ZeRO shards: every flat range [lo, hi) of the local array is a layout of its own whose flat
+    blocks hold rectangles of the global tensor (at most 3 per block of a 2-D parent)."""
+    g = _global(parent.global_shape)
+    local = parent.take(g).reshape(-1)
+    n = local.size
+    for lo in range(n + 1):
+        for hi in range(lo, n + 1):
+            lay = parent.flat_range(lo, hi)
+            assert lay.local_shape == (hi - lo,)
+            assert np.array_equal(lay.take(g), local[lo:hi]), (lo, hi)
+            covered = np.zeros_like(g)
+            lay.put(np.ones(hi - lo), covered)
+            assert covered.sum() == hi - lo
+            if len(parent.global_shape) == 2 and len(parent.blocks) == 1:
+                assert len(lay.blocks) <= 3
+    # The shards of a partition tile the global tensor exactly once.
+    rebuilt = np.full_like(g, np.nan)
+    cuts = [0, n // 3, n // 3 + 1, n]
+    for lo, hi in zip(cuts, cuts[1:]):
+        lay = parent.flat_range(lo, hi)
+        lay.put(lay.take(g), rebuilt)
+    parent_mask = np.zeros_like(g)
+    parent.put(np.ones(parent.local_shape), parent_mask)
+    assert np.array_equal(rebuilt[parent_mask == 1], g[parent_mask == 1])
+    import json
+    assert Layout.from_json(json.loads(json.dumps(parent.flat_range(1, n - 1).to_json()))) == parent.flat_range(1, n - 1)
+    with pytest.raises(ValueError, match="outside a local array"):
+        parent.flat_range(0, n + 1)
