@@ -57,6 +57,9 @@ class MeshConfig:
     cp_impl: str = _field("ring", "context parallelism: ring attention (K/V passed around the cp ring, "
                                   "zigzag-balanced; block_size divisible by 2*cp) or ulysses (all-to-all "
                                   "to whole heads; n_head divisible by tp*cp)", ("ring", "ulysses"))
+    dp_replicate: int = _field(1, "HSDP: dp = dp_replicate x dp_shard; ZeRO (train.zero >= 1) shards model "
+                                  "state over dp_shard (x cp), ideally inside a node, and replicates it across "
+                                  "dp_replicate (1 = no HSDP: the shard group is dp x cp); divides dp")
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,11 @@ class TrainConfig:
     eps: float = _field(1e-8, "AdamW denominator epsilon (> 0)")
     grad_clip: float = _field(1.0, "clip the global gradient norm to this (0 = no clipping)")
     seed: int = _field(1337, "seed of parameter initialisation and batch sampling (>= 0)")
-    zero: int = _field(0, "ZeRO stage: 0 = replicated optimizer state, 1 = state sharded over dp", (0, 1))
+    zero: int = _field(0, "ZeRO stage: 0 = everything replicated, 1 = optimizer state sharded over dp, "
+                          "2 = gradients too, 3 = parameters too (FSDP: gathered unit by unit)", (0, 1, 2, 3))
+    reshard_after_forward: bool = _field(True, "ZeRO-3: free each unit's gathered parameters after its forward "
+                                               "and gather them again for backward (false: keep them from "
+                                               "forward to backward, one all-gather fewer, more memory)")
     optimizer: str = _field("adamw", "optimizer", ("adamw", "sgd"))
     momentum: float = _field(0.9, "SGD momentum, 0 <= momentum < 1 (optimizer = \"sgd\" only)")
     bucket_mb: float = _field(25.0, "data-parallel gradient bucket size in MiB (> 0)")
@@ -365,6 +372,56 @@ def _stage_parameters(cfg: Config, tp: int, pp: int, stage: int) -> int:
                for v, blocks, head in _rank_chunks(cfg, pp, stage))
 
 
+def _stage_units(cfg: Config, tp: int, pp: int, stage: int) -> list[int]:
+    """Elements each ZeRO-3 unit of pipeline rank `stage` gathers (per tp rank): the embedding,
+    each block, the head (ln_f plus its LM-head weight: the embedding's, gathered again, when one
+    stage holds both)."""
+    m = cfg.model
+    sizes = []
+    for v, blocks, head in _rank_chunks(cfg, pp, stage):
+        if v == 0:
+            sizes.append(m.embedding_params(tp))
+        sizes += [m.block_params(tp)] * len(blocks)
+        if head:
+            sizes.append(m.head_params(tp, tied=False) + (m.block_size * m.n_embd if v == 0 else 0))
+    return sizes
+
+
+def _model_state(cfg: Config, params: int, units: list[int], shards: int) -> int:
+    """Bytes of weights, gradients and optimizer state of a rank holding `params` parameters (its
+    ZeRO-3 units' sizes `units`) with ZeRO sharding over `shards` ranks (dp_shard x cp); see
+    docs/config.md. Peaks during a step, not the state between steps:
+
+        zero 0  P s + P s + P k              (k: optimizer bytes per parameter)
+        zero 1  P s + P s + P k / n
+        zero 2  P s + G + P s / n + P k / n  (G: full gradient buckets alive: up to 3 in flight
+                                              with one micro-batch; all with accumulation)
+        zero 3  P (s + s + k) / n + 2 U s + G  (two units gathered, the current and the prefetched,
+                                              or all P s with reshard_after_forward = false; G:
+                                              full unit gradients, up to 4, all with accumulation)
+    """
+    m, t = cfg.model, cfg.train
+    s = DTYPES[m.dtype]
+    half = s == 2
+    # Optimizer state per parameter: AdamW two moments, SGD one momentum buffer (none at 0);
+    # kept in float32 (plus a float32 master copy) under mixed precision.
+    n_state = 2 if t.optimizer == "adamw" else int(t.momentum > 0)
+    k = n_state * (4 if half else s) + (4 if half else 0)
+    p, n, z = params, (shards if t.zero else 1), t.zero
+    state = -(-p * k // n)
+    accumulate = t.microbatches > 1
+    if z <= 1:
+        return 2 * p * s + state
+    if z == 2:
+        bucket = max(1, int(t.bucket_mb * 2**20) // s)
+        live = p if accumulate else min(p, 3 * bucket)
+        return p * s + live * s + -(-p * s // n) + state
+    largest = max(units) if units else 0
+    gathered = p * s if not t.reshard_after_forward else min(p, 2 * largest) * s
+    grads = p if accumulate else min(p, 4 * largest)
+    return 2 * -(-p * s // n) + state + gathered + grads * s
+
+
 def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None) -> tuple[int, int]:
     """(weights + grads + optimizer state, activations) in bytes on the busiest rank.
     `cp` defaults to the config's resolved `mesh.cp` (1 when auto)."""
@@ -372,13 +429,10 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
 
     m, t = cfg.model, cfg.train
     s = DTYPES[m.dtype]
-    half = s == 2
-    # Optimizer state per parameter: AdamW two moments, SGD one momentum buffer (none at 0);
-    # kept in float32 (plus a float32 master copy) under mixed precision; sharded over dp by ZeRO-1.
-    n_state = 2 if t.optimizer == "adamw" else int(t.momentum > 0)
-    state_bytes = n_state * (4 if half else s) + (4 if half else 0)
     cp = cp if cp is not None else (cfg.mesh.cp or 1)
-    shards = dp * cp if t.zero == 1 else 1  # ZeRO shards over the gradient group, dp x cp
+    # ZeRO shards over dp_shard x cp (HSDP replicates the shards over dp_replicate).
+    replicate = cfg.mesh.dp_replicate if dp % cfg.mesh.dp_replicate == 0 else 1
+    shards = dp // replicate * cp
 
     # Activations kept for backward per block per micro-batch, in elements, for the n = T/cp
     # tokens of a rank (context parallelism divides every token-wise activation by cp):
@@ -407,7 +461,7 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
     worst_state, worst_act, worst = 0, 0, -1.0
     for stage in range(pp):
         p = _stage_parameters(cfg, tp, pp, stage)
-        state = 2 * p * s + -(-p * state_bytes // shards)  # weights + grads + optimizer state
+        state = _model_state(cfg, p, _stage_units(cfg, tp, pp, stage), shards)  # weights + grads + optimizer
         microbatches = -(-stash[stage] // cfg.pipeline.chunks)
         # A stashed chunk activation holds the blocks of one chunk: the rank's largest, as a bound.
         act = stash[stage] * max(len(blocks) for _, blocks, _ in _rank_chunks(cfg, pp, stage)) * per_layer
@@ -420,10 +474,12 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
 def estimate_memory(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None) -> int:
     """Estimated bytes per rank on the busiest pipeline stage (see docs/config.md, "Memory").
 
-    weights + grads (2 P s) + optimizer state (P x 2 moments, / (dp cp) with ZeRO-1) + activations
-    stashed by the schedule (peak micro-batches in flight x layers x per-layer activations of the
-    rank's T/cp tokens). P counts the rank's share of parameters under tp and pp (cp shards no
-    weight); s is the dtype's size. `cp` defaults to the config's `mesh.cp`.
+    weights + grads + optimizer state by ZeRO stage (`_model_state`: 2 P s + 2 P s moments without
+    ZeRO; sharded over n = dp_shard x cp: the moments with ZeRO-1, the gradients too with ZeRO-2,
+    everything with ZeRO-3 plus two gathered units) + activations stashed by the schedule (peak
+    micro-batches in flight x layers x per-layer activations of the rank's T/cp tokens). P counts
+    the rank's share of parameters under tp and pp (cp shards no weight); s is the dtype's size.
+    `cp` defaults to the config's `mesh.cp`.
     """
     state, act = _memory_parts(cfg, dp, tp, pp, cp)
     return state + act
@@ -446,8 +502,9 @@ def _check_memory(cfg: Config, available: int) -> None:
         if tp > 1 and not cfg.mesh.sequence_parallel:
             remedies.append("mesh.sequence_parallel=true")
         remedies.append("more ranks for mesh.cp (splits the sequence)")
-    if cfg.train.zero == 0 and dp > 1:
-        remedies.append("train.zero=1 (shards optimizer state over dp)")
+    if cfg.train.zero < 3 and dp * (cfg.mesh.cp or 1) > 1:
+        remedies.append(f"train.zero={cfg.train.zero + 1}" + (" (shards optimizer state over dp)" if cfg.train.zero == 0
+                                                              else " (shards more of the model state over dp)"))
     remedies.append("more ranks for mesh.tp or mesh.pp")
     raise ConfigError(f"estimated memory per rank {_human(state + act)} (weights+grads+optimizer {_human(state)}, "
                       f"activations {_human(act)}) exceeds the available {_human(available)}; try "
@@ -489,6 +546,7 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("mesh.tp", _ge0, ">= 0 (0 = auto)"),
     ("mesh.pp", _ge0, ">= 0 (0 = auto)"),
     ("mesh.cp", _ge0, ">= 0 (0 = auto)"),
+    ("mesh.dp_replicate", _ge1, ">= 1 (1 = no HSDP)"),
     ("data.val_fraction", _unit, "in [0, 1)"),
     ("train.steps", _ge1, ">= 1"),
     ("train.micro_batch_size", _ge1, ">= 1"),
@@ -563,6 +621,21 @@ def _check_model(cfg: Config) -> None:
                           "set data.val_fraction > 0 (e.g. 0.05) or run.eval_every=0")
 
 
+def _check_data_parallel(cfg: Config, dp: int) -> None:
+    """HSDP splits dp into dp_replicate x dp_shard and needs ZeRO; the 16-bit gradient wire is
+    built for zero 0 and 1 without HSDP only."""
+    t, r = cfg.train, cfg.mesh.dp_replicate
+    require_divisible("mesh.dp", dp, "mesh.dp_replicate", r, "(HSDP: dp = dp_replicate x dp_shard)",
+                      alternative="mesh.dp_replicate=1")
+    if r > 1 and t.zero == 0:
+        raise ConfigError(f"mesh.dp_replicate={r} splits dp for HSDP, which shards model state over dp_shard; "
+                          "use train.zero >= 1 with it, or mesh.dp_replicate=1")
+    if t.grad_wire_dtype != "float32" and (t.zero >= 2 or r > 1):
+        raise ConfigError(f"train.grad_wire_dtype={_toml_value(t.grad_wire_dtype)} is built for train.zero 0 and 1 "
+                          f"without HSDP, not with train.zero={t.zero} and mesh.dp_replicate={r}; use "
+                          "train.grad_wire_dtype=\"float32\"")
+
+
 def _check_tensor_parallel(cfg: Config, tp: int) -> None:
     """The rules the tensor-parallel layers guard (`nn.tensor_parallel.check_config`), reported first
     and in the config's names. (4 * n_embd) % tp == 0, the MLP width, follows from n_head % tp == 0
@@ -635,6 +708,7 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     from hpcpar.mesh import resolve_degrees  # here, not at the top: mesh.py loads MPI
 
     dp, tp, pp, cp = resolve_degrees(world_size, cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp)
+    _check_data_parallel(cfg, dp)
     _check_tensor_parallel(cfg, tp)
     _check_context_parallel(cfg, tp, cp)
     _check_pipeline(cfg, pp)

@@ -87,7 +87,8 @@ class Trainer:
         self.cfg = cfg = config.validate(cfg, comm.Get_size(), available_memory_bytes)
         if cfg.run.backend != "auto":  # auto: what HPCPAR_BACKEND chose at import (default numpy)
             backend.use(cfg.run.backend)
-        self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=comm, cp=cfg.mesh.cp)
+        self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=comm, cp=cfg.mesh.cp,
+                         dp_replicate=cfg.mesh.dp_replicate)
         backend.select_device(self.mesh.node_comm.rank)
         self.tracer = pipeline.Tracer(enabled=cfg.pipeline.trace, rank=self.mesh.world.rank)
         # Context parallelism: this rank holds the tokens at `positions` of every sample (None: all).
@@ -104,8 +105,13 @@ class Trainer:
         else:
             def make_optimizer(params):
                 return SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        # ZeRO-3 gathers the model unit by unit: the embedding, each block, the head of every chunk.
+        units = [(c, name, params) for c, s in enumerate(self.stages) for name, params in s.fsdp_units()]
         self.dp = DataParallel(self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
-                               wire_dtype=t.grad_wire_dtype, zero=t.zero, make_optimizer=make_optimizer)
+                               wire_dtype=t.grad_wire_dtype, zero=t.zero, make_optimizer=make_optimizer,
+                               units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward)
+        for stage in self.stages:
+            stage.unit_hooks = self.dp.unit_hooks
         every_rank = schedule.build(cfg.pipeline.schedule, cfg.mesh.pp, t.microbatches, cfg.pipeline.chunks)
         self.executor = pipeline.PipelineExecutor(self.stages, self.mesh, every_rank[self.mesh.rank(Axis.PP)],
                                                   microbatches=t.microbatches, tracer=self.tracer,
@@ -119,10 +125,14 @@ class Trainer:
         self.save_in_flight = None  # checkpoint.SaveHandle of an asynchronous save not yet committed
 
     def _mesh_text(self) -> str:
-        """"dp=2 x tp=1 x pp=2" (with "cp=.. (ring)" after dp under context parallelism)."""
+        """"dp=2 x tp=1 x pp=2" (with "cp=.. (ring)" after dp under context parallelism, the dp
+        split under HSDP and the ZeRO stage when it is not 0)."""
         cp = f" x cp={self.mesh.size(Axis.CP)} ({self.cfg.mesh.cp_impl})" if self.mesh.size(Axis.CP) > 1 else ""
-        return (f"dp={self.mesh.size(Axis.DP)}{cp} x tp={self.mesh.size(Axis.TP)} "
-                f"x pp={self.mesh.size(Axis.PP)}")
+        replicate = self.mesh.size(Axis.DP_REPLICATE)
+        hsdp = f" ({replicate} replicate x {self.mesh.size(Axis.DP_SHARD)} shard)" if replicate > 1 else ""
+        zero = f", zero={self.cfg.train.zero}" if self.cfg.train.zero else ""
+        return (f"dp={self.mesh.size(Axis.DP)}{hsdp}{cp} x tp={self.mesh.size(Axis.TP)} "
+                f"x pp={self.mesh.size(Axis.PP)}{zero}")
 
     # -- data ------------------------------------------------------------------------------
     def sample_ids(self) -> list[range]:
@@ -175,12 +185,10 @@ class Trainer:
         return StepResult(loss, norm, lr, False, "")
 
     def _first_bad_parameter(self) -> str:
-        """Name of the first parameter (in model order) whose gradient is not finite, on any rank."""
-        local = ""
-        for name, p in self.named_parameters:
-            if p.grad is not None and not bool(backend.array_module(p.grad).isfinite(p.grad).all()):
-                local = name
-                break
+        """Name of the first parameter (in model order) whose gradient is not finite, on any rank
+        (under ZeRO: in any rank's part)."""
+        bad = self.dp.nonfinite_gradients()
+        local = bad[0] if bad else ""
         names = [n for n in self.mesh.world.all_gather_object(local) if n]
         return names[0] if names else "(loss only)"
 
@@ -204,6 +212,8 @@ class Trainer:
         finally:
             for stage in self.stages:
                 stage.train()
+            if self.dp.unit_hooks is not None:
+                self.dp.unit_hooks.end_forward_only()
         return self._global_mean_loss(losses, len(eval_batches))
 
     # -- the loop -----------------------------------------------------------------------------
@@ -322,15 +332,18 @@ class Trainer:
         sim = schedule.simulate(schedule.build(cfg.pipeline.schedule, mesh.size(Axis.PP), cfg.train.microbatches,
                                                cfg.pipeline.chunks))
         peak_rss = mesh.world.all_gather_object(metrics.peak_rss_bytes())
+        estimate = config.estimate_memory(cfg, mesh.size(Axis.DP), mesh.size(Axis.TP), mesh.size(Axis.PP),
+                                          mesh.size(Axis.CP))
         return {
             "steps": self.step, "tokens_per_s": tok_s, "mfu": tok_s * model_flops / peak if peak else 0.0,
             "gemm_peak_flops": peak, "first_loss": state.first_loss, "final_loss": state.last_loss,
             "val_loss": state.val_loss, "mesh": {str(a): mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP, Axis.CP)},
-            "cp_impl": cfg.mesh.cp_impl,
+            "cp_impl": cfg.mesh.cp_impl, "zero": cfg.train.zero, "dp_replicate": mesh.size(Axis.DP_REPLICATE),
             "schedule": cfg.pipeline.schedule, "microbatches": cfg.train.microbatches,
             "pipeline_bubble_predicted": sim.bubble,
             "pipeline_bubble_measured": self.executor.measured_bubble(),
-            "peak_memory_bytes_per_rank": peak_rss, "run_dir": cfg.run.dir,
+            "peak_memory_bytes_per_rank": peak_rss, "estimated_memory_bytes_per_rank": estimate,
+            "run_dir": cfg.run.dir,
         }
 
     # -- global views (tests, checkpoints) -------------------------------------------------
@@ -342,8 +355,7 @@ class Trainer:
 
     def global_parameters(self) -> dict:
         """Every global parameter, full, on every rank (host float arrays). Collective."""
-        return self._global_tensors({n: p.data for n, p in self.named_parameters},
-                                    {n: p for n, p in self.named_parameters})
+        return self._global_tensors(self.dp.full_parameters(), {n: p for n, p in self.named_parameters})
 
     def _global_tensors(self, arrays: dict, params: dict) -> dict:
         world = self.mesh.world
@@ -363,7 +375,10 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict:
-        """Global name -> (local array, layout) for the model and optimizer state."""
+        """Global name -> (local array, layout) for the model and optimizer state. Under ZeRO each
+        rank gives its shards of both (flat ranges of the parameters), nothing gathered."""
+        if self.cfg.train.zero:
+            return self.dp.checkpoint_shards()
         tensors = {}
         state = self.dp.optimizer_state()
         for name, p in self.named_parameters:
@@ -387,7 +402,8 @@ class Trainer:
         t = self.cfg.train
         meta = {"step": self.step, "optimizer_step": self.dp.optimizer_step_count(),
                 "config": config.to_toml(self.cfg), "hpcpar_version": hpcpar.__version__,
-                "mesh": {**{str(a): self.mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP, Axis.CP)}, "zero": t.zero},
+                "mesh": {**{str(a): self.mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP, Axis.CP)}, "zero": t.zero,
+                         "dp_replicate": self.mesh.size(Axis.DP_REPLICATE)},
                 "data_position": {"next_step": self.step, "seed": t.seed},
                 "rng": {"kind": "counter-based: (seed, step, sample id)", "seed": t.seed, "next_step": self.step},
                 "lr_schedule": {"next_step": self.step, "warmup": t.warmup, "total": t.steps}}
@@ -404,12 +420,22 @@ class Trainer:
     def load(self, path: str) -> dict:
         """Load model and optimizer state from any layout's checkpoint; returns its meta."""
         wanted = {}
-        for name, p in self.named_parameters:
-            key = p.tied_to or name
-            wanted[f"model/{key}"] = p.layout
-            wanted.update({f"optim/{key}/{state}": p.layout for state in self.dp.state_names()})
+
+        def key_of(p, name):
+            return p.tied_to or name
+        if self.cfg.train.zero:  # this rank's shards (ZeRO 1/2: whole parameters, sharded state)
+            wanted = self.dp.checkpoint_wanted(key_of)
+        else:
+            for name, p in self.named_parameters:
+                key = key_of(p, name)
+                wanted[f"model/{key}"] = p.layout
+                wanted.update({f"optim/{key}/{state}": p.layout for state in self.dp.state_names()})
         all_names = set().union(*self.mesh.world.all_gather_object(set(wanted)))  # every stage's tensors
         arrays, meta = checkpoint.load(path, wanted, self.mesh.world, all_names=all_names)
+        if self.cfg.train.zero:
+            self.dp.load_checkpoint(arrays, key_of, int(meta["optimizer_step"]))
+            self.step = int(meta["step"])
+            return meta
         state: dict = {}
         for name, p in self.named_parameters:
             key = p.tied_to or name
@@ -552,6 +578,7 @@ def _measure_peak(mesh: Mesh, dtype: str) -> float:
 def _format_summary(s: dict) -> str:
     """The summary as printed at the end of `hpcpar train`."""
     mem = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
+    estimate = s.get("estimated_memory_bytes_per_rank")
     measured = s["pipeline_bubble_measured"]
     lines = [
         "── summary ─────────────────────────────────────────────",
@@ -563,11 +590,15 @@ def _format_summary(s: dict) -> str:
         f"MFU              {s['mfu']:.1%} of a measured GEMM peak of {s['gemm_peak_flops'] / 1e9:.1f} GFLOP/s",
         f"mesh             dp={s['mesh']['dp']}"
         + (f" x cp={s['mesh']['cp']} ({s.get('cp_impl', 'ring')})" if s["mesh"].get("cp", 1) > 1 else "")
-        + f" x tp={s['mesh']['tp']} x pp={s['mesh']['pp']}, "
-        f"schedule {s['schedule']}, {s['microbatches']} micro-batches",
+        + f" x tp={s['mesh']['tp']} x pp={s['mesh']['pp']}"
+        + (f" (dp_replicate={s['dp_replicate']})" if s.get("dp_replicate", 1) > 1 else "")
+        + (f", zero={s['zero']}" if s.get("zero") else "")
+        + f", schedule {s['schedule']}, {s['microbatches']} micro-batches",
         f"pipeline bubble  {s['pipeline_bubble_predicted']:.1%} predicted"
         + (f", {measured:.1%} measured" if measured is not None else ""),
-        f"peak memory      {mem} MiB per rank",
+        f"peak memory      {mem} MiB per rank (RSS)"
+        + (f"; estimated for model state + activations: {estimate / 2**20:.1f} MiB (busiest rank)"
+           if estimate else ""),
         f"run directory    {s['run_dir']}",
     ]
     return "\n".join(lines)

@@ -235,6 +235,7 @@ class GPT(Module):
         self.embed, self.head = embed, head
         self.layer_ids = list(range(config.n_layer) if layers is None else layers)
         self.rng_context = None  # (seed, step, sample_ids) for dropout masks; set by the trainer
+        self.unit_hooks = None  # ZeRO-3 (`parallel.fsdp.ShardedUnits`): gathers around each unit
         cfg = config
         # Tensor parallelism only when there is more than one tp rank (size 1: the plain layers).
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
@@ -277,6 +278,38 @@ class GPT(Module):
             full = init.normal(seed, key, p.layout.global_shape, std)
             p.data[...] = backend.to_device(p.layout.take(full).astype(p.dtype))
 
+    # -- ZeRO-3 units ---------------------------------------------------------------------
+    def fsdp_units(self) -> list[tuple[str, list]]:
+        """The units ZeRO-3 gathers as one, in forward order: (name, [(global name, Parameter)]
+        it uses): "embedding" (wte, wpe), "h.<i>" per block, "head" (ln_f and the LM head's
+        weight: wte itself when this module holds the embedding too)."""
+        units = []
+        if self.embed:
+            units.append(("embedding", [(f"transformer.wte.{n}", p) for n, p in self.transformer.wte.named_parameters()]
+                          + [("transformer.wpe.weight", self.transformer.wpe.weight)]))
+        for block in self.transformer.h.items:
+            units.append((f"h.{block.index}", [(f"transformer.h.{block.index}.{n}", p)
+                                               for n, p in block.named_parameters()]))
+        if self.head:
+            head = [(f"transformer.ln_f.{n}", p) for n, p in self.transformer.ln_f.named_parameters()]
+            name = "transformer.wte.weight" if self.embed else "lm_head.weight"
+            units.append(("head", head + [(name, self.head_weight)]))
+        return units
+
+    def _unit(self, name: str, fn, *args, **kw):
+        """`fn(*args)` as ZeRO-3 unit `name`: its parameters gathered around its forward, and again
+        when its output's gradient arrives (an identity op whose backward calls the hook)."""
+        hooks = self.unit_hooks
+        if hooks is None:
+            return fn(*args, **kw)
+        hooks.pre_forward(name)
+        out = fn(*args, **kw)
+        backward = isinstance(out, Tensor) and out.requires_grad
+        hooks.post_forward(name, backward)
+        if not backward:
+            return out
+        return Tensor.from_op(out.data, (out,), lambda g: (hooks.pre_backward(name), g)[1:])
+
     # -- forward ------------------------------------------------------------------------
     def _dropout(self, x, site: int):
         p = self.config.dropout
@@ -293,22 +326,28 @@ class GPT(Module):
         activations (same layout as x). Token ids and targets move to the parameters' device here.
         Under context parallelism T is this rank's share of the sequence, T/cp."""
         if self.embed:
-            xp = backend.array_module(self.transformer.wpe.weight.data)
-            idx = xp.asarray(x.data if isinstance(x, Tensor) else x)
-            t = idx.shape[1]
-            if t > self.config.block_size:
-                raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
-            tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
-            rows = self.plan.position_ids(t)   # slice(0, t), or my positions under context parallelism
-            rows = rows if isinstance(rows, slice) else xp.asarray(rows)
-            pos = self.plan.positions(ops.getitem(self.transformer.wpe.weight, rows), t)
-            h = self._dropout(tok + pos, 0)
+            h = self._unit("embedding", self._embedding, x)
         else:
             h = x
         for block in self.transformer.h.items:
-            h = block(h)
+            h = self._unit(f"h.{block.index}", block, h)
         if not self.head:
             return h
+        return self._unit("head", self._head, h, targets)
+
+    def _embedding(self, x):
+        xp = backend.array_module(self.transformer.wpe.weight.data)
+        idx = xp.asarray(x.data if isinstance(x, Tensor) else x)
+        t = idx.shape[1]
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
+        tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
+        rows = self.plan.position_ids(t)   # slice(0, t), or my positions under context parallelism
+        rows = rows if isinstance(rows, slice) else xp.asarray(rows)
+        pos = self.plan.positions(ops.getitem(self.transformer.wpe.weight, rows), t)
+        return self._dropout(tok + pos, 0)
+
+    def _head(self, h, targets):
         if targets is not None:
             targets = backend.array_module(self.head_weight.data).asarray(
                 targets.data if isinstance(targets, Tensor) else targets)

@@ -29,11 +29,20 @@ Three pieces, from pure to stateful:
 
 How a bucket travels is pluggable (a "reduction"): `AllReduceAvg` leaves the dp average of the
 whole bucket in `grad`; `ReduceScatterAvg` leaves this rank's part, `part = average of
-grad[rank * size/dp : (rank + 1) * size/dp]` of shape `[size/dp]`, in `bucket.part` (ZeRO);
-`CompressedReduction` does either through a gradient compressor (hpcpar/parallel/compression.py).
-A reduction has `comm` (the dp communicator), `shards` (True: the result is this rank's part),
-`start(bucket) -> Handle` (non-blocking, called from grad hooks) and `finish(bucket, handle)`
-(waits; returns the part when `shards`, else leaves the whole average in `bucket.grad`).
+grad[rank * size/dp : (rank + 1) * size/dp]` of shape `[size/dp]`, in `bucket.part` (ZeRO; with
+HSDP the reduce-scatter runs inside the shard group and the part is then averaged over the
+replicas); `CompressedReduction` does either through a gradient compressor
+(hpcpar/parallel/compression.py). A reduction has `comm` (the communicator the bucket is
+divided over), `shards` (True: the result is this rank's part), `start(bucket) -> Handle`
+(non-blocking, called from grad hooks) and `finish(bucket, handle)` (waits; returns the part
+when `shards`, else leaves the whole average in `bucket.grad`).
+
+ZeRO-2 (`release=True`): a bucket's full gradient buffer exists only while its gradients are
+being produced and reduced. It is allocated at the first grad hook of one of its parameters
+(that parameter's gradient so far is copied in, later micro-batches accumulate in place), and
+dropped as soon as its reduce-scatter has completed: a bucket launched from a hook is waited
+once more than `MAX_IN_FLIGHT` are on the wire, the rest in `finish_backward`. Only the parts
+stay between steps.
 """
 
 from __future__ import annotations
@@ -162,18 +171,28 @@ class AllReduceAvg:
 
 
 class ReduceScatterAvg:
-    """This rank's part of the averaged bucket, `[size/dp]` (`ireduce_scatter(op="avg")`): ZeRO."""
+    """This rank's part of the averaged bucket, `[size/n]` (`ireduce_scatter(op="avg")` over the
+    n ranks of `comm`): ZeRO. With `replicate` (HSDP: the same shard on every replica) the part is
+    then averaged over the replicas too, so it is the average over `comm` x `replicate`. The part
+    lands in a buffer the bucket keeps (`bucket.part_buffer`), never in recycled memory."""
 
     shards = True
 
-    def __init__(self, comm: Communicator):
+    def __init__(self, comm: Communicator, replicate: Communicator | None = None):
         self.comm = comm
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
 
     def start(self, bucket: Bucket) -> Handle:
-        return self.comm.ireduce_scatter(bucket.grad, dim=0, op="avg")
+        if bucket.part_buffer is None:
+            bucket.part_buffer = backend.array_module(bucket.grad).empty(bucket.plan.size // self.comm.size,
+                                                                         dtype=bucket.plan.dtype)
+        return self.comm.ireduce_scatter(bucket.grad, dim=0, op="avg", out=bucket.part_buffer)
 
     def finish(self, bucket: Bucket, handle: Handle):
-        return handle.wait()
+        part = handle.wait()
+        if self.replicate is not None:
+            self.replicate.iall_reduce(part, op="avg").wait()  # in place
+        return part
 
 
 class CompressedReduction:
@@ -212,18 +231,35 @@ class Bucket:
         handle: the reduction in flight (None before launch, after completion, or when dp = 1).
         part: after completion of a sharding reduction, this rank's averaged part `[size/dp]`
             (with dp = 1 the whole `grad`); None otherwise.
+        part_buffer: where a sharding reduction writes the part (kept from step to step).
     """
 
-    def __init__(self, index: int, plan: BucketPlan, params: list, xp):
+    def __init__(self, index: int, plan: BucketPlan, params: list, xp, allocate: bool = True):
         self.index = index
         self.plan = plan
         self.params = [params[s.index] for s in plan.slots]
-        self.grad = xp.zeros(plan.size, dtype=plan.dtype)
-        self.views = [self.grad[s.offset:s.offset + s.numel].reshape(p.shape)
-                      for s, p in zip(plan.slots, self.params)]
+        self.xp = xp
+        self.grad = None
+        self.views: list = []
         self.ready = 0
         self.handle = None
         self.part = None
+        self.part_buffer = None
+        if allocate:
+            self.allocate()
+
+    def allocate(self) -> None:
+        """A zeroed flat gradient buffer and the parameters' views of it."""
+        self.grad = self.xp.zeros(self.plan.size, dtype=self.plan.dtype)
+        self.views = [self.grad[s.offset:s.offset + s.numel].reshape(p.shape)
+                      for s, p in zip(self.plan.slots, self.params)]
+
+    def release(self) -> None:
+        """Drop the full gradient buffer (ZeRO-2, once reduced); the parameters' `.grad` too."""
+        for p, v in zip(self.params, self.views):
+            if p.grad is v:
+                p.grad = None
+        self.grad, self.views = None, []
 
 
 class BucketManager:
@@ -237,6 +273,8 @@ class BucketManager:
             stage) before its reduction; None: nothing to sum.
         overlap: launch ready buckets from the grad hooks (False: all in `finish_backward`,
             the no-overlap baseline for benchmarks).
+        release: ZeRO-2: allocate each bucket's full gradient buffer when its first gradient
+            arrives and drop it once its (sharding) reduction has completed (module doc).
 
     Per step: `begin_step(microbatches)`, the backwards (hooks call `on_grad`),
     `finish_backward()`.
@@ -247,15 +285,23 @@ class BucketManager:
             reduction is launched. Cleared by `begin_step`.
     """
 
+    MAX_IN_FLIGHT = 2  # ZeRO-2: reductions launched from hooks and not yet waited, at most
+
     def __init__(self, named_params: list[tuple[str, Any]], plans: list[BucketPlan], reduction: Reduction,
-                 tied_comm: Communicator | None = None, overlap: bool = True):
+                 tied_comm: Communicator | None = None, overlap: bool = True, release: bool = False):
         params = [p for _, p in named_params]
         self.reduction = reduction
         self.comm = reduction.comm
+        replicate = getattr(reduction, "replicate", None)
+        self._alone = self.comm.size == 1 and (replicate is None or replicate.size == 1)  # nothing to reduce
         self.tied_comm = tied_comm
         self.overlap = overlap
+        self.release = release
+        if release and not reduction.shards:
+            raise ConfigError("releasing bucket gradients (ZeRO-2) needs a sharding reduction")
         xp = backend.array_module(*(p.data for p in params))
-        self.buckets = [Bucket(i, plan, params, xp) for i, plan in enumerate(plans)]
+        self.buckets = [Bucket(i, plan, params, xp, allocate=not release) for i, plan in enumerate(plans)]
+        self._in_flight: list[Bucket] = []
         self.n_regular = sum(1 for b in self.buckets if not b.plan.tied)
         self._name_of = {id(p): n for n, p in named_params}
         self._where = {id(p): b for b in self.buckets for p in b.params}
@@ -275,12 +321,19 @@ class BucketManager:
                 p.grad = v
 
     def begin_step(self, microbatches: int = 1) -> None:
-        """Zero the buckets, point every `.grad` at its view, arm the hooks for `microbatches` backwards."""
+        """Zero the buckets, point every `.grad` at its view, arm the hooks for `microbatches` backwards.
+        (ZeRO-2: no buffer yet; every `.grad` is None until its bucket is allocated by a hook.)"""
         if microbatches < 1:
             raise ConfigError(f"microbatches must be >= 1, got {microbatches}")
         for b in self.buckets:
-            b.grad.fill(0)
+            if self.release:
+                b.release()
+                for p in b.params:
+                    p.grad = None
+            else:
+                b.grad.fill(0)
             b.ready, b.handle, b.part = 0, None, None
+        self._in_flight = []
         self.attach_grads()
         for k in self._counts:
             self._counts[k] = 0
@@ -300,6 +353,8 @@ class BucketManager:
             raise RuntimeError(f"parameter {self._name_of[key]} received {n} gradients in a step "
                                f"of {self._microbatches} micro-batch(es); its bucket was already reduced. "
                                "Call begin_step(microbatches=...) with the number of backward passes")
+        if self.release:
+            self._adopt(self._where[key], p)
         if n < self._microbatches:
             return
         self.events.append(("grad_ready", self._name_of[key], time.perf_counter()))
@@ -311,20 +366,45 @@ class BucketManager:
                 self._next_launch += 1
             if self._next_launch:
                 self.comm.progress()  # keeps the launched reductions moving during backward
+            while self.release and len(self._in_flight) > self.MAX_IN_FLIGHT:
+                self._complete(self._in_flight.pop(0))  # the oldest: its full buffer goes away
+
+    def _adopt(self, b: Bucket, p) -> None:
+        """ZeRO-2: make sure bucket `b` has its buffer and `p.grad` is its view (copying in the
+        gradient autograd stored on its own at `p`'s first contribution)."""
+        if b.grad is None:
+            b.allocate()
+        view = b.views[b.params.index(p)]
+        if p.grad is not view:
+            if p.grad is not None:
+                view[...] = p.grad
+            p.grad = view
 
     def _launch(self, b: Bucket) -> None:
         """Start bucket `b`'s reduction (nothing to do on one rank)."""
         self.events.append(("bucket_start", b.index, time.perf_counter()))
-        if self.comm.size > 1:
+        if self.release:
+            for p in b.params:  # parameters that got no gradient (or no hook yet) are zeros / adopted
+                self._adopt(b, p)
+        if not self._alone:
             b.handle = self.reduction.start(b)
+        if self.release:
+            self._in_flight.append(b)
 
     def _complete(self, b: Bucket) -> None:
-        """Wait for bucket `b`'s reduction; the average is left in `b.grad` (or `b.part`)."""
-        if self.comm.size == 1:  # one rank: the bucket is its own average, and all of it is this rank's part
+        """Wait for bucket `b`'s reduction; the average is left in `b.grad` (or `b.part`). ZeRO-2
+        drops the full buffer afterwards."""
+        if b.part is not None or (b.handle is None and not self._alone):
+            return  # completed already (ZeRO-2 waits for some from the hooks)
+        if self._alone:  # one rank: the bucket is its own average, and all of it is this rank's part
             b.part = b.grad if self.reduction.shards else None
-            return
-        handle, b.handle = b.handle, None
-        b.part = self.reduction.finish(b, handle)
+        else:
+            handle, b.handle = b.handle, None
+            b.part = self.reduction.finish(b, handle)
+        if self.release:
+            if b.part is b.grad:  # one rank: the part is the buffer; keep a copy, drop the rest
+                b.part = b.grad.copy()
+            b.release()
 
     def finish_backward(self) -> None:
         """Launch the buckets not yet started (the tied one last, after summing it over
@@ -335,9 +415,13 @@ class BucketManager:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
         for b in self.buckets[self.n_regular:]:
+            if self.release:
+                for p in b.params:
+                    self._adopt(b, p)
             if self.tied_comm is not None:
                 self.tied_comm.iall_reduce(b.grad, op="sum").wait()  # in place
             self._launch(b)
         for b in self.buckets:
             self._complete(b)
+        self._in_flight = []
         self._armed = False

@@ -13,18 +13,27 @@ training loop talks to; the mechanisms live in their own modules:
   reduction in index order while backward goes on;
 - hpcpar/parallel/compression.py: the optional 16-bit wire (`wire_dtype` "float16" or
   "bfloat16"), a compressor behind the same reduction interface;
-- hpcpar/parallel/zero.py: ZeRO-1, optimizer state for this rank's part of every bucket only,
+- hpcpar/parallel/zero.py: ZeRO-1/2, optimizer state for this rank's part of every bucket only,
   and the all-gather of the updated parameters;
+- hpcpar/parallel/fsdp.py: ZeRO-3, parameters sharded per unit and gathered around each unit's
+  forward and backward;
 - hpcpar/parallel/clipping.py: the global gradient norm over the whole mesh.
 
-Here they are put together: which reduction a bucket gets (all-reduce average; reduce-scatter
-under ZeRO; a compressed exchange of either kind), which gradients count toward the norm, and
-which optimizer (replicated over whole parameters, or ZeRO over segments).
+ZeRO stages (`zero`): 0 all-reduces whole buckets and every rank keeps everything; 1
+reduce-scatters buckets and shards the optimizer state; 2 also drops each full gradient bucket
+once reduced (only the parts stay); 3 shards the parameters too. ZeRO shards over the *shard
+group* `mesh.comm((Axis.DP_SHARD, Axis.CP))`; with HSDP (`mesh.dp_replicate > 1`) the shard is
+then averaged over the replicas (`mesh.comm(Axis.DP_REPLICATE)`), which keep identical shards
+and identical optimizer state. Without HSDP the shard group is dp x cp.
 
 Tied weights. The LM head on the last pipeline stage is a copy (`tied_to`) of the embedding
-on the first. Both live in a separate final bucket: after backward their gradients are summed
-over `mesh.embedding_comm`, then averaged over dp like any bucket, so the two copies receive
-identical updates.
+on the first. Both live in a separate final bucket (ZeRO-3: a flat parameter of its own, of
+the same size on both stages): their gradients are summed over `mesh.embedding_comm`, so the
+two copies receive identical updates.
+
+Checkpoints under ZeRO: `checkpoint_shards()` gives this rank's pieces of the parameters and of
+the optimizer state, each a flat range of a parameter with its `Layout.flat_range` (no state is
+gathered to save); `checkpoint_wanted()` / `load_checkpoint()` read them back in any layout.
 """
 
 from __future__ import annotations
@@ -40,9 +49,11 @@ from hpcpar.parallel.buckets import (AllReduceAvg, BucketManager, CompressedRedu
                                      plan_buckets)
 from hpcpar.parallel.clipping import clip_global_norm, counts_toward_norm
 from hpcpar.parallel.compression import make_compressor
+from hpcpar.parallel.fsdp import ShardedUnits
 from hpcpar.parallel.zero import ZeroOptimizer
 
 _MIB = 1 << 20
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 class DataParallel:
@@ -52,36 +63,53 @@ class DataParallel:
         named_params: (global name, Parameter) of every parameter on this rank (all its
             pipeline chunks), in registration order.
         mesh: the Mesh; uses `comm((Axis.DP, Axis.CP))` (the replicas: weights are replicated
-            over context parallelism too, so dp x cp ranks average their gradients), `comm(Axis.TP)`,
-            `world` and `embedding_comm`.
+            over context parallelism too, so dp x cp ranks average their gradients), the shard
+            group `comm((Axis.DP_SHARD, Axis.CP))` and `comm(Axis.DP_REPLICATE)` (HSDP),
+            `comm(Axis.TP)`, `world` and `embedding_comm`.
         bucket_mb: bucket size in MiB.
-        wire_dtype: "float32" (no compression), "float16" or "bfloat16".
-        zero: 0 (replicated optimizer state) or 1 (state sharded over dp).
+        wire_dtype: "float32" (no compression), "float16" or "bfloat16" (ZeRO 0 and 1, no HSDP).
+        zero: 0 (replicated), 1 (optimizer state sharded), 2 (gradients too), 3 (parameters too).
         make_optimizer: builds the optimizer from a list of objects with `.data`, `.grad`,
             `.no_decay` (the parameters, or under ZeRO this rank's segments).
         overlap: start reductions from grad hooks during backward (False: all in
-            `finish_backward`, the no-overlap baseline for benchmarks).
+            `finish_backward`, the no-overlap baseline for benchmarks; ZeRO 0-2).
+        units: ZeRO-3 only: (chunk index, unit name, [(name, Parameter)]) in forward order
+            (`GPT.fsdp_units()` of every chunk); each chunk's `unit_hooks` must be set to
+            `dp.unit_hooks` so that the model gathers its units.
+        reshard_after_forward: ZeRO-3: free a unit's gathered parameters after its forward.
+        prefetch: ZeRO-3: issue the next unit's all-gather while the current one computes.
 
     Per step: `begin_step(microbatches)`, backward of every micro-batch, `finish_backward()`,
     `clip_grad_norm(max_norm)`, `step(lr)`.
 
     Attributes:
-        buckets: the gradient buckets (`Bucket`: `.index`, `.plan`, `.grad`, ...), launch order.
+        buckets: the gradient buckets (`Bucket`: `.index`, `.plan`, `.grad`, ...), launch order
+            (none under ZeRO-3).
         optimizer: the optimizer (under ZeRO over this rank's segments).
+        unit_hooks: ZeRO-3's `fsdp.ShardedUnits` (None otherwise).
         events: (kind, what, time.perf_counter()) appended during the step: ("grad_ready", name, t)
             when a parameter has all its contributions, ("bucket_start", i, t) when bucket i's
-            reduction is launched. Cleared by `begin_step`.
+            reduction is launched (ZeRO-3: the `ShardedUnits` events). Cleared by `begin_step`.
         wait_s: seconds the last `finish_backward` spent (launching the rest and waiting).
     """
 
     def __init__(self, named_params: Iterable[tuple[str, Any]], mesh, bucket_mb: float = 25.0,
                  wire_dtype: str = "float32", zero: int = 0,
-                 make_optimizer: Callable[[list], Any] = AdamW, overlap: bool = True):
-        # The gradient group: every rank holding the same weights on other tokens (dp x cp).
+                 make_optimizer: Callable[[list], Any] = AdamW, overlap: bool = True,
+                 units: Iterable[tuple[int, str, list]] | None = None, reshard_after_forward: bool = True,
+                 prefetch: bool = True):
+        # The gradient group: every rank holding the same weights on other tokens (dp x cp);
+        # ZeRO shards over dp_shard x cp and averages the shards over dp_replicate (HSDP).
         self.dp_comm = mesh.comm((Axis.DP, Axis.CP))
+        self.shard_comm = mesh.comm((Axis.DP_SHARD, Axis.CP))
+        self.replicate_comm = mesh.comm(Axis.DP_REPLICATE)
+        if zero not in ZERO_STAGES or isinstance(zero, bool):
+            raise ConfigError(f"zero={zero!r} is not a supported ZeRO stage; choose 0, 1, 2 or 3")
         compressor = make_compressor(wire_dtype, self.dp_comm)  # validates wire_dtype
-        if zero not in (0, 1):
-            raise ConfigError(f"zero={zero!r} is not a supported ZeRO stage; choose 0 or 1")
+        if compressor is not None and (zero >= 2 or self.replicate_comm.size > 1):
+            raise ConfigError(f"grad_wire_dtype={wire_dtype!r} is built for zero 0 and 1 without HSDP, not for "
+                              f"zero={zero} with dp_replicate={self.replicate_comm.size}; use "
+                              "grad_wire_dtype=\"float32\"")
         if not bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be > 0, got {bucket_mb!r}")
         named = list(named_params)
@@ -95,7 +123,8 @@ class DataParallel:
         self.wire_dtype = wire_dtype
         self.dp_size, self.dp_rank = self.dp_comm.size, self.dp_comm.rank
         self.embedding_comm = mesh.embedding_comm
-        tp_rank = mesh.comm(Axis.TP).rank
+        self.tp_rank = tp_rank = mesh.comm(Axis.TP).rank
+        self.replica = self.replicate_comm.rank  # HSDP: replicas > 0 hold copies of replica 0's shards
 
         # Tied weights: copies (tied_to set) and the weights they mirror, here or on the peer stage.
         targets = {p.tied_to for p in self.params if getattr(p, "tied_to", None)}
@@ -103,92 +132,161 @@ class DataParallel:
             for theirs in self.embedding_comm.all_gather_object(sorted(targets)):
                 targets.update(theirs)
         tied = {n for n, p in named if getattr(p, "tied_to", None) or n in targets}
+        self.wait_s = 0.0
+        self.buckets: list = []
+        self.reducer = None
+        self._zero: ZeroOptimizer | None = None
+        self.unit_hooks: ShardedUnits | None = None
 
-        # Buckets padded to a multiple of dp: ZeRO's parts and the compressed all-to-all's rows.
-        plans = plan_buckets([(n, int(p.data.size), str(p.data.dtype)) for n, p in named],
-                             int(bucket_mb * _MIB), self.dp_size, tied)
-        if compressor is not None:
-            reduction = CompressedReduction(compressor, shards=bool(zero))
-        elif zero:
-            reduction = ReduceScatterAvg(self.dp_comm)
+        if zero == 3:
+            if units is None:
+                raise ConfigError("zero=3 needs the model's units (DataParallel(..., units=[(chunk, name, "
+                                  "[(name, param)]), ...]), e.g. from GPT.fsdp_units())")
+            units = list(units)
+            listed = {id(p) for _, _, ps in units for _, p in ps}
+            missing = [n for n, p in named if id(p) not in listed]
+            if missing:
+                raise ConfigError(f"zero=3: parameters {missing[:3]} belong to no unit")
+            self.unit_hooks = ShardedUnits(units, self.shard_comm, self.replicate_comm, tied,
+                                           self.embedding_comm, reshard_after_forward, prefetch)
+            self.segments = self.unit_hooks.segments
+            if self.embedding_comm is not None:
+                self._check_tied_match([(f.size, f.dtype) for f in self.unit_hooks.flats if f.tied])
         else:
-            reduction = AllReduceAvg(self.dp_comm)
-        self.reducer = BucketManager(named, plans, reduction, tied_comm=self.embedding_comm, overlap=overlap)
-        self.buckets = self.reducer.buckets
-        if self.embedding_comm is not None:
-            self._check_tied_match()
-
+            # Buckets padded to a multiple of the shard group (ZeRO's parts) or of dp (the
+            # compressed all-to-all's rows).
+            pad = self.shard_comm.size if zero else self.dp_size
+            plans = plan_buckets([(n, int(p.data.size), str(p.data.dtype)) for n, p in named],
+                                 int(bucket_mb * _MIB), pad, tied)
+            if compressor is not None:
+                reduction = CompressedReduction(compressor, shards=bool(zero))
+            elif zero:
+                reduction = ReduceScatterAvg(self.shard_comm, self.replicate_comm)
+            else:
+                reduction = AllReduceAvg(self.dp_comm)
+            self.reducer = BucketManager(named, plans, reduction, tied_comm=self.embedding_comm, overlap=overlap,
+                                         release=zero == 2)
+            self.buckets = self.reducer.buckets
+            if self.embedding_comm is not None:
+                tied_buckets = [b for b in self.buckets if b.plan.tied]
+                self._check_tied_match([(tied_buckets[0].plan.size, tied_buckets[0].plan.dtype)]
+                                       if tied_buckets else [])
+            if zero:
+                self._zero = ZeroOptimizer(self.buckets, self.shard_comm, make_optimizer)
+                self.segments = self._zero.segments
         if zero:
-            self._zero: ZeroOptimizer | None = ZeroOptimizer(self.buckets, self.dp_comm, make_optimizer)
-            self.optimizer = self._zero.optimizer
-            # Every dp rank counts its own part, in bucket and segment order.
-            self._norm_items = [s for s in self._zero.segments if counts_toward_norm(s.param, tp_rank)]
+            self.optimizer = make_optimizer(self.segments) if zero == 3 else self._zero.optimizer
+            # Every rank of the shard group counts its own part, in segment order; replicas are
+            # identical after the average, so replica 0 counts for all of them.
+            self._norm_items = ([s for s in self.segments if counts_toward_norm(s.param, tp_rank)]
+                                if self.replica == 0 else [])
         else:
-            self._zero = None
             self.optimizer = make_optimizer(list(self.params))
             # Replicas are identical after the average: dp rank 0 counts for all of them.
             self._norm_items = [p for p in self.params if counts_toward_norm(p, tp_rank)] if self.dp_rank == 0 else []
-        self.wait_s = 0.0
 
-    def _check_tied_match(self) -> None:
-        """Both stages' tied buckets must match, or their sum over embedding_comm would not."""
-        tied = [b for b in self.buckets if b.plan.tied]
-        mine = (tied[0].plan.size, tied[0].plan.dtype) if tied else (0, "")
-        sizes = self.embedding_comm.all_gather_object(mine)
-        if len(set(sizes)) != 1:
+    def _check_tied_match(self, mine: list) -> None:
+        """Both stages' tied buckets (flats) must match, or their sum over embedding_comm would not."""
+        sizes = self.embedding_comm.all_gather_object(mine[:1] or [(0, "")])
+        if len({tuple(x) for x in sizes}) != 1 and len(sizes) > 1:
             raise ConfigError(f"tied weights differ between the first and last pipeline stage "
                               f"(size, dtype per rank: {sizes}); both copies must have the same local shape")
 
     @property
     def overlap(self) -> bool:
         """Whether reductions start from grad hooks during backward."""
-        return self.reducer.overlap
+        return self.reducer.overlap if self.reducer is not None else True
 
     @overlap.setter
     def overlap(self, value: bool) -> None:
-        self.reducer.overlap = value
+        if self.reducer is not None:
+            self.reducer.overlap = value
 
     @property
     def events(self) -> list[tuple[str, Any, float]]:
-        """This step's ("grad_ready", name, t) and ("bucket_start", i, t) records (see the class docstring)."""
-        return self.reducer.events
+        """This step's ("grad_ready", name, t) and ("bucket_start", i, t) records (see the class
+        docstring; ZeRO-3: the unit events of `fsdp.ShardedUnits`)."""
+        return self.unit_hooks.events if self.unit_hooks is not None else self.reducer.events
 
     @events.setter
     def events(self, value: list) -> None:
-        self.reducer.events = value
+        if self.unit_hooks is not None:
+            self.unit_hooks.events = value
+        else:
+            self.reducer.events = value
 
     # -- the step -------------------------------------------------------------------------------
 
     def begin_step(self, microbatches: int = 1) -> None:
-        """Zero the gradient buckets, point every `.grad` at its view, arm the hooks."""
-        self.reducer.begin_step(microbatches)
+        """Zero the gradient buckets, point every `.grad` at its view, arm the hooks (ZeRO-2:
+        buffers come with the first gradients; ZeRO-3: with each unit's backward)."""
+        if self.unit_hooks is not None:
+            self.unit_hooks.begin_step(microbatches)
+        else:
+            self.reducer.begin_step(microbatches)
 
     def finish_backward(self) -> None:
         """Launch the buckets not yet started (tied weights last, after summing them across
         stages), wait for every reduction. Afterwards, without ZeRO each `.grad` holds the
-        dp-averaged gradient; with ZeRO the averaged part lives with the optimizer's segments."""
+        dp-averaged gradient; with ZeRO the averaged part lives with the optimizer's segments
+        (ZeRO 2 and 3 keep no full gradient)."""
         t0 = time.perf_counter()
-        self.reducer.finish_backward()
-        if self._zero is not None:
-            self._zero.attach_grads()
+        if self.unit_hooks is not None:
+            self.unit_hooks.finish_backward()
+        else:
+            self.reducer.finish_backward()
+            if self._zero is not None:
+                self._zero.attach_grads()
         self.wait_s = time.perf_counter() - t0
+
+    def _grad_buffers(self) -> list:
+        """The arrays that hold this rank's averaged gradients (clipping scales them)."""
+        if self.unit_hooks is not None:
+            return [f.grad_shard for f in self.unit_hooks.flats]
+        return [b.part for b in self.buckets] if self._zero is not None else [b.grad for b in self.buckets]
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm of the averaged gradients over the whole mesh (the same float on every
         rank); when `max_norm > 0` and the norm exceeds it, scale every gradient by
         `max_norm / (norm + 1e-6)` (as torch.nn.utils.clip_grad_norm_). Returns the norm before."""
-        grads = [b.part for b in self.buckets] if self._zero is not None else [b.grad for b in self.buckets]
-        return clip_global_norm(self._norm_items, grads, max_norm, self.mesh.world)
+        return clip_global_norm(self._norm_items, self._grad_buffers(), max_norm, self.mesh.world)
 
     def step(self, lr: float | None = None) -> None:
-        """Optimizer step with learning rate `lr`. ZeRO: update this rank's part, all-gather
-        the parameters."""
+        """Optimizer step with learning rate `lr`. ZeRO 1/2: update this rank's part, all-gather
+        the parameters; ZeRO-3: update the shards (the next forward gathers them)."""
         if self._zero is not None:
             self._zero.step(lr)
         else:
             self.optimizer.step(lr)
 
-    # -- optimizer state for checkpoints ------------------------------------------------------------
+    def nonfinite_gradients(self) -> list[str]:
+        """Names of this rank's parameters with a non-finite averaged gradient (its part under
+        ZeRO), in model order. Call after `finish_backward`."""
+        if self.zero:
+            items = [(s.name, s.grad) for s in self.segments]
+        else:
+            items = list(zip(self.names, (p.grad for p in self.params)))
+        bad = []
+        for name, g in items:
+            if g is not None and name not in bad and not bool(backend.array_module(g).isfinite(g).all()):
+                bad.append(name)
+        order = {n: i for i, n in enumerate(self.names)}
+        return sorted(bad, key=lambda n: order.get(n, len(order)))
+
+    # -- whole parameters -------------------------------------------------------------------------
+
+    def full_parameters(self) -> dict[str, Any]:
+        """{name: this rank's whole local array} (copies under ZeRO-3, gathered: collective over
+        the shard group; the arrays themselves otherwise)."""
+        if self.unit_hooks is None:
+            return {n: p.data for n, p in zip(self.names, self.params)}
+        self.unit_hooks.gather_all()
+        try:
+            return {n: p.data.copy() for n, p in zip(self.names, self.params)}
+        finally:
+            self.unit_hooks.release_all()
+
+    # -- optimizer state and checkpoints ------------------------------------------------------------
 
     def optimizer_step_count(self) -> int:
         """Optimizer steps taken (AdamW's bias correction uses it); checkpoints save it."""
@@ -198,24 +296,36 @@ class DataParallel:
         """The optimizer's per-parameter state arrays ("exp_avg", "exp_avg_sq" for AdamW)."""
         return tuple(self.optimizer.state_names)
 
+    def _shard_groups(self) -> list[tuple[list, Any, Any]]:
+        """Per bucket (ZeRO 1/2) or flat (ZeRO-3): (slots with their params, part buffer, segments)."""
+        if self.unit_hooks is not None:
+            return [(list(zip(f.slots, f.params)), f.shard, f.segments) for f in self.unit_hooks.flats]
+        return [(list(zip(part.bucket.plan.slots, part.bucket.params)), part.data, part.segments)
+                for part in self._zero.parts]
+
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         """{parameter name: {state name: array of the parameter's local shape}} (copies).
-        Under ZeRO the parts are all-gathered over dp first (collective over dp)."""
+        Under ZeRO the parts are all-gathered over the shard group first (collective): for tests
+        and tools; checkpoints save the shards (`checkpoint_shards`)."""
         names = self.state_names()
-        if self._zero is not None:
-            gathered = self._zero.state(names)
-            return {n: gathered.get(n, {}) for n in self.names}  # {} per name when the optimizer keeps no state
-        out: dict[str, dict[str, Any]] = {}
-        for n, p in zip(self.names, self.params):
-            st = self.optimizer.state_of(p)
-            out[n] = {k: st[k].copy() for k in names}
+        if not self.zero:
+            return {n: {k: self.optimizer.state_of(p)[k].copy() for k in names}
+                    for n, p in zip(self.names, self.params)}
+        out: dict[str, dict[str, Any]] = {n: {} for n in self.names}
+        for slots, part, segments in self._shard_groups():
+            for k in names:
+                mine = backend.array_module(part).zeros_like(part)
+                for seg in segments:
+                    mine[seg.part_lo:seg.part_lo + (seg.hi - seg.lo)] = self.optimizer.state_of(seg)[k]
+                full = self.shard_comm.all_gather(mine, dim=0)
+                for s, p in slots:
+                    out[s.name][k] = full[s.offset:s.offset + s.numel].reshape(p.shape).copy()
         return out
 
     def load_optimizer_state(self, state: dict[str, dict[str, Any]], step_count: int | None = None) -> None:
         """Copy state of the `optimizer_state()` structure in (each rank takes its ZeRO part).
 
-        Call it after loading the parameters themselves: under ZeRO it also re-reads this rank's
-        part of them (which `step` otherwise keeps up to date on its own)."""
+        Call it after loading the parameters themselves (ZeRO-3 keeps its own shards of them)."""
         names = set(self.state_names())
         missing = sorted(set(self.names) - set(state))
         if missing:
@@ -228,8 +338,11 @@ class DataParallel:
                 if tuple(v.shape) != tuple(p.shape):
                     raise CheckpointError(f"optimizer state {k} of {n} has shape {tuple(v.shape)}, "
                                           f"expected the parameter's local shape {tuple(p.shape)}")
-        if self._zero is not None:
-            self._zero.load_state(state)
+        if self.zero:
+            for seg in self.segments:
+                xp = backend.array_module(seg.data)
+                for k, dst in self.optimizer.state_of(seg).items():
+                    dst[...] = xp.asarray(state[seg.name][k]).reshape(-1)[seg.lo:seg.hi]
         else:
             xp = backend.array_module(*(p.data for p in self.params))
             for n, p in zip(self.names, self.params):
@@ -237,3 +350,88 @@ class DataParallel:
                     dst[...] = xp.asarray(state[n][k])
         if step_count is not None:
             self.optimizer.step_count = int(step_count)
+
+    def _saved_segments(self) -> list:
+        """The segments this rank writes: replica 0 only (HSDP), no tied copies (the weight they
+        mirror is saved), tp-replicated parameters from tp rank 0 only."""
+        if self.replica != 0:
+            return []
+        return [s for s in self.segments if not getattr(s.param, "tied_to", None)
+                and (self.tp_rank == 0 or not s.param.layout.is_replicated)]
+
+    def checkpoint_shards(self) -> dict[str, tuple[Any, Any]]:
+        """ZeRO 1-3: {"model/<name>": (piece, layout), "optim/<name>/<state>": (piece, layout)}
+        for this rank's segments, each a flat range of its parameter (`Layout.flat_range`): the
+        shards of the shard group tile every tensor once, replica 0 writes them (HSDP). Nothing is
+        gathered. Empty under ZeRO 0 (the trainer saves whole local tensors)."""
+        if not self.zero:
+            return {}
+        out = {}
+        names = self.state_names()
+        for seg in self._saved_segments():
+            layout = seg.layout
+            out[f"model/{seg.name}"] = (seg.data, layout)
+            state = self.optimizer.state_of(seg)
+            for k in names:
+                out[f"optim/{seg.name}/{k}"] = (state[k], layout)
+        return out
+
+    def checkpoint_wanted(self, key_of: Callable[[Any, str], str]) -> dict[str, Any]:
+        """ZeRO 1-3: {tensor name: Layout} this rank loads: the parameters whole (ZeRO 1/2, which
+        keep them whole) or its shards of them (ZeRO-3), and its shards of the optimizer state.
+        `key_of(param, name)` names the global tensor (a tied copy loads the weight it mirrors)."""
+        out: dict[str, Any] = {}
+        if self.zero in (1, 2):
+            for n, p in zip(self.names, self.params):
+                out[f"model/{key_of(p, n)}"] = p.layout
+        for seg in self.segments:
+            key = key_of(seg.param, seg.name)
+            if self.zero == 3:
+                out[f"model/{key}"] = seg.layout
+            for k in self.state_names():
+                out[f"optim/{key}/{k}"] = seg.layout
+        return out
+
+    def load_checkpoint(self, arrays: dict[str, Any], key_of: Callable[[Any, str], str],
+                        step_count: int | None = None) -> None:
+        """ZeRO 1-3: take what `checkpoint_wanted` asked for (host arrays) into place."""
+        if self.zero in (1, 2):
+            for n, p in zip(self.names, self.params):
+                p.data[...] = backend.array_module(p.data).asarray(arrays[f"model/{key_of(p, n)}"])
+        for seg in self.segments:
+            key = key_of(seg.param, seg.name)
+            xp = backend.array_module(seg.data)
+            if self.zero == 3:
+                seg.data[...] = xp.asarray(arrays[f"model/{key}"])
+            for k, dst in self.optimizer.state_of(seg).items():
+                dst[...] = xp.asarray(arrays[f"optim/{key}/{k}"])
+        if step_count is not None:
+            self.optimizer.step_count = int(step_count)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind: parameters (whole or shards; ZeRO-3 gathered
+        buffers separately), gradients (buckets, parts, shards) and optimizer state, from the
+        arrays themselves (each buffer counted once)."""
+        seen: set = set()
+
+        def size(arrays) -> int:
+            total = 0
+            for a in arrays:
+                if a is None:
+                    continue
+                base = a
+                while getattr(base, "base", None) is not None:
+                    base = base.base
+                if id(base) not in seen:
+                    seen.add(id(base))
+                    total += int(base.nbytes)
+            return total
+        state = [v for st in self.optimizer.state_dict()["state"] for v in st.values()]
+        if self.unit_hooks is not None:
+            flats = self.unit_hooks.flats
+            return {"parameters": size(f.shard for f in flats), "gradients": size(f.grad_shard for f in flats)
+                    + size(f.grad for f in flats), "optimizer": size(state),
+                    "gathered": size(f.gathered for f in flats if f.comm.size > 1)}
+        params = size(p.data for p in self.params)
+        grads = size(b.grad for b in self.buckets) + size(b.part_buffer for b in self.buckets)
+        return {"parameters": params, "gradients": grads, "optimizer": size(state), "gathered": 0}

@@ -1,14 +1,19 @@
-"""ZeRO-1: optimizer state sharded over the dp ranks (arXiv 1910.02054, stage 1).
+"""ZeRO-1 and ZeRO-2: optimizer state (and ZeRO-2's gradients) sharded over the dp ranks
+(arXiv 1910.02054, stages 1 and 2).
 
 Every dp replica holds all parameters, but the optimizer's state (AdamW's two moments: twice
 the parameters) is split: rank r owns part r of every gradient bucket (hpcpar/parallel/buckets.py),
-the elements `[r * size/dp, (r + 1) * size/dp)` of the flat `[size]` bucket (`size` is padded to
-a multiple of dp), and keeps optimizer state for those elements only, 1/dp of the total.
+the elements `[r * size/n, (r + 1) * size/n)` of the flat `[size]` bucket (`size` is padded to
+a multiple of n, the ranks of the shard group: dp x cp, or with HSDP dp_shard x cp), and keeps
+optimizer state for those elements only, 1/n of the total.
 
-Per step: a reduce-scatter has left each rank the averaged gradient of its part of every
-bucket (`bucket.part`, `[size/dp]`); the optimizer updates this rank's part of the parameters,
-held in a flat buffer `Part.data` of shape `[size/dp]`; a non-blocking all-gather per bucket then
-returns the whole updated bucket `[size]` to every rank, which copies it into the parameters.
+Parameters live in one flat buffer per bucket, laid out like its gradients (`Part.flat`; every
+`p.data` is a view of it). Per step: a reduce-scatter has left each rank the averaged gradient of
+its part of every bucket (`bucket.part`, `[size/n]`); the optimizer updates this rank's part of
+the parameters in place (`Part.data`, a view `flat[lo:hi]`, so no copy of the parameters is
+kept); a non-blocking all-gather per bucket then fills every rank's whole `flat` with the
+updated parts. ZeRO-2 is the same optimizer: only the bucket manager differs (it drops each
+full gradient buffer once reduced, buckets.py).
 
 The optimizer never sees a whole parameter. It sees *segments*: for each parameter that
 overlaps this rank's part, the overlapping piece, as an object with flat `.data` (a view of
@@ -17,8 +22,10 @@ overlaps this rank's part, the overlapping piece, as an object with flat `.data`
 segments is the same arithmetic as on whole parameters, so results equal the unsharded
 optimizer's bit for bit.
 
-Checkpoints hold each parameter's whole state: `state` all-gathers the parts per bucket and
-cuts them into parameters; `load_state` takes that structure and keeps this rank's part.
+Checkpoints: every segment is a flat range of its parameter's local array, so it is saved as it
+is, with the layout `param.layout.flat_range(lo, hi)` (`shard_tensors`): no rank ever holds
+another rank's state. `state` (all-gathered whole-parameter state, for tests and tools) and
+`load_state` (its inverse) remain.
 """
 
 from __future__ import annotations
@@ -45,13 +52,30 @@ class Segment:
         self.lo, self.hi = lo, hi   # element range within the flattened parameter
         self.part_lo = part_lo      # start within the part buffer
 
+    @property
+    def layout(self):
+        """Where this piece sits in the global tensor: a flat range of the parameter's layout."""
+        return self.param.layout.flat_range(self.lo, self.hi)
+
+
+def segments_of(slots, params, lo: int, hi: int, data) -> list[Segment]:
+    """The pieces of the parameters of `slots` (name, offset, numel; with `params` alongside)
+    inside elements [lo, hi) of a flat buffer, `data` being those elements."""
+    out = []
+    for s, p in zip(slots, params):
+        a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < z:
+            out.append(Segment(data[a - lo:z - lo], p, s.name, a - s.offset, z - s.offset, a - lo))
+    return out
+
 
 class Part:
     """This rank's part of one bucket: elements [lo, hi) of the flat bucket.
 
     Attributes:
         bucket: the Bucket.
-        data: `[hi - lo]`, this rank's part of the flattened parameters (what the optimizer updates).
+        flat: `[size]`, the bucket's parameters back to back (every `p.data` is a view of it).
+        data: `flat[lo:hi]`, this rank's part of the parameters (what the optimizer updates).
         segments: the parameters' pieces inside [lo, hi), in slot order.
     """
 
@@ -59,19 +83,13 @@ class Part:
         n = bucket.plan.size // size
         self.bucket = bucket
         self.lo, self.hi = rank * n, (rank + 1) * n
-        self.data = xp.zeros(n, dtype=bucket.plan.dtype)
-        self.segments: list[Segment] = []
-        for s, p in zip(bucket.plan.slots, bucket.params):
-            a, z = max(self.lo, s.offset), min(self.hi, s.offset + s.numel)
-            if a < z:
-                self.segments.append(Segment(self.data[a - self.lo:z - self.lo], p, s.name,
-                                             a - s.offset, z - s.offset, a - self.lo))
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Copy this rank's part of the parameters into `data` (they may have been loaded)."""
-        for seg in self.segments:
-            seg.data[...] = seg.param.data.reshape(-1)[seg.lo:seg.hi]
+        self.flat = xp.zeros(bucket.plan.size, dtype=bucket.plan.dtype)
+        for s, p in zip(bucket.plan.slots, bucket.params):  # the parameters move into the flat buffer
+            view = self.flat[s.offset:s.offset + s.numel].reshape(p.shape)
+            view[...] = p.data
+            p.data = view
+        self.data = self.flat[self.lo:self.hi]
+        self.segments = segments_of(bucket.plan.slots, bucket.params, self.lo, self.hi, self.data)
 
 
 class ZeroOptimizer:
@@ -79,7 +97,7 @@ class ZeroOptimizer:
 
     Args:
         buckets: the gradient buckets (sizes multiples of `comm.size`), reduced by reduce-scatter.
-        comm: the dp communicator.
+        comm: the shard group (dp x cp; with HSDP dp_shard x cp).
         make_optimizer: builds the optimizer from the list of segments.
 
     Per step, after the reduction: `attach_grads()`, then (after clipping) `step(lr)`.
@@ -99,19 +117,26 @@ class ZeroOptimizer:
                 seg.grad = part.bucket.part[seg.part_lo:seg.part_lo + (seg.hi - seg.lo)]
 
     def step(self, lr: float | None = None) -> None:
-        """Update this rank's part, then all-gather every bucket's parts into the parameters."""
+        """Update this rank's part in place, then all-gather every bucket's parts into its flat
+        parameter buffer (all started before the first wait, so they overlap each other)."""
         self.optimizer.step(lr)
-        # All gathers are started before the first wait, so they overlap each other.
-        handles = [self.comm.iall_gather(part.data, dim=0) for part in self.parts]
-        for part, h in zip(self.parts, handles):
-            full = h.wait()
-            b = part.bucket
-            for s, p in zip(b.plan.slots, b.params):
-                p.data[...] = full[s.offset:s.offset + s.numel].reshape(p.shape)
+        if self.comm.size == 1:
+            return  # the part is the whole flat buffer, updated in place
+        # The part is sent from a copy: MPI's send and receive buffers must not overlap.
+        handles = [self.comm.iall_gather(part.data.copy(), dim=0, out=part.flat) for part in self.parts]
+        for h in handles:
+            h.wait()
+
+    def gather_parameters(self) -> None:
+        """All-gather every bucket's parts into the parameters (after loading parts; collective)."""
+        if self.comm.size > 1:
+            for h in [self.comm.iall_gather(part.data.copy(), dim=0, out=part.flat) for part in self.parts]:
+                h.wait()
 
     def state(self, state_names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
         """{parameter name: {state name: array of the parameter's local shape}}, gathered over
-        dp (collective: one all-gather per bucket and state name, in that order)."""
+        the shard group (collective: one all-gather per bucket and state name, in that order).
+        For tests and tools; checkpoints save the shards (`shard_tensors`)."""
         out: dict[str, dict[str, Any]] = {}
         for part in self.parts:
             b = part.bucket
@@ -126,11 +151,10 @@ class ZeroOptimizer:
 
     def load_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Take this rank's part of whole-parameter state (the structure of `state`, already
-        checked), and re-read this rank's part of the parameters (loaded before this call)."""
+        checked). The parameters themselves are loaded whole beforehand (views of the flat
+        buffers: nothing to re-read)."""
         for part in self.parts:
             xp = backend.array_module(part.data)
             for seg in part.segments:
                 for k, dst in self.optimizer.state_of(seg).items():
                     dst[...] = xp.asarray(state[seg.name][k]).reshape(-1)[seg.lo:seg.hi]
-        for part in self.parts:
-            part.refresh()

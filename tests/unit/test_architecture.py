@@ -28,7 +28,7 @@ LAYERS = [
     {"parallel.mappings", "parallel.context", "nn", "nn.module", "nn.layers", "nn.gpt", "nn.tensor_parallel",
      "nn.context_parallel"},
     {"parallel", "parallel.schedule", "parallel.pipeline", "parallel.buckets", "parallel.compression",
-     "parallel.zero", "parallel.clipping", "parallel.data_parallel", "optim", "checkpoint"},
+     "parallel.zero", "parallel.fsdp", "parallel.clipping", "parallel.data_parallel", "optim", "checkpoint"},
     {"config", "train", "generate"},
     {"cli", "__main__"},
 ]
@@ -75,7 +75,7 @@ def test_comm_imports_no_autograd():
     assert not {d for d in deps if d in ("tensor", "ops") or d.startswith(("nn", "parallel"))}, deps
 
 
-DP_PIECES = ("parallel.buckets", "parallel.compression", "parallel.zero", "parallel.clipping",
+DP_PIECES = ("parallel.buckets", "parallel.compression", "parallel.zero", "parallel.fsdp", "parallel.clipping",
              "parallel.data_parallel")
 
 

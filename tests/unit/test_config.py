@@ -61,7 +61,15 @@ BAD = [
     (["train.lr=nan"], 1, "train.lr=nan is invalid: must be a finite number"),
     (["run.timeout=inf"], 1, "run.timeout=inf is invalid: must be a finite number"),
     # fixed choices
-    (["train.zero=2"], 1, "train.zero=2 is not one of 0, 1"),
+    (["train.zero=4"], 1, "train.zero=4 is not one of 0, 1, 2, 3"),
+    (["mesh.dp=4", "mesh.dp_replicate=3", "train.zero=1"], 4,
+     "mesh.dp=4 is not divisible by mesh.dp_replicate=3 (HSDP: dp = dp_replicate x dp_shard); choose dp_replicate "
+     "in {1, 2, 4} or use dp=6, or mesh.dp_replicate=1"),
+    (["mesh.dp=4", "mesh.dp_replicate=2"], 4,
+     "mesh.dp_replicate=2 splits dp for HSDP, which shards model state over dp_shard; use train.zero >= 1"),
+    (["mesh.dp=4", "train.zero=2", "train.grad_wire_dtype=\"bfloat16\""], 4,
+     "is built for train.zero 0 and 1 without HSDP"),
+    (["mesh.dp_replicate=0"], 1, "mesh.dp_replicate=0 is invalid: must be >= 1"),
     (["train.optimizer=adam"], 1, 'train.optimizer="adam" is not one of "adamw", "sgd"; did you mean \'adamw\'?'),
     (["pipeline.schedule=1F1B"], 1, 'pipeline.schedule="1F1B" is not one of "gpipe", "1f1b", "interleaved"'),
     (["model.dtype=float8"], 1, 'model.dtype="float8" is not one of'),
