@@ -32,6 +32,9 @@ CASES = {
     "dp2xpp2-zero1-dropout": ["mesh.dp=2", "mesh.tp=1", "mesh.pp=2", "train.zero=1", "model.dropout=0.1"],
     "dp4-zero1-async": ["mesh.dp=4", "mesh.tp=1", "mesh.pp=1", "train.zero=1", "checkpoint.async_save=true",
                         "checkpoint.every=1", "checkpoint.keep=5"],
+    "hsdp2x2-zero3-async-dropout": ["mesh.dp=4", "mesh.dp_replicate=2", "mesh.tp=1", "mesh.pp=1", "train.zero=3",
+                                    "model.dropout=0.1", "checkpoint.async_save=true", "checkpoint.every=1",
+                                    "checkpoint.keep=5"],
 }
 
 

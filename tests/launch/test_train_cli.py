@@ -31,7 +31,12 @@ def train(mpirun, n, run_dir, *extra):
     (4, ["--set", "mesh.cp=4", "--set", "mesh.cp_impl=ulysses", "--set", "model.dropout=0.1"],
      ["--set", "model.dropout=0.1"]),
     (4, ["--set", "mesh.cp=2", "--set", "mesh.dp=2", "--set", "model.dropout=0.1"],
-     ["--set", "model.dropout=0.1", "--set", "train.microbatches=4"])])
+     ["--set", "model.dropout=0.1", "--set", "train.microbatches=4"]),
+    # ZeRO-3 (FSDP) over dp=4, and HSDP (2 replicas x 2 shards) with ZeRO-2, with dropout.
+    (4, ["--set", "mesh.dp=4", "--set", "mesh.pp=1", "--set", "train.zero=3", "--set", "model.dropout=0.1"],
+     ["--set", "model.dropout=0.1", "--set", "train.microbatches=8"]),
+    (4, ["--set", "mesh.dp=2", "--set", "mesh.pp=2", "--set", "mesh.dp_replicate=2", "--set", "train.zero=2",
+         "--set", "model.dropout=0.1"], ["--set", "model.dropout=0.1", "--set", "train.microbatches=4"])])
 def test_loss_curve_matches_the_one_rank_run(mpirun, tmp_path, n, mesh, same_global_batch):
     reference, _ = train(mpirun, 1, tmp_path / "one", *same_global_batch)
     parallel, job = train(mpirun, n, tmp_path / "many", *mesh)
