@@ -503,8 +503,8 @@ def _check_memory(cfg: Config, available: int) -> None:
             remedies.append("mesh.sequence_parallel=true")
         remedies.append("more ranks for mesh.cp (splits the sequence)")
     if cfg.train.zero < 3 and dp * (cfg.mesh.cp or 1) > 1:
-        remedies.append(f"train.zero={cfg.train.zero + 1}" + (" (shards optimizer state over dp)" if cfg.train.zero == 0
-                                                              else " (shards more of the model state over dp)"))
+        stages = ", ".join(f"train.zero={z}" for z in range(cfg.train.zero + 1, 4))
+        remedies.append(f"{stages} (shards optimizer state, then gradients, then parameters over dp)")
     remedies.append("more ranks for mesh.tp or mesh.pp")
     raise ConfigError(f"estimated memory per rank {_human(state + act)} (weights+grads+optimizer {_human(state)}, "
                       f"activations {_human(act)}) exceeds the available {_human(available)}; try "

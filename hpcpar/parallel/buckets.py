@@ -174,13 +174,17 @@ class ReduceScatterAvg:
     """This rank's part of the averaged bucket, `[size/n]` (`ireduce_scatter(op="avg")` over the
     n ranks of `comm`): ZeRO. With `replicate` (HSDP: the same shard on every replica) the part is
     then averaged over the replicas too, so it is the average over `comm` x `replicate`. The part
-    lands in a buffer the bucket keeps (`bucket.part_buffer`), never in recycled memory."""
+    lands in a buffer the bucket keeps (`bucket.part_buffer`), never in recycled memory; with
+    `in_bucket` (ZeRO-1, which keeps the whole gradient buffer anyway) it is then copied into the
+    bucket's own elements of this rank's part, `grad[rank * size/n:(rank + 1) * size/n]`, and the
+    separate buffer is freed: the unreduced local gradient there is not needed any more."""
 
     shards = True
 
-    def __init__(self, comm: Communicator, replicate: Communicator | None = None):
+    def __init__(self, comm: Communicator, replicate: Communicator | None = None, in_bucket: bool = False):
         self.comm = comm
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
+        self.in_bucket = in_bucket
 
     def start(self, bucket: Bucket) -> Handle:
         if bucket.part_buffer is None:
@@ -192,7 +196,13 @@ class ReduceScatterAvg:
         part = handle.wait()
         if self.replicate is not None:
             self.replicate.iall_reduce(part, op="avg").wait()  # in place
-        return part
+        if not self.in_bucket:
+            return part
+        n = bucket.plan.size // self.comm.size
+        mine = bucket.grad[self.comm.rank * n:(self.comm.rank + 1) * n]
+        mine[...] = part
+        bucket.part_buffer = None
+        return mine
 
 
 class CompressedReduction:

@@ -161,7 +161,7 @@ class DataParallel:
             if compressor is not None:
                 reduction = CompressedReduction(compressor, shards=bool(zero))
             elif zero:
-                reduction = ReduceScatterAvg(self.shard_comm, self.replicate_comm)
+                reduction = ReduceScatterAvg(self.shard_comm, self.replicate_comm, in_bucket=zero == 1)
             else:
                 reduction = AllReduceAvg(self.dp_comm)
             self.reducer = BucketManager(named, plans, reduction, tied_comm=self.embedding_comm, overlap=overlap,

@@ -274,3 +274,22 @@ def test_hsdp_shards_state_over_dp_shard_only_and_replicas_agree():
     # ranks 0 and 2 (and 1 and 3) are the same shard on the two replicas: identical bytes
     same = every[0] == every[2] and every[1] == every[3] and every[0] != every[1]
     collective_assert(same and mine.size <= 3 * (n_params // 2 + 1000), f"{mine.size} elements for {n_params}")
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_non_finite_step_is_skipped_and_names_a_parameter(zero):
+    """A NaN in one rank's parameters: every rank skips the update (optimizer untouched) and
+    names the first parameter whose (sharded) gradient is not finite."""
+    t = make([f"mesh.dp={SIZE}", "mesh.pp=1", f"train.zero={zero}"])
+    t.train_step(0)
+    if RANK == SIZE - 1:  # the last rank's part of a block's weight
+        seg = next(s for s in t.dp.segments if s.name.startswith("transformer.h.1.mlp"))
+        seg.data[0] = np.nan
+        if zero == 2:
+            seg.param.data.reshape(-1)[seg.lo] = np.nan
+    before = WORLD.allgather(t.dp.optimizer_step_count())
+    result = t.train_step(1)
+    after = t.dp.optimizer_step_count()
+    t.mesh.free()
+    collective_assert(result.skipped and result.bad_parameter.startswith("transformer.") and after == before[0] == 1,
+                      f"zero={zero}: {result}, optimizer steps {before} -> {after}")
