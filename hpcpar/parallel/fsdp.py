@@ -355,8 +355,7 @@ class ShardedUnits:
         # In a fixed order, every flat whose parameters all have every micro-batch's gradient.
         while self._next_launch < len(self.order) and self._complete_grads(self.order[self._next_launch]):
             self._launch(self.order[self._next_launch])
-        if self._in_flight:
-            self.comm.progress()
+        self.comm.progress()  # moves the reductions and the prefetched gather on during backward
         while len(self._in_flight) > self.MAX_IN_FLIGHT:
             self._in_flight.pop(0).finish_reduce()
 
