@@ -428,6 +428,35 @@ def test_memory_estimate_scales_as_documented():
     assert config._memory_parts(gpipe, 1, 1, 2)[1] > config._memory_parts(one_f, 1, 1, 2)[1]
 
 
+def test_memory_estimate_by_zero_stage():
+    """Model state by ZeRO stage (docs/config.md): the ZeRO paper's terms plus what a step keeps
+    alive at its peak (buckets in flight, gathered units); HSDP shards over dp_shard only."""
+    one = ["train.microbatches=1", "train.bucket_mb=0.25"]
+    p = config._stage_parameters(Config(), 1, 1, 0)
+    s, n = 4, 4
+    state = {z: config._memory_parts(load_config(None, one + [f"train.zero={z}"]), n, 1, 1)[0] for z in range(4)}
+    assert state[0] == 16 * p
+    assert state[1] == 8 * p + -(-8 * p // n)
+    bucket = int(0.25 * 2**20) // s
+    assert state[2] == 4 * p + min(p, 3 * bucket) * s + p * s // n + -(-8 * p // n)
+    units = config._stage_units(Config(), 1, 1, 0)
+    largest = max(units)
+    m = Config().model
+    assert largest == m.block_params() and units[-1] == m.head_params(1, tied=False) + 128 * 128  # head: + wte, wpe
+    assert state[3] == 2 * (p * s // n) + -(-8 * p // n) + 2 * largest * s + min(p, 4 * largest) * s
+    assert state[0] > state[1] > state[2] > state[3]
+    # Accumulation keeps every full gradient until the last micro-batch; keeping units from
+    # forward to backward keeps all parameters gathered.
+    acc = config._memory_parts(load_config(None, ["train.zero=3", "train.microbatches=2"]), n, 1, 1)[0]
+    keep = config._memory_parts(load_config(None, one + ["train.zero=3", "train.reshard_after_forward=false"]),
+                                n, 1, 1)[0]
+    assert acc > state[3] and keep > state[3]
+    # HSDP: dp = 4 as 2 replicas x 2 shards holds what ZeRO over 2 ranks holds.
+    hsdp = load_config(None, one + ["train.zero=3", "mesh.dp_replicate=2"])
+    assert config._memory_parts(hsdp, 4, 1, 1)[0] == config._memory_parts(
+        load_config(None, one + ["train.zero=3"]), 2, 1, 1)[0]
+
+
 def test_memory_estimate_divides_activations_by_cp():
     """Context parallelism shards no weight: the model state stays, the activations of a rank's
     T/cp tokens shrink. Ring keeps no [T, T] probabilities; Ulysses keeps them for H/cp heads."""

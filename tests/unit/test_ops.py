@@ -194,3 +194,41 @@ def test_counter_uniform_is_uniform_sliceable_and_keyed():
     # A row range is exactly that part of the full draw; a key's stream ignores its batch-mates.
     np.testing.assert_array_equal(ops.counter_uniform(np, keys, (64, 512), rows=slice(16, 48)), u[:, 16:48])
     np.testing.assert_array_equal(ops.counter_uniform(np, keys[1:2], (64, 512))[0], u[1])
+
+
+def test_graph_keeps_no_reference_to_parameter_arrays():
+    """ZeRO-3 frees a gathered parameter between forward and backward: after the forward no node
+    of the graph may hold the parameter's array (the ops read `p.data` when backward runs), and
+    backward with the array swapped back in gives the same gradients."""
+    import gc
+    import weakref
+
+    from hpcpar.nn.module import Parameter
+
+    w, b = Parameter(RNG.standard_normal((5, 4))), Parameter(RNG.standard_normal(5))
+    table, pos = Parameter(RNG.standard_normal((7, 4))), Parameter(RNG.standard_normal((6, 4)))
+    ln_w, ln_b = Parameter(RNG.standard_normal(4)), Parameter(RNG.standard_normal(4))
+    params = (w, b, table, pos, ln_w, ln_b)
+
+    def forward():
+        ids = np.array([[1, 3, 0], [6, 2, 2]])
+        h = ops.embedding(ids, table) + ops.getitem(pos, (slice(0, 3),))
+        h = ops.layer_norm(h, Tensor.view_of_leaf(ln_w, lambda g: (g,)), ln_b)
+        return (ops.linear(h, w, b) ** 2).sum()
+
+    forward().backward()
+    expected = [p.grad.copy() for p in params]
+    for p in params:
+        p.grad = None
+    loss = forward()
+    values = [p.data.copy() for p in params]
+    refs = [weakref.ref(p.data) for p in params]
+    for p in params:  # "free" the gathered arrays: the parameters point elsewhere
+        p.data = np.full_like(p.data, np.nan)
+    gc.collect()
+    assert all(r() is None for r in refs), "a graph node still holds a parameter's array"
+    for p, v in zip(params, values):  # "gather again": fresh arrays with the same values
+        p.data = v
+    loss.backward()
+    for p, g in zip(params, expected):
+        np.testing.assert_array_equal(p.grad, g)
