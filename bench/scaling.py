@@ -79,21 +79,9 @@ def worker(args: argparse.Namespace) -> None:
             data_parallel.finish_backward = synced_finish_backward
         row["params"] = sum(p.data.size for _, p in trainer.named_parameters)
         row["buckets"] = len(data_parallel.buckets)
-        step_s, wait_s, cpu_s = [], [], []
-
-        def on_step(record: dict) -> None:
-            """The slowest rank's step and finish_backward times, the busiest rank's CPU time."""
-            times = np.array([record["step_time_s"], data_parallel.wait_s, record["cpu_time_s"]])
-            slowest = world.all_reduce(times, op="max")
-            if record["step"]:  # step 0 warms up allocators and connections
-                step_s.append(float(slowest[0]))
-                wait_s.append(float(slowest[1]))
-                cpu_s.append(float(slowest[2]))
-
-        trainer.train(steps=args.steps + 1, files=False, progress=False, on_step=on_step, peak_flops=0.0)
+        step_s, wait_s, cpu_s = timed_steps(trainer, args.steps, lambda: data_parallel.wait_s)
         trainer.mesh.free()
-        return {"step_s": statistics.median(step_s), "finish_backward_s": statistics.median(wait_s),
-                "cpu_s": statistics.median(cpu_s)}
+        return {"step_s": step_s, "finish_backward_s": wait_s, "cpu_s": cpu_s}
 
     row["overlap"] = run(overlap=True, sync=False)          # the throughput figure
     row["no_overlap"] = run(overlap=False, sync=False)
@@ -108,11 +96,32 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(row))
 
 
-def launch(n: int, args: argparse.Namespace) -> dict:
+def timed_steps(trainer, steps: int, extra) -> tuple[float, float, float]:
+    """`Trainer.train` for a warm-up step and `steps` timed ones (no files); the medians over the
+    timed steps of the slowest rank's step time and of `extra()` (a time read after each step),
+    and of the busiest rank's CPU time."""
+    world = trainer.mesh.world
+    step_s, extra_s, cpu_s = [], [], []
+
+    def on_step(record: dict) -> None:
+        times = np.array([record["step_time_s"], extra(), record["cpu_time_s"]])
+        slowest = world.all_reduce(times, op="max")
+        if record["step"]:  # step 0 warms up allocators and connections
+            step_s.append(float(slowest[0]))
+            extra_s.append(float(slowest[1]))
+            cpu_s.append(float(slowest[2]))
+
+    trainer.train(steps=steps + 1, files=False, progress=False, on_step=on_step, peak_flops=0.0)
+    return statistics.median(step_s), statistics.median(extra_s), statistics.median(cpu_s)
+
+
+def launch(n: int, args: argparse.Namespace, script: str = __file__) -> dict:
+    """Run `script --worker` (this one, or another benchmark with the same model options) under
+    `mpiexec -n n`; the JSON row its rank 0 writes."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    cmd = [mpiexec, "-n", str(n), sys.executable, __file__, "--worker", "--out", out,
+    cmd = [mpiexec, "-n", str(n), sys.executable, script, "--worker", "--out", out,
            "--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb), "--batch", str(args.batch),
            "--block", str(args.block), "--layers", str(args.layers), "--embd", str(args.embd)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -122,20 +131,26 @@ def launch(n: int, args: argparse.Namespace) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="1,2", help="world sizes to launch (the first is the baseline)")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+def add_model_options(parser: argparse.ArgumentParser, steps: int, repeats: int, timeout: float, out: str) -> None:
+    """The model and launch options `launch` passes on to the worker (shared with bench/zero.py), and
+    `--out` (default bench/results/<out>)."""
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / out))
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--bucket-mb", type=float, default=0.25,
                         help="bucket size; the default gives the 3.3 MB model ~13 buckets")
     parser.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--embd", type=int, default=128)
-    parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "scaling.json"))
+    parser.add_argument("--timeout", type=float, default=timeout)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="1,2", help="world sizes to launch (the first is the baseline)")
+    add_model_options(parser, steps=8, repeats=3, timeout=600, out="scaling.json")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -169,15 +184,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['tokens_per_cpu_s']:>10.0f} {row['cpu_speedup']:>7.2f}x | "
               f"{1e3 * r['overlap']['step_s']:>8.1f} {1e3 * comm:>8.2f} {1e3 * left:>11.2f} "
               f"{'-' if hidden is None else f'{hidden:.0%}':>7} | {1e3 * r['no_overlap']['step_s']:>20.1f}")
-    meta = {"argv": sys.argv[1:], "cores": os.cpu_count(), "threads_per_rank": 1,
-            "load_average": os.getloadavg(), "wall_s": time.perf_counter() - started,
-            "note": "comm = finish_backward after a barrier with every reduction launched there (overlap "
-                    "off); unhidden = the same with overlap on; best of the repeats per world size"}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {out} (load average {meta['load_average'][0]:.1f} on {meta['cores']} cores)")
+    write_result(args.out, started, "comm = finish_backward after a barrier with every reduction launched there "
+                 "(overlap off); unhidden = the same with overlap on; best of the repeats per world size", rows=rows)
     return 0
+
+
+def write_result(path: str, started: float, note: str, **data) -> None:
+    """Write {"meta": machine, load, wall time, note; **data} as JSON to `path` and say so."""
+    meta = {"argv": sys.argv[1:], "cores": os.cpu_count(), "threads_per_rank": 1,
+            "load_average": os.getloadavg(), "wall_s": time.perf_counter() - started, "note": note}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, **data}, indent=1))
+    print(f"wrote {out} (load average {meta['load_average'][0]:.1f} on {meta['cores']} cores)")
 
 
 if __name__ == "__main__":

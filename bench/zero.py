@@ -29,10 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +37,9 @@ os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = "1"  # 1 th
 
 import numpy as np  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scaling import add_model_options, launch, timed_steps, write_result  # noqa: E402
+
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -60,27 +59,15 @@ def worker(args: argparse.Namespace) -> None:
             f"train.micro_batch_size={args.batch}", "train.microbatches=1", f"train.bucket_mb={args.bucket_mb}",
             f"train.zero={zero}", "train.steps=1000", "run.eval_every=0", "run.progress=false"])
         trainer = Trainer(cfg, MPI.COMM_WORLD, tokens=tokens)
-        world, data_parallel = trainer.mesh.world, trainer.dp
-        if data_parallel.unit_hooks is not None:
-            data_parallel.unit_hooks.prefetch = prefetch
-        step_s, gather_s, cpu_s = [], [], []
-
-        def on_step(record: dict) -> None:
-            units = data_parallel.unit_hooks
-            times = np.array([record["step_time_s"], units.gather_wait_s if units is not None else 0.0,
-                              record["cpu_time_s"]])
-            slowest = world.all_reduce(times, op="max")
-            if record["step"]:  # step 0 warms up allocators and connections
-                step_s.append(float(slowest[0]))
-                gather_s.append(float(slowest[1]))
-                cpu_s.append(float(slowest[2]))
-
-        trainer.train(steps=args.steps + 1, files=False, progress=False, on_step=on_step, peak_flops=0.0)
+        units = trainer.dp.unit_hooks
+        if units is not None:
+            units.prefetch = prefetch
+        step_s, gather_s, cpu_s = timed_steps(trainer, args.steps,
+                                              lambda: units.gather_wait_s if units is not None else 0.0)
         params = sum(int(np.prod(p.layout.local_shape)) for _, p in trainer.named_parameters)
-        units = len(data_parallel.unit_hooks.units) if data_parallel.unit_hooks is not None else 0
         trainer.mesh.free()
-        return {"step_s": statistics.median(step_s), "gather_wait_s": statistics.median(gather_s),
-                "cpu_s": statistics.median(cpu_s), "params": params, "units": units}
+        return {"step_s": step_s, "gather_wait_s": gather_s, "cpu_s": cpu_s, "params": params,
+                "units": len(units.units) if units is not None else 0}
 
     row = {"dp": dp, "micro_batch": args.batch, "block": args.block, "layers": args.layers, "embd": args.embd}
     for _ in range(2):  # alternate, so that load from elsewhere hits both stages alike
@@ -95,40 +82,17 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(row))
 
 
-def launch(n: int, args: argparse.Namespace) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    cmd = [mpiexec, "-n", str(n), sys.executable, __file__, "--worker", "--out", out,
-           "--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb), "--batch", str(args.batch),
-           "--block", str(args.block), "--layers", str(args.layers), "--embd", str(args.embd)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    subprocess.run(cmd, check=True, timeout=args.timeout, env=env)
-    row = json.loads(Path(out).read_text())
-    os.unlink(out)
-    return row
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--bucket-mb", type=float, default=0.25)
-    parser.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
-    parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--embd", type=int, default=128)
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "zero.json"))
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_model_options(parser, steps=6, repeats=2, timeout=900, out="zero.json")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
 
     started = time.perf_counter()
-    runs = [launch(args.ranks, args) for _ in range(args.repeats)]
+    runs = [launch(args.ranks, args, script=__file__) for _ in range(args.repeats)]
     # Per repeat the ratio is measured side by side; keep the repeat with the fastest zero=1.
     best = max(runs, key=lambda r: r["zero1"]["tokens_per_s"])
     z1, z3, z3n = best["zero1"], best["zero3"], best["zero3_no_prefetch"]
@@ -142,15 +106,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{1e3 * r['gather_wait_s']:>15.2f}")
     print(f"zero=3 / zero=1 tokens/s: {ratio:.2f}x (goal >= 0.8); all-gather time hidden by prefetch: "
           f"{'-' if hidden is None else f'{hidden:.0%}'}")
-    meta = {"argv": sys.argv[1:], "cores": os.cpu_count(), "threads_per_rank": 1,
-            "load_average": os.getloadavg(), "wall_s": time.perf_counter() - started,
-            "note": "slowest rank's median step; gather wait = time waiting for all-gathers inside ZeRO-3 "
-                    "(forward and backward); hidden = 1 - wait(prefetch) / wait(no prefetch)"}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "ratio_zero3_over_zero1": ratio, "hidden_fraction": hidden,
-                               "best": best, "all_repeats": runs}, indent=1))
-    print(f"wrote {out} (load average {meta['load_average'][0]:.1f} on {meta['cores']} cores)")
+    write_result(args.out, started, "slowest rank's median step; gather wait = time waiting for all-gathers "
+                 "inside ZeRO-3 (forward and backward); hidden = 1 - wait(prefetch) / wait(no prefetch)",
+                 ratio_zero3_over_zero1=ratio, hidden_fraction=hidden, best=best, all_repeats=runs)
     return 0
 
 
