@@ -1,16 +1,16 @@
 """ZeRO-3 (FSDP) against ZeRO-1 on 4 ranks: tokens/s, and how much of the all-gather time hides.
 
-    python bench/zero.py [--ranks 4] [--steps 6] [--repeats 3]
+    python bench/zero.py [--ranks 4] [--steps 6] [--repeats 2]
 
-The script launches itself under `mpiexec -n 4` (1 BLAS thread per rank) `--repeats` times; each
-launch trains the same float32 GPT on a dp=4 mesh with `Trainer.train` (no files), a warm-up step
-and `--steps` timed steps per run, in four runs side by side:
+The script launches itself under `mpiexec -n 4` (1 BLAS thread per rank; bench/scaling.py's
+launcher) `--repeats` times; each launch trains the same float32 GPT on a dp=4 mesh with
+`Trainer.train` (no files), a warm-up step and `--steps` timed steps per run, three runs
+alternating twice (the faster of the two kept), so that load from elsewhere hits them alike:
 
   zero=1                 the baseline: optimizer state sharded, parameters whole;
   zero=3, prefetch       parameters sharded per unit, the next unit's all-gather issued while
                          the current one computes (forward and backward): the throughput figure;
-  zero=3, no prefetch    every all-gather issued when its unit needs it (nothing hidden);
-  zero=3, prefetch, barrier   as the first zero=3 run, with a barrier before every step (below).
+  zero=3, no prefetch    every all-gather issued when its unit needs it (nothing hidden).
 
 Time per step is the slowest rank's (median over the timed steps); tokens/s = dp * batch * block /
 step time. The all-gather time a rank waits is measured inside ZeRO-3 (`ShardedUnits.gather_wait_s`:
@@ -19,7 +19,7 @@ time; with prefetch only what compute did not hide, so
 
     hidden fraction = 1 - wait(prefetch) / wait(no prefetch)
 
-(the best repeat for each). On a machine with fewer cores than ranks, wall time measures the
+(from the repeat whose zero=1 run was fastest). On a machine with fewer cores than ranks, wall time measures the
 scheduler as much as the code; the ratio of the two zero stages measured in one launch is the
 meaningful figure. Results: bench/results/zero.json and a table on stdout.
 """
@@ -41,9 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scaling import add_model_options, launch, timed_steps, write_result  # noqa: E402
 
 
-
 def worker(args: argparse.Namespace) -> None:
-    """One mpiexec launch: the four runs; rank 0 writes a JSON row to args.out."""
+    """One mpiexec launch: the three runs, twice; rank 0 writes a JSON row to args.out."""
     from mpi4py import MPI
 
     from hpcpar import config
