@@ -1,65 +1,112 @@
-"""Memory per rank, measured: model-state bytes per parameter under ZeRO 0/1/2/3, and a model that
-plain data parallelism refuses under a memory limit training under ZeRO-3 on the same ranks.
+"""Memory per rank: what hpcpar keeps, measured, next to the formula that says what it should keep.
 
-    mpiexec -n 4 python bench/memory.py [--section model_state] [--layers 4] [--embd 128]
+    python bench/memory.py [--sections model_state] [--ranks 4] [--state-layers 4] [--state-embd 128]
 
-Sections (each its own function, `SECTIONS`; `--section` picks some, default all; every section
-adds its table to stdout and its entry to bench/results/memory.json, which keeps the entries of
-sections not run):
+The script is a list of independent sections (`SECTIONS`: name -> function(args) -> Section). Each
+measures one thing, returns its rows, a printed table and its checks; `main` runs the chosen ones
+(`--sections`, default all), prints every table and writes bench/results/memory.json (`--out`) with
+one key per section plus `meta` and `checks` (a section run alone keeps the others' results in an
+existing file). Exit status 1 if a check fails.
 
-model_state   On a dp = world mesh (N ranks, float32, AdamW), for zero = 0, 1, 2, 3: the bytes of
-              every NumPy allocation live on a rank after two training steps (tracemalloc, NumPy's
-              domain: real allocations, not a count of what the objects say they hold) minus those
-              live before the Trainer was built, per parameter of the model, the busiest rank's,
-              next to the ZeRO paper's fp32 Adam formulas (arXiv 1910.02054, 4 bytes per value):
+model_state: model-state bytes per parameter under ZeRO 0/1/2/3, and a model plain data
+  parallelism refuses under a memory limit training under ZeRO-3 on the same ranks. The section
+  launches itself under `mpiexec -n --ranks` (default 4; one BLAS thread per rank). On a dp = N mesh
+  (float32, AdamW), for zero = 0, 1, 2, 3: the bytes of every NumPy allocation live on a rank after
+  two training steps (tracemalloc, NumPy's domain: real allocations, not a count of what the objects
+  say they hold) minus those live before the Trainer was built, per parameter of the model, the
+  busiest rank's, next to the ZeRO paper's fp32 Adam formulas (arXiv 1910.02054, 4 bytes a value):
 
-                  zero 0   4 + 4 + 8       = 16      weights, gradients, two moments
-                  zero 1   4 + 4 + 8/N               moments sharded
-                  zero 2   4 + (4 + 8)/N             gradients sharded too
-                  zero 3   16/N + one gathered unit  everything sharded; a unit's parameters
-                                                     are gathered around its use
+      zero 0   4 + 4 + 8       = 16      weights, gradients, two moments
+      zero 1   4 + 4 + 8/N               moments sharded
+      zero 2   4 + (4 + 8)/N             gradients sharded too
+      zero 3   16/N + one gathered unit  everything sharded; a unit's parameters are gathered
+                                         around its use
 
-              For zero 3 the largest unit is then gathered through the real gather path and its
-              bytes added (the "+ one unit" term, measured). Each figure must be within 10 % of
-              its formula (exit status 1 otherwise); padding to a multiple of N is in the
-              measurement, not in the formula.
-              Then the fit demonstration: a per-rank limit under which the config's memory
-              estimate (`config.validate(..., available_memory_bytes)`, the check `hpcpar train`
-              makes before any collective) accepts a base model with plain DP (zero 0) but
-              refuses a model with >= 3x its parameters; the big model is accepted with zero=3
-              and trains `--steps` steps on the same ranks, its measured peak (tracemalloc, all
-              allocations of the step) under the limit.
+  For zero 3 the largest unit is then gathered through the real gather path and its bytes added
+  (the "+ one unit" term, measured). Each figure must be within 10 % of its formula; padding to a
+  multiple of N is in the measurement, not in the formula. Then the fit demonstration: a per-rank
+  limit under which the config's memory estimate (`config.validate(..., available_memory_bytes)`,
+  the check `hpcpar train` makes before any collective) accepts a base model with plain DP
+  (zero 0) but refuses a model with >= 3x its parameters; the big model is accepted with zero=3 and
+  trains `--state-steps` steps on the same ranks, its measured peak (tracemalloc, all allocations
+  of the steps) under the limit.
 
-Prints tables; writes bench/results/memory.json.
+Prints a table per section; writes bench/results/memory.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Callable
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from hpcpar import threads
+
+threads.set_default_threads()
 
 import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 
 from hpcpar import config  # noqa: E402
 from hpcpar.errors import ConfigError  # noqa: E402
-from hpcpar.train import Trainer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-WORLD = MPI.COMM_WORLD
-RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
-TOKENS = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
 MiB = 1 << 20
+TOLERANCE = 0.10   # each measured figure within 10 % of its formula
+TOKENS = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
 
 
+@dataclasses.dataclass
+class Section:
+    """One section's results: `data` (JSON), the table to print (`title`, `header`, `rows` of
+    already formatted cells) and its checks (name -> passed)."""
+
+    data: dict
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+    checks: dict[str, bool]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared: the table and the JSON
+# ---------------------------------------------------------------------------------------------
+def print_table(section: Section) -> None:
+    widths = [max(len(str(c)) for c in column) for column in zip(section.header, *section.rows)]
+    print(f"\n{section.title}")
+    for i, row in enumerate([section.header, *section.rows]):
+        print("  ".join(str(c).rjust(w) if j else str(c).ljust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    for note in section.notes:
+        print(f"  {note}")
+
+
+def write_results(path: Path, meta: dict, sections: dict[str, Section]) -> dict:
+    """Merge `sections` into the JSON at `path` (other sections' results stay) and write it."""
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    merged = {**previous, "meta": {**previous.get("meta", {}), **meta}}
+    checks = dict(previous.get("checks", {}))
+    for name, s in sections.items():
+        merged[name] = s.data
+        checks.update({f"{name}: {k}": v for k, v in s.checks.items()})
+    merged["checks"] = checks
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# Model state per parameter, by ZeRO stage (runs on --ranks ranks, under mpiexec)
+# ---------------------------------------------------------------------------------------------
 def numpy_bytes() -> int:
     """Bytes of every NumPy array allocation live now (tracemalloc must be tracing)."""
     gc.collect()
@@ -67,15 +114,14 @@ def numpy_bytes() -> int:
     return sum(stat.size for stat in snapshot.statistics("filename"))
 
 
-def train_config(args, zero: int, embd: int, extra: tuple = ()) -> config.Config:
+def train_config(args, zero: int, embd: int, ranks: int) -> config.Config:
     return config.load_config(None, [
-        f"model.n_layer={args.layers}", f"model.n_embd={embd}", f"model.n_head={args.heads}",
-        f"model.block_size={args.block}", "model.dtype=float32", f"mesh.dp={SIZE}", "mesh.tp=1", "mesh.pp=1",
-        f"train.micro_batch_size={args.batch}", "train.microbatches=1", f"train.bucket_mb={args.bucket_mb}",
-        f"train.zero={zero}", "train.steps=100", "run.eval_every=0", "run.progress=false", *extra])
+        f"model.n_layer={args.state_layers}", f"model.n_embd={embd}", f"model.n_head={args.state_heads}",
+        f"model.block_size={args.state_block}", "model.dtype=float32", f"mesh.dp={ranks}", "mesh.tp=1", "mesh.pp=1",
+        f"train.micro_batch_size={args.state_batch}", "train.microbatches=1",
+        f"train.bucket_mb={args.state_bucket_mb}", f"train.zero={zero}", "train.steps=100", "run.eval_every=0",
+        "run.progress=false"])
 
-
-# -- model state --------------------------------------------------------------------------------
 
 FORMULAS = {0: "4 + 4 + 8", 1: "4 + 4 + 8/N", 2: "4 + 12/N", 3: "16/N + unit"}
 
@@ -85,11 +131,13 @@ def formula_bytes(zero: int, n: int) -> float:
     return {0: 16.0, 1: 8.0 + 8.0 / n, 2: 4.0 + 12.0 / n, 3: 16.0 / n}[zero]
 
 
-def measure_model_state(args, zero: int) -> dict:
+def measure_model_state(args, zero: int, world) -> dict:
     """One zero stage: model-state bytes of this rank after two steps (and a gathered unit)."""
+    from hpcpar.train import Trainer
+
     tracemalloc.start()
     before = numpy_bytes()
-    trainer = Trainer(train_config(args, zero, args.embd), WORLD, tokens=TOKENS)
+    trainer = Trainer(train_config(args, zero, args.state_embd, world.Get_size()), world, tokens=TOKENS)
     for step in range(2):
         trainer.train_step(step)
     after = numpy_bytes()
@@ -110,139 +158,154 @@ def measure_model_state(args, zero: int) -> dict:
             "unit_params": unit_params, "held_by_objects": held}
 
 
-def model_state(args) -> dict:
-    """The model_state section (see the module doc); every rank returns the same dict."""
-    rows = []
-    for zero in (0, 1, 2, 3):
-        mine = measure_model_state(args, zero)
-        every = WORLD.allgather(mine)
-        busiest = max(every, key=lambda r: r["state_bytes"] + r["unit_bytes"])
-        n, p = SIZE, busiest["params"]
-        measured = busiest["state_bytes"] / p
-        expected = formula_bytes(zero, n)
-        unit = busiest["unit_bytes"] / p
-        expected_unit = 4.0 * busiest["unit_params"] / p  # one gathered unit, per parameter of the model
-        total, total_expected = measured + unit, expected + expected_unit
-        rows.append({**busiest, "n": n, "bytes_per_param": measured, "unit_bytes_per_param": unit,
-                     "measured": total, "formula": FORMULAS[zero], "formula_bytes_per_param": total_expected,
-                     "error": total / total_expected - 1.0, "per_rank": [r["state_bytes"] for r in every]})
-    fit = fit_demonstration(args)
-    return {"model": {"layers": args.layers, "embd": args.embd, "heads": args.heads, "block": args.block,
-                      "batch": args.batch, "dtype": "float32", "optimizer": "adamw"},
-            "rows": rows, "within_10_percent": all(abs(r["error"]) <= 0.10 for r in rows), "fit": fit}
+def fit_demonstration(args, world) -> dict:
+    """A per-rank limit that plain DP (zero 0) cannot train the big model under but zero 3 can."""
+    from hpcpar.train import Trainer
 
-
-def fit_demonstration(args) -> dict:
-    """A limit that plain DP (zero 0) cannot train the big model under but zero 3 can."""
-    small, big = args.embd, args.big_embd
-    estimate = {}
-    for name, zero, embd in (("small_zero0", 0, small), ("big_zero0", 0, big), ("big_zero3", 3, big)):
-        cfg = config.validate(train_config(args, zero, embd), SIZE)
-        estimate[name] = config.estimate_memory(cfg, SIZE, 1, 1, 1)
-    # The limit: 10 % above what the config estimates for the big model under zero 3 (the estimate
-    # is within a few per cent of the measured peak), far below what plain DP needs for it.
+    n, small, big = world.Get_size(), args.state_embd, args.state_big_embd
+    cases = (("small_zero0", 0, small), ("big_zero0", 0, big), ("big_zero3", 3, big))
+    estimate = {name: config.estimate_memory(config.validate(train_config(args, zero, embd, n), n), n, 1, 1, 1)
+                for name, zero, embd in cases}
+    # 10 % above what the config estimates for the big model under zero 3 (the estimate is within a
+    # few per cent of the measured peak), far below what plain DP needs for it.
     limit = int(max(estimate["small_zero0"], estimate["big_zero3"]) * 1.10)
     accepted, refused = {}, {}
-    for name, zero, embd in (("small_zero0", 0, small), ("big_zero0", 0, big), ("big_zero3", 3, big)):
+    for name, zero, embd in cases:
         try:
-            config.validate(train_config(args, zero, embd), SIZE, available_memory_bytes=limit)
+            config.validate(train_config(args, zero, embd, n), n, available_memory_bytes=limit)
             accepted[name] = True
         except ConfigError as err:
             accepted[name], refused[name] = False, str(err)
-    params = {}
-    for name, embd in (("small", small), ("big", big)):
-        params[name] = config.validate(train_config(args, 0, embd), SIZE).model.num_params()
-    # The big model under zero 3, as `hpcpar train` would build it with this limit: it trains.
+    params = {name: config.validate(train_config(args, 0, embd, n), n).model.num_params()
+              for name, embd in (("small", small), ("big", big))}
+    # The big model under zero 3, as `hpcpar train` builds it with this limit: it trains.
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    trainer = Trainer(train_config(args, 3, big), WORLD, tokens=TOKENS, available_memory_bytes=limit)
+    trainer = Trainer(train_config(args, 3, big, n), world, tokens=TOKENS, available_memory_bytes=limit)
     tracemalloc.reset_peak()
     losses, started = [], time.perf_counter()
-    for step in range(args.steps):
+    for step in range(args.state_steps):
         losses.append(trainer.train_step(step).loss)
     elapsed = time.perf_counter() - started
     peak = tracemalloc.get_traced_memory()[1] - base
     trainer.mesh.free()
     del trainer
     tracemalloc.stop()
-    peaks = WORLD.allgather(peak)
+    peak = max(world.allgather(peak))
     return {"limit_bytes": limit, "estimates": estimate, "accepted": accepted, "refused": refused,
             "params": params, "param_ratio": params["big"] / params["small"], "big_zero3_losses": losses,
-            "big_zero3_peak_bytes": max(peaks), "big_zero3_peak_under_limit": max(peaks) <= limit,
-            "big_zero3_step_s": elapsed / max(args.steps, 1)}
+            "big_zero3_peak_bytes": peak, "big_zero3_peak_under_limit": peak <= limit,
+            "big_zero3_step_s": elapsed / max(args.state_steps, 1)}
 
 
-def print_model_state(d: dict) -> None:
-    m, n = d["model"], d["rows"][0]["n"]
-    print(f"\n# model state per parameter on {n} ranks (dp={n}), GPT {m['layers']}x{m['embd']} float32 AdamW, "
-          f"{d['rows'][0]['params'] / 1e6:.2f}M params (tracemalloc: NumPy allocations after 2 steps, busiest rank)")
-    print(f"{'zero':>4} {'formula':>14} {'bytes/param':>12} {'measured':>9} {'unit':>6} {'error':>7}")
-    for r in d["rows"]:
-        print(f"{r['zero']:>4} {r['formula']:>14} {r['formula_bytes_per_param']:>12.2f} {r['measured']:>9.2f} "
-              f"{r['unit_bytes_per_param']:>6.2f} {r['error']:>+7.1%}")
-    f = d["fit"]
-    print(f"\n# under a limit of {f['limit_bytes'] / MiB:.1f} MiB per rank (config estimate): "
-          f"{f['params']['small'] / 1e6:.2f}M params with zero=0 "
-          f"{'accepted' if f['accepted']['small_zero0'] else 'REFUSED'}; "
-          f"{f['params']['big'] / 1e6:.2f}M params ({f['param_ratio']:.1f}x) with zero=0 "
-          f"{'accepted' if f['accepted']['big_zero0'] else 'refused'}, with zero=3 "
-          f"{'accepted' if f['accepted']['big_zero3'] else 'REFUSED'}")
-    print(f"  zero=3 trained {len(f['big_zero3_losses'])} steps (loss {f['big_zero3_losses'][0]:.3f} -> "
-          f"{f['big_zero3_losses'][-1]:.3f}); measured peak {f['big_zero3_peak_bytes'] / MiB:.1f} MiB per rank "
-          f"({'under' if f['big_zero3_peak_under_limit'] else 'OVER'} the limit; estimated "
-          f"{f['estimates']['big_zero3'] / MiB:.1f}), zero=0 would need {f['estimates']['big_zero0'] / MiB:.1f} MiB")
-    if "big_zero0" in f["refused"]:
-        print(f"  zero=0: {f['refused']['big_zero0']}")
+def model_state_worker(out: str, args) -> int:
+    """One rank of the model_state section's launch; rank 0 writes the section's data to `out`."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    n = world.Get_size()
+    rows = []
+    for zero in (0, 1, 2, 3):
+        every = world.allgather(measure_model_state(args, zero, world))
+        busiest = max(every, key=lambda r: r["state_bytes"] + r["unit_bytes"])
+        p = busiest["params"]
+        measured, unit = busiest["state_bytes"] / p, busiest["unit_bytes"] / p
+        expected = formula_bytes(zero, n) + 4.0 * busiest["unit_params"] / p  # one gathered unit, fp32
+        rows.append({**busiest, "n": n, "bytes_per_param": measured, "unit_bytes_per_param": unit,
+                     "measured": measured + unit, "formula": FORMULAS[zero], "formula_bytes_per_param": expected,
+                     "error": (measured + unit) / expected - 1.0, "per_rank": [r["state_bytes"] for r in every]})
+    data = {"model": {"layers": args.state_layers, "embd": args.state_embd, "heads": args.state_heads,
+                      "block": args.state_block, "batch": args.state_batch, "dtype": "float32", "optimizer": "adamw"},
+            "rows": rows, "within_10_percent": all(abs(r["error"]) <= TOLERANCE for r in rows),
+            "fit": fit_demonstration(args, world)}
+    if world.Get_rank() == 0:
+        Path(out).write_text(json.dumps(data))
+    return 0
 
 
-# -- sections and the shared writer -------------------------------------------------------------
+def model_state(args) -> Section:
+    """The model_state section: launches `model_state_worker` under mpiexec, tabulates its JSON."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    options = [f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items() if key.startswith("state_")]
+    cmd = [mpiexec, "-n", str(args.ranks), sys.executable, __file__, "--model-state-worker", out, *options]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+           "PYTHONPATH": f"{Path(__file__).resolve().parent.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run(cmd, check=True, timeout=args.timeout, env=env)
+    data = json.loads(Path(out).read_text())
+    os.unlink(out)
+    rows = [[str(r["zero"]), r["formula"], f"{r['formula_bytes_per_param']:.2f}", f"{r['measured']:.2f}",
+             f"{r['unit_bytes_per_param']:.2f}", f"{r['error']:+.1%}"] for r in data["rows"]]
+    f = data["fit"]
+    checks = {f"zero={r['zero']} within {TOLERANCE:.0%} of its formula": abs(r["error"]) <= TOLERANCE
+              for r in data["rows"]}
+    checks.update({"the big model has >= 3x the parameters": f["param_ratio"] >= 3,
+                   "plain DP refuses the big model": not f["accepted"]["big_zero0"],
+                   "zero=3 accepts it": f["accepted"]["big_zero3"],
+                   "zero=3's measured peak is under the limit": f["big_zero3_peak_under_limit"]})
+    m, n = data["model"], data["rows"][0]["n"]
+    return Section(
+        data=data,
+        title=(f"model state per parameter on {n} ranks (dp={n}), GPT {m['layers']}x{m['embd']} float32 AdamW, "
+               f"{data['rows'][0]['params'] / 1e6:.2f}M params; NumPy allocations after 2 steps, busiest rank"),
+        header=["zero", "formula", "bytes/param", "measured", "of which unit", "error"],
+        rows=rows, checks=checks,
+        notes=[f"under a limit of {f['limit_bytes'] / MiB:.1f} MiB per rank (config estimate): "
+               f"{f['params']['small'] / 1e6:.2f}M params with zero=0 "
+               f"{'accepted' if f['accepted']['small_zero0'] else 'REFUSED'}; {f['params']['big'] / 1e6:.2f}M "
+               f"({f['param_ratio']:.1f}x) with zero=0 {'accepted' if f['accepted']['big_zero0'] else 'refused'} "
+               f"(estimated {f['estimates']['big_zero0'] / MiB:.1f} MiB), with zero=3 "
+               f"{'accepted' if f['accepted']['big_zero3'] else 'REFUSED'} "
+               f"(estimated {f['estimates']['big_zero3'] / MiB:.1f} MiB)",
+               f"zero=3 trained {len(f['big_zero3_losses'])} steps (loss {f['big_zero3_losses'][0]:.3f} -> "
+               f"{f['big_zero3_losses'][-1]:.3f}); measured peak {f['big_zero3_peak_bytes'] / MiB:.1f} MiB per rank",
+               *([f"zero=0: {f['refused']['big_zero0']}"] if "big_zero0" in f["refused"] else [])])
 
-# name -> (run(args) -> dict, print(dict), passed(dict) -> bool). A section runs on every rank.
-SECTIONS = {
-    "model_state": (model_state, print_model_state,
-                    lambda d: d["within_10_percent"] and d["fit"]["param_ratio"] >= 3
-                    and not d["fit"]["accepted"]["big_zero0"] and d["fit"]["accepted"]["big_zero3"]
-                    and d["fit"]["big_zero3_peak_under_limit"]),
-}
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], Section]] = {"model_state": model_state}
 
 
-def write_results(out: Path, results: dict, meta: dict) -> None:
-    """Merge this run's sections into the JSON at `out` (sections not run keep their entries)."""
-    data = json.loads(out.read_text()) if out.exists() else {}
-    data.update(results)
-    data.setdefault("meta", {}).update(meta)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1))
-
-
+# ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", action="append", choices=sorted(SECTIONS),
-                        help="run only this section (repeatable; default: all)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--embd", type=int, default=128, help="model width of the measurements and the base model")
-    parser.add_argument("--big-embd", type=int, default=256, help="width of the model plain DP refuses")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=2, help="micro-batch per rank (small: model state dominates)")
-    parser.add_argument("--bucket-mb", type=float, default=0.25)
-    parser.add_argument("--steps", type=int, default=3, help="training steps of the zero=3 fit demonstration")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "memory.json"))
-    args = parser.parse_args(argv)
-    results, ok = {}, True
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--model-state-worker"]:  # one rank of the model_state section's mpiexec
+        return model_state_worker(argv[1], parser_for().parse_args(argv[2:]))
+    args = parser_for().parse_args(argv)
+    names = [n for n in args.sections.split(",") if n]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        parser_for().error(f"--sections: unknown {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     started = time.perf_counter()
-    for name in args.section or list(SECTIONS):
-        run, show, passed = SECTIONS[name]
-        results[name] = run(args)
-        ok &= bool(passed(results[name]))
-        if RANK == 0:
-            show(results[name])
-    if RANK == 0:
-        meta = {"ranks": SIZE, "cores": os.cpu_count(), "load_average": os.getloadavg(),
-                "wall_s": time.perf_counter() - started}
-        write_results(Path(args.out), results, meta)
-        print(f"wrote {args.out}{'' if ok else ' (a check FAILED)'}")
-    return 0 if ok else 1
+    done = {name: SECTIONS[name](args) for name in names}
+    for section in done.values():
+        print_table(section)
+    out = Path(args.out)
+    merged = write_results(out, {"generated_s": time.perf_counter() - started}, done)
+    failed = [k for k, ok in merged["checks"].items() if not ok and k.split(":")[0] in done]
+    print("\nchecks: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in merged["checks"].items()
+                                   if k.split(":")[0] in done))
+    print(f"total {time.perf_counter() - started:.0f} s; wrote {out}")
+    return 1 if failed else 0
+
+
+def parser_for() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of: {', '.join(SECTIONS)}")
+    parser.add_argument("--ranks", type=int, default=4, help="model_state: ranks (dp = N)")
+    parser.add_argument("--state-layers", type=int, default=4, help="model_state: blocks")
+    parser.add_argument("--state-embd", type=int, default=128, help="model_state: width of the measured model")
+    parser.add_argument("--state-big-embd", type=int, default=256, help="model_state: width of the model plain DP "
+                        "refuses")
+    parser.add_argument("--state-heads", type=int, default=4)
+    parser.add_argument("--state-block", type=int, default=64)
+    parser.add_argument("--state-batch", type=int, default=2, help="model_state: micro-batch per rank (small: the "
+                        "model state dominates)")
+    parser.add_argument("--state-bucket-mb", type=float, default=0.25)
+    parser.add_argument("--state-steps", type=int, default=3, help="model_state: steps of the zero=3 fit")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory.json"))
+    return parser
 
 
 if __name__ == "__main__":

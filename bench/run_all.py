@@ -74,10 +74,11 @@ BENCHMARKS = (
               "context parallelism (ring attention, Ulysses) vs tp+sp at the same T: attention activations and "
               "bytes sent per rank, work balance, tokens/s, longest block_size under a memory limit",
               quick_args=("--seq", "256", "--limit-mib", "16", "--steps", "1", "--repeats", "1")),
-    Benchmark("memory", "bench/memory.py", 4,
-              "memory per rank: model-state bytes per parameter for ZeRO 0/1/2/3 (tracemalloc) vs the ZeRO "
-              "formulas; a model plain DP refuses under a per-rank limit training under ZeRO-3",
-              quick_args=("--layers", "2", "--embd", "64", "--big-embd", "128", "--steps", "1")),
+    Benchmark("memory", "bench/memory.py", None,
+              "memory per rank, measured next to its formula: model-state bytes per parameter for ZeRO 0/1/2/3 "
+              "on 4 ranks; a model plain DP refuses under a per-rank limit training under ZeRO-3",
+              quick_args=("--state-layers", "2", "--state-embd", "64", "--state-big-embd", "128",
+                          "--state-steps", "1")),
     Benchmark("zero", "bench/zero.py", None,
               "ZeRO-3 (FSDP) vs ZeRO-1 tokens/s on 4 ranks with prefetch; all-gather time hidden behind compute",
               quick_args=("--steps", "2", "--repeats", "1", "--layers", "2")),
@@ -295,20 +296,18 @@ def _context(d: dict) -> list[str]:
 
 
 def _memory(d: dict) -> list[str]:
+    """One line per section of bench/memory.py that ran."""
     out = []
-    ms = d.get("model_state")
-    if ms:
-        n = ms["rows"][0]["n"]
-        out.append(f"model-state bytes/parameter on {n} ranks, measured (formula): " + ", ".join(
-            f"zero={r['zero']} {r['measured']:.2f} ({r['formula_bytes_per_param']:.2f}, {r['error']:+.1%})"
-            for r in ms["rows"]) + f"; all within 10%: {'yes' if ms['within_10_percent'] else 'NO'}")
+    if "model_state" in d:
+        ms = d["model_state"]
+        out.append(f"model-state bytes/parameter on {ms['rows'][0]['n']} ranks, measured (formula): " + ", ".join(
+            f"zero={r['zero']} {r['measured']:.2f} ({r['formula_bytes_per_param']:.2f})" for r in ms["rows"]))
         f = ms["fit"]
         out.append(f"under {f['limit_bytes'] / MiB:.1f} MiB per rank: {f['params']['big'] / 1e6:.2f}M params "
                    f"({f['param_ratio']:.1f}x the {f['params']['small'] / 1e6:.2f}M plain DP fits) refused by "
                    f"zero=0, trains under zero=3 (measured peak {f['big_zero3_peak_bytes'] / MiB:.1f} MiB)")
-    for key, value in d.items():  # sections this page does not know yet: named, not lost
-        if key not in ("model_state", "meta") and isinstance(value, dict):
-            out.append(f"section {key}: see bench/results/memory.json")
+    failed = [k for k, ok in d.get("checks", {}).items() if not ok]
+    out.append("every figure within 10% of its formula: " + ("yes" if not failed else "NO: " + "; ".join(failed)))
     return out
 
 
@@ -457,7 +456,7 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
     for name, title, table, image in (("mesh_scaling", "Mesh scaling", _mesh_table, "mesh scaling"),
                                       ("pipeline", "Pipeline bubble", _pipeline_table, "pipeline"),
                                       ("context", "Context parallelism", _context_table, None),
-                                      ("memory", "Memory: model state under ZeRO", _memory_table, None)):
+                                      ("memory", "Memory", _memory_table, None)):
         results = details.get(name, {}).get("results")
         if not results:
             continue
@@ -472,22 +471,26 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
 
 
 def _memory_table(d: dict) -> list[str]:
-    ms = d["model_state"]
-    m, n = ms["model"], ms["rows"][0]["n"]
-    lines = [f"GPT {m['layers']}x{m['embd']} {m['dtype']}, AdamW, {ms['rows'][0]['params'] / 1e6:.2f}M parameters, "
-             f"dp = N = {n}; bytes of NumPy allocations live after two steps (tracemalloc), busiest rank, per "
-             "parameter; ZeRO-3 adds its largest unit gathered through the real gather path.", "",
-             "| zero | formula | formula bytes/param | measured | of which the gathered unit | error |",
-             "|---|---|---|---|---|---|"]
-    for r in ms["rows"]:
-        lines.append(f"| {r['zero']} | {r['formula']} | {r['formula_bytes_per_param']:.2f} | {r['measured']:.2f} | "
-                     f"{r['unit_bytes_per_param']:.2f} | {r['error']:+.1%} |")
-    f = ms["fit"]
-    lines += ["", f"Per-rank limit {f['limit_bytes'] / MiB:.1f} MiB (config estimate): plain DP (zero=0) fits "
-              f"{f['params']['small'] / 1e6:.2f}M parameters and refuses {f['params']['big'] / 1e6:.2f}M "
-              f"({f['param_ratio']:.1f}x; estimated {f['estimates']['big_zero0'] / MiB:.1f} MiB); zero=3 trains "
-              f"them (estimated {f['estimates']['big_zero3'] / MiB:.1f} MiB, measured peak "
-              f"{f['big_zero3_peak_bytes'] / MiB:.1f} MiB)."]
+    """bench/memory.py's sections as tables (each only when it ran)."""
+    lines = []
+    if "model_state" in d:
+        ms = d["model_state"]
+        m, n = ms["model"], ms["rows"][0]["n"]
+        lines += [f"Model state per parameter under ZeRO, GPT {m['layers']}x{m['embd']} {m['dtype']}, AdamW, "
+                  f"{ms['rows'][0]['params'] / 1e6:.2f}M parameters, dp = N = {n}: bytes of NumPy allocations live "
+                  "after two steps (tracemalloc), busiest rank, per parameter; ZeRO-3 adds its largest unit "
+                  "gathered through the real gather path.", "",
+                  "| zero | formula | formula bytes/param | measured | of which the gathered unit | error |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for r in ms["rows"]:
+            lines.append(f"| {r['zero']} | {r['formula']} | {r['formula_bytes_per_param']:.2f} | {r['measured']:.2f} | "
+                         f"{r['unit_bytes_per_param']:.2f} | {r['error']:+.1%} |")
+        f = ms["fit"]
+        lines += ["", f"Per-rank limit {f['limit_bytes'] / MiB:.1f} MiB (config estimate): plain DP (zero=0) fits "
+                  f"{f['params']['small'] / 1e6:.2f}M parameters and refuses {f['params']['big'] / 1e6:.2f}M "
+                  f"({f['param_ratio']:.1f}x; estimated {f['estimates']['big_zero0'] / MiB:.1f} MiB); zero=3 trains "
+                  f"them (estimated {f['estimates']['big_zero3'] / MiB:.1f} MiB, measured peak "
+                  f"{f['big_zero3_peak_bytes'] / MiB:.1f} MiB)."]
     return lines
 
 
