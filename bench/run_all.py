@@ -74,6 +74,10 @@ BENCHMARKS = (
               "context parallelism (ring attention, Ulysses) vs tp+sp at the same T: attention activations and "
               "bytes sent per rank, work balance, tokens/s, longest block_size under a memory limit",
               quick_args=("--seq", "256", "--limit-mib", "16", "--steps", "1", "--repeats", "1")),
+    Benchmark("memory", "bench/memory.py", None,
+              "memory per rank, measured next to its formula: activation bytes per layer with recompute "
+              "none / selective / full",
+              quick_args=("--seq", "256", "--n-layer", "2", "--repeats", "2")),
     Benchmark("vs_torch", "bench/vs_torch.py", None,
               "one process, hpcpar vs PyTorch eager on the same GPT and batches (1 thread)",
               args=("--steps", "5"), quick_args=("--steps", "1", "--rounds", "1", "--n-embd", "128"),
@@ -287,6 +291,24 @@ def _context(d: dict) -> list[str]:
             f"measured peak within the limit: {'yes' if ok['measured_peak_within_limit'] else 'NO'}"]
 
 
+def _memory(d: dict) -> list[str]:
+    """One line per section of bench/memory.py that ran."""
+    out = []
+    if "activations" in d:
+        a = d["activations"]
+        c = a["config"]
+        rows = {r["recompute"]: r for r in a["rows"]}
+        out.append(f"activations per layer (B={c['batch']}, T={c['seq']}, C={c['n_embd']}, H={c['n_head']}, "
+                   f"{c['dtype']}), measured / formula MiB: " + ", ".join(
+                       f"{m} {r['measured_bytes_per_layer'] / MiB:.2f} / {r['formula_bytes_per_layer'] / MiB:.2f}"
+                       for m, r in rows.items()))
+        out.append("forward + backward time vs none: " + ", ".join(
+            f"{m} {r['step_time_vs_none']:.2f}x" for m, r in rows.items() if m != "none"))
+    failed = [k for k, ok in d.get("checks", {}).items() if not ok]
+    out.append("every figure within 10% of its formula: " + ("yes" if not failed else "NO: " + "; ".join(failed)))
+    return out
+
+
 def _vs_torch(d: dict) -> list[str]:
     c, h, t = d["config"], d["hpcpar"], d["torch"]
     return [f"hpcpar / PyTorch {t['version']} = {d['ratio_hpcpar_over_torch']:.2f}x tokens/s "
@@ -303,7 +325,8 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
         if name == "checkpoint":
             return _checkpoint(data, ranks or 4)
         return {"allreduce": _allreduce, "pipeline": _pipeline, "scaling": _scaling,
-                "mesh_scaling": _mesh_scaling, "context": _context, "vs_torch": _vs_torch}[name](data)
+                "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory,
+                "vs_torch": _vs_torch}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
 
@@ -420,7 +443,8 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
     # Detail sections: (benchmark, title, table from its results, image alt text or None).
     for name, title, table, image in (("mesh_scaling", "Mesh scaling", _mesh_table, "mesh scaling"),
                                       ("pipeline", "Pipeline bubble", _pipeline_table, "pipeline"),
-                                      ("context", "Context parallelism", _context_table, None)):
+                                      ("context", "Context parallelism", _context_table, None),
+                                      ("memory", "Memory", _memory_table, None)):
         results = details.get(name, {}).get("results")
         if not results:
             continue
@@ -456,6 +480,30 @@ def _context_table(d: dict) -> list[str]:
     for r in d["longest"]:
         lines.append(f"| {r['cp']} | {r['block_size']} | {r['estimate_bytes'] / MiB:.1f} | "
                      f"{r['measured_peak_bytes'] / MiB:.1f} |")
+    return lines
+
+
+def _memory_table(d: dict) -> list[str]:
+    """bench/memory.py's sections as tables (each only when it ran)."""
+    lines = []
+    if "activations" in d:
+        a = d["activations"]
+        c = a["config"]
+        lines += [f"Activation bytes per transformer layer, one process, B={c['batch']}, T={c['seq']}, "
+                  f"C={c['n_embd']}, H={c['n_head']}, {c['dtype']}, dropout={c['dropout']}: NumPy bytes held between "
+                  "forward and backward (tracemalloc), a "
+                  f"{c['n_layer']}-block GPT minus a 1-block one, per block. Formula (s bytes per element, d = 1 with "
+                  "dropout): none `s B T [(24 + 4d) C + 2] + s B H T²`, selective without the `T²` term, full "
+                  "`s B T C`. Estimate: the start-up estimate's count (docs/config.md). Backward peak: bytes above "
+                  "the held ones during backward.", "",
+                  "| recompute | measured MiB | formula MiB | ratio | saved vs none | estimate MiB | "
+                  "backward peak + MiB | forward + backward time |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in a["rows"]:
+            lines.append(f"| {r['recompute']} | {r['measured_bytes_per_layer'] / MiB:.3f} | "
+                         f"{r['formula_bytes_per_layer'] / MiB:.3f} | {r['ratio']:.3f} | {r['saved_vs_none']:.1%} | "
+                         f"{r['estimate_bytes_per_layer'] / MiB:.3f} | "
+                         f"{r['backward_peak_above_held_bytes'] / MiB:.2f} | {r['step_time_vs_none']:.2f}x |")
     return lines
 
 

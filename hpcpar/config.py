@@ -37,7 +37,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from hpcpar.errors import ConfigError
-from hpcpar.nn.gpt import DTYPES, GPTConfig
+from hpcpar.nn.gpt import DTYPES, RECOMPUTE_MODES, GPTConfig, recomputed
 from hpcpar.schema import divisors, field as _field, require_divisible
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,13 @@ class TrainConfig:
                                   ("float32", "float16", "bfloat16"))
     max_bad_steps: int = _field(3, "abort after this many consecutive steps with a NaN/Inf loss or "
                                    "gradient norm (each is skipped)")
+    recompute: str = _field("none", "activation recomputation: none = keep every activation for backward; "
+                                    "full = a block keeps only its input and runs its forward again in "
+                                    "backward; selective = attention keeps no [T, T] probabilities and "
+                                    "recomputes them (results are bitwise those of none)",
+                            RECOMPUTE_MODES)
+    recompute_every: int = _field(1, "recompute every k-th block: the blocks whose global index % k == 0 "
+                                     "(1 = every block)")
 
 
 @dataclass(frozen=True)
@@ -397,6 +404,14 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
     ring = cp > 1 and cfg.mesh.cp_impl == "ring"
     attention = heads / tp * (1 if ring else (2 + d) * seq * seq / (cp * n))  # per token of n
     per_layer = s * bsz * n * ((6 + 2 * d) * c / r + 12 * c / tp + attention)
+    # Recomputation (train.recompute, for the blocks of `recomputed`): "full" keeps only the block's
+    # input, B n C / r, plus once per rank one block's activations while it is re-run in backward;
+    # "selective" drops the (2 + d) B H T^2 / (tp u) probabilities (ring attention keeps none).
+    kept = {"none": per_layer, "full": s * bsz * n * c / r,
+            "selective": per_layer - (0 if ring else s * bsz * heads / tp * (2 + d) * seq * seq / cp)}
+
+    def chunk_bytes(blocks) -> float:
+        return sum(kept[t.recompute if recomputed(i, t.recompute_every) else "none"] for i in blocks)
     q = n if ring else seq
     transient = s * (2 * bsz * heads / (tp * (1 if ring else cp)) + 1) * q * q
     embed = s * bsz * n * 2 * c                        # token + position embeddings
@@ -410,8 +425,11 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
         state = 2 * p * s + -(-p * state_bytes // shards)  # weights + grads + optimizer state
         microbatches = -(-stash[stage] // cfg.pipeline.chunks)
         # A stashed chunk activation holds the blocks of one chunk: the rank's largest, as a bound.
-        act = stash[stage] * max(len(blocks) for _, blocks, _ in _rank_chunks(cfg, pp, stage)) * per_layer
+        chunks = _rank_chunks(cfg, pp, stage)
+        act = stash[stage] * max(chunk_bytes(blocks) for _, blocks, _ in chunks)
         act += microbatches * ((embed if stage == 0 else 0) + (head if stage == pp - 1 else 0)) + transient
+        if t.recompute == "full" and any(recomputed(i, t.recompute_every) for _, blocks, _ in chunks for i in blocks):
+            act += per_layer  # the block being re-run
         if state + act > worst:
             worst_state, worst_act, worst = state, math.ceil(act), state + act
     return worst_state, worst_act
@@ -446,6 +464,8 @@ def _check_memory(cfg: Config, available: int) -> None:
         if tp > 1 and not cfg.mesh.sequence_parallel:
             remedies.append("mesh.sequence_parallel=true")
         remedies.append("more ranks for mesh.cp (splits the sequence)")
+        if cfg.train.recompute != "full" or cfg.train.recompute_every > 1:
+            remedies.append("train.recompute=\"full\" (keeps a block's input only, re-runs it in backward)")
     if cfg.train.zero == 0 and dp > 1:
         remedies.append("train.zero=1 (shards optimizer state over dp)")
     remedies.append("more ranks for mesh.tp or mesh.pp")
@@ -505,6 +525,7 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("train.momentum", _unit, "in [0, 1)"),
     ("train.bucket_mb", _gt0, "> 0"),
     ("train.max_bad_steps", _ge1, ">= 1"),
+    ("train.recompute_every", _ge1, ">= 1 (1 = every block)"),
     ("pipeline.chunks", _ge1, ">= 1"),
     ("checkpoint.every", _ge0, ">= 0 (0 = only at the end)"),
     ("checkpoint.keep", _ge1, ">= 1"),

@@ -34,6 +34,17 @@ def no_grad() -> Iterator[None]:
         _grad_enabled = previous
 
 
+@contextlib.contextmanager
+def enable_grad() -> Iterator[None]:
+    """Ops inside record a graph even where the caller disabled it (`ops.recompute`'s re-run)."""
+    global _grad_enabled
+    previous, _grad_enabled = _grad_enabled, True
+    try:
+        yield
+    finally:
+        _grad_enabled = previous
+
+
 class Tensor:
     """An array plus the graph that produced it.
 
@@ -54,17 +65,17 @@ class Tensor:
         self._hooks: list | None = None
 
     @staticmethod
-    def from_op(data, parents: tuple, backward: Callable) -> "Tensor":
+    def from_op(data, parents: tuple, backward: Callable, always: bool = False) -> "Tensor":
         """The result of an op: `data`, with `backward(g) -> one gradient (or None) per parent`
         attached when gradients are enabled and some parent requires them (else a plain
-        Tensor, so evaluation keeps no graph). `parents` may hold None for non-Tensor inputs."""
-        if _grad_enabled:
-            for p in parents:
-                if p is not None and p.requires_grad:
-                    out = Tensor(data, True)
-                    out._parents = parents
-                    out._backward = backward
-                    return out
+        Tensor, so evaluation keeps no graph). `parents` may hold None for non-Tensor inputs.
+        `always`: attach it whenever gradients are enabled, for an op whose backward reaches
+        leaves that are not among its parents (`ops.recompute`: the parameters inside)."""
+        if _grad_enabled and (always or any(p is not None and p.requires_grad for p in parents)):
+            out = Tensor(data, True)
+            out._parents = parents
+            out._backward = backward
+            return out
         return Tensor(data)
 
     # -- array-like facts -------------------------------------------------------------

@@ -96,6 +96,8 @@ class Trainer:
         self.stages = pipeline.build_stages(cfg.model, self.mesh, chunks=cfg.pipeline.chunks,
                                             seed=cfg.train.seed,
                                             sequence_parallel=cfg.mesh.sequence_parallel, cp=self.cp)
+        for stage in self.stages:
+            stage.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
         self.named_parameters = [(n, p) for s in self.stages for n, p in s.named_parameters()]
         t = cfg.train
         if t.optimizer == "adamw":

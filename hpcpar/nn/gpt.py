@@ -111,19 +111,22 @@ class GPTConfig:
 class CausalSelfAttention(Module):
     """c_attn: [3C, C] rows [q; k; v] -> fused causal attention -> c_proj: [C, C].
 
-    `attend(qkv, n_head)` is the attention itself: `ops.causal_attention`, or under context
-    parallelism ring attention / Ulysses over the cp group (`parallel.context.ContextParallel`).
+    `attend(qkv, n_head, recompute=False)` is the attention itself: `ops.causal_attention`, or
+    under context parallelism ring attention / Ulysses over the cp group
+    (`parallel.context.ContextParallel`). `recompute_scores` (selective recomputation, set by
+    `GPT.set_recompute`) asks it to keep no [T, T] probabilities for backward.
     """
 
     def __init__(self, cfg: GPTConfig, attend=ops.causal_attention):
         super().__init__()
         self.n_head = cfg.n_head
         self.attend = attend
+        self.recompute_scores = False
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, cfg.bias, cfg.dtype)
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, cfg.bias, cfg.dtype)
 
     def forward(self, x):
-        return self.c_proj(self.attend(self.c_attn(x), self.n_head))
+        return self.c_proj(self.attend(self.c_attn(x), self.n_head, recompute=self.recompute_scores))
 
 
 class MLP(Module):
@@ -139,9 +142,16 @@ class MLP(Module):
 
 
 class Block(Module):
+    """h + attn(ln_1(h)), then + mlp(ln_2(h)), each branch through dropout site 2i+1 / 2i+2.
+
+    `recompute` ("none", "full" or "selective"; set by `GPT.set_recompute`) is how this block's
+    activations are kept for backward; GPT.forward applies "full", the attention "selective".
+    """
+
     def __init__(self, index: int, ln_1: Module, attn: Module, ln_2: Module, mlp: Module, dropout_sites):
         super().__init__()
         self.index = index
+        self.recompute = "none"
         self.ln_1 = ln_1
         self.attn = attn
         self.ln_2 = ln_2
@@ -211,6 +221,16 @@ class PlainPlan:
         return logits if targets is None else ops.cross_entropy(logits, targets)
 
 
+# train.recompute: how blocks keep their activations for backward (see GPT.set_recompute).
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+def recomputed(index: int, every: int) -> bool:
+    """Whether block `index` (its global layer index) is recomputed under `recompute_every = every`:
+    every k-th block, counting from block 0 (index % every == 0), whatever the pipeline split."""
+    return index % every == 0
+
+
 class GPT(Module):
     """The model or one pipeline stage of it.
 
@@ -264,6 +284,25 @@ class GPT(Module):
                 object.__setattr__(self, "head_weight", self.lm_head.weight)
         self.init_weights(seed)
 
+    # -- activation recomputation ---------------------------------------------------------
+    def set_recompute(self, mode: str = "none", every: int = 1) -> None:
+        """Activation recomputation for the blocks with `recomputed(index, every)` (the others keep
+        everything, "none"). Results are bitwise those of "none" in every mode.
+
+        "full": the block keeps only its input [B, T, C]; its forward runs without a graph and is
+        run again inside backward (`ops.recompute`), collectives and dropout masks included.
+        "selective": the attention keeps no [B, H, T, T] probabilities and recomputes them from
+        q and k in backward (`ops.causal_attention(recompute=True)`; ring attention keeps none
+        anyway).
+        """
+        if mode not in RECOMPUTE_MODES:
+            raise ConfigError(f"train.recompute={mode!r} is not one of " + ", ".join(map(repr, RECOMPUTE_MODES)))
+        if every < 1:
+            raise ConfigError(f"train.recompute_every={every} is invalid: must be >= 1")
+        for block in self.transformer.h.items:
+            block.recompute = mode if recomputed(block.index, every) else "none"
+            block.attn.recompute_scores = block.recompute == "selective"
+
     # -- initialisation -----------------------------------------------------------------
     def init_weights(self, seed: int) -> None:
         """GPT-2 init: N(0, 0.02) weights and embeddings, residual projections
@@ -287,6 +326,19 @@ class GPT(Module):
         seed, step, sample_ids = self.rng_context
         return self.plan.dropout(x, p, [(seed, step, int(k), site) for k in sample_ids])
 
+    def _recomputed(self, block: Block, h: Tensor) -> Tensor:
+        """`block(h)` keeping only h (`ops.recompute`). The re-run in backward uses this
+        micro-batch's dropout context: by then a pipeline schedule may have set the next one's."""
+        context = self.rng_context
+
+        def run(x):
+            current, self.rng_context = self.rng_context, context
+            try:
+                return block(x)
+            finally:
+                self.rng_context = current
+        return ops.recompute(run, h)
+
     def forward(self, x, targets=None):
         """x: idx int [B, T] (embed; host or device) or activations [B, T, C] ([B, T/tp, C] under
         sequence parallelism); targets int [B, T] (head). Returns the loss, logits [B, T, V] or
@@ -306,7 +358,7 @@ class GPT(Module):
         else:
             h = x
         for block in self.transformer.h.items:
-            h = block(h)
+            h = self._recomputed(block, h) if block.recompute == "full" else block(h)
         if not self.head:
             return h
         if targets is not None:

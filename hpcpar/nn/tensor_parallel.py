@@ -138,13 +138,14 @@ class ParallelSelfAttention(Module):
         c = config.n_embd
         self.n_head_local = config.n_head // comm.size
         self.attend = attend  # ops.causal_attention, or context-parallel attention over my heads
+        self.recompute_scores = False  # selective recomputation (GPT.set_recompute)
         self.c_attn = ColumnParallelLinear(c, 3 * c, comm, config.bias, config.dtype, groups=3,
                                            sequence_parallel=sequence_parallel)
         self.c_proj = RowParallelLinear(c, c, comm, config.bias, config.dtype, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.c_attn(x)                                    # [B, T, 3C/tp]: my heads' q, k, v
-        return self.c_proj(self.attend(qkv, self.n_head_local))
+        return self.c_proj(self.attend(qkv, self.n_head_local, recompute=self.recompute_scores))
 
 
 class ParallelMLP(Module):

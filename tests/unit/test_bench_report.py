@@ -82,6 +82,18 @@ SAMPLES = {
         "longest": [{"cp": cp, "block_size": t, "estimate_bytes": 60 * MiB, "measured_peak_bytes": 58 * MiB}
                     for cp, t in ((1, 1664), (2, 4352), (4, 8704))],
         "checks": {"activations_proportional_to_1_over_k_within_10pct": True, "measured_peak_within_limit": True}},
+    "memory": {
+        "meta": {"generated_s": 10.0},
+        "activations": {
+            "config": {"batch": 2, "seq": 512, "n_embd": 128, "n_head": 4, "n_layer": 3, "dropout": 0.1,
+                       "dtype": "float32", "repeats": 8},
+            "rows": [{"recompute": m, "measured_bytes_per_layer": b * 1.001, "formula_bytes_per_layer": b,
+                      "ratio": 1.001, "saved_vs_none": 1 - b / (22 * MiB), "estimate_bytes_per_layer": e,
+                      "backward_peak_above_held_bytes": p, "step_time_vs_none": t}
+                     for m, b, e, p, t in (("none", 22 * MiB, 34 * MiB, 13 * MiB, 1.0),
+                                           ("full", MiB // 2, MiB // 2, 36 * MiB, 1.33),
+                                           ("selective", 14 * MiB, 10 * MiB, 21 * MiB, 1.17))]},
+        "checks": {"activations: none within 10% of its formula": True}},
 }
 
 
@@ -128,6 +140,11 @@ def test_key_figures_computed_from_the_json(run_all):
     assert "zigzag 1.000, contiguous split 1.749 ((2cp-1)/cp = 1.750)" in context[2]
     assert context[3] == "tokens/s: ring 15,000, ulysses 7,000, tp+sp 7,100"
     assert "cp=1 1664, cp=2 4352, cp=4 8704; measured peak within the limit: yes" in context[4]
+    memory = run_all.key_figures("memory", SAMPLES["memory"])
+    assert memory[0].endswith("measured / formula MiB: none 22.02 / 22.00, full 0.50 / 0.50, "
+                              "selective 14.01 / 14.00")
+    assert memory[1] == "forward + backward time vs none: full 1.33x, selective 1.17x"
+    assert memory[2] == "every figure within 10% of its formula: yes"
 
 
 def test_malformed_results_are_reported_not_raised(run_all):
@@ -152,6 +169,7 @@ def test_markdown_table(run_all, summary):
     assert "| 1f1b | 1 | 16 | 3.000 | 3.450 | +15.0% |" in text
     assert "## Context parallelism" in text and "| ring (contiguous) | 4 | 0.500 | – | 1.749 | – | – |" in text
     assert "| 4 | 8704 | 60.0 | 58.0 |" in text
+    assert "## Memory" in text and "| selective | 14.014 | 14.000 | 1.001 | 36.4% | 10.000 | 21.00 | 1.17x |" in text
 
 
 def test_quiet_machine_and_missing_results(run_all, tmp_path):

@@ -49,6 +49,7 @@ BAD = [
     (["train.momentum=1.5", "train.optimizer=sgd"], 1, "train.momentum=1.5 is invalid: must be in [0, 1)"),
     (["train.bucket_mb=0"], 1, "train.bucket_mb=0.0 is invalid: must be > 0"),
     (["train.max_bad_steps=0"], 1, "train.max_bad_steps=0 is invalid: must be >= 1"),
+    (["train.recompute_every=0"], 1, "train.recompute_every=0 is invalid: must be >= 1 (1 = every block)"),
     (["pipeline.chunks=0"], 1, "pipeline.chunks=0 is invalid: must be >= 1"),
     (["checkpoint.every=-1"], 1, "checkpoint.every=-1 is invalid: must be >= 0"),
     (["checkpoint.keep=0"], 1, "checkpoint.keep=0 is invalid: must be >= 1"),
@@ -69,6 +70,8 @@ BAD = [
     (["train.grad_wire_dtype=int8"], 1, 'train.grad_wire_dtype="int8" is not one of'),
     (["mesh.cp_impl=star"], 1, 'mesh.cp_impl="star" is not one of "ring", "ulysses"'),
     (["mesh.cp_impl=ulyses"], 1, "did you mean 'ulysses'?"),
+    (["train.recompute=partial"], 1, 'train.recompute="partial" is not one of "none", "full", "selective"'),
+    (["train.recompute=ful"], 1, "did you mean 'full'?"),
     # combinations
     (["model.n_embd=130"], 1, "model.n_embd=130 is not divisible by model.n_head=4"),
     (["model.dtype=bfloat16"], 1, 'model.dtype="bfloat16" (mixed precision) is not implemented yet'),
@@ -439,6 +442,33 @@ def test_memory_estimate_divides_activations_by_cp():
     zero = validate(load_config(None, long + ["mesh.cp=4", "train.zero=1"]), 4)
     assert config.estimate_memory(zero, 1, 1, 1) == sum(config._memory_parts(zero, 1, 1, 1, 4))
     assert config._memory_parts(zero, 1, 1, 1)[0] < plain[0]
+
+
+def test_memory_estimate_counts_recomputation():
+    """full: a recomputed block keeps its input B n C / r (plus one block re-run per rank);
+    selective: the (2 + d) B H T^2 / (tp u) probabilities go; the model state never changes."""
+    shape = ["model.block_size=256", "model.n_layer=4", "train.micro_batch_size=2", "model.dropout=0.1",
+             "mesh.pp=1"]
+
+    def parts(*extra, tp=1, cp=1):
+        return config._memory_parts(load_config(None, shape + list(extra)), 1, tp, 1, cp)
+
+    none, selective, full = (parts(f"train.recompute={m}") for m in ("none", "selective", "full"))
+    assert none[0] == selective[0] == full[0]
+    s, b, t, c, h, layers = 4, 2, 256, 128, 4, 4
+    scores = s * b * h * 3 * t * t                   # (2 + d) B H T^2 s, d = 1
+    assert none[1] - selective[1] == layers * scores
+    per_layer = (none[1] - full[1] + s * b * t * c * layers) / (layers - 1)  # kept: input only, + one re-run
+    assert per_layer == s * b * t * (8 * c + 12 * c + h * 3 * t)
+    # Every 2nd block (0 and 2 of 4): half the saving.
+    assert none[1] - parts("train.recompute=selective", "train.recompute_every=2")[1] == 2 * scores
+    # Sequence parallelism divides the kept input by tp; ring attention keeps no probabilities.
+    sp = ["train.recompute=full", "mesh.sequence_parallel=true"]
+    assert parts(*sp, tp=2)[1] < parts("train.recompute=full", tp=2)[1]
+    ring = ["mesh.cp_impl=ring"]
+    assert parts(*ring, "train.recompute=selective", cp=2) == parts(*ring, cp=2)
+    assert parts("mesh.cp_impl=ulysses", "train.recompute=selective", cp=2)[1] < parts("mesh.cp_impl=ulysses",
+                                                                                      cp=2)[1]
 
 
 def test_parameter_count_matches_nanogpt_formula():
