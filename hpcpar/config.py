@@ -440,8 +440,9 @@ def estimate_memory(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = Non
 
     weights + grads (2 P s) + optimizer state (P x 2 moments, / (dp cp) with ZeRO-1) + activations
     stashed by the schedule (peak micro-batches in flight x layers x per-layer activations of the
-    rank's T/cp tokens). P counts the rank's share of parameters under tp and pp (cp shards no
-    weight); s is the dtype's size. `cp` defaults to the config's `mesh.cp`.
+    rank's T/cp tokens; a layer under `train.recompute` counts what it keeps). P counts the rank's
+    share of parameters under tp and pp (cp shards no weight); s is the dtype's size. `cp` defaults
+    to the config's `mesh.cp`.
     """
     state, act = _memory_parts(cfg, dp, tp, pp, cp)
     return state + act
@@ -464,8 +465,10 @@ def _check_memory(cfg: Config, available: int) -> None:
         if tp > 1 and not cfg.mesh.sequence_parallel:
             remedies.append("mesh.sequence_parallel=true")
         remedies.append("more ranks for mesh.cp (splits the sequence)")
-        if cfg.train.recompute != "full" or cfg.train.recompute_every > 1:
+        if cfg.train.recompute != "full":
             remedies.append("train.recompute=\"full\" (keeps a block's input only, re-runs it in backward)")
+        elif cfg.train.recompute_every > 1:
+            remedies.append("train.recompute_every=1 (recompute every block)")
     if cfg.train.zero == 0 and dp > 1:
         remedies.append("train.zero=1 (shards optimizer state over dp)")
     remedies.append("more ranks for mesh.tp or mesh.pp")

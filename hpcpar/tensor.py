@@ -24,25 +24,23 @@ def is_grad_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def no_grad() -> Iterator[None]:
+def _grad_mode(enabled: bool) -> Iterator[None]:
+    global _grad_enabled
+    previous, _grad_enabled = _grad_enabled, enabled
+    try:
+        yield
+    finally:
+        _grad_enabled = previous
+
+
+def no_grad():
     """Ops inside record no graph (evaluation, optimizer updates)."""
-    global _grad_enabled
-    previous, _grad_enabled = _grad_enabled, False
-    try:
-        yield
-    finally:
-        _grad_enabled = previous
+    return _grad_mode(False)
 
 
-@contextlib.contextmanager
-def enable_grad() -> Iterator[None]:
+def enable_grad():
     """Ops inside record a graph even where the caller disabled it (`ops.recompute`'s re-run)."""
-    global _grad_enabled
-    previous, _grad_enabled = _grad_enabled, True
-    try:
-        yield
-    finally:
-        _grad_enabled = previous
+    return _grad_mode(True)
 
 
 class Tensor:
@@ -71,12 +69,18 @@ class Tensor:
         Tensor, so evaluation keeps no graph). `parents` may hold None for non-Tensor inputs.
         `always`: attach it whenever gradients are enabled, for an op whose backward reaches
         leaves that are not among its parents (`ops.recompute`: the parameters inside)."""
-        if _grad_enabled and (always or any(p is not None and p.requires_grad for p in parents)):
-            out = Tensor(data, True)
-            out._parents = parents
-            out._backward = backward
-            return out
-        return Tensor(data)
+        if not _grad_enabled:
+            return Tensor(data)
+        if not always:  # a plain loop: this runs for every op
+            for p in parents:
+                if p is not None and p.requires_grad:
+                    break
+            else:
+                return Tensor(data)
+        out = Tensor(data, True)
+        out._parents = parents
+        out._backward = backward
+        return out
 
     # -- array-like facts -------------------------------------------------------------
     @property

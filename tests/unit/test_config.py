@@ -533,6 +533,10 @@ def test_memory_check():
     message = str(info.value)
     assert "estimated memory per rank" in message and "exceeds the available" in message
     assert "smaller train.micro_batch_size" in message and "MiB" in message
+    assert 'train.recompute="full"' in message
+    full = load_config(None, ["train.recompute=full", "train.recompute_every=2"])
+    with pytest.raises(ConfigError, match="train.recompute_every=1 "):
+        validate(full, 1, available_memory_bytes=config.estimate_memory(validate(full, 1), 1, 1, 1) - 1)
     with pytest.raises(ConfigError, match="train.zero=1"):
         _validate(["model.n_embd=1024", "model.n_layer=8", "model.n_head=8", "train.micro_batch_size=1",
                    "model.block_size=16", "mesh.dp=4"], world=4, memory=2**20)
