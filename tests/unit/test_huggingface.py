@@ -31,7 +31,7 @@ def random_checkpoint(directory, model_cfg: GPTConfig = TINY, seed: int = 0) -> 
     rng = np.random.default_rng(seed)
     for name, p in model.named_parameters():
         noise = rng.standard_normal(p.shape)
-        p.data[...] = 1 + 0.1 * noise if ".ln_" in name or "ln_f" in name and name.endswith("weight") else 0.1 * noise
+        p.data[...] = 1 + 0.1 * noise if "ln_" in name and name.endswith("weight") else 0.1 * noise
     cfg = dataclasses.replace(config.Config(), model=model_cfg)
     meta = {"config": config.to_toml(cfg), "tokenizer": tokenizer.BYTES_RECORD}
     return checkpoint.save(str(directory), 1, {f"model/{n}": (p.data, p.layout) for n, p in model.named_parameters()},
