@@ -276,14 +276,15 @@ def microbatch_sample_ids(dp_rank: int, dp: int, micro_batch_size: int, microbat
 
 
 def get_window_batch(tokens: np.ndarray, sample_ids: Iterable[int], block_size: int,
-                     windows: int) -> tuple[np.ndarray, np.ndarray]:
+                     windows: int, positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Whole-sequence evaluation: sample k is window k, ``x = tokens[k*T : (k+1)*T]`` and ``y``
     the next tokens, so windows 0 .. `windows` - 1 cover the sequence once. Samples past the
     last window (the remainder of the last global batch) are padding: x = 0, y = -100, which
-    the loss ignores.
+    the loss ignores. With ``positions`` (indices into ``[0, block_size)``, a context-parallel
+    rank's tokens) only those columns are returned.
 
     Returns:
-        ``(x, y)``, int64 ``[len(sample_ids), block_size]``.
+        ``(x, y)``, int64 ``[len(sample_ids), block_size]`` (``len(positions)`` columns).
     """
     block_size = _check_nonneg("block_size", block_size)
     if block_size == 0 or windows * block_size + 1 > len(tokens):
@@ -297,4 +298,7 @@ def get_window_batch(tokens: np.ndarray, sample_ids: Iterable[int], block_size: 
         at = ks[real, None] * block_size + np.arange(block_size + 1)
         window = tokens[at].astype(np.int64)
         x[real], y[real] = window[:, :-1], window[:, 1:]
+    if positions is not None:
+        cols = np.asarray(positions, dtype=np.int64)
+        return np.ascontiguousarray(x[:, cols]), np.ascontiguousarray(y[:, cols])
     return x, y

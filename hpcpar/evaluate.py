@@ -84,12 +84,14 @@ def evaluate(trainer: Trainer, tokens, max_tokens: int = 0) -> dict:
                         f"block_size + 1 = {t + 1}")
     per_batch = trainer.tokens_per_step // t      # global samples per batch: dp * micro_batch_size * microbatches
     n_batches = -(-windows // per_batch)
+    # A Trainer with context parallelism holds only its tokens' positions of each sample (None: all).
+    positions = getattr(trainer, "positions", None)
     total = 0.0
     for first in range(0, n_batches, _BATCHES_PER_CALL):
-        batches = [data.get_window_batch(tokens, [i * per_batch + k for k in ids], t, windows)
+        batches = [data.get_window_batch(tokens, [i * per_batch + k for k in ids], t, windows, positions)
                    for i in range(first, min(first + _BATCHES_PER_CALL, n_batches)) for ids in trainer.sample_ids()]
         losses = trainer.forward_losses(batches)
-        if trainer.is_loss_reporter:   # each micro-batch's loss is its mean over its real targets
+        if trainer.is_loss_reporter:   # each micro-batch's loss is its mean over its (this rank's) real targets
             total += sum(float(loss) * int((y != -100).sum()) for loss, (_, y) in zip(losses, batches))
     loss = float(trainer.mesh.world.all_reduce(np.array([total]), op="sum")[0]) / (windows * t)
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": windows * t, "windows": windows}
@@ -111,7 +113,7 @@ def main(path: str, data_path: str, fmt: str | None = None, split: str = "val", 
         raise DataError(f"{data_path} has no held-out part (data.val_fraction=0 and no val file); use --split all")
     result = evaluate(trainer, tokens, max_tokens)
     if world.rank == 0:
-        mesh = " x ".join(f"{a}={trainer.mesh.size(a)}" for a in (Axis.DP, Axis.TP, Axis.PP))
+        mesh = " x ".join(f"{a}={trainer.mesh.size(a)}" for a in Axis)   # every axis the mesh has
         print(f"eval {path} on {trainer.dataset.description} ({split} split, {result['tokens']:,} tokens in "
               f"{result['windows']:,} windows of {cfg.model.block_size}): loss {result['loss']:.6f}, "
               f"perplexity {result['perplexity']:.4f} (mesh {mesh})")

@@ -77,6 +77,8 @@ def test_windows_batch_covers_the_sequence_once():
     x, y = data.get_window_batch(tokens, [0, 1, 2, 3, 7], 10, 4)
     assert np.array_equal(x[2], np.arange(20, 30)) and np.array_equal(y[2], np.arange(21, 31))
     assert (x[4] == 0).all() and (y[4] == -100).all()           # past the last window: ignored
+    xp, yp = data.get_window_batch(tokens, [0, 1, 2, 3, 7], 10, 4, positions=np.array([1, 8]))
+    assert np.array_equal(xp, x[:, [1, 8]]) and np.array_equal(yp, y[:, [1, 8]])   # a cp rank's columns
     with pytest.raises(DataError, match="need 51 tokens"):
         data.get_window_batch(tokens, [0], 10, 5)
 
