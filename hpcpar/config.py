@@ -37,7 +37,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from hpcpar.errors import ConfigError
-from hpcpar.nn.gpt import DTYPES, RECOMPUTE_MODES, GPTConfig, recomputed
+from hpcpar.nn.gpt import DTYPES, PRESETS, RECOMPUTE_MODES, GPTConfig, recomputed
 from hpcpar.schema import divisors, field as _field, require_divisible
 
 log = logging.getLogger(__name__)
@@ -61,10 +61,18 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    corpus: str = _field("", "text file or directory of text files (\"\" = the Python standard "
-                             "library's source, embedded)")
+    corpus: str = _field("", "bytes: a text file or directory of text files (\"\" = the Python standard "
+                             "library's source, embedded); bin/hdf5: a token file, or a directory from "
+                             "`hpcpar data prepare` (or nanoGPT's train.bin + val.bin)")
     val_fraction: float = _field(0.05, "fraction of the corpus (its tail) held out for evaluation, "
-                                       "0 <= val_fraction < 1")
+                                       "0 <= val_fraction < 1 (a directory with val.bin or a val dataset: "
+                                       "that instead)")
+    format: str = _field("bytes", "how the corpus is read: bytes = text as byte tokens (vocabulary 256); "
+                                  "bin = a flat token file, memory-mapped (nanoGPT layout); hdf5 = a 1-D "
+                                  "token dataset, read by hyperslab; each rank reads only its samples",
+                         ("bytes", "bin", "hdf5"))
+    token_dtype: str = _field("uint16", "integer type of a bin token file (hdf5 uses its dataset's type)",
+                              ("uint16", "uint32"))
 
 
 @dataclass(frozen=True)
@@ -291,7 +299,17 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     for text in overrides:
         section, key, value = parse_override(text)
         values.setdefault(section, {})[key] = value
+    _apply_preset(values)
     return Config(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
+
+
+def _apply_preset(values: dict[str, dict[str, Any]]) -> None:
+    """Fill in the keys of `model.preset` (`nn.gpt.PRESETS`) that the file and overrides left out.
+
+    An unknown name is left for `validate`, which lists the choices."""
+    model = values.get("model", {})
+    if model.get("preset") in PRESETS:
+        values["model"] = {**PRESETS[model["preset"]], **model}
 
 
 def loads(text: str, origin: str = "<text>") -> Config:
@@ -301,6 +319,7 @@ def loads(text: str, origin: str = "<text>") -> Config:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{origin}: not valid TOML: {e}") from None
     values = _values_from_tables(tables, origin)
+    _apply_preset(values)
     return Config(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
 
 
@@ -502,7 +521,7 @@ def _open_unit(v: float) -> bool:
 
 # (section.key, test, what it must be) for every single-value range.
 _RANGES: tuple[tuple[str, Any, str], ...] = (
-    ("model.vocab_size", lambda v: v >= 256, ">= 256 (tokens are bytes 0..255)"),
+    ("model.vocab_size", _ge1, ">= 1"),
     ("model.block_size", lambda v: v >= 2, ">= 2"),
     ("model.n_layer", _ge1, ">= 1"),
     ("model.n_head", _ge1, ">= 1"),
@@ -578,6 +597,9 @@ def _check_model(cfg: Config) -> None:
     m = cfg.model
     require_divisible("model.n_embd", m.n_embd, "model.n_head", m.n_head, "(heads split the width evenly)")
     m.check_dtype()
+    if cfg.data.format == "bytes" and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is invalid: must be >= 256 with data.format=\"bytes\" "
+                          "(tokens are bytes 0..255)")
     t = cfg.train
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr!r} exceeds train.lr={t.lr!r}; the cosine schedule decays "
@@ -590,10 +612,9 @@ def _check_model(cfg: Config) -> None:
 def _check_tensor_parallel(cfg: Config, tp: int) -> None:
     """The rules the tensor-parallel layers guard (`nn.tensor_parallel.check_config`), reported first
     and in the config's names. (4 * n_embd) % tp == 0, the MLP width, follows from n_head % tp == 0
-    and n_embd % n_head == 0."""
+    and n_embd % n_head == 0. The vocabulary need not divide: it is padded to a multiple of tp."""
     m = cfg.model
     require_divisible("model.n_head", m.n_head, "mesh.tp", tp, "(a tp rank holds whole heads)")
-    require_divisible("model.vocab_size", m.vocab_size, "mesh.tp", tp, "(the embedding is split by vocabulary)")
     if cfg.mesh.sequence_parallel:
         require_divisible("model.block_size", m.block_size, "mesh.tp", tp,
                           "with mesh.sequence_parallel=true (the sequence is split over tp)",

@@ -38,6 +38,13 @@ from hpcpar.tensor import Tensor
 # `GPTConfig.check_dtype` until implemented.
 DTYPES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
+# model.preset: named architectures. `config.load_config` fills in a preset's fields wherever the
+# file and the --set overrides leave them out. gpt2 is GPT-2 small (124M parameters), the shapes
+# of HuggingFace's "gpt2" (what `hpcpar ckpt import` reads and `ckpt export` writes).
+PRESETS = {
+    "gpt2": {"vocab_size": 50257, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768, "bias": True},
+}
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -55,8 +62,9 @@ class GPTConfig:
                       12 C^2; c_attn.bias [3C], mlp.c_fc.bias [4C]: 7 C b
     """
 
-    vocab_size: int = field(256, "number of token ids; the corpus is bytes, so >= 256; divisible by mesh.tp "
-                                 "(the embedding is split by vocabulary)")
+    vocab_size: int = field(256, "number of token ids, > every id in the data (>= 256 for data.format = "
+                                 "\"bytes\"); split over mesh.tp, padded to a multiple of tp when it does "
+                                 "not divide (the padding never gets probability)")
     block_size: int = field(128, "context length T in tokens (>= 2); divisible by mesh.tp with "
                                  "mesh.sequence_parallel")
     n_layer: int = field(4, "transformer blocks; at least one per virtual pipeline stage "
@@ -67,6 +75,9 @@ class GPTConfig:
     dropout: float = field(0.0, "dropout probability, 0 <= dropout < 1")
     dtype: str = field("float32", "parameter and activation dtype; bfloat16/float16 (mixed precision) "
                                   "are reserved for the GPU path and not implemented yet", tuple(DTYPES))
+    preset: str = field("", "named architecture whose shape keys (vocab_size, block_size, n_layer, n_head, "
+                            "n_embd, bias) apply unless given explicitly: \"gpt2\" = GPT-2 small, 124M "
+                            "(50257, 1024, 12, 12, 768, true); \"\" = none", ("", *PRESETS))
 
     def check_dtype(self) -> None:
         """Raise ConfigError unless a GPT computes in `dtype` today (16-bit: not yet)."""
@@ -83,14 +94,18 @@ class GPTConfig:
         c, b = self.n_embd, int(self.bias)
         return 2 * c * (1 + b) + 2 * c * b + (12 * c * c + 7 * c * b) // tp
 
+    def vocab_rows(self, tp: int = 1) -> int:
+        """Rows of wte on one tp rank: ceil(V / tp), padding included (tp = 1: V)."""
+        return -(-self.vocab_size // tp)
+
     def embedding_params(self, tp: int = 1) -> int:
-        """wte (vocab-parallel: [V/tp, C]) + wpe ([T, C], replicated)."""
-        return self.vocab_size * self.n_embd // tp + self.block_size * self.n_embd
+        """wte (vocab-parallel: [ceil(V/tp), C]) + wpe ([T, C], replicated)."""
+        return self.vocab_rows(tp) * self.n_embd + self.block_size * self.n_embd
 
     def head_params(self, tp: int = 1, tied: bool = True) -> int:
-        """ln_f, plus the LM head's own copy of wte ([V/tp, C]) unless it is `tied` to the wte of
-        the same module (a pipeline stage with the head but not the embedding holds the copy)."""
-        return self.n_embd * (1 + int(self.bias)) + (0 if tied else self.vocab_size * self.n_embd // tp)
+        """ln_f, plus the LM head's own copy of wte ([ceil(V/tp), C]) unless it is `tied` to the wte
+        of the same module (a pipeline stage with the head but not the embedding holds the copy)."""
+        return self.n_embd * (1 + int(self.bias)) + (0 if tied else self.vocab_rows(tp) * self.n_embd)
 
     def stage_params(self, n_blocks: int, embed: bool = True, head: bool = True, tp: int = 1) -> int:
         """One rank's parameters of `GPT(self, layers=<n_blocks blocks>, embed=embed, head=head)`

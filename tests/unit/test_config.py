@@ -23,7 +23,8 @@ def _validate(overrides, world=1, memory=None):
 # (overrides, world size, fragment the one-line message must contain)
 BAD = [
     # single-value ranges
-    (["model.vocab_size=100"], 1, "model.vocab_size=100 is invalid: must be >= 256"),
+    (["model.vocab_size=100"], 1, 'model.vocab_size=100 is invalid: must be >= 256 with data.format="bytes"'),
+    (["model.vocab_size=0", "data.format=bin"], 1, "model.vocab_size=0 is invalid: must be >= 1"),
     (["model.block_size=1"], 1, "model.block_size=1 is invalid: must be >= 2"),
     (["model.n_layer=0"], 1, "model.n_layer=0 is invalid: must be >= 1"),
     (["model.n_head=0"], 1, "model.n_head=0 is invalid: must be >= 1"),
@@ -72,6 +73,9 @@ BAD = [
     (["mesh.cp_impl=ulyses"], 1, "did you mean 'ulysses'?"),
     (["train.recompute=partial"], 1, 'train.recompute="partial" is not one of "none", "full", "selective"'),
     (["train.recompute=ful"], 1, "did you mean 'full'?"),
+    (["data.format=parquet"], 1, 'data.format="parquet" is not one of "bytes", "bin", "hdf5"'),
+    (["data.token_dtype=int8"], 1, 'data.token_dtype="int8" is not one of "uint16", "uint32"'),
+    (["model.preset=gpt3"], 1, 'model.preset="gpt3" is not one of "", "gpt2"; did you mean \'gpt2\'?'),
     # combinations
     (["model.n_embd=130"], 1, "model.n_embd=130 is not divisible by model.n_head=4"),
     (["model.dtype=bfloat16"], 1, 'model.dtype="bfloat16" (mixed precision) is not implemented yet'),
@@ -81,8 +85,6 @@ BAD = [
     # tensor parallelism
     (["model.n_head=6", "model.n_embd=96", "mesh.tp=4"], 4,
      "model.n_head=6 is not divisible by mesh.tp=4 (a tp rank holds whole heads); choose tp in {1, 2, 3, 6}"),
-    (["model.vocab_size=257", "mesh.tp=2"], 2, "model.vocab_size=257 is not divisible by mesh.tp=2"),
-    (["model.vocab_size=257", "mesh.tp=2"], 2, "use vocab_size=258"),
     (["model.block_size=130", "mesh.tp=4", "mesh.sequence_parallel=true"], 4,
      "model.block_size=130 is not divisible by mesh.tp=4 with mesh.sequence_parallel=true"),
     (["model.block_size=130", "mesh.tp=4", "mesh.sequence_parallel=true"], 4, "use block_size=132"),
@@ -192,6 +194,20 @@ def test_validate_returns_resolved_config_and_is_idempotent():
     assert validate(resolved, 4) == resolved
     with pytest.raises(MeshError):
         validate(resolved, 2)  # explicit degrees no longer fit
+
+
+def test_vocabulary_need_not_divide_tp_and_small_vocabularies_need_token_files():
+    validate(load_config(None, ["model.vocab_size=257", "mesh.tp=2"]), 2)   # padded to 258 in memory
+    validate(load_config(None, ["model.vocab_size=100", "data.format=bin"]), 1)
+
+
+def test_preset_fills_the_keys_not_given():
+    cfg = load_config(None, ["model.preset=gpt2", "model.n_layer=2"])
+    m = cfg.model
+    assert (m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias) == (50257, 1024, 2, 12, 768, True)
+    assert load_config(None, ["model.preset=gpt2"]).model.num_params() == 124_439_808   # GPT-2 small
+    assert config.loads(to_toml(cfg)) == cfg       # written out whole: the round trip needs no preset logic
+    assert load_config(None, ["model.preset=\"\""]).model == GPTConfig()
 
 
 def test_sequence_parallel_is_a_no_op_at_tp_1():
