@@ -75,10 +75,11 @@ BENCHMARKS = (
               "bytes sent per rank, work balance, tokens/s, longest block_size under a memory limit",
               quick_args=("--seq", "256", "--limit-mib", "16", "--steps", "1", "--repeats", "1")),
     Benchmark("memory", "bench/memory.py", None,
-              "memory per rank, measured next to its formula: model-state bytes per parameter for ZeRO 0/1/2/3 "
-              "on 4 ranks; a model plain DP refuses under a per-rank limit training under ZeRO-3",
-              quick_args=("--state-layers", "2", "--state-embd", "64", "--state-big-embd", "128",
-                          "--state-steps", "1")),
+              "memory per rank, measured next to its formula: activation bytes per layer with recompute "
+              "none / selective / full; model-state bytes per parameter for ZeRO 0/1/2/3 on 4 ranks; a model "
+              "plain DP refuses under a per-rank limit training under ZeRO-3",
+              quick_args=("--seq", "256", "--n-layer", "2", "--repeats", "2", "--state-layers", "2",
+                          "--state-embd", "64", "--state-big-embd", "128", "--state-steps", "1")),
     Benchmark("zero", "bench/zero.py", None,
               "ZeRO-3 (FSDP) vs ZeRO-1 tokens/s on 4 ranks with prefetch; all-gather time hidden behind compute",
               quick_args=("--steps", "2", "--repeats", "1", "--layers", "2")),
@@ -298,6 +299,16 @@ def _context(d: dict) -> list[str]:
 def _memory(d: dict) -> list[str]:
     """One line per section of bench/memory.py that ran."""
     out = []
+    if "activations" in d:
+        a = d["activations"]
+        c = a["config"]
+        rows = {r["recompute"]: r for r in a["rows"]}
+        out.append(f"activations per layer (B={c['batch']}, T={c['seq']}, C={c['n_embd']}, H={c['n_head']}, "
+                   f"{c['dtype']}), measured / formula MiB: " + ", ".join(
+                       f"{m} {r['measured_bytes_per_layer'] / MiB:.2f} / {r['formula_bytes_per_layer'] / MiB:.2f}"
+                       for m, r in rows.items()))
+        out.append("forward + backward time vs none: " + ", ".join(
+            f"{m} {r['step_time_vs_none']:.2f}x" for m, r in rows.items() if m != "none"))
     if "model_state" in d:
         ms = d["model_state"]
         out.append(f"model-state bytes/parameter on {ms['rows'][0]['n']} ranks, measured (formula): " + ", ".join(
@@ -473,9 +484,28 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
 def _memory_table(d: dict) -> list[str]:
     """bench/memory.py's sections as tables (each only when it ran)."""
     lines = []
+    if "activations" in d:
+        a = d["activations"]
+        c = a["config"]
+        lines += [f"Activation bytes per transformer layer, one process, B={c['batch']}, T={c['seq']}, "
+                  f"C={c['n_embd']}, H={c['n_head']}, {c['dtype']}, dropout={c['dropout']}: NumPy bytes held between "
+                  "forward and backward (tracemalloc), a "
+                  f"{c['n_layer']}-block GPT minus a 1-block one, per block. Formula (s bytes per element, d = 1 with "
+                  "dropout): none `s B T [(24 + 4d) C + 2] + s B H T²`, selective without the `T²` term, full "
+                  "`s B T C`. Estimate: the start-up estimate's count (docs/config.md). Backward peak: bytes above "
+                  "the held ones during backward.", "",
+                  "| recompute | measured MiB | formula MiB | ratio | saved vs none | estimate MiB | "
+                  "backward peak + MiB | forward + backward time |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in a["rows"]:
+            lines.append(f"| {r['recompute']} | {r['measured_bytes_per_layer'] / MiB:.3f} | "
+                         f"{r['formula_bytes_per_layer'] / MiB:.3f} | {r['ratio']:.3f} | {r['saved_vs_none']:.1%} | "
+                         f"{r['estimate_bytes_per_layer'] / MiB:.3f} | "
+                         f"{r['backward_peak_above_held_bytes'] / MiB:.2f} | {r['step_time_vs_none']:.2f}x |")
     if "model_state" in d:
         ms = d["model_state"]
         m, n = ms["model"], ms["rows"][0]["n"]
+        lines += [""] if lines else []
         lines += [f"Model state per parameter under ZeRO, GPT {m['layers']}x{m['embd']} {m['dtype']}, AdamW, "
                   f"{ms['rows'][0]['params'] / 1e6:.2f}M parameters, dp = N = {n}: bytes of NumPy allocations live "
                   "after two steps (tracemalloc), busiest rank, per parameter; ZeRO-3 adds its largest unit "

@@ -577,7 +577,8 @@ class _Shards:
 
 def _assemble(name: str, t: StoredTensor, layout: Layout, shards: _Shards) -> np.ndarray:
     """Build this rank's local array for `layout` from the stored blocks it overlaps."""
-    out = np.empty(layout.local_shape, dtype=np.dtype(t.dtype))
+    # Padding rows of a padded split (the vocabulary under tp) hold no stored element: zero.
+    out = (np.zeros if layout.padded else np.empty)(layout.local_shape, dtype=np.dtype(t.dtype))
     for want in layout.blocks:
         want_glob = _region(want.glob)
         # A flat block (a ZeRO shard's piece) is read into an array of its region's shape first.
@@ -616,8 +617,8 @@ def _read_checked(ds: h5py.Dataset) -> np.ndarray:
     return data
 
 
-def load(path: str, wanted: Mapping[str, Layout], comm,
-         all_names: Collection[str] | None = None) -> tuple[dict[str, np.ndarray], dict]:
+def load(path: str, wanted: Mapping[str, Layout], comm, all_names: Collection[str] | None = None,
+         only_prefix: str = "") -> tuple[dict[str, np.ndarray], dict]:
     """Load the tensors this rank needs, in any layout (collective over `comm`).
 
     Args:
@@ -627,6 +628,8 @@ def load(path: str, wanted: Mapping[str, Layout], comm,
         all_names: when given, the names the whole job holds (every rank's `wanted` together):
             the checkpoint must hold exactly these, so a checkpoint of a larger model is refused
             instead of loading its first layers silently.
+        only_prefix: compare `all_names` with the checkpoint's names that start with this (e.g.
+            "model/": the weights, whether or not the checkpoint also holds optimizer state).
     Returns:
         `({name: NumPy array of layout.local_shape, stored dtype}, meta)`.
     Raises:
@@ -638,9 +641,10 @@ def load(path: str, wanted: Mapping[str, Layout], comm,
         manifest = _read_manifest(ckpt)
         files = manifest["files"]
         table, meta = _read_index(ckpt, manifest)
-        if all_names is not None and set(table) != set(all_names):
-            extra, missing = sorted(set(table) - set(all_names)), sorted(set(all_names) - set(table))
-            raise CheckpointError(f"checkpoint {ckpt} holds {len(table)} tensors, this model "
+        stored = {n for n in table if n.startswith(only_prefix)}
+        if all_names is not None and stored != set(all_names):
+            extra, missing = sorted(stored - set(all_names)), sorted(set(all_names) - stored)
+            raise CheckpointError(f"checkpoint {ckpt} holds {len(stored)} tensors, this model "
                                   f"{len(set(all_names))} (checkpoint of another model?); "
                                   + (f"not in this model: {', '.join(extra[:3])}" if extra else
                                      f"missing: {', '.join(missing[:3])}"))

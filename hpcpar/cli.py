@@ -35,10 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("sample", help="generate text from a trained checkpoint")
     p.add_argument("checkpoint", help="checkpoint directory (step-NNNNNNN, or a run's checkpoint dir)")
     p.add_argument("--prompt", default="def ", help="text to start from")
-    p.add_argument("--tokens", type=int, default=200, help="number of bytes to generate")
+    p.add_argument("--tokens", type=int, default=200, help="number of tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="tokenizer.json to decode with (default: the one recorded in the checkpoint; "
+                                       "must match it)")
 
     p = verbs.add_parser("info", help="MPI library, backend, world size and (given degrees) the mesh")
     p.add_argument("--dp", type=int, default=None)
@@ -48,10 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-replicate", type=int, default=None,
                    help="HSDP: dp = dp_replicate x dp_shard (shard groups are reported inside a node or not)")
 
-    p = verbs.add_parser("ckpt", help="inspect, verify or export a checkpoint")
-    p.add_argument("action", choices=["info", "verify", "export"])
-    p.add_argument("path", help="checkpoint directory (step-NNNNNNN) or its parent (uses latest)")
-    p.add_argument("--out", help="export: the .npz file to write")
+    p = verbs.add_parser("ckpt", help="inspect, verify, export or import a checkpoint")
+    p.add_argument("action", choices=["info", "verify", "export", "import"])
+    p.add_argument("path", help="checkpoint directory (step-NNNNNNN) or its parent (uses latest); import: a GPT-2 "
+                                "safetensors file or HuggingFace model directory")
+    p.add_argument("--out", help="export: the file (.npz, or .safetensors) or directory (safetensors) to write; "
+                                 "import: the checkpoint directory to create")
+    p.add_argument("--format", choices=["npz", "safetensors"], default="npz",
+                   help="export: npz (every tensor, hpcpar names) or safetensors (HuggingFace GPT-2 names)")
+    p.add_argument("--n-head", type=int, help="import: attention heads, when no config.json is beside the weights")
+    p.add_argument("--tokenizer", help="import: tokenizer.json to record (default: the model directory's)")
 
     p = verbs.add_parser("job", help="render a Slurm or PBS job script")
     job = p.add_subparsers(dest="job_action", required=True, metavar="ACTION")
@@ -62,6 +70,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("plot", help="draw loss curves of one or more runs to a PNG")
     p.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
     p.add_argument("--out", default="loss.png", help="PNG file to write")
+
+    p = verbs.add_parser("data", help="prepare token files from text (one process)")
+    data = p.add_subparsers(dest="data_action", required=True, metavar="ACTION")
+    r = data.add_parser("prepare", help="text files -> DIR/tokens.bin (or tokens.h5), tokenizer.json, meta.json")
+    r.add_argument("inputs", nargs="+", help="text files or directories (read as data.format=bytes reads them)")
+    r.add_argument("--out", required=True, help="output directory")
+    r.add_argument("--tokenizer", choices=["bytes", "bpe", "gpt2"], default="bytes",
+                   help="bytes (256 ids), bpe (trained here, needs --vocab-size) or gpt2 (needs --vocab, --merges)")
+    r.add_argument("--vocab-size", type=int, default=0, help="bpe: ids of the trained tokenizer (>= 256)")
+    r.add_argument("--vocab", help="gpt2: a local vocab.json")
+    r.add_argument("--merges", help="gpt2: a local merges.txt")
+    r.add_argument("--format", choices=["bin", "hdf5"], default="bin", help="token file format")
+    r.add_argument("--token-dtype", choices=["auto", "uint16", "uint32"], default="auto",
+                   help="auto: uint16 when the vocabulary fits, else uint32")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = verbs.add_parser("eval", help="loss and perplexity of a checkpoint on held-out data (any mesh)")
+    p.add_argument("checkpoint", help="checkpoint directory (step-NNNNNNN) or its parent (uses latest)")
+    p.add_argument("--data", required=True, help="text or token file or directory (as data.corpus)")
+    p.add_argument("--format", choices=["bytes", "bin", "hdf5"], help="data format (default: from the path)")
+    p.add_argument("--split", choices=["val", "all"], default="val",
+                   help="val: the part training held out (default); all: every token")
+    p.add_argument("--max-tokens", type=int, default=0, help="evaluate at most this many tokens (0 = all)")
+    p.add_argument("--json", dest="json_out", help="also write the figures to this JSON file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override the checkpoint's config, e.g. --set mesh.tp=2 (repeatable)")
     return parser
 
 
@@ -72,13 +106,17 @@ def run(args: argparse.Namespace) -> int:
     if args.verb == "sample":
         from hpcpar import generate
         return generate.main(args.checkpoint, prompt=args.prompt, tokens=args.tokens,
-                             temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+                             temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                             tokenizer_file=args.tokenizer)
     if args.verb == "info":
         from hpcpar import mesh
         print(mesh.info_report(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
                                      dp_replicate=args.dp_replicate), end="")
         return 0
     if args.verb == "ckpt":
+        if args.action == "import" or (args.action == "export" and args.format == "safetensors"):
+            from hpcpar import huggingface
+            return huggingface.cli(args.action, args.path, args.out, args.n_head, args.tokenizer)
         from hpcpar import checkpoint
         return checkpoint.cli(args.action, args.path, out=args.out)
     if args.verb == "job":
@@ -87,6 +125,13 @@ def run(args: argparse.Namespace) -> int:
     if args.verb == "plot":
         from hpcpar import plot
         return plot.main(args.runs, args.out)
+    if args.verb == "data":
+        from hpcpar import prepare
+        return prepare.cli(args)
+    if args.verb == "eval":
+        from hpcpar import evaluate
+        return evaluate.main(args.checkpoint, args.data, fmt=args.format, split=args.split,
+                             max_tokens=args.max_tokens, overrides=args.overrides, json_out=args.json_out)
     raise AssertionError(args.verb)
 
 

@@ -37,7 +37,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from hpcpar.errors import ConfigError
-from hpcpar.nn.gpt import DTYPES, GPTConfig
+from hpcpar.nn.gpt import DTYPES, PRESETS, RECOMPUTE_MODES, GPTConfig, recomputed
 from hpcpar.schema import divisors, field as _field, require_divisible
 
 log = logging.getLogger(__name__)
@@ -64,10 +64,18 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    corpus: str = _field("", "text file or directory of text files (\"\" = the Python standard "
-                             "library's source, embedded)")
+    corpus: str = _field("", "bytes: a text file or directory of text files (\"\" = the Python standard "
+                             "library's source, embedded); bin/hdf5: a token file, or a directory from "
+                             "`hpcpar data prepare` (or nanoGPT's train.bin + val.bin)")
     val_fraction: float = _field(0.05, "fraction of the corpus (its tail) held out for evaluation, "
-                                       "0 <= val_fraction < 1")
+                                       "0 <= val_fraction < 1 (a directory with val.bin or a val dataset: "
+                                       "that instead)")
+    format: str = _field("bytes", "how the corpus is read: bytes = text as byte tokens (vocabulary 256); "
+                                  "bin = a flat token file, memory-mapped (nanoGPT layout); hdf5 = a 1-D "
+                                  "token dataset, read by hyperslab; each rank reads only its samples",
+                         ("bytes", "bin", "hdf5"))
+    token_dtype: str = _field("uint16", "integer type of a bin token file (hdf5 uses its dataset's type)",
+                              ("uint16", "uint32"))
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,13 @@ class TrainConfig:
                                   ("float32", "float16", "bfloat16"))
     max_bad_steps: int = _field(3, "abort after this many consecutive steps with a NaN/Inf loss or "
                                    "gradient norm (each is skipped)")
+    recompute: str = _field("none", "activation recomputation: none = keep every activation for backward; "
+                                    "full = a block keeps only its input and runs its forward again in "
+                                    "backward; selective = attention keeps no [T, T] probabilities and "
+                                    "recomputes them (results are bitwise those of none)",
+                            RECOMPUTE_MODES)
+    recompute_every: int = _field(1, "recompute every k-th block: the blocks whose global index % k == 0 "
+                                     "(1 = every block)")
 
 
 @dataclass(frozen=True)
@@ -291,7 +306,17 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     for text in overrides:
         section, key, value = parse_override(text)
         values.setdefault(section, {})[key] = value
+    _apply_preset(values)
     return Config(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
+
+
+def _apply_preset(values: dict[str, dict[str, Any]]) -> None:
+    """Fill in the keys of `model.preset` (`nn.gpt.PRESETS`) that the file and overrides left out.
+
+    An unknown name is left for `validate`, which lists the choices."""
+    model = values.get("model", {})
+    if model.get("preset") in PRESETS:
+        values["model"] = {**PRESETS[model["preset"]], **model}
 
 
 def loads(text: str, origin: str = "<text>") -> Config:
@@ -301,6 +326,7 @@ def loads(text: str, origin: str = "<text>") -> Config:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{origin}: not valid TOML: {e}") from None
     values = _values_from_tables(tables, origin)
+    _apply_preset(values)
     return Config(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
 
 
@@ -451,6 +477,14 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
     ring = cp > 1 and cfg.mesh.cp_impl == "ring"
     attention = heads / tp * (1 if ring else (2 + d) * seq * seq / (cp * n))  # per token of n
     per_layer = s * bsz * n * ((6 + 2 * d) * c / r + 12 * c / tp + attention)
+    # Recomputation (train.recompute, for the blocks of `recomputed`): "full" keeps only the block's
+    # input, B n C / r, plus once per rank one block's activations while it is re-run in backward;
+    # "selective" drops the (2 + d) B H T^2 / (tp u) probabilities (ring attention keeps none).
+    kept = {"none": per_layer, "full": s * bsz * n * c / r,
+            "selective": per_layer - (0 if ring else s * bsz * heads / tp * (2 + d) * seq * seq / cp)}
+
+    def chunk_bytes(blocks) -> float:
+        return sum(kept[t.recompute if recomputed(i, t.recompute_every) else "none"] for i in blocks)
     q = n if ring else seq
     transient = s * (2 * bsz * heads / (tp * (1 if ring else cp)) + 1) * q * q
     embed = s * bsz * n * 2 * c                        # token + position embeddings
@@ -464,8 +498,11 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
         state = _model_state(cfg, p, _stage_units(cfg, tp, pp, stage), shards)  # weights + grads + optimizer
         microbatches = -(-stash[stage] // cfg.pipeline.chunks)
         # A stashed chunk activation holds the blocks of one chunk: the rank's largest, as a bound.
-        act = stash[stage] * max(len(blocks) for _, blocks, _ in _rank_chunks(cfg, pp, stage)) * per_layer
+        chunks = _rank_chunks(cfg, pp, stage)
+        act = stash[stage] * max(chunk_bytes(blocks) for _, blocks, _ in chunks)
         act += microbatches * ((embed if stage == 0 else 0) + (head if stage == pp - 1 else 0)) + transient
+        if t.recompute == "full" and any(recomputed(i, t.recompute_every) for _, blocks, _ in chunks for i in blocks):
+            act += per_layer  # the block being re-run
         if state + act > worst:
             worst_state, worst_act, worst = state, math.ceil(act), state + act
     return worst_state, worst_act
@@ -477,9 +514,9 @@ def estimate_memory(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = Non
     weights + grads + optimizer state by ZeRO stage (`_model_state`: 2 P s + 2 P s moments without
     ZeRO; sharded over n = dp_shard x cp: the moments with ZeRO-1, the gradients too with ZeRO-2,
     everything with ZeRO-3 plus two gathered units) + activations stashed by the schedule (peak
-    micro-batches in flight x layers x per-layer activations of the rank's T/cp tokens). P counts
-    the rank's share of parameters under tp and pp (cp shards no weight); s is the dtype's size.
-    `cp` defaults to the config's `mesh.cp`.
+    micro-batches in flight x layers x per-layer activations of the rank's T/cp tokens; a layer
+    under `train.recompute` counts what it keeps). P counts the rank's share of parameters under
+    tp and pp (cp shards no weight); s is the dtype's size. `cp` defaults to the config's `mesh.cp`.
     """
     state, act = _memory_parts(cfg, dp, tp, pp, cp)
     return state + act
@@ -502,6 +539,10 @@ def _check_memory(cfg: Config, available: int) -> None:
         if tp > 1 and not cfg.mesh.sequence_parallel:
             remedies.append("mesh.sequence_parallel=true")
         remedies.append("more ranks for mesh.cp (splits the sequence)")
+        if cfg.train.recompute != "full":
+            remedies.append("train.recompute=\"full\" (keeps a block's input only, re-runs it in backward)")
+        elif cfg.train.recompute_every > 1:
+            remedies.append("train.recompute_every=1 (recompute every block)")
     if cfg.train.zero < 3 and dp * (cfg.mesh.cp or 1) > 1:
         stages = ", ".join(f"train.zero={z}" for z in range(cfg.train.zero + 1, 4))
         remedies.append(f"{stages} (shards optimizer state, then gradients, then parameters over dp)")
@@ -536,7 +577,7 @@ def _open_unit(v: float) -> bool:
 
 # (section.key, test, what it must be) for every single-value range.
 _RANGES: tuple[tuple[str, Any, str], ...] = (
-    ("model.vocab_size", lambda v: v >= 256, ">= 256 (tokens are bytes 0..255)"),
+    ("model.vocab_size", _ge1, ">= 1"),
     ("model.block_size", lambda v: v >= 2, ">= 2"),
     ("model.n_layer", _ge1, ">= 1"),
     ("model.n_head", _ge1, ">= 1"),
@@ -563,6 +604,7 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("train.momentum", _unit, "in [0, 1)"),
     ("train.bucket_mb", _gt0, "> 0"),
     ("train.max_bad_steps", _ge1, ">= 1"),
+    ("train.recompute_every", _ge1, ">= 1 (1 = every block)"),
     ("pipeline.chunks", _ge1, ">= 1"),
     ("checkpoint.every", _ge0, ">= 0 (0 = only at the end)"),
     ("checkpoint.keep", _ge1, ">= 1"),
@@ -612,6 +654,9 @@ def _check_model(cfg: Config) -> None:
     m = cfg.model
     require_divisible("model.n_embd", m.n_embd, "model.n_head", m.n_head, "(heads split the width evenly)")
     m.check_dtype()
+    if cfg.data.format == "bytes" and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is invalid: must be >= 256 with data.format=\"bytes\" "
+                          "(tokens are bytes 0..255)")
     t = cfg.train
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr!r} exceeds train.lr={t.lr!r}; the cosine schedule decays "
@@ -639,10 +684,9 @@ def _check_data_parallel(cfg: Config, dp: int) -> None:
 def _check_tensor_parallel(cfg: Config, tp: int) -> None:
     """The rules the tensor-parallel layers guard (`nn.tensor_parallel.check_config`), reported first
     and in the config's names. (4 * n_embd) % tp == 0, the MLP width, follows from n_head % tp == 0
-    and n_embd % n_head == 0."""
+    and n_embd % n_head == 0. The vocabulary need not divide: it is padded to a multiple of tp."""
     m = cfg.model
     require_divisible("model.n_head", m.n_head, "mesh.tp", tp, "(a tp rank holds whole heads)")
-    require_divisible("model.vocab_size", m.vocab_size, "mesh.tp", tp, "(the embedding is split by vocabulary)")
     if cfg.mesh.sequence_parallel:
         require_divisible("model.block_size", m.block_size, "mesh.tp", tp,
                           "with mesh.sequence_parallel=true (the sequence is split over tp)",

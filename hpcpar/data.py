@@ -278,3 +278,32 @@ def microbatch_sample_ids(dp_rank: int, dp: int, micro_batch_size: int, microbat
                         f"got {micro_batch_size} and {microbatch}")
     start = (microbatch * dp + dp_rank) * micro_batch_size
     return range(start, start + micro_batch_size)
+
+
+def get_window_batch(tokens: np.ndarray, sample_ids: Iterable[int], block_size: int,
+                     windows: int, positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Whole-sequence evaluation: sample k is window k, ``x = tokens[k*T : (k+1)*T]`` and ``y``
+    the next tokens, so windows 0 .. `windows` - 1 cover the sequence once. Samples past the
+    last window (the remainder of the last global batch) are padding: x = 0, y = -100, which
+    the loss ignores. With ``positions`` (indices into ``[0, block_size)``, a context-parallel
+    rank's tokens) only those columns are returned.
+
+    Returns:
+        ``(x, y)``, int64 ``[len(sample_ids), block_size]`` (``len(positions)`` columns).
+    """
+    block_size = _check_nonneg("block_size", block_size)
+    if block_size == 0 or windows * block_size + 1 > len(tokens):
+        raise DataError(f"{windows} windows of {block_size} tokens need {windows * block_size + 1} tokens, "
+                        f"the sequence has {len(tokens)}")
+    ks = np.asarray(list(sample_ids), dtype=np.int64)
+    real = ks < windows
+    x = np.zeros((len(ks), block_size), dtype=np.int64)
+    y = np.full((len(ks), block_size), -100, dtype=np.int64)
+    if real.any():
+        at = ks[real, None] * block_size + np.arange(block_size + 1)
+        window = tokens[at].astype(np.int64)
+        x[real], y[real] = window[:, :-1], window[:, 1:]
+    if positions is not None:
+        cols = np.asarray(positions, dtype=np.int64)
+        return np.ascontiguousarray(x[:, cols]), np.ascontiguousarray(y[:, cols])
+    return x, y

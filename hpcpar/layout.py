@@ -86,17 +86,45 @@ class Layout:
             for g in range(groups))
         return cls(shape, local_shape, blocks, dim if count > 1 else None)
 
+    @classmethod
+    def split_padded(cls, shape, dim: int, index: int, count: int) -> "Layout":
+        """Split `dim` into `count` parts of ceil(n / count) and keep part `index`, padded.
+
+        The global tensor keeps its true size n; the local array always has ceil(n / count)
+        along `dim`, and its rows past global row n belong to no global element: padding, zero
+        from `take`, never saved or loaded. Megatron pads the vocabulary like this so that any tp
+        splits it; since the global shape does not grow, checkpoints stay independent of tp.
+        When `count` divides n this is `split(shape, dim, index, count)`.
+        """
+        shape = tuple(shape)
+        dim = dim % len(shape)
+        n = shape[dim]
+        part = -(-n // count)
+        lo, hi = min(index * part, n), min((index + 1) * part, n)
+        local_shape = tuple(part if d == dim else m for d, m in enumerate(shape))
+        blocks = () if hi == lo else (
+            Block(_replace(_full(local_shape), dim, slice(0, hi - lo)), _replace(_full(shape), dim, slice(lo, hi))),)
+        return cls(shape, local_shape, blocks, dim if count > 1 else None)
+
     @property
     def is_replicated(self) -> bool:
         return self.split_dim is None and self.local_shape == self.global_shape
+
+    @property
+    def padded(self) -> bool:
+        """Whether part of the local array holds no global element (see `split_padded`)."""
+        covered = sum(math.prod(region_shape(b.local)) for b in self.blocks)
+        return covered < math.prod(self.local_shape)
 
     def take(self, global_array):
         """The local array cut out of a full global array (same array module)."""
         if self.is_replicated:
             return global_array.copy()
-        if len(self.blocks) == 1 and not is_flat(self.blocks[0]):
+        padded = self.padded
+        if len(self.blocks) == 1 and not padded and not is_flat(self.blocks[0]):
             return global_array[self.blocks[0].glob].copy()
-        out = _module_of(global_array).empty(self.local_shape, dtype=global_array.dtype)
+        xp = _module_of(global_array)
+        out = (xp.zeros if padded else xp.empty)(self.local_shape, dtype=global_array.dtype)
         for b in self.blocks:
             out[b.local] = global_array[b.glob].reshape(out[b.local].shape)
         return out

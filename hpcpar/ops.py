@@ -16,7 +16,7 @@ import math
 
 from hpcpar import kernels
 from hpcpar.backend import array_module, is_device_array
-from hpcpar.tensor import Tensor
+from hpcpar.tensor import Tensor, enable_grad, is_grad_enabled, no_grad
 
 
 def _fused(a) -> bool:
@@ -464,32 +464,45 @@ def _causal_bias(xp, t: int, dtype):
     return bias
 
 
-def causal_attention(qkv: Tensor, n_head: int) -> Tensor:
+def causal_attention(qkv: Tensor, n_head: int, recompute: bool = False) -> Tensor:
     """Fused causal self-attention.
 
     qkv [B, T, 3*H*D] holds q, k, v side by side (the c_attn output, rows [q; k; v]);
     returns [B, T, H*D] with heads merged. Scores, mask, softmax and the weighted sum
     happen inside; only the [B, H, T, T] probabilities are kept for backward (on a GPU only
     their causal part, see `_causal_attention_fused`).
+
+    `recompute` (selective activation recomputation, Korthikanti et al. 2022): keep no
+    probabilities; backward recomputes them from q and k (views of the saved qkv) with the same
+    operations in the same order, so the gradients are bitwise those of `recompute=False`. This
+    model has no dropout on the probabilities, so nothing else is redrawn.
     """
     b, t, three_c = qkv.shape
     d = three_c // 3 // n_head
     heads = qkv.data.reshape(b, t, 3, n_head, d).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, D]
     if _fused(heads):
-        return _causal_attention_fused(qkv, heads)
+        return _causal_attention_fused(qkv, heads, recompute)
     xp = array_module(qkv.data)
     scale = 1.0 / math.sqrt(d)
     q, k, v = heads[0], heads[1], heads[2]
-    probs = q @ k.swapaxes(-1, -2)                                         # [B, H, T, T]
-    probs *= scale
-    probs += _causal_bias(xp, t, probs.dtype)
-    probs -= probs.max(axis=-1, keepdims=True)
-    xp.exp(probs, out=probs)
-    probs /= probs.sum(axis=-1, keepdims=True)
+
+    def probabilities():
+        probs = q @ k.swapaxes(-1, -2)                                     # [B, H, T, T]
+        probs *= scale
+        probs += _causal_bias(xp, t, probs.dtype)
+        probs -= probs.max(axis=-1, keepdims=True)
+        xp.exp(probs, out=probs)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        return probs
+
+    probs = probabilities()
     y = probs @ v                                                          # [B, H, T, D]
     out = y.transpose(0, 2, 1, 3).reshape(b, t, three_c // 3)
+    kept = None if recompute else probs
+    del probs, y
 
     def backward(g):
+        probs = kept if kept is not None else probabilities()
         gy = g.reshape(b, t, n_head, d).transpose(0, 2, 1, 3)              # [B, H, T, D]
         gqkv = xp.empty((3, b, n_head, t, d), dtype=g.dtype)
         xp.matmul(probs.swapaxes(-1, -2), gy, out=gqkv[2])                 # dV = P^T dY
@@ -506,13 +519,14 @@ def causal_attention(qkv: Tensor, n_head: int) -> Tensor:
 _QUERY_CHUNK = 256  # GPU attention: queries per chunk (a chunk's scores stop at its causal edge)
 
 
-def _causal_attention_fused(qkv: Tensor, heads) -> Tensor:
+def _causal_attention_fused(qkv: Tensor, heads, recompute: bool = False) -> Tensor:
     """causal_attention on the GPU: cuBLAS for the products, one row kernel for each softmax.
 
     The queries go in chunks of `_QUERY_CHUNK`: chunk [a, e) needs keys [0, e) only, so the
     scores above the diagonal's blocks are never computed, stored or read (for T = 1024 and
     chunks of 256, 10/16 of B H T^2; on an H100 chunks of 128 were slower, 512 no faster).
-    Within a chunk the kernel masks keys past each query.
+    Within a chunk the kernel masks keys past each query. `recompute`: keep no chunk's
+    probabilities; backward recomputes each chunk's just before its gradient (one chunk at a time).
     The [.., T, T] operands keep their own layout in every product; the small [.., T, D] ones
     are the transposed side (a transposed batch operand is copied by cuBLAS's caller).
     """
@@ -522,12 +536,18 @@ def _causal_attention_fused(qkv: Tensor, heads) -> Tensor:
     q, k, v = (xp.ascontiguousarray(h) for h in heads)                     # [B, H, T, D] each
     kt = xp.ascontiguousarray(k.swapaxes(-1, -2))                          # [B, H, D, T]
     bounds = [(a, min(a + _QUERY_CHUNK, t)) for a in range(0, t, _QUERY_CHUNK)]
-    probs, y = [], xp.empty_like(q)
-    for a, e in bounds:
+
+    def probabilities(a: int, e: int):
         p = q[:, :, a:e] @ kt[:, :, :, :e]                                 # [B, H, e-a, e] scores
         kernels.causal_softmax_forward(p, scale, first_query=a)
+        return p
+
+    probs, y = [], xp.empty_like(q)
+    for a, e in bounds:
+        p = probabilities(a, e)
         y[:, :, a:e] = p @ v[:, :, :e]
-        probs.append(p)
+        probs.append(None if recompute else p)
+        del p
     out = y.transpose(0, 2, 1, 3).reshape(b, t, n_head * d)
 
     def backward(g):
@@ -537,6 +557,7 @@ def _causal_attention_fused(qkv: Tensor, heads) -> Tensor:
         gvt = xp.zeros((b, n_head, d, t), dtype=q.dtype)                   # dV^T [B, H, D, T]
         vt = v.swapaxes(-1, -2)
         for (a, e), p in zip(bounds, probs):
+            p = p if p is not None else probabilities(a, e)
             gya = gy[:, :, a:e]
             gvt[:, :, :, :e] += gya.swapaxes(-1, -2) @ p                   # dV^T += dY^T P
             gs = gya @ vt[:, :, :, :e]                                     # dP = dY V^T
@@ -631,3 +652,40 @@ def dropout(x: Tensor, p: float, mask_rng_keys=None, training: bool = True, rows
     mask = (counter_uniform(xp, mask_rng_keys, shape, rows) < keep).astype(x.dtype)
     mask *= 1.0 / keep
     return Tensor.from_op(x.data * mask, (x,), lambda g: (g * mask,))
+
+
+# ----------------------------------------------------------------------------------------
+# Activation recomputation
+# ----------------------------------------------------------------------------------------
+def recompute(fn, *inputs: Tensor) -> Tensor:
+    """fn(*inputs) keeping only `inputs` for backward (full activation recomputation, a.k.a.
+    gradient checkpointing; Chen et al. 2016, Korthikanti et al. 2022).
+
+    Forward runs `fn` under `no_grad`: none of its intermediates outlive it. Backward re-runs
+    `fn` with the graph recorded on fresh leaves holding the saved inputs' arrays and backpropagates
+    the incoming gradient through that graph; the leaves' gradients are this op's. The re-run
+    must compute what the first run did: `fn` may read no state that changed in between (a
+    caller that keys dropout masks on a per-micro-batch context captures it in `fn`, see
+    `nn.gpt.GPT`), and the same arithmetic in the same order then gives bitwise the same
+    gradients as running `fn` without this op.
+
+    Parameters used inside `fn` are not parents of this op: they are leaves of the re-run's
+    graph, so each receives its gradient and fires its grad hooks (data parallelism's counting)
+    once per backward of this op, inside it. Collectives inside `fn` are issued again by the
+    re-run, so every rank of their group must recompute the same `fn` at the same point.
+
+    Under `no_grad` this is just `fn(*inputs)`. Returns a Tensor that requires grad (whenever
+    gradients are enabled: `fn`'s parameters may need them though no input does).
+    """
+    if not is_grad_enabled():
+        return fn(*inputs)
+    with no_grad():
+        out = fn(*inputs)
+
+    def backward(g):
+        leaves = tuple(Tensor(x.data, requires_grad=x.requires_grad) for x in inputs)
+        with enable_grad():
+            y = fn(*leaves)
+        y.backward(g)
+        return tuple(leaf.grad for leaf in leaves)
+    return Tensor.from_op(out.data, tuple(inputs), backward, always=True)

@@ -24,14 +24,23 @@ def is_grad_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def no_grad() -> Iterator[None]:
-    """Ops inside record no graph (evaluation, optimizer updates)."""
+def _grad_mode(enabled: bool) -> Iterator[None]:
     global _grad_enabled
-    previous, _grad_enabled = _grad_enabled, False
+    previous, _grad_enabled = _grad_enabled, enabled
     try:
         yield
     finally:
         _grad_enabled = previous
+
+
+def no_grad():
+    """Ops inside record no graph (evaluation, optimizer updates)."""
+    return _grad_mode(False)
+
+
+def enable_grad():
+    """Ops inside record a graph even where the caller disabled it (`ops.recompute`'s re-run)."""
+    return _grad_mode(True)
 
 
 class Tensor:
@@ -54,18 +63,24 @@ class Tensor:
         self._hooks: list | None = None
 
     @staticmethod
-    def from_op(data, parents: tuple, backward: Callable) -> "Tensor":
+    def from_op(data, parents: tuple, backward: Callable, always: bool = False) -> "Tensor":
         """The result of an op: `data`, with `backward(g) -> one gradient (or None) per parent`
         attached when gradients are enabled and some parent requires them (else a plain
-        Tensor, so evaluation keeps no graph). `parents` may hold None for non-Tensor inputs."""
-        if _grad_enabled:
+        Tensor, so evaluation keeps no graph). `parents` may hold None for non-Tensor inputs.
+        `always`: attach it whenever gradients are enabled, for an op whose backward reaches
+        leaves that are not among its parents (`ops.recompute`: the parameters inside)."""
+        if not _grad_enabled:
+            return Tensor(data)
+        if not always:  # a plain loop: this runs for every op
             for p in parents:
                 if p is not None and p.requires_grad:
-                    out = Tensor(data, True)
-                    out._parents = parents
-                    out._backward = backward
-                    return out
-        return Tensor(data)
+                    break
+            else:
+                return Tensor(data)
+        out = Tensor(data, True)
+        out._parents = parents
+        out._backward = backward
+        return out
 
     @staticmethod
     def view_of_leaf(leaf: "Tensor", backward: Callable) -> "Tensor":

@@ -27,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hpcpar
-from hpcpar import backend, checkpoint, config, data, metrics, preemption, threads, watchdog
+from hpcpar import backend, checkpoint, config, data, datasets, metrics, preemption, threads, tokenizer, watchdog
 from hpcpar.comm import Communicator
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.mesh import Axis, Mesh
@@ -77,7 +77,7 @@ class Trainer:
     Args:
         cfg: configuration (validated here for `comm`'s size).
         comm: mpi4py communicator spanning the run (default COMM_WORLD).
-        tokens: the corpus as uint8 tokens (default: load `cfg.data.corpus`).
+        tokens: the corpus as uint8 tokens (default: open `cfg.data`, see `datasets.load`).
         available_memory_bytes: memory per rank to check the model against (None: no check).
     """
 
@@ -97,6 +97,8 @@ class Trainer:
         self.stages = pipeline.build_stages(cfg.model, self.mesh, chunks=cfg.pipeline.chunks,
                                             seed=cfg.train.seed,
                                             sequence_parallel=cfg.mesh.sequence_parallel, cp=self.cp)
+        for stage in self.stages:
+            stage.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
         self.named_parameters = [(n, p) for s in self.stages for n, p in s.named_parameters()]
         t = cfg.train
         if t.optimizer == "adamw":
@@ -116,9 +118,9 @@ class Trainer:
         self.executor = pipeline.PipelineExecutor(self.stages, self.mesh, every_rank[self.mesh.rank(Axis.PP)],
                                                   microbatches=t.microbatches, tracer=self.tracer,
                                                   in_order_safe=schedule.in_order_safe(every_rank))
-        if tokens is None:
-            tokens = data.load_corpus(cfg.data.corpus)
-        self.train_tokens, self.val_tokens = data.split(tokens, cfg.data.val_fraction)
+        self.dataset = (datasets.load(cfg.data, cfg.model.vocab_size, self.mesh.world) if tokens is None
+                        else datasets.from_tokens(tokens, cfg.data.val_fraction))
+        self.train_tokens, self.val_tokens = self.dataset.train, self.dataset.val
         self.is_loss_reporter = (self.stages[-1].head and self.mesh.rank(Axis.TP) == 0)
         self.tokens_per_step = self.mesh.size(Axis.DP) * t.micro_batch_size * t.microbatches * cfg.model.block_size
         self.step = 0  # the next step to run
@@ -204,17 +206,22 @@ class Trainer:
         eval_batches = [data.get_eval_batch(self.val_tokens, t.seed, i, ids, self.cfg.model.block_size,
                                             self.positions)
                         for i in range(batches) for ids in self.sample_ids()]
+        return self._global_mean_loss(self.forward_losses(eval_batches), len(eval_batches))
+
+    def forward_losses(self, batches: list) -> list:
+        """Mean loss of each of this dp rank's micro-batches `batches` ((x, y) each, any number),
+        forward only, in eval mode (collective). Returned on the loss-reporting ranks (the last
+        stage's tp rank 0), [] elsewhere."""
         for stage in self.stages:
             stage.eval()
         try:
             with no_grad():
-                losses = self.executor.run(eval_batches, forward_only=True)
+                return self.executor.run(batches, forward_only=True)
         finally:
             for stage in self.stages:
                 stage.train()
-            if self.dp.unit_hooks is not None:
+            if self.dp.unit_hooks is not None:  # ZeRO-3: free a prefetched gather nobody used
                 self.dp.unit_hooks.end_forward_only()
-        return self._global_mean_loss(losses, len(eval_batches))
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self, steps: int | None = None, *, files: bool = True, progress: bool | None = None,
@@ -406,7 +413,8 @@ class Trainer:
                          "dp_replicate": self.mesh.size(Axis.DP_REPLICATE)},
                 "data_position": {"next_step": self.step, "seed": t.seed},
                 "rng": {"kind": "counter-based: (seed, step, sample id)", "seed": t.seed, "next_step": self.step},
-                "lr_schedule": {"next_step": self.step, "warmup": t.warmup, "total": t.steps}}
+                "lr_schedule": {"next_step": self.step, "warmup": t.warmup, "total": t.steps},
+                "tokenizer": self.dataset.tokenizer}
         result = checkpoint.save(directory, self.step, self.checkpoint_tensors(), meta, self.mesh.world,
                                  keep=keep, async_save=async_save)
         self.save_in_flight = result if async_save else None
@@ -417,24 +425,40 @@ class Trainer:
         handle, self.save_in_flight = self.save_in_flight, None
         return handle.wait() if handle is not None else None
 
-    def load(self, path: str) -> dict:
-        """Load model and optimizer state from any layout's checkpoint; returns its meta."""
+    def load(self, path: str, weights_only: bool = False) -> dict:
+        """Load model and optimizer state from any layout's checkpoint; returns its meta.
+
+        With `weights_only` (or from a checkpoint that holds only weights, e.g. `hpcpar ckpt
+        import`'s) only the parameters are loaded: the optimizer starts fresh and `step` is kept.
+        A checkpoint whose tokenizer differs from the data's is refused (one line)."""
+        _, meta = checkpoint.load(path, {}, self.mesh.world)
+        tokenizer.require_match(meta.get("tokenizer"), self.dataset.tokenizer, f"checkpoint {path}",
+                                f"data {self.cfg.data.corpus or '(default corpus)'}")
+        weights_only = weights_only or bool(meta.get("weights_only"))
         wanted = {}
 
         def key_of(p, name):
             return p.tied_to or name
         if self.cfg.train.zero:  # this rank's shards (ZeRO 1/2: whole parameters, sharded state)
-            wanted = self.dp.checkpoint_wanted(key_of)
+            wanted = self.dp.checkpoint_wanted(key_of, weights_only=weights_only)
         else:
             for name, p in self.named_parameters:
                 key = key_of(p, name)
                 wanted[f"model/{key}"] = p.layout
-                wanted.update({f"optim/{key}/{state}": p.layout for state in self.dp.state_names()})
+                if not weights_only:
+                    wanted.update({f"optim/{key}/{state}": p.layout for state in self.dp.state_names()})
         all_names = set().union(*self.mesh.world.all_gather_object(set(wanted)))  # every stage's tensors
-        arrays, meta = checkpoint.load(path, wanted, self.mesh.world, all_names=all_names)
+        arrays, meta = checkpoint.load(path, wanted, self.mesh.world, all_names=all_names,
+                                       only_prefix="model/" if weights_only else "")
         if self.cfg.train.zero:
-            self.dp.load_checkpoint(arrays, key_of, int(meta["optimizer_step"]))
-            self.step = int(meta["step"])
+            self.dp.load_checkpoint(arrays, key_of, None if weights_only else int(meta["optimizer_step"]),
+                                    weights_only=weights_only)
+            if not weights_only:
+                self.step = int(meta["step"])
+            return meta
+        if weights_only:
+            for name, p in self.named_parameters:
+                p.data[...] = backend.to_device(arrays[f"model/{p.tied_to or name}"])
             return meta
         state: dict = {}
         for name, p in self.named_parameters:

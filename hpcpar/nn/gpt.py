@@ -38,6 +38,13 @@ from hpcpar.tensor import Tensor
 # `GPTConfig.check_dtype` until implemented.
 DTYPES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
+# model.preset: named architectures. `config.load_config` fills in a preset's fields wherever the
+# file and the --set overrides leave them out. gpt2 is GPT-2 small (124M parameters), the shapes
+# of HuggingFace's "gpt2" (what `hpcpar ckpt import` reads and `ckpt export` writes).
+PRESETS = {
+    "gpt2": {"vocab_size": 50257, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768, "bias": True},
+}
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -55,8 +62,9 @@ class GPTConfig:
                       12 C^2; c_attn.bias [3C], mlp.c_fc.bias [4C]: 7 C b
     """
 
-    vocab_size: int = field(256, "number of token ids; the corpus is bytes, so >= 256; divisible by mesh.tp "
-                                 "(the embedding is split by vocabulary)")
+    vocab_size: int = field(256, "number of token ids, > every id in the data (>= 256 for data.format = "
+                                 "\"bytes\"); split over mesh.tp, padded to a multiple of tp when it does "
+                                 "not divide (the padding never gets probability)")
     block_size: int = field(128, "context length T in tokens (>= 2); divisible by mesh.tp with "
                                  "mesh.sequence_parallel")
     n_layer: int = field(4, "transformer blocks; at least one per virtual pipeline stage "
@@ -67,6 +75,9 @@ class GPTConfig:
     dropout: float = field(0.0, "dropout probability, 0 <= dropout < 1")
     dtype: str = field("float32", "parameter and activation dtype; bfloat16/float16 (mixed precision) "
                                   "are reserved for the GPU path and not implemented yet", tuple(DTYPES))
+    preset: str = field("", "named architecture whose shape keys (vocab_size, block_size, n_layer, n_head, "
+                            "n_embd, bias) apply unless given explicitly: \"gpt2\" = GPT-2 small, 124M "
+                            "(50257, 1024, 12, 12, 768, true); \"\" = none", ("", *PRESETS))
 
     def check_dtype(self) -> None:
         """Raise ConfigError unless a GPT computes in `dtype` today (16-bit: not yet)."""
@@ -83,14 +94,18 @@ class GPTConfig:
         c, b = self.n_embd, int(self.bias)
         return 2 * c * (1 + b) + 2 * c * b + (12 * c * c + 7 * c * b) // tp
 
+    def vocab_rows(self, tp: int = 1) -> int:
+        """Rows of wte on one tp rank: ceil(V / tp), padding included (tp = 1: V)."""
+        return -(-self.vocab_size // tp)
+
     def embedding_params(self, tp: int = 1) -> int:
-        """wte (vocab-parallel: [V/tp, C]) + wpe ([T, C], replicated)."""
-        return self.vocab_size * self.n_embd // tp + self.block_size * self.n_embd
+        """wte (vocab-parallel: [ceil(V/tp), C]) + wpe ([T, C], replicated)."""
+        return self.vocab_rows(tp) * self.n_embd + self.block_size * self.n_embd
 
     def head_params(self, tp: int = 1, tied: bool = True) -> int:
-        """ln_f, plus the LM head's own copy of wte ([V/tp, C]) unless it is `tied` to the wte of
-        the same module (a pipeline stage with the head but not the embedding holds the copy)."""
-        return self.n_embd * (1 + int(self.bias)) + (0 if tied else self.vocab_size * self.n_embd // tp)
+        """ln_f, plus the LM head's own copy of wte ([ceil(V/tp), C]) unless it is `tied` to the wte
+        of the same module (a pipeline stage with the head but not the embedding holds the copy)."""
+        return self.n_embd * (1 + int(self.bias)) + (0 if tied else self.vocab_rows(tp) * self.n_embd)
 
     def stage_params(self, n_blocks: int, embed: bool = True, head: bool = True, tp: int = 1) -> int:
         """One rank's parameters of `GPT(self, layers=<n_blocks blocks>, embed=embed, head=head)`
@@ -111,19 +126,22 @@ class GPTConfig:
 class CausalSelfAttention(Module):
     """c_attn: [3C, C] rows [q; k; v] -> fused causal attention -> c_proj: [C, C].
 
-    `attend(qkv, n_head)` is the attention itself: `ops.causal_attention`, or under context
-    parallelism ring attention / Ulysses over the cp group (`parallel.context.ContextParallel`).
+    `attend(qkv, n_head, recompute=False)` is the attention itself: `ops.causal_attention`, or
+    under context parallelism ring attention / Ulysses over the cp group
+    (`parallel.context.ContextParallel`). `recompute_scores` (selective recomputation, set by
+    `GPT.set_recompute`) asks it to keep no [T, T] probabilities for backward.
     """
 
     def __init__(self, cfg: GPTConfig, attend=ops.causal_attention):
         super().__init__()
         self.n_head = cfg.n_head
         self.attend = attend
+        self.recompute_scores = False
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, cfg.bias, cfg.dtype)
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, cfg.bias, cfg.dtype)
 
     def forward(self, x):
-        return self.c_proj(self.attend(self.c_attn(x), self.n_head))
+        return self.c_proj(self.attend(self.c_attn(x), self.n_head, recompute=self.recompute_scores))
 
 
 class MLP(Module):
@@ -139,9 +157,16 @@ class MLP(Module):
 
 
 class Block(Module):
+    """h + attn(ln_1(h)), then + mlp(ln_2(h)), each branch through dropout site 2i+1 / 2i+2.
+
+    `recompute` ("none", "full" or "selective"; set by `GPT.set_recompute`) is how this block's
+    activations are kept for backward; GPT.forward applies "full", the attention "selective".
+    """
+
     def __init__(self, index: int, ln_1: Module, attn: Module, ln_2: Module, mlp: Module, dropout_sites):
         super().__init__()
         self.index = index
+        self.recompute = "none"
         self.ln_1 = ln_1
         self.attn = attn
         self.ln_2 = ln_2
@@ -211,6 +236,16 @@ class PlainPlan:
         return logits if targets is None else ops.cross_entropy(logits, targets)
 
 
+# train.recompute: how blocks keep their activations for backward (see GPT.set_recompute).
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+def recomputed(index: int, every: int) -> bool:
+    """Whether block `index` (its global layer index) is recomputed under `recompute_every = every`:
+    every k-th block, counting from block 0 (index % every == 0), whatever the pipeline split."""
+    return index % every == 0
+
+
 class GPT(Module):
     """The model or one pipeline stage of it.
 
@@ -264,6 +299,25 @@ class GPT(Module):
                                                 layout, tied_to="transformer.wte.weight")
                 object.__setattr__(self, "head_weight", self.lm_head.weight)
         self.init_weights(seed)
+
+    # -- activation recomputation ---------------------------------------------------------
+    def set_recompute(self, mode: str = "none", every: int = 1) -> None:
+        """Activation recomputation for the blocks with `recomputed(index, every)` (the others keep
+        everything, "none"). Results are bitwise those of "none" in every mode.
+
+        "full": the block keeps only its input [B, T, C]; its forward runs without a graph and is
+        run again inside backward (`ops.recompute`), collectives and dropout masks included.
+        "selective": the attention keeps no [B, H, T, T] probabilities and recomputes them from
+        q and k in backward (`ops.causal_attention(recompute=True)`; ring attention keeps none
+        anyway).
+        """
+        if mode not in RECOMPUTE_MODES:
+            raise ConfigError(f"train.recompute={mode!r} is not one of " + ", ".join(map(repr, RECOMPUTE_MODES)))
+        if every < 1:
+            raise ConfigError(f"train.recompute_every={every} is invalid: must be >= 1")
+        for block in self.transformer.h.items:
+            block.recompute = mode if recomputed(block.index, every) else "none"
+            block.attn.recompute_scores = block.recompute == "selective"
 
     # -- initialisation -----------------------------------------------------------------
     def init_weights(self, seed: int) -> None:
@@ -320,6 +374,19 @@ class GPT(Module):
         seed, step, sample_ids = self.rng_context
         return self.plan.dropout(x, p, [(seed, step, int(k), site) for k in sample_ids])
 
+    def _recomputed(self, block: Block, h: Tensor) -> Tensor:
+        """`block(h)` keeping only h (`ops.recompute`). The re-run in backward uses this
+        micro-batch's dropout context: by then a pipeline schedule may have set the next one's."""
+        context = self.rng_context
+
+        def run(x):
+            current, self.rng_context = self.rng_context, context
+            try:
+                return block(x)
+            finally:
+                self.rng_context = current
+        return ops.recompute(run, h)
+
     def forward(self, x, targets=None):
         """x: idx int [B, T] (embed; host or device) or activations [B, T, C] ([B, T/tp, C] under
         sequence parallelism); targets int [B, T] (head). Returns the loss, logits [B, T, V] or
@@ -330,7 +397,12 @@ class GPT(Module):
         else:
             h = x
         for block in self.transformer.h.items:
-            h = self._unit(f"h.{block.index}", block, h)
+            # The unit's gathers sit outside the recomputation: the re-run inside backward reads
+            # the parameters that the unit's pre-backward gather brought in.
+            if block.recompute == "full":
+                h = self._unit(f"h.{block.index}", self._recomputed, block, h)
+            else:
+                h = self._unit(f"h.{block.index}", block, h)
         if not self.head:
             return h
         return self._unit("head", self._head, h, targets)

@@ -24,6 +24,10 @@ rank, with nothing for data parallelism or clipping to know about.
 The vocabulary is split too: `VocabParallelEmbedding` holds rows [V/tp, C] of wte,
 the tied LM head computes logits [B, T, V/tp] from that shard, and
 `vocab_parallel_cross_entropy` reduces max and sums over tp without gathering logits.
+A vocabulary that tp does not divide is padded as Megatron pads GPT-2's 50257: every rank
+holds ceil(V/tp) rows, the rows past V are zero padding (`Layout.split_padded`: the global
+tensor stays [V, C], so checkpoints do not depend on tp), their logits are -inf in the loss
+(no probability, no gradient) and gathered logits are cut back to V columns.
 """
 
 from __future__ import annotations
@@ -47,17 +51,16 @@ SEQ_DIM = 1  # activations are [B, T, C]
 # Why each size must divide by tp (the hint of `require_divisible`'s message).
 _WHOLE_HEADS = "(a tp rank holds whole heads)"
 _MLP_SPLIT = "(the MLP width is split)"
-_VOCAB_SPLIT = "(the embedding is split by vocabulary)"
 
 
 def check_config(config, tp: int) -> None:
-    """Raise ConfigError unless n_head, 4*n_embd and vocab_size divide by `tp` (a GPTConfig).
+    """Raise ConfigError unless n_head and 4*n_embd divide by `tp` (a GPTConfig); the vocabulary
+    need not (it is padded).
 
     A guard: `config.validate` reports the same rules (in the same words) before any collective.
     """
     require_divisible("n_head", config.n_head, "tp", tp, _WHOLE_HEADS)
     require_divisible("4*n_embd", 4 * config.n_embd, "tp", tp, _MLP_SPLIT)
-    require_divisible("vocab_size", config.vocab_size, "tp", tp, _VOCAB_SPLIT)
 
 
 def _zeros(layout: Layout, dtype, no_decay: bool = False) -> Parameter:
@@ -65,9 +68,9 @@ def _zeros(layout: Layout, dtype, no_decay: bool = False) -> Parameter:
 
 
 def vocab_layout(vocab_size: int, n_embd: int, comm: Communicator) -> Layout:
-    """wte / LM-head shard: rows [rank*V/tp, (rank+1)*V/tp) of the global [V, C]."""
-    require_divisible("vocab_size", vocab_size, "tp", comm.size, _VOCAB_SPLIT)
-    return Layout.split((vocab_size, n_embd), 0, comm.rank, comm.size)
+    """wte / LM-head shard: rows [rank*P, (rank+1)*P) of the global [V, C], P = ceil(V/tp); the
+    rows past V are padding (zero, never saved)."""
+    return Layout.split_padded((vocab_size, n_embd), 0, comm.rank, comm.size)
 
 
 class ColumnParallelLinear(Module):
@@ -138,13 +141,14 @@ class ParallelSelfAttention(Module):
         c = config.n_embd
         self.n_head_local = config.n_head // comm.size
         self.attend = attend  # ops.causal_attention, or context-parallel attention over my heads
+        self.recompute_scores = False  # selective recomputation (GPT.set_recompute)
         self.c_attn = ColumnParallelLinear(c, 3 * c, comm, config.bias, config.dtype, groups=3,
                                            sequence_parallel=sequence_parallel)
         self.c_proj = RowParallelLinear(c, c, comm, config.bias, config.dtype, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.c_attn(x)                                    # [B, T, 3C/tp]: my heads' q, k, v
-        return self.c_proj(self.attend(qkv, self.n_head_local))
+        return self.c_proj(self.attend(qkv, self.n_head_local, recompute=self.recompute_scores))
 
 
 class ParallelMLP(Module):
@@ -179,7 +183,8 @@ class SequenceParallelLayerNorm(LayerNorm):
 
 
 class VocabParallelEmbedding(Module):
-    """Token embedding with wte split by rows: this rank holds W [V/tp, C], ids [lo, lo+V/tp).
+    """Token embedding with wte split by rows: this rank holds W [V/tp, C], ids [lo, lo+V/tp)
+    (V padded to a multiple of tp: padding rows are never looked up).
 
     In: idx int [B, T] (replicated). Out: [B, T, C] replicated (ids outside my rows
     contribute 0, then g sums the ranks), or [B, T/tp, C] under sequence parallelism
@@ -205,7 +210,7 @@ class VocabParallelEmbedding(Module):
 
 
 def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, comm: Communicator,
-                                 ignore_index: int = -100) -> Tensor:
+                                 ignore_index: int = -100, vocab_size: int | None = None) -> Tensor:
     """Mean NLL of `targets` under softmax over the full vocabulary, from vocabulary shards.
 
     logits_shard [.., V/tp] holds columns [rank*V/tp, (rank+1)*V/tp); targets int [..]
@@ -213,11 +218,14 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, comm: Communicat
     the sum of exponentials and the target's logit (from the rank that owns it). Full logits
     are never gathered. Backward is local: softmax of my columns minus 1 at my targets.
     Returns a replicated scalar. Positions equal to `ignore_index` are left out of the mean.
+    `vocab_size`: the true vocabulary when the shards are padded past it; padding columns get
+    -inf logits, so no probability and no gradient.
     """
     xp = backend.array_module(logits_shard.data)
     ld = logits_shard.data
     v_local = ld.shape[-1]
     lo = comm.rank * v_local
+    real = v_local if vocab_size is None else max(0, min(v_local, vocab_size - lo))  # my non-padding columns
     z = ld.reshape(-1, v_local)
     t = xp.asarray(targets.data if isinstance(targets, Tensor) else targets).reshape(-1)
     valid = t != ignore_index
@@ -225,7 +233,10 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, comm: Communicat
     local_t = xp.where(mine, t - lo, 0)
     rows = xp.arange(z.shape[0])
     # The shift only guards exp() against overflow; it cancels, so it needs no gradient.
-    shifted = z - comm.all_reduce(z.max(axis=1), op="max")[:, None]
+    row_max = z[:, :real].max(axis=1) if real else xp.full(z.shape[0], -xp.inf, dtype=z.dtype)
+    shifted = z - comm.all_reduce(row_max, op="max")[:, None]
+    if real < v_local:
+        shifted[:, real:] = -xp.inf   # padding: exp() gives 0 below
     picked = xp.where(mine, shifted[rows, local_t], 0.0)
     xp.exp(shifted, out=shifted)
     total, picked = comm.all_reduce(xp.stack([shifted.sum(axis=1), picked]), op="sum")
@@ -246,14 +257,16 @@ def parallel_lm_head(h: Tensor, weight_shard: Parameter, targets, comm: Communic
 
     In: h [B, T, C] replicated, or [B, T/tp, C] under sequence parallelism (all-gathered
     along T here). With targets: the mean loss (replicated scalar) via
-    `vocab_parallel_cross_entropy`. Without: full logits [B, T, V] replicated (gathered;
-    for evaluation and sampling only).
+    `vocab_parallel_cross_entropy`. Without: full logits [B, T, V] replicated (gathered, and
+    cut back to V when padded; for evaluation and sampling only).
     """
     h = all_gather_dim(h, comm, SEQ_DIM) if sequence_parallel else copy_to(h, comm)
     logits = ops.linear(h, weight_shard)                        # [B, T, V/tp]
+    vocab = weight_shard.layout.global_shape[0]                 # V; the shards may be padded past it
     if targets is None:
-        return gather_from(logits, comm, -1)
-    return vocab_parallel_cross_entropy(logits, targets, comm)
+        full = gather_from(logits, comm, -1)
+        return full if full.shape[-1] == vocab else ops.getitem(full, (Ellipsis, slice(0, vocab)))
+    return vocab_parallel_cross_entropy(logits, targets, comm, vocab_size=vocab)
 
 
 def sequence_parallel_dropout(x_shard: Tensor, p: float, mask_rng_keys, comm: Communicator, rows=None,
@@ -272,7 +285,7 @@ class TensorParallelPlan:
     """The Megatron plan for a GPT over `comm` (tp ranks): which tensor-parallel module fills
     each role, and how the head and the sequence are split. Same methods as `gpt.PlainPlan`.
 
-    Building it checks that the model divides over tp (heads, MLP width, vocabulary).
+    Building it checks that the model divides over tp (heads, MLP width; the vocabulary is padded).
     """
 
     def __init__(self, config, comm: Communicator, sequence_parallel: bool = False):

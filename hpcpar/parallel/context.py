@@ -165,15 +165,18 @@ class ContextParallel:
             self._positions[t] = positions(self.layout, t, self.size, self.rank)
         return self._positions[t]
 
-    def attention(self, qkv: Tensor, n_head: int) -> Tensor:
+    def attention(self, qkv: Tensor, n_head: int, recompute: bool = False) -> Tensor:
         """Causal self-attention of my tokens over the whole sequence: [B, T/cp, 3 n_head D] ->
-        [B, T/cp, n_head D], as `ops.causal_attention` of the full sequence would give my rows."""
+        [B, T/cp, n_head D], as `ops.causal_attention` of the full sequence would give my rows.
+        `recompute` (selective recomputation): Ulysses' inner `ops.causal_attention` keeps no
+        probabilities; ring attention keeps none in any case (its backward rebuilds each block's
+        from the saved log-sum-exp), so the flag changes nothing there."""
         if self.size == 1:
-            return ops.causal_attention(qkv, n_head)
+            return ops.causal_attention(qkv, n_head, recompute)
         self.stats["calls"] += 1
         if self.impl == RING:
             return ring_attention(qkv, n_head, self)
-        return ulysses_attention(qkv, n_head, self)
+        return ulysses_attention(qkv, n_head, self, recompute)
 
     # -- recording ---------------------------------------------------------------------------
     def _event(self, what: str, step: int) -> None:
@@ -406,9 +409,10 @@ def all_to_all_dim(x: Tensor, comm: Communicator | None, split_dim: int, concat_
                           lambda g: (exchange(g, concat_dim, split_dim),))
 
 
-def ulysses_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
+def ulysses_attention(qkv: Tensor, n_head: int, cp: ContextParallel, recompute: bool = False) -> Tensor:
     """DeepSpeed-Ulysses: [B, T/cp, 3 H D] (contiguous chunk r) -> all-to-all -> [B, T, 3, H/cp, D]
-    -> `ops.causal_attention` on my H/cp heads -> all-to-all -> [B, T/cp, H D]."""
+    -> `ops.causal_attention` on my H/cp heads (`recompute`: keeping no probabilities) -> all-to-all
+    -> [B, T/cp, H D]."""
     comm, size = cp.comm, cp.size
     if n_head % size:
         raise ValueError(f"ulysses: {n_head} heads do not split over cp={size} ranks")
@@ -422,6 +426,6 @@ def ulysses_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
 
     x = all_to_all_dim(ops.reshape(qkv, (b, tl, 3, n_head, d)), comm, 3, 1, on_exchange)   # [B, T, 3, H/cp, D]
     cp.stats["pairs"] += b * heads * t * (t + 1) // 2
-    y = ops.causal_attention(ops.reshape(x, (b, t, 3 * heads * d)), heads)                # [B, T, H/cp D]
+    y = ops.causal_attention(ops.reshape(x, (b, t, 3 * heads * d)), heads, recompute)     # [B, T, H/cp D]
     y = all_to_all_dim(ops.reshape(y, (b, t, heads, d)), comm, 1, 2, on_exchange)         # [B, T/cp, H, D]
     return ops.reshape(y, (b, tl, n_head * d))

@@ -376,10 +376,11 @@ class DataParallel:
                 out[f"optim/{seg.name}/{k}"] = (state[k], layout)
         return out
 
-    def checkpoint_wanted(self, key_of: Callable[[Any, str], str]) -> dict[str, Any]:
+    def checkpoint_wanted(self, key_of: Callable[[Any, str], str], weights_only: bool = False) -> dict[str, Any]:
         """ZeRO 1-3: {tensor name: Layout} this rank loads: the parameters whole (ZeRO 1/2, which
-        keep them whole) or its shards of them (ZeRO-3), and its shards of the optimizer state.
-        `key_of(param, name)` names the global tensor (a tied copy loads the weight it mirrors)."""
+        keep them whole) or its shards of them (ZeRO-3), and its shards of the optimizer state
+        (none with `weights_only`). `key_of(param, name)` names the global tensor (a tied copy
+        loads the weight it mirrors)."""
         out: dict[str, Any] = {}
         if self.zero in (1, 2):
             for n, p in zip(self.names, self.params):
@@ -388,13 +389,15 @@ class DataParallel:
             key = key_of(seg.param, seg.name)
             if self.zero == 3:
                 out[f"model/{key}"] = seg.layout
-            for k in self.state_names():
-                out[f"optim/{key}/{k}"] = seg.layout
+            if not weights_only:
+                for k in self.state_names():
+                    out[f"optim/{key}/{k}"] = seg.layout
         return out
 
     def load_checkpoint(self, arrays: dict[str, Any], key_of: Callable[[Any, str], str],
-                        step_count: int | None = None) -> None:
-        """ZeRO 1-3: take what `checkpoint_wanted` asked for (host arrays) into place."""
+                        step_count: int | None = None, weights_only: bool = False) -> None:
+        """ZeRO 1-3: take what `checkpoint_wanted` asked for (host arrays) into place; with
+        `weights_only` the parameters only (the optimizer state stays as it is)."""
         if self.zero in (1, 2):
             for n, p in zip(self.names, self.params):
                 p.data[...] = backend.array_module(p.data).asarray(arrays[f"model/{key_of(p, n)}"])
@@ -403,6 +406,8 @@ class DataParallel:
             xp = backend.array_module(seg.data)
             if self.zero == 3:
                 seg.data[...] = xp.asarray(arrays[f"model/{key}"])
+            if weights_only:
+                continue
             for k, dst in self.optimizer.state_of(seg).items():
                 dst[...] = xp.asarray(arrays[f"optim/{key}/{k}"])
         if step_count is not None:

@@ -32,7 +32,14 @@ their shards line up: their gradient shards are summed over `tied_comm` after th
 Nothing here references a gathered buffer once it is freed; the ops that consume parameters read
 `p.data` when their backward runs (`ops.linear`, `ops.embedding`, `Tensor.view_of_leaf`), so the
 memory really goes. A freed parameter's `.data` is a read-only NaN of its shape (one element of
-memory): a use outside its unit shows up as NaN, not as stale values.
+memory): a use outside its unit shows up as NaN, not as stale values. A block under full
+activation recomputation (`ops.recompute`) runs inside its unit: its no-graph forward between
+pre- and post-forward, its re-run inside the recompute op's backward, after pre-backward has
+gathered the unit again, so recomputation costs no extra gather.
+
+A padded vocabulary (wte's rows past V under tp, `Layout.split_padded`) is part of the flat
+buffer like any element: zero from the start, it gets zero gradient and so stays zero; the
+segments' layouts do not cover it, so checkpoints never store it and loads zero-fill it.
 
 The optimizer sees segments (`zero.Segment`): the piece of each parameter inside this rank's
 shard, views of the shard and of the gradient shard; checkpoints save them with the layout

@@ -9,6 +9,7 @@ copy of it, and (when this process may mount) a read-only and a 64 KiB tmpfs.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from hpcpar import checkpoint as ck
+from hpcpar import prepare
 
 PY = sys.executable
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -41,8 +43,8 @@ CASES = [
      "mesh dp=2, tp=1 (auto), pp=1 (auto): product 2 != world size 1"),
     ("heads-by-tp", train("mesh.tp=4", "mesh.dp=1", "mesh.pp=1", "model.n_head=6", "model.n_embd=48"), 4,
      "model.n_head=6 is not divisible by mesh.tp=4"),
-    ("vocab-by-tp", train("mesh.tp=2", "mesh.dp=2", "mesh.pp=1", "model.vocab_size=257"), 4,
-     "model.vocab_size=257 is not divisible by mesh.tp=2"),
+    ("heads-by-tp-2", train("mesh.tp=2", "mesh.dp=2", "mesh.pp=1", "model.n_head=3", "model.n_embd=24"), 4,
+     "model.n_head=3 is not divisible by mesh.tp=2"),
     ("interleaved-microbatches", train("model.n_layer=4", "pipeline.schedule=interleaved", "pipeline.chunks=2",
                                        "mesh.pp=2", "mesh.dp=2", "mesh.tp=1", "train.microbatches=3"), 4,
      "pipeline.schedule=interleaved needs train.microbatches (3) to be a multiple of mesh.pp (2)"),
@@ -60,6 +62,10 @@ CASES = [
      "mesh.dp_replicate=2 splits dp for HSDP, which shards model state over dp_shard; use train.zero >= 1"),
     ("wire16-zero3", train("mesh.dp=4", "mesh.pp=1", "train.zero=3", "train.grad_wire_dtype=bfloat16"), 4,
      'train.grad_wire_dtype="bfloat16" is built for train.zero 0 and 1 without HSDP'),
+    ("unknown-recompute", train("train.recompute=partial"), 4,
+     'train.recompute="partial" is not one of "none", "full", "selective"'),
+    ("recompute-every-0", train("train.recompute=full", "train.recompute_every=0"), 1,
+     "train.recompute_every=0 is invalid: must be >= 1"),
     ("negative-lr", train("train.lr=-1"), 1, "train.lr=-1.0 is invalid: must be > 0"),
     ("zero-micro-batch", train("train.micro_batch_size=0"), 1,
      "train.micro_batch_size=0 is invalid: must be >= 1"),
@@ -93,6 +99,33 @@ CASES = [
     ("info-bad-dp", ["info", "--dp", "3"], 1, "mesh dp=3 x tp=1 x pp=1 = 3 ranks, but the world has 1 ranks"),
     ("info-zero-dp", ["info", "--dp", "0"], 1, "dp must be a positive integer"),
     ("plot-missing-run", ["plot", "{tmp}/norun", "--out", "{tmp}/x.png"], 1, "has no metrics.jsonl"),
+    # token data, tokenizers, GPT-2 weights
+    ("token-id-over-vocab", train("data.format=bin", "data.corpus={bigid}"), 1,
+     "holds token id 300, but model.vocab_size=256; set model.vocab_size >= 301"),
+    ("token-id-over-vocab-4-ranks", train("data.format=bin", "data.corpus={bigid}", "mesh.dp=4"), 4,
+     "holds token id 300, but model.vocab_size=256"),
+    ("truncated-bin", train("data.format=bin", "data.corpus={odd}"), 1,
+     "is 3 bytes, not a whole number of uint16 tokens (2 bytes each): truncated"),
+    ("truncated-prepared-bin", train("data.format=bin", "data.corpus={cut}"), 1,
+     "truncated or replaced since it was prepared"),
+    ("bin-dtype-of-record", train("data.format=bin", "data.corpus={prep}", "data.token_dtype=uint32"), 1,
+     "is read as uint32 tokens but"),
+    ("bin-without-corpus", train("data.format=bin", "data.corpus="), 1, 'data.format="bin" needs data.corpus'),
+    ("hdf5-not-hdf5", train("data.format=hdf5", "data.corpus={odd}"), 1, "cannot read HDF5 file"),
+    ("resume-other-tokenizer", train("data.format=bin", "data.corpus={bpe}", "checkpoint.resume={ckpt}"), 1,
+     "tokenizer mismatch: checkpoint"),
+    ("eval-other-tokenizer", ["eval", "{ckpt}", "--data", "{bpe}"], 1, "tokenizer mismatch: checkpoint"),
+    ("sample-other-tokenizer", ["sample", "{ckpt}", "--tokenizer", "{bpe}/tokenizer.json"], 1,
+     "but --tokenizer"),
+    ("eval-too-little-data", ["eval", "{ckpt}", "--data", "{prep}", "--max-tokens", "5"], 1,
+     "fewer than one window of block_size + 1 = 9"),
+    ("prepare-bpe-no-vocab-size", ["data", "prepare", "{corpus}", "--out", "{tmp}/p", "--tokenizer", "bpe"], 1,
+     "--tokenizer bpe needs --vocab-size N"),
+    ("prepare-missing-input", ["data", "prepare", "{tmp}/nope", "--out", "{tmp}/p"], 1, "does not exist"),
+    ("import-missing", ["ckpt", "import", "{tmp}/nothing.safetensors", "--out", "{tmp}/imp"], 1, "does not exist"),
+    ("import-not-safetensors", ["ckpt", "import", "{afile}", "--out", "{tmp}/imp"], 1, "not a safetensors file"),
+    ("export-safetensors-no-out", ["ckpt", "export", "{ckpt}", "--format", "safetensors"], 1,
+     "ckpt export needs --out FILE.safetensors or DIR"),
 ]
 
 
@@ -115,6 +148,7 @@ def place(tmp_path_factory):
     (tmp / "afile").write_text("a file where a directory is expected\n")
     values = {"tmp": str(tmp), "corpus": str(tmp / "corpus.txt"), "empty": str(tmp / "empty.txt"),
               "badtoml": str(tmp / "bad.toml"), "afile": str(tmp / "afile")}
+    values.update(_token_files(tmp))
     made = run(1, train(), values)
     assert made.returncode == 0, made.output
     values["ckpt"] = ck.latest(str(tmp / "run" / "checkpoints"))
@@ -134,6 +168,23 @@ def place(tmp_path_factory):
     yield values
     for path in mounted:
         subprocess.run(["umount", path], capture_output=True)
+
+
+def _token_files(tmp: pathlib.Path) -> dict:
+    """Token data for the data cases: an id past the vocabulary, a cut file, a prepared directory
+    and a truncated copy of it, and data that comes with another tokenizer (a BPE of 256 ids)."""
+    ids = np.random.default_rng(1).integers(0, 256, 4000).astype(np.uint16)
+    ids[1234] = 300
+    ids.tofile(tmp / "bigid.bin")
+    (tmp / "odd.bin").write_bytes(b"\x01\x00\x02")
+    prepare.prepare([str(tmp / "corpus.txt")], str(tmp / "prep"), progress=False)
+    shutil.copytree(tmp / "prep", tmp / "cut")
+    with open(tmp / "cut" / "tokens.bin", "r+b") as f:
+        f.truncate(2000)
+    shutil.copytree(tmp / "prep", tmp / "bpe")
+    bpe = {"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(256)}, "merges": []}}
+    (tmp / "bpe" / "tokenizer.json").write_text(json.dumps(bpe))
+    return {k: str(tmp / k) for k in ("prep", "cut", "bpe")} | {k: str(tmp / f"{k}.bin") for k in ("bigid", "odd")}
 
 
 def run(n: int, args: list[str], values: dict, debug: bool = False, mpirun=None):

@@ -48,6 +48,23 @@ def test_loss_curve_matches_the_one_rank_run(mpirun, tmp_path, n, mesh, same_glo
     assert "── summary" in job.output
 
 
+def test_recomputation_is_bitwise_none_through_the_cli(mpirun, tmp_path):
+    """`hpcpar train` on tp=2 (sequence parallel) x pp=2 with dropout: recompute = full (every 2nd
+    block) and selective give exactly the metrics of none on the same mesh, which match one rank."""
+    common = ["--set", "model.dropout=0.1", "--set", "train.microbatches=4"]
+    mesh = ["--set", "mesh.tp=2", "--set", "mesh.pp=2", "--set", "mesh.sequence_parallel=true"]
+    reference, _ = train(mpirun, 1, tmp_path / "one", *common)
+    runs = {mode: train(mpirun, 4, tmp_path / mode, *common, *mesh, "--set", f"train.recompute={mode}",
+                        "--set", "train.recompute_every=2")[0]
+            for mode in ("none", "full", "selective")}
+    keys = ("loss", "grad_norm", "val_loss")
+    for mode in ("full", "selective"):
+        assert [[r.get(k) for k in keys] for r in runs[mode]] == [[r.get(k) for k in keys] for r in runs["none"]], mode
+    for key in keys:
+        np.testing.assert_allclose([r.get(key, np.nan) for r in runs["none"]],
+                                   [r.get(key, np.nan) for r in reference], rtol=1e-10, equal_nan=True, err_msg=key)
+
+
 def test_run_directory_contents(mpirun, tmp_path):
     _, job = train(mpirun, 4, tmp_path / "run", "--set", "pipeline.trace=true")
     run = tmp_path / "run"

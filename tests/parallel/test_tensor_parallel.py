@@ -20,7 +20,8 @@ from hpcpar.tensor import Tensor
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
-# Divisible by tp = 4 everywhere: heads, 4C, vocab and (for sequence parallelism) T.
+# Divisible by tp = 4 everywhere: heads, 4C, vocab and (for sequence parallelism) T (padded
+# vocabularies have their own test).
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=16, dtype="float64")
 SEED = 5
 REL = 1e-10
@@ -138,6 +139,35 @@ def test_pipeline_style_stages_with_sharded_tied_head(groups, sp):
                 continue
             err = rel_err(global_grad(p, tp_comm), ref[name].grad)
             collective_assert(err < REL, f"{name}: gradient relative error {err:.2e}")
+
+
+@pytest.mark.parametrize("groups", [2, 4], indirect=True)
+@pytest.mark.parametrize("vocab", [62, 9])   # tp=4: 16 rows each, the last 14 real; 3 rows each, the last all padding
+def test_padded_vocabulary_matches_single_process_and_padding_gets_nothing(groups, vocab):
+    """A vocabulary tp does not divide is padded (Megatron): logits, loss and gradients equal the
+    unpadded single-process model's, the padding's logits never reach the output and its rows
+    get no gradient (so they stay zero through any optimizer)."""
+    tp_comm, _ = groups
+    cfg = GPTConfig(**{**CFG.__dict__, "vocab_size": vocab})
+    x, y = batch(3, seed=15, cfg=cfg)
+    reference = GPT(cfg, seed=SEED)
+    model = GPT(cfg, tp_comm=tp_comm, seed=SEED)
+    wte = model.transformer.wte.weight
+    rows = -(-vocab // tp_comm.size)
+    real = max(0, min(rows, vocab - tp_comm.rank * rows))
+    collective_assert(wte.shape == (rows, cfg.n_embd) and wte.layout.global_shape == (vocab, cfg.n_embd),
+                      f"wte shard {wte.shape}, global {wte.layout.global_shape}")
+    ref_logits, logits = reference(x).data, model(x).data
+    collective_assert(logits.shape == ref_logits.shape and rel_err(logits, ref_logits) < REL,
+                      f"logits {logits.shape} vs {ref_logits.shape}")
+    ref_loss, loss = reference(x, y), model(x, y)
+    collective_assert(abs(loss.item() - ref_loss.item()) < REL * abs(ref_loss.item()),
+                      f"loss {loss.item()!r} vs {ref_loss.item()!r}")
+    ref_loss.backward()
+    loss.backward()
+    compare_grads(model, reference, tp_comm, f"tp={tp_comm.size} vocab={vocab}")
+    collective_assert(not host(wte.data)[real:].any() and not host(wte.grad)[real:].any(),
+                      "padding rows are not zero or received gradient")
 
 
 @pytest.mark.parametrize("groups", [2], indirect=True)

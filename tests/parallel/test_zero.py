@@ -9,7 +9,11 @@ bitwise under any other (parameters and optimizer moments), and training goes on
 the event log proves that each unit's all-gather is issued before the previous unit's compute
 ends (prefetch) in forward and backward; after a unit's forward no gathered parameter buffer is
 referenced by anyone; ZeRO-2 keeps no full gradient after the step; HSDP shards the optimizer
-state over dp_shard only and its replicas hold identical shards.
+state over dp_shard only and its replicas hold identical shards. A vocabulary tp does not divide
+(wte padded per tp rank) trains under zero 1/2/3 like one process, its padding rows stay zero with
+zero gradient and optimizer state, and loading a checkpoint into flat shards zero-fills them.
+Recomputation under ZeRO-3 is in test_recompute.py. Evaluation (`Trainer.evaluate` and `hpcpar
+eval`) on an HSDP mesh gives the one-rank figures.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ TINY = ["model.n_layer=2", "model.n_embd=16", "model.n_head=2", "model.block_siz
         "model.dropout=0.1", "train.steps=4", "train.warmup=1", "train.lr=0.01", "train.grad_clip=0.4",
         "train.bucket_mb=0.004", "run.eval_every=0", "run.progress=false"]
 MBS, STEPS = 2, 3
+PADDED_VOCAB = "model.vocab_size=257"  # tp = 2 pads wte to 2 x 129 rows: one padding row on tp rank 1
 
 
 def layouts(world: int) -> list:
@@ -70,9 +75,14 @@ def layouts(world: int) -> list:
             ("cp2-tp2-sp-z3", ["mesh.dp=1", "mesh.cp=2", "mesh.tp=2", "mesh.pp=1", "mesh.sequence_parallel=true",
                                "train.zero=3"]),
         ]
+        # A vocabulary tp does not divide: wte's padding row lies inside the ZeRO parts / flat shards.
+        out += [(f"tp2-vocab257-z{zero}", ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", f"train.zero={zero}", PADDED_VOCAB])
+                for zero in (1, 2, 3)]
+        out.append(("tp2-pp2-vocab257-z3", ["mesh.dp=1", "mesh.tp=2", "mesh.pp=2", "train.zero=3", PADDED_VOCAB]))
     if world == 2:
         out += [("tp2-z3", ["mesh.dp=1", "mesh.tp=2", "mesh.pp=1", "train.zero=3"]),
-                ("pp2-z3", ["mesh.dp=1", "mesh.pp=2", "train.zero=3"])]
+                ("pp2-z3", ["mesh.dp=1", "mesh.pp=2", "train.zero=3"]),
+                ("tp2-vocab257-z3", ["mesh.dp=1", "mesh.tp=2", "mesh.pp=1", "train.zero=3", PADDED_VOCAB])]
     return out
 
 
@@ -132,7 +142,11 @@ ROUND_TRIPS = {
         (["mesh.dp=1", "mesh.tp=2", "mesh.pp=2", "train.zero=0"], ["mesh.dp=4", "mesh.pp=1", "train.zero=3"]),
         (["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "train.zero=2"],
          ["mesh.dp=4", "mesh.pp=1", "mesh.dp_replicate=2", "train.zero=3"]),
-        (["mesh.dp=2", "mesh.pp=2", "train.zero=3"], ["mesh.dp=4", "mesh.pp=1", "train.zero=1"])],
+        (["mesh.dp=2", "mesh.pp=2", "train.zero=3"], ["mesh.dp=4", "mesh.pp=1", "train.zero=1"]),
+        (["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "train.zero=1", PADDED_VOCAB],
+         ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "train.zero=3", PADDED_VOCAB]),
+        (["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "train.zero=3", PADDED_VOCAB],
+         ["mesh.dp=4", "mesh.pp=1", "train.zero=2", PADDED_VOCAB])],
     3: [(["mesh.dp=3", "mesh.pp=1", "train.zero=3", "model.n_layer=3"],
          ["mesh.dp=1", "mesh.pp=3", "train.zero=0", "model.n_layer=3"])],
     2: [(["mesh.dp=2", "mesh.pp=1", "train.zero=3"], ["mesh.dp=1", "mesh.tp=2", "mesh.pp=1", "train.zero=2"])],
@@ -293,3 +307,109 @@ def test_non_finite_step_is_skipped_and_names_a_parameter(zero):
     t.mesh.free()
     collective_assert(result.skipped and result.bad_parameter.startswith("transformer.") and after == before[0] == 1,
                       f"zero={zero}: {result}, optimizer steps {before} -> {after}")
+
+
+# -- a padded vocabulary (tp does not divide it) inside ZeRO shards ----------------------------------
+
+class _PoisonedEmpty:
+    """numpy for `hpcpar.checkpoint`, except that `np.empty` returns NaN: a load that left an
+    element no stored block covers unwritten shows up, whatever memory the allocator hands out."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype=float):
+        return np.full(shape, np.nan, dtype=dtype)
+
+
+def padding_problems(t: Trainer) -> tuple[list, int]:
+    """Elements of this rank's ZeRO segments that belong to no global element (wte's padding rows):
+    their parameter values, gradients and optimizer state must be exactly zero. Returns (problems,
+    how many padding elements this rank holds)."""
+    problems, padding = [], 0
+    for seg in t.dp.segments:
+        covered = np.zeros(seg.hi - seg.lo, dtype=bool)
+        for b in seg.layout.blocks:
+            covered[b.local[0]] = True
+        if covered.all():
+            continue
+        padding += int((~covered).sum())
+        arrays = {"data": seg.data, "grad": seg.grad, **t.dp.optimizer.state_of(seg)}
+        problems += [f"{seg.name} {k}: {host(a)[~covered][:3]}" for k, a in arrays.items()
+                     if a is not None and np.any(host(a)[~covered] != 0)]
+    return problems, padding
+
+
+@pytest.mark.skipif(SIZE not in (2, 4), reason="needs tp=2 (and dp=2 at 4 ranks)")
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_padded_vocabulary_rows_stay_zero_in_zero_shards_and_checkpoints(zero, shared_dir, monkeypatch):
+    """tp = 2 with vocab_size 257: the padding row of wte sits inside the ZeRO parts (1/2) or the
+    embedding's flat shards (3). After training it is zero with zero gradient and moments; the
+    checkpoint holds no padding; loading it into zero=3 flat shards (and zero=1 whole parameters)
+    zero-fills the padding although the assembly buffer starts as NaN, and training goes on like
+    the saving run."""
+    from hpcpar import checkpoint
+    mesh = ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1"] if SIZE == 4 else ["mesh.dp=1", "mesh.tp=2", "mesh.pp=1"]
+    extra = mesh + [PADDED_VOCAB, "train.microbatches=1"]
+    t = make(extra + [f"train.zero={zero}"])
+    for step in range(2):
+        t.train_step(step)
+    problems, padding = padding_problems(t)
+    path = t.save(shared_dir, keep=1)
+    loss = t.train_step(2).loss
+    t.mesh.free()
+    shapes = {n: a.shape for n, a in stored(path).items() if "wte" in n}
+    collective_assert(not problems and sum(WORLD.allgather(padding)) > 0 and
+                      all(s == (257, 16) for s in shapes.values()),
+                      f"zero={zero}: {problems[:3]}; padding {padding}; stored {shapes}")
+    monkeypatch.setattr(checkpoint, "np", _PoisonedEmpty())
+    for target in (3, 1):
+        new = make(extra + [f"train.zero={target}"])
+        new.load(path)
+        problems, _ = padding_problems(new)
+        got = new.train_step(2).loss
+        new.mesh.free()
+        collective_assert(not problems and rel_err(got, loss) <= 1e-10,
+                          f"zero={zero} -> {target}: {problems[:3]}; loss {got} vs {loss}")
+
+
+# -- evaluation on an HSDP mesh ------------------------------------------------------------------------
+
+@pytest.mark.skipif(SIZE < 2, reason="HSDP needs dp > 1")
+def test_evaluation_on_an_hsdp_mesh_matches_one_rank(shared_dir):
+    """Sample ids come from the flattened dp rank (dp_replicate x dp_shard), so `Trainer.evaluate`
+    and `hpcpar eval` (`evaluate.main`, one deterministic pass) on an HSDP mesh under ZeRO-3 give the
+    one-rank figures of the same weights."""
+    import json
+
+    from hpcpar import evaluate
+    replicate = 2 if SIZE % 2 == 0 else SIZE
+    corpus = os.path.join(shared_dir, "corpus.txt")
+    if RANK == 0:
+        with open(corpus, "wb") as f:
+            f.write(TOKENS.tobytes())
+    WORLD.barrier()
+    data = [f"data.corpus={corpus}", "data.format=bytes", "train.microbatches=2"]
+    hsdp = [f"mesh.dp={SIZE}", "mesh.pp=1", f"mesh.dp_replicate={replicate}", "train.zero=3"]
+    cfg = config.load_config(None, TINY + data + hsdp + [f"train.micro_batch_size={MBS}"])
+    t = Trainer(cfg, comm=WORLD)
+    for step in range(2):
+        t.train_step(step)
+    path = t.save(os.path.join(shared_dir, "ckpt"), keep=1)
+    mine = (t.evaluate(2), evaluate.evaluate(t, t.val_tokens)["loss"], t.mesh.size("dp_replicate"))
+    t.mesh.free()
+    one_cfg = config.load_config(None, TINY + data + ["mesh.dp=1", "mesh.pp=1", f"train.micro_batch_size={MBS * SIZE}"])
+    one = Trainer(one_cfg, comm=MPI.COMM_SELF)
+    one.load(path, weights_only=True)
+    want = (one.evaluate(2), evaluate.evaluate(one, one.val_tokens)["loss"])
+    one.mesh.free()
+    out = os.path.join(shared_dir, "eval.json")
+    evaluate.main(path, corpus, overrides=hsdp[:3], json_out=out)   # hpcpar eval on the HSDP mesh
+    WORLD.barrier()
+    with open(out) as f:
+        by_cli = json.load(f)
+    collective_assert(mine[2] == replicate and rel_err(mine[0], want[0]) <= 1e-10
+                      and rel_err(mine[1], want[1]) <= 1e-10 and rel_err(by_cli["loss"], want[1]) <= 1e-10
+                      and f"dp_replicate={replicate}" in by_cli["mesh"],
+                      f"HSDP {mine} / hpcpar eval {by_cli['loss']} ({by_cli['mesh']}) vs one rank {want}")

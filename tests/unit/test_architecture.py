@@ -1,9 +1,9 @@
 """The layer rule of docs/architecture.md, checked on the source: imports point down only.
 
-    foundation (errors, schema, layout, data, metrics, ...) -> backend, GPU kernels, watchdog, failure
+    foundation (errors, schema, layout, data, datasets, tokenizer, ...) -> backend, GPU kernels, watchdog, failure
       -> comm, mesh -> autograd (tensor, ops) -> mappings and nn
       -> parallel (schedules, pipeline, data parallel, optimizer, checkpoints)
-      -> config, train, generate -> cli
+      -> config, train, generate, evaluate, huggingface -> cli
 
 A module may import from its own layer or any layer below. The Communicator is the only door
 to MPI: no module outside comm.py and mesh.py touches a Communicator's raw mpi4py object.
@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "hpcpar"
 
 LAYERS = [
     {"hpcpar", "errors", "schema", "layout", "threads", "metrics", "trace", "preemption", "data", "jobs", "plot",
-     "nn.init"},
+     "nn.init", "tokenizer", "datasets", "prepare", "safetensors_file"},
     {"backend", "kernels", "watchdog", "failure"},
     {"comm", "mesh"},
     {"tensor", "ops"},
@@ -29,7 +29,7 @@ LAYERS = [
      "nn.context_parallel"},
     {"parallel", "parallel.schedule", "parallel.pipeline", "parallel.buckets", "parallel.compression",
      "parallel.zero", "parallel.fsdp", "parallel.clipping", "parallel.data_parallel", "optim", "checkpoint"},
-    {"config", "train", "generate"},
+    {"config", "train", "generate", "evaluate", "huggingface"},
     {"cli", "__main__"},
 ]
 LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}

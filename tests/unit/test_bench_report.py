@@ -82,18 +82,30 @@ SAMPLES = {
         "longest": [{"cp": cp, "block_size": t, "estimate_bytes": 60 * MiB, "measured_peak_bytes": 58 * MiB}
                     for cp, t in ((1, 1664), (2, 4352), (4, 8704))],
         "checks": {"activations_proportional_to_1_over_k_within_10pct": True, "measured_peak_within_limit": True}},
-    "memory": {"model_state": {
-        "model": {"layers": 4, "embd": 128, "heads": 4, "block": 64, "batch": 2, "dtype": "float32",
-                  "optimizer": "adamw"},
-        "rows": [{"zero": z, "n": 4, "params": 830_000, "measured": m, "formula": f, "formula_bytes_per_param": e,
-                  "unit_bytes_per_param": u, "error": m / e - 1}
-                 for z, m, f, e, u in ((0, 16.02, "4 + 4 + 8", 16.0, 0.0), (1, 10.0, "4 + 4 + 8/N", 10.0, 0.0),
-                                       (2, 7.0, "4 + 12/N", 7.0, 0.0), (3, 4.95, "16/N + unit", 4.95, 0.95))],
-        "within_10_percent": True,
-        "fit": {"limit_bytes": 45.6 * MiB, "params": {"small": 830_000, "big": 3_240_000}, "param_ratio": 3.9,
-                "estimates": {"small_zero0": 19 * MiB, "big_zero0": 60.5 * MiB, "big_zero3": 41.5 * MiB},
-                "big_zero3_peak_bytes": 42.4 * MiB}},
-        "checks": {"model_state: zero=3 within 10% of its formula": True}},
+    "memory": {
+        "meta": {"generated_s": 10.0},
+        "activations": {
+            "config": {"batch": 2, "seq": 512, "n_embd": 128, "n_head": 4, "n_layer": 3, "dropout": 0.1,
+                       "dtype": "float32", "repeats": 8},
+            "rows": [{"recompute": m, "measured_bytes_per_layer": b * 1.001, "formula_bytes_per_layer": b,
+                      "ratio": 1.001, "saved_vs_none": 1 - b / (22 * MiB), "estimate_bytes_per_layer": e,
+                      "backward_peak_above_held_bytes": p, "step_time_vs_none": t}
+                     for m, b, e, p, t in (("none", 22 * MiB, 34 * MiB, 13 * MiB, 1.0),
+                                           ("full", MiB // 2, MiB // 2, 36 * MiB, 1.33),
+                                           ("selective", 14 * MiB, 10 * MiB, 21 * MiB, 1.17))]},
+        "model_state": {
+            "model": {"layers": 4, "embd": 128, "heads": 4, "block": 64, "batch": 2, "dtype": "float32",
+                      "optimizer": "adamw"},
+            "rows": [{"zero": z, "n": 4, "params": 830_000, "measured": m, "formula": f,
+                      "formula_bytes_per_param": e, "unit_bytes_per_param": u, "error": m / e - 1}
+                     for z, m, f, e, u in ((0, 16.02, "4 + 4 + 8", 16.0, 0.0), (1, 10.0, "4 + 4 + 8/N", 10.0, 0.0),
+                                           (2, 7.0, "4 + 12/N", 7.0, 0.0), (3, 4.95, "16/N + unit", 4.95, 0.95))],
+            "within_10_percent": True,
+            "fit": {"limit_bytes": 45.6 * MiB, "params": {"small": 830_000, "big": 3_240_000}, "param_ratio": 3.9,
+                    "estimates": {"small_zero0": 19 * MiB, "big_zero0": 60.5 * MiB, "big_zero3": 41.5 * MiB},
+                    "big_zero3_peak_bytes": 42.4 * MiB}},
+        "checks": {"activations: none within 10% of its formula": True,
+                   "model_state: zero=3 within 10% of its formula": True}},
     "zero": {"ratio_zero3_over_zero1": 0.95, "hidden_fraction": 0.3,
              "best": {"dp": 4, "zero1": {"tokens_per_s": 7000.0, "gather_wait_s": 0.0},
                       "zero3": {"tokens_per_s": 6650.0, "gather_wait_s": 0.07},
@@ -145,8 +157,12 @@ def test_key_figures_computed_from_the_json(run_all):
     assert context[3] == "tokens/s: ring 15,000, ulysses 7,000, tp+sp 7,100"
     assert "cp=1 1664, cp=2 4352, cp=4 8704; measured peak within the limit: yes" in context[4]
     memory = run_all.key_figures("memory", SAMPLES["memory"])
-    assert "zero=1 10.00 (10.00)" in memory[0] and memory[-1] == "every figure within 10% of its formula: yes"
-    assert "3.24M params (3.9x the 0.83M plain DP fits) refused by zero=0, trains under zero=3" in memory[1]
+    assert memory[0].endswith("measured / formula MiB: none 22.02 / 22.00, full 0.50 / 0.50, "
+                              "selective 14.01 / 14.00")
+    assert memory[1] == "forward + backward time vs none: full 1.33x, selective 1.17x"
+    assert "zero=1 10.00 (10.00)" in memory[2]
+    assert "3.24M params (3.9x the 0.83M plain DP fits) refused by zero=0, trains under zero=3" in memory[3]
+    assert memory[4] == "every figure within 10% of its formula: yes"
     zero = run_all.key_figures("zero", SAMPLES["zero"])
     assert zero[0].startswith("zero=3 / zero=1 tokens/s on 4 ranks: 0.95x") and "30% hidden" in zero[1]
 
@@ -173,7 +189,8 @@ def test_markdown_table(run_all, summary):
     assert "| 1f1b | 1 | 16 | 3.000 | 3.450 | +15.0% |" in text
     assert "## Context parallelism" in text and "| ring (contiguous) | 4 | 0.500 | – | 1.749 | – | – |" in text
     assert "| 4 | 8704 | 60.0 | 58.0 |" in text
-    assert "## Memory" in text and "| 3 | 16/N + unit | 4.95 | 4.95 | 0.95 | +0.0% |" in text
+    assert "## Memory" in text and "| selective | 14.014 | 14.000 | 1.001 | 36.4% | 10.000 | 21.00 | 1.17x |" in text
+    assert "| 3 | 16/N + unit | 4.95 | 4.95 | 0.95 | +0.0% |" in text
 
 
 def test_quiet_machine_and_missing_results(run_all, tmp_path):

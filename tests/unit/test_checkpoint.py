@@ -245,3 +245,28 @@ def test_info_verify_export_cli(tmp_path, capsys):
     os.truncate(os.path.join(path, "rank-00000.h5"), 100)
     with pytest.raises(CheckpointError, match="rank-00000.h5"):
         ck.cli("verify", path)
+
+
+class _PoisonedEmpty:
+    """numpy with `empty` returning NaN: what a load leaves unwritten shows up."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype=float):
+        return np.full(shape, np.nan, dtype=dtype)
+
+
+def test_padding_is_zero_filled_in_flat_and_plain_layouts(tmp_path, monkeypatch):
+    """A padded vocabulary shard (`Layout.split_padded`) and ZeRO flat ranges of it: the padding
+    holds no stored element, and loading fills it with zeros whatever the assembly buffer held."""
+    glob = reference(5)["model/transformer.wte.weight"][:15]     # [15, 8]: tp = 2 pads to 2 x 8 rows
+    name = "model/transformer.wte.weight"
+    path = ck.save(str(tmp_path), 1, {name: (glob, Layout.replicated(glob.shape))}, {}, COMM)
+    monkeypatch.setattr(ck, "np", _PoisonedEmpty())
+    parent = Layout.split_padded(glob.shape, 0, 1, 2)           # rows 8..14 and one padding row
+    for lay in (parent, parent.flat_range(0, 64), parent.flat_range(50, 64), parent.flat_range(60, 64)):
+        assert lay.padded
+        got, _ = ck.load(path, {name: lay}, COMM)
+        assert np.array_equal(got[name], lay.take(glob)) and not np.isnan(got[name]).any()

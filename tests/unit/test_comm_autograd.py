@@ -56,11 +56,45 @@ def test_vocab_parallel_cross_entropy_on_one_rank_equals_the_fused_loss(ignore):
     np.testing.assert_allclose(a.grad, b.grad, rtol=0, atol=1e-15)
 
 
-@pytest.mark.parametrize("field,value", [("n_head", 6), ("vocab_size", 250)])
-def test_gpt_rejects_sizes_that_tp_does_not_divide(field, value):
-    cfg = GPTConfig(**{**GPTConfig(vocab_size=256, n_head=4, n_embd=48).__dict__, field: value})
-    with pytest.raises(ConfigError, match=field):
+def test_gpt_rejects_heads_that_tp_does_not_divide():
+    cfg = GPTConfig(vocab_size=256, n_head=6, n_embd=48)
+    with pytest.raises(ConfigError, match="n_head"):
         GPT(cfg, tp_comm=Ranks(4))
+
+
+@pytest.mark.parametrize("vocab,tp,rows,real", [(250, 4, 63, [63, 63, 63, 61]), (256, 3, 86, [86, 86, 84]),
+                                                 (9, 4, 3, [3, 3, 3, 0]), (64, 4, 16, [16] * 4)])
+def test_vocabulary_that_tp_does_not_divide_is_padded(vocab, tp, rows, real):
+    """Every rank holds ceil(V/tp) rows of wte; the rows past V are zero padding, outside the
+    global [V, C] tensor (so checkpoints do not depend on tp)."""
+    full = np.arange(vocab * 2, dtype=np.float64).reshape(vocab, 2) + 1
+    for rank in range(tp):
+        layout = tpl.vocab_layout(vocab, 2, Ranks(tp, rank))
+        assert layout.global_shape == (vocab, 2) and layout.local_shape == (rows, 2)
+        assert layout.padded == (real[rank] < rows)
+        local = layout.take(full)
+        assert np.array_equal(local[:real[rank]], full[rank * rows:rank * rows + real[rank]])
+        assert not local[real[rank]:].any()   # padding is zero
+        back = np.zeros_like(full)
+        layout.put(local, back)
+        assert np.array_equal(back[rank * rows:rank * rows + real[rank]], local[:real[rank]])
+
+
+def test_padded_vocabulary_gets_no_probability_in_the_loss():
+    """A size-1 group holding a padded shard: the padding column gets -inf, so the loss and its
+    gradient equal the unpadded loss's, and the padding's gradient is exactly 0."""
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((4, 7)) * 3
+    targets = rng.integers(0, 7, 4)
+    padded = np.concatenate([logits, np.full((4, 2), 50.0)], axis=1)   # padding would dominate
+    a, b = Tensor(padded, requires_grad=True), Tensor(logits.copy(), requires_grad=True)
+    loss = tpl.vocab_parallel_cross_entropy(a, targets, Communicator(MPI.COMM_SELF, "tp"), vocab_size=7)
+    ref = ops.cross_entropy(b, targets)
+    loss.backward()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-13 * abs(ref.item())
+    np.testing.assert_allclose(a.grad[:, :7], b.grad, rtol=0, atol=1e-15)
+    assert not a.grad[:, 7:].any()
 
 
 def test_layers_reject_sizes_that_tp_does_not_divide():
@@ -69,8 +103,6 @@ def test_layers_reject_sizes_that_tp_does_not_divide():
         tpl.ParallelSelfAttention(cfg, Ranks(2))
     with pytest.raises(ConfigError, match="4\\*n_embd"):
         tpl.ParallelMLP(GPTConfig(n_head=1, n_embd=5), Ranks(3))
-    with pytest.raises(ConfigError, match="vocab_size=256"):
-        tpl.VocabParallelEmbedding(256, 8, Ranks(3))
     with pytest.raises(ConfigError, match="in_features=10"):
         tpl.RowParallelLinear(10, 4, Ranks(4))
     with pytest.raises(ConfigError):

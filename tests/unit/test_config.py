@@ -23,7 +23,8 @@ def _validate(overrides, world=1, memory=None):
 # (overrides, world size, fragment the one-line message must contain)
 BAD = [
     # single-value ranges
-    (["model.vocab_size=100"], 1, "model.vocab_size=100 is invalid: must be >= 256"),
+    (["model.vocab_size=100"], 1, 'model.vocab_size=100 is invalid: must be >= 256 with data.format="bytes"'),
+    (["model.vocab_size=0", "data.format=bin"], 1, "model.vocab_size=0 is invalid: must be >= 1"),
     (["model.block_size=1"], 1, "model.block_size=1 is invalid: must be >= 2"),
     (["model.n_layer=0"], 1, "model.n_layer=0 is invalid: must be >= 1"),
     (["model.n_head=0"], 1, "model.n_head=0 is invalid: must be >= 1"),
@@ -49,6 +50,7 @@ BAD = [
     (["train.momentum=1.5", "train.optimizer=sgd"], 1, "train.momentum=1.5 is invalid: must be in [0, 1)"),
     (["train.bucket_mb=0"], 1, "train.bucket_mb=0.0 is invalid: must be > 0"),
     (["train.max_bad_steps=0"], 1, "train.max_bad_steps=0 is invalid: must be >= 1"),
+    (["train.recompute_every=0"], 1, "train.recompute_every=0 is invalid: must be >= 1 (1 = every block)"),
     (["pipeline.chunks=0"], 1, "pipeline.chunks=0 is invalid: must be >= 1"),
     (["checkpoint.every=-1"], 1, "checkpoint.every=-1 is invalid: must be >= 0"),
     (["checkpoint.keep=0"], 1, "checkpoint.keep=0 is invalid: must be >= 1"),
@@ -77,6 +79,11 @@ BAD = [
     (["train.grad_wire_dtype=int8"], 1, 'train.grad_wire_dtype="int8" is not one of'),
     (["mesh.cp_impl=star"], 1, 'mesh.cp_impl="star" is not one of "ring", "ulysses"'),
     (["mesh.cp_impl=ulyses"], 1, "did you mean 'ulysses'?"),
+    (["train.recompute=partial"], 1, 'train.recompute="partial" is not one of "none", "full", "selective"'),
+    (["train.recompute=ful"], 1, "did you mean 'full'?"),
+    (["data.format=parquet"], 1, 'data.format="parquet" is not one of "bytes", "bin", "hdf5"'),
+    (["data.token_dtype=int8"], 1, 'data.token_dtype="int8" is not one of "uint16", "uint32"'),
+    (["model.preset=gpt3"], 1, 'model.preset="gpt3" is not one of "", "gpt2"; did you mean \'gpt2\'?'),
     # combinations
     (["model.n_embd=130"], 1, "model.n_embd=130 is not divisible by model.n_head=4"),
     (["model.dtype=bfloat16"], 1, 'model.dtype="bfloat16" (mixed precision) is not implemented yet'),
@@ -86,8 +93,6 @@ BAD = [
     # tensor parallelism
     (["model.n_head=6", "model.n_embd=96", "mesh.tp=4"], 4,
      "model.n_head=6 is not divisible by mesh.tp=4 (a tp rank holds whole heads); choose tp in {1, 2, 3, 6}"),
-    (["model.vocab_size=257", "mesh.tp=2"], 2, "model.vocab_size=257 is not divisible by mesh.tp=2"),
-    (["model.vocab_size=257", "mesh.tp=2"], 2, "use vocab_size=258"),
     (["model.block_size=130", "mesh.tp=4", "mesh.sequence_parallel=true"], 4,
      "model.block_size=130 is not divisible by mesh.tp=4 with mesh.sequence_parallel=true"),
     (["model.block_size=130", "mesh.tp=4", "mesh.sequence_parallel=true"], 4, "use block_size=132"),
@@ -197,6 +202,20 @@ def test_validate_returns_resolved_config_and_is_idempotent():
     assert validate(resolved, 4) == resolved
     with pytest.raises(MeshError):
         validate(resolved, 2)  # explicit degrees no longer fit
+
+
+def test_vocabulary_need_not_divide_tp_and_small_vocabularies_need_token_files():
+    validate(load_config(None, ["model.vocab_size=257", "mesh.tp=2"]), 2)   # padded to 258 in memory
+    validate(load_config(None, ["model.vocab_size=100", "data.format=bin"]), 1)
+
+
+def test_preset_fills_the_keys_not_given():
+    cfg = load_config(None, ["model.preset=gpt2", "model.n_layer=2"])
+    m = cfg.model
+    assert (m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias) == (50257, 1024, 2, 12, 768, True)
+    assert load_config(None, ["model.preset=gpt2"]).model.num_params() == 124_439_808   # GPT-2 small
+    assert config.loads(to_toml(cfg)) == cfg       # written out whole: the round trip needs no preset logic
+    assert load_config(None, ["model.preset=\"\""]).model == GPTConfig()
 
 
 def test_sequence_parallel_is_a_no_op_at_tp_1():
@@ -483,6 +502,56 @@ def test_memory_estimate_divides_activations_by_cp():
     assert config._memory_parts(zero, 1, 1, 1)[0] < plain[0]
 
 
+def test_memory_estimate_counts_recomputation():
+    """full: a recomputed block keeps its input B n C / r (plus one block re-run per rank);
+    selective: the (2 + d) B H T^2 / (tp u) probabilities go; the model state never changes."""
+    shape = ["model.block_size=256", "model.n_layer=4", "train.micro_batch_size=2", "model.dropout=0.1",
+             "mesh.pp=1"]
+
+    def parts(*extra, tp=1, cp=1):
+        return config._memory_parts(load_config(None, shape + list(extra)), 1, tp, 1, cp)
+
+    none, selective, full = (parts(f"train.recompute={m}") for m in ("none", "selective", "full"))
+    assert none[0] == selective[0] == full[0]
+    s, b, t, c, h, layers = 4, 2, 256, 128, 4, 4
+    scores = s * b * h * 3 * t * t                   # (2 + d) B H T^2 s, d = 1
+    assert none[1] - selective[1] == layers * scores
+    per_layer = (none[1] - full[1] + s * b * t * c * layers) / (layers - 1)  # kept: input only, + one re-run
+    assert per_layer == s * b * t * (8 * c + 12 * c + h * 3 * t)
+    # Every 2nd block (0 and 2 of 4): half the saving.
+    assert none[1] - parts("train.recompute=selective", "train.recompute_every=2")[1] == 2 * scores
+    # Sequence parallelism divides the kept input by tp; ring attention keeps no probabilities.
+    sp = ["train.recompute=full", "mesh.sequence_parallel=true"]
+    assert parts(*sp, tp=2)[1] < parts("train.recompute=full", tp=2)[1]
+    ring = ["mesh.cp_impl=ring"]
+    assert parts(*ring, "train.recompute=selective", cp=2) == parts(*ring, cp=2)
+    assert parts("mesh.cp_impl=ulysses", "train.recompute=selective", cp=2)[1] < parts("mesh.cp_impl=ulysses",
+                                                                                      cp=2)[1]
+
+
+def test_memory_estimate_keeps_zero_and_recompute_terms_apart():
+    """ZeRO shards model state (weights, gradients, optimizer; HSDP over dp_shard); recomputation
+    drops activations: each stage x mode pair is the zero stage's state plus the mode's activations,
+    and a padded vocabulary (tp not dividing it) counts its padding rows in the sharded state."""
+    shape = ["model.block_size=256", "model.n_layer=4", "train.micro_batch_size=2", "model.dropout=0.1",
+             "mesh.pp=1", "train.microbatches=1", "train.bucket_mb=0.25"]
+    parts = {(z, r): config._memory_parts(load_config(None, shape + [f"train.zero={z}", f"train.recompute={r}"]),
+                                          4, 1, 1)
+             for z in range(4) for r in ("none", "selective", "full")}
+    for z in range(4):
+        assert parts[(z, "none")][0] == parts[(z, "selective")][0] == parts[(z, "full")][0]
+        assert parts[(z, "none")][1] > parts[(z, "selective")][1] > parts[(z, "full")][1]
+    for r in ("none", "selective", "full"):
+        assert len({parts[(z, r)][1] for z in range(4)}) == 1
+        assert parts[(0, r)][0] > parts[(1, r)][0] > parts[(2, r)][0]
+    hsdp = load_config(None, shape + ["train.zero=3", "train.recompute=full", "mesh.dp_replicate=2"])
+    assert config._memory_parts(hsdp, 4, 1, 1) == config._memory_parts(
+        load_config(None, shape + ["train.zero=3", "train.recompute=full"]), 2, 1, 1)
+    odd = load_config(None, shape + ["model.vocab_size=257", "train.zero=3"])
+    even = load_config(None, shape + ["model.vocab_size=258", "train.zero=3"])
+    assert config._memory_parts(odd, 4, 2, 1)[0] == config._memory_parts(even, 4, 2, 1)[0]
+
+
 def test_parameter_count_matches_nanogpt_formula():
     # Whole model, tied embedding: 12 L C^2 + 13 L C (biases, LayerNorms) + V C + T C + 2 C.
     cfg = Config()
@@ -545,6 +614,10 @@ def test_memory_check():
     message = str(info.value)
     assert "estimated memory per rank" in message and "exceeds the available" in message
     assert "smaller train.micro_batch_size" in message and "MiB" in message
+    assert 'train.recompute="full"' in message
+    full = load_config(None, ["train.recompute=full", "train.recompute_every=2"])
+    with pytest.raises(ConfigError, match="train.recompute_every=1 "):
+        validate(full, 1, available_memory_bytes=config.estimate_memory(validate(full, 1), 1, 1, 1) - 1)
     with pytest.raises(ConfigError, match="train.zero=1"):
         _validate(["model.n_embd=1024", "model.n_layer=8", "model.n_head=8", "train.micro_batch_size=1",
                    "model.block_size=16", "mesh.dp=4"], world=4, memory=2**20)

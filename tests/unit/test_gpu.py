@@ -123,6 +123,47 @@ def test_gpt_training_on_gpu_matches_numpy(dtype):
     assert rel(dev_final, host_final) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_fused_selective_attention_is_bitwise_the_kept_one(dtype, monkeypatch):
+    """Selective recomputation on the fused path: each chunk's probabilities recomputed in backward
+    give bitwise the output and gradient of keeping them (3 query chunks)."""
+    monkeypatch.setattr(ops, "_QUERY_CHUNK", 16)
+    qkv = np.random.default_rng(2).standard_normal((2, 37, 3 * 32)).astype(dtype)
+    g = cp.asarray(np.random.default_rng(3).standard_normal((2, 37, 32)).astype(dtype))
+    got = []
+    for recompute in (False, True):
+        x = Tensor(cp.asarray(qkv), requires_grad=True)
+        y = ops.causal_attention(x, 4, recompute=recompute)
+        y.backward(g)
+        got.append((cp.asnumpy(y.data), cp.asnumpy(x.grad)))
+    assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_gpt_recompute_on_gpu_is_bitwise_none(mode):
+    """A GPT with dropout on CuPy: loss and every gradient under recomputation equal "none"'s bitwise."""
+    from hpcpar import backend
+    from hpcpar.nn import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1, dtype="float32")
+    x, y = (np.random.default_rng(s).integers(0, 256, (3, 32)) for s in (0, 1))
+    previous = backend.name()
+    backend.use("cupy")
+    try:
+        runs = []
+        for m in ("none", mode):
+            model = GPT(cfg, seed=4)
+            model.set_recompute(m)
+            model.rng_context = (4, 0, [0, 1, 2])
+            loss = model(x, y)
+            loss.backward()
+            runs.append((loss.item(), {n: cp.asnumpy(p.grad) for n, p in model.named_parameters()}))
+    finally:
+        backend.use(previous)
+    assert runs[0][0] == runs[1][0]
+    for name, grad in runs[0][1].items():
+        assert np.array_equal(runs[1][1][name], grad), name
+
+
 def test_nccl_transport_runs_every_kind_on_one_rank():
     """The NCCL transport itself (a one-rank NCCL communicator): every kind of op moves the bytes."""
     from cupy.cuda import nccl

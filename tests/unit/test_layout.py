@@ -97,3 +97,24 @@ def test_flat_range_of_a_local_array(parent):
     assert Layout.from_json(json.loads(json.dumps(inner.to_json()))) == inner
     with pytest.raises(ValueError, match="outside a local array"):
         parent.flat_range(0, n + 1)
+
+
+def test_flat_range_of_a_padded_split_skips_the_padding():
+    """A ZeRO shard of a padded vocabulary shard (`split_padded`, tp not dividing V): the flat range's
+    blocks cover only real rows, the layout is `padded`, `take` gives zeros on the padding and
+    `put` never writes it; the real elements tile the global tensor as with any flat range."""
+    g = _global((5, 3))
+    parent = Layout.split_padded(g.shape, 0, 1, 2)   # rows 3, 4 and one padding row: local [3, 3]
+    local = parent.take(g).reshape(-1)
+    assert parent.padded and np.array_equal(local[6:], np.zeros(3))
+    for lo, hi in [(0, 9), (2, 8), (5, 9), (6, 9), (0, 4)]:
+        lay = parent.flat_range(lo, hi)
+        covered = np.zeros(hi - lo, dtype=bool)
+        for b in lay.blocks:
+            covered[b.local[0]] = True
+        assert lay.padded == (not covered.all()), (lo, hi)
+        assert np.array_equal(lay.take(g), local[lo:hi]), (lo, hi)
+        out = np.full_like(g, -1.0)
+        lay.put(np.arange(hi - lo, dtype=g.dtype), out)
+        assert (out != -1).sum() == covered.sum()
+    assert Layout.split_padded(g.shape, 0, 1, 2).flat_range(6, 9).blocks == ()
