@@ -508,10 +508,7 @@ class Communicator:
         if out is not None:
             self._check_out("reduce_scatter", a, dim, out, a.shape[0] // self.size)
         if self.size == 1:
-            if out is None:
-                return Handle.ready(a)
-            out[...] = a
-            return Handle.ready(out)
+            return self._alone(a, out)
         transport = self._transport(a)
         if transport is None:
             return self._staged(self._ireduce_scatter, a, dim, op, blocking, into=out)
@@ -528,6 +525,14 @@ class Communicator:
                 return out
             return _from_front(recv.astype(a.dtype, copy=False), dim)
         return self._start("reduce_scatter", a, send, recv, finish, transport, blocking, op=op)
+
+    @staticmethod
+    def _alone(a, out) -> Handle:
+        """A size-1 communicator's result: the input itself, or copied into `out` when given."""
+        if out is None:
+            return Handle.ready(a)
+        out[...] = a
+        return Handle.ready(out)
 
     def _check_out(self, what: str, a, dim: int, out, rows: int) -> None:
         """`out` must be a C-contiguous array of `a`'s dtype and the result's shape (dim 0 only)."""
@@ -557,10 +562,7 @@ class Communicator:
         if out is not None:
             self._check_out("all_gather", a, dim, out, a.shape[0] * self.size)
         if self.size == 1:
-            if out is None:
-                return Handle.ready(a)
-            out[...] = a
-            return Handle.ready(out)
+            return self._alone(a, out)
         transport = self._transport(a)
         if transport is None:
             return self._staged(self._iall_gather, a, dim, blocking, into=out)
