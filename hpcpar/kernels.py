@@ -184,10 +184,25 @@ __global__ void cross_entropy_backward(const T* z, const long long* t, const T* 
     T l = lse[r];
     for (int j = threadIdx.x; j < v; j += blockDim.x) dr[j] = (exp(zr[j] - l) - (j == target ? T(1) : T(0))) * k;
 }
+// Deterministic scatter-add of rows: out[ids[r]] += g[r] for every r, each output row summed in
+// the order of r (NumPy's add.at order) instead of atomics, whose order varies run to run.
+// `order` lists the rows sorted by (id, r); segment s is order[start[s] : start[s + 1]], all
+// with id seg_id[s]. One thread per (segment, column).
+template <typename T>
+__global__ void scatter_add_rows(const T* g, const long long* order, const long long* start,
+                                 const long long* seg_id, T* out, int c, long long segments) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= segments * c) return;
+    long long s = i / c;
+    int j = (int)(i % c);
+    T acc = out[seg_id[s] * c + j];
+    for (long long r = start[s]; r < start[s + 1]; ++r) acc += g[order[r] * c + j];
+    out[seg_id[s] * c + j] = acc;
+}
 """
 
 _NAMES = ("causal_softmax_forward", "causal_softmax_backward", "layer_norm_forward", "layer_norm_backward",
-          "cross_entropy_forward", "cross_entropy_backward")
+          "cross_entropy_forward", "cross_entropy_backward", "scatter_add_rows")
 
 
 @functools.cache
@@ -345,3 +360,27 @@ def cross_entropy_backward(logits2d, targets, lse, coef, ignore_index: int):
     _kernel("cross_entropy_backward", logits2d.dtype)((rows,), (_THREADS,),
                                                       (logits2d, targets, lse, coef, dz, _i32(v), _i64(ignore_index)))
     return dz
+
+
+def scatter_add_rows(out, ids, g):
+    """out[ids[r]] += g[r], in place and deterministic: out [V, C], ids int [N], g [N, C] (C-contiguous).
+
+    CuPy's `add.at` adds with atomics, so equal ids meet in a different order each run and the
+    float sums differ in their last bits (a gradient that is not reproducible, and recomputation
+    that is not bitwise). Here each output row sums its rows in index order, as NumPy does.
+    """
+    import cupy
+    n, c = g.shape
+    if n == 0:
+        return out
+    ids = ids.astype(cupy.int64, copy=False)
+    order = cupy.argsort(ids * n + cupy.arange(n, dtype=cupy.int64))   # unique keys: (id, r) order
+    sorted_ids = ids[order]
+    first = cupy.flatnonzero(cupy.concatenate([cupy.ones(1, bool), sorted_ids[1:] != sorted_ids[:-1]]))
+    start = cupy.concatenate([first, cupy.asarray([n], dtype=first.dtype)]).astype(cupy.int64)
+    seg_id = sorted_ids[first]
+    segments = int(first.size)
+    blocks = (segments * c + _THREADS - 1) // _THREADS
+    _kernel("scatter_add_rows", out.dtype)((blocks,), (_THREADS,),
+                                           (g, order, start, seg_id, out, _i32(c), _i64(segments)))
+    return out

@@ -274,11 +274,24 @@ def getitem(x: Tensor, index) -> Tensor:
     shape, dtype = xd.shape, xd.dtype
 
     def backward(g):
-        xp = array_module(g)
-        gx = xp.zeros(shape, dtype=dtype)
-        xp.add.at(gx, index, g)
-        return (gx,)
+        return (_scatter_add(array_module(g), shape, dtype, index, g),)
     return Tensor.from_op(xd[index], (x,), backward)
+
+
+def _scatter_add(xp, shape: tuple, dtype, index, g):
+    """zeros(shape) with g added at `index`, repeated indices accumulating: a gather's gradient.
+
+    On the GPU an integer index into dim 0 (an embedding lookup, a row gather) goes through a
+    deterministic kernel: CuPy's `add.at` uses atomics, whose order (and so the float sum's last
+    bits) changes from run to run."""
+    out = xp.zeros(shape, dtype=dtype)
+    rows = index[0] if isinstance(index, tuple) and len(index) == 1 else index
+    if _fused(out) and getattr(rows, "dtype", None) is not None and rows.dtype.kind in "iu" and len(shape) >= 1:
+        ids = xp.asarray(rows).reshape(-1)
+        kernels.scatter_add_rows(out.reshape(shape[0], -1), ids, xp.ascontiguousarray(g).reshape(ids.size, -1))
+    else:
+        xp.add.at(out, index, g)
+    return out
 
 
 def split(x: Tensor, sections, axis: int = -1) -> list:
@@ -339,10 +352,7 @@ def embedding(idx, weight: Tensor) -> Tensor:
     shape, dtype = wd.shape, wd.dtype  # not the array: the graph keeps no reference to a parameter's
 
     def backward(g):
-        xp = array_module(g)
-        gw = xp.zeros(shape, dtype=dtype)
-        xp.add.at(gw, ids.reshape(-1), g.reshape(-1, shape[1]))
-        return (gw,)
+        return (_scatter_add(array_module(g), shape, dtype, ids.reshape(-1), g.reshape(-1, shape[1])),)
     return Tensor.from_op(wd[ids], (weight,), backward)
 
 

@@ -139,6 +139,26 @@ def test_fused_selective_attention_is_bitwise_the_kept_one(dtype, monkeypatch):
     assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gather_gradient_is_numpys_add_at_bitwise_and_reproducible(dtype):
+    """Embedding / row-gather backward on CuPy: every repeated id's rows summed in NumPy's order.
+
+    CuPy's own add.at uses atomics (run-to-run different last bits); the kernel must not."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 7, 4000)                     # few ids: long runs of repeats
+    g = rng.standard_normal((4000, 33)).astype(dtype)
+    expected = np.zeros((9, 33), dtype)
+    np.add.at(expected, ids, g)
+    weight = Tensor(cp.zeros((9, 33), dtype), requires_grad=True)
+    for _ in range(3):
+        weight.grad = None
+        ops.embedding(cp.asarray(ids), weight).backward(cp.asarray(g))
+        assert np.array_equal(cp.asnumpy(weight.grad), expected)
+    rows = Tensor(cp.zeros((9, 33), dtype), requires_grad=True)
+    ops.getitem(rows, cp.asarray(ids)).backward(cp.asarray(g))
+    assert np.array_equal(cp.asnumpy(rows.grad), expected)
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_gpt_recompute_on_gpu_is_bitwise_none(mode):
     """A GPT with dropout on CuPy: loss and every gradient under recomputation equal "none"'s bitwise."""

@@ -16,7 +16,7 @@ import struct
 import numpy as np
 import pytest
 
-from hpcpar import checkpoint, config, generate, huggingface, safetensors_file, tokenizer
+from hpcpar import backend, checkpoint, config, generate, huggingface, safetensors_file, tokenizer
 from hpcpar.comm import Communicator
 from hpcpar.errors import CheckpointError
 from hpcpar.nn import GPT, GPTConfig
@@ -31,7 +31,7 @@ def random_checkpoint(directory, model_cfg: GPTConfig = TINY, seed: int = 0) -> 
     rng = np.random.default_rng(seed)
     for name, p in model.named_parameters():
         noise = rng.standard_normal(p.shape)
-        p.data[...] = 1 + 0.1 * noise if "ln_" in name and name.endswith("weight") else 0.1 * noise
+        p.data[...] = backend.to_device(1 + 0.1 * noise if "ln_" in name and name.endswith("weight") else 0.1 * noise)
     cfg = dataclasses.replace(config.Config(), model=model_cfg)
     meta = {"config": config.to_toml(cfg), "tokenizer": tokenizer.BYTES_RECORD}
     return checkpoint.save(str(directory), 1, {f"model/{n}": (p.data, p.layout) for n, p in model.named_parameters()},
@@ -40,7 +40,7 @@ def random_checkpoint(directory, model_cfg: GPTConfig = TINY, seed: int = 0) -> 
 
 def hpcpar_logits(path, ids) -> np.ndarray:
     model = generate.load_model(path)
-    return model(ids).data
+    return backend.to_host(model(ids).data)
 
 
 def torch_and_transformers():
@@ -94,11 +94,11 @@ def test_export_names_transposes_and_ties(tmp_path):
     ckpt = random_checkpoint(tmp_path / "ck")
     out = huggingface.export(ckpt, str(tmp_path / "w.safetensors"))
     hf = safetensors_file.read(out)
-    model = dict(generate.load_model(ckpt).named_parameters())
+    model = {n: backend.to_host(p.data) for n, p in generate.load_model(ckpt).named_parameters()}
     assert "lm_head.weight" not in hf and len(hf) == len(model)
-    assert np.array_equal(hf["transformer.h.1.attn.c_attn.weight"], model["transformer.h.1.attn.c_attn.weight"].data.T)
+    assert np.array_equal(hf["transformer.h.1.attn.c_attn.weight"], model["transformer.h.1.attn.c_attn.weight"].T)
     assert hf["transformer.h.0.mlp.c_fc.weight"].shape == (32, 128)
-    assert np.array_equal(hf["transformer.wte.weight"], model["transformer.wte.weight"].data)
+    assert np.array_equal(hf["transformer.wte.weight"], model["transformer.wte.weight"])
 
 
 def test_exported_model_gives_transformers_the_same_logits(tmp_path):
