@@ -86,6 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: uint16 when the vocabulary fits, else uint32")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    p = verbs.add_parser("plan", help="choose the mesh and micro-batching for an allocation (cost model)")
+    _add_config_args(p)
+    p.add_argument("--preset", help="model preset instead of the config's model keys: "
+                                    "gpt2-124m, gpt2-1.5b, 7b, 70b, 175b")
+    p.add_argument("--ranks", type=int, help="ranks of the allocation (or --nodes and --gpus-per-node)")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--hardware", default="this", help="a100, h100, or this (the figures --calibrate stored)")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: the config's "
+                                                     "dp x micro_batch_size x microbatches)")
+    p.add_argument("--top", type=int, default=5, help="how many plans to print")
+    p.add_argument("--out", help="write the best plan as a config `hpcpar train` runs as is")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (run under mpiexec with the ranks a job will use) and store it")
+    p.add_argument("--calibration", help="calibration file (default: $HPCPAR_CALIBRATION or "
+                                         "~/.cache/hpcpar/calibration.json)")
+
     p = verbs.add_parser("eval", help="loss and perplexity of a checkpoint on held-out data (any mesh)")
     p.add_argument("checkpoint", help="checkpoint directory (step-NNNNNNN) or its parent (uses latest)")
     p.add_argument("--data", required=True, help="text or token file or directory (as data.corpus)")
@@ -128,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
     if args.verb == "data":
         from hpcpar import prepare
         return prepare.cli(args)
+    if args.verb == "plan":
+        from hpcpar import plan
+        return plan.cli(args)
     if args.verb == "eval":
         from hpcpar import evaluate
         return evaluate.main(args.checkpoint, args.data, fmt=args.format, split=args.split,

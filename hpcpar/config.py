@@ -23,6 +23,7 @@ saying what is wrong and what would be right.
 
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import os
@@ -310,6 +311,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     return Config(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
 
 
+def given_keys(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> set[str]:
+    """The "section.key" names the file at `path` and the overrides set (not left to defaults)."""
+    values = _values_from_file(path) if path is not None else {}
+    names = {f"{section}.{key}" for section, table in values.items() for key in table}
+    return names | {f"{section}.{key}" for section, key, _ in map(parse_override, overrides)}
+
+
 def _apply_preset(values: dict[str, dict[str, Any]]) -> None:
     """Fill in the keys of `model.preset` (`nn.gpt.PRESETS`) that the file and overrides left out.
 
@@ -451,8 +459,6 @@ def _model_state(cfg: Config, params: int, units: list[int], shards: int) -> int
 def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None) -> tuple[int, int]:
     """(weights + grads + optimizer state, activations) in bytes on the busiest rank.
     `cp` defaults to the config's resolved `mesh.cp` (1 when auto)."""
-    from hpcpar.parallel import schedule
-
     m, t = cfg.model, cfg.train
     s = DTYPES[m.dtype]
     cp = cp if cp is not None else (cfg.mesh.cp or 1)
@@ -490,8 +496,7 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
     embed = s * bsz * n * 2 * c                        # token + position embeddings
     head = s * bsz * n * (2 * c + 2 * m.vocab_size / tp)  # ln_f, logits and softmax probabilities
     # Peak stashed chunk activations per pipeline rank, from the schedule itself.
-    stash = schedule.simulate(schedule.build(cfg.pipeline.schedule, pp, t.microbatches,
-                                             cfg.pipeline.chunks)).peak_stash
+    stash = peak_stash(cfg.pipeline.schedule, pp, t.microbatches, cfg.pipeline.chunks)
     worst_state, worst_act, worst = 0, 0, -1.0
     for stage in range(pp):
         p = _stage_parameters(cfg, tp, pp, stage)
@@ -506,6 +511,22 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
         if state + act > worst:
             worst_state, worst_act, worst = state, math.ceil(act), state + act
     return worst_state, worst_act
+
+
+@functools.lru_cache(maxsize=1024)
+def peak_stash(name: str, pp: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
+    """Chunk activations each pipeline rank holds at most (the simulator's `peak_stash`), from the
+    schedules' closed forms where they have one (their docstrings in parallel/schedule.py; the
+    tests hold them to the simulator), so that plans for thousands of ranks need no simulation."""
+    m, v = microbatches, chunks
+    if name == "gpipe":
+        return (m * v,) * pp
+    if name == "1f1b" or (name == "interleaved" and v == 1):
+        return tuple(min(pp - r, m) for r in range(pp))
+    if name == "interleaved":
+        return tuple(min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) for r in range(pp))
+    from hpcpar.parallel import schedule
+    return tuple(schedule.simulate(schedule.build(name, pp, m, v)).peak_stash)
 
 
 def estimate_memory(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None) -> int:

@@ -14,6 +14,7 @@ takes its dp share, so results do not depend on the mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ import hpcpar
 from hpcpar import backend, checkpoint, config, data, datasets, metrics, preemption, threads, tokenizer, watchdog
 from hpcpar.comm import Communicator
 from hpcpar.errors import ConfigError, HpcparError
-from hpcpar.mesh import Axis, Mesh
+from hpcpar.mesh import Axis, Mesh, resolve_degrees
 from hpcpar.optim import SGD, AdamW, lr_at
 from hpcpar.parallel import pipeline, schedule
 from hpcpar.parallel.context import ContextParallel
@@ -479,8 +480,9 @@ def main(config_path: str | None, overrides: list) -> int:
     status (0, or REQUEUE_STATUS after preemption)."""
     world = MPI.COMM_WORLD
     _setup_logging(world.rank)
-    trainer = Trainer(config.load_config(config_path, overrides), world,
-                      available_memory_bytes=_agreed_memory_per_rank(world))
+    cfg = elastic_batch(config.load_config(config_path, overrides), world.Get_size(),
+                        config.given_keys(config_path, overrides))
+    trainer = Trainer(cfg, world, available_memory_bytes=_agreed_memory_per_rank(world))
     cfg, mesh = trainer.cfg, trainer.mesh  # cfg: validated, mesh resolved
     watchdog.set_timeout(cfg.run.timeout)
     watchdog.set_check_every(cfg.run.debug_check_every)
@@ -496,6 +498,41 @@ def main(config_path: str | None, overrides: list) -> int:
             json.dump(result.summary, f, indent=2, sort_keys=True)
         log.info("%s", _format_summary(result.summary))
     return result.status
+
+
+def elastic_batch(cfg: config.Config, world_size: int, given: set[str]) -> config.Config:
+    """Elastic resume: a job resumed on another number of ranks keeps the checkpoint's global batch.
+
+    When `checkpoint.resume` finds a checkpoint, every mesh degree is auto (0) and neither
+    train.micro_batch_size nor train.microbatches was given, the batch keys are derived from the
+    checkpoint's global batch G = dp * micro_batch_size * microbatches and the dp this world
+    resolves to: micro_batch_size the largest divisor of G / dp not above the saved one, and
+    microbatches the rest. Samples are drawn by (seed, step, global sample id) (data.py), so
+    the run goes on with the same samples in every step, and its losses are the uninterrupted
+    run's up to the order of the sums. Anything else: `cfg` unchanged.
+    """
+    m, t = cfg.mesh, cfg.train
+    if not cfg.checkpoint.resume or any((m.dp, m.tp, m.pp, m.cp)) or \
+            given & {"train.micro_batch_size", "train.microbatches"}:
+        return cfg
+    path = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint.resume == "auto" else cfg.checkpoint.resume
+    if not path or not os.path.isdir(path):
+        return cfg
+    _, meta = checkpoint.load(path, {}, Communicator.local())
+    saved = config.loads(meta["config"], origin=f"config stored in {path}")
+    batch = saved.mesh.dp * saved.train.micro_batch_size * saved.train.microbatches
+    dp = resolve_degrees(world_size, m.dp, m.tp, m.pp, m.cp)[0]
+    if dp * t.micro_batch_size * t.microbatches == batch:
+        return cfg
+    if batch % dp:
+        raise ConfigError(f"elastic resume: the checkpoint's global batch of {batch} sequences does not split over "
+                          f"dp={dp} ({world_size} ranks, mesh auto); resume on a number of ranks whose dp divides "
+                          f"{batch}, or set mesh degrees and train.micro_batch_size/microbatches yourself")
+    share = batch // dp
+    size = max(d for d in range(1, min(share, saved.train.micro_batch_size) + 1) if share % d == 0)
+    log.info("elastic resume: %d ranks (dp=%d) keep the checkpoint's global batch of %d sequences as "
+             "micro_batch_size=%d x microbatches=%d", world_size, dp, batch, size, share // size)
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, micro_batch_size=size, microbatches=share // size))
 
 
 def _setup_logging(rank: int) -> None:

@@ -29,7 +29,7 @@ LAYERS = [
      "nn.context_parallel"},
     {"parallel", "parallel.schedule", "parallel.pipeline", "parallel.buckets", "parallel.compression",
      "parallel.zero", "parallel.fsdp", "parallel.clipping", "parallel.data_parallel", "optim", "checkpoint"},
-    {"config", "train", "generate", "evaluate", "huggingface"},
+    {"config", "train", "generate", "evaluate", "huggingface", "plan"},
     {"cli", "__main__"},
 ]
 LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}

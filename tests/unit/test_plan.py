@@ -1,0 +1,128 @@
+"""`hpcpar plan`: the cost model's pieces against the simulator, its plans against validation and
+the memory estimate, and its predictions against published figures (Narayanan et al., SC'21)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hpcpar import config, plan
+from hpcpar.errors import ConfigError
+from hpcpar.parallel import schedule
+
+A100 = plan.PRESETS["a100"]
+
+
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 6), (4, 4), (4, 8), (3, 9), (4, 12)])
+def test_peak_stash_closed_forms_are_the_simulators(name, chunks, pp, m):
+    if name == "interleaved" and m % pp:
+        pytest.skip("interleaved needs m % pp == 0")
+    if name == "1f1b" and m < pp:
+        pytest.skip("1f1b with m < pp: gpipe's case")
+    simulated = schedule.simulate(schedule.build(name, pp, m, chunks)).peak_stash
+    assert list(config.peak_stash(name, pp, m, chunks)) == list(simulated)
+
+
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
+@pytest.mark.parametrize("pp,m", [(2, 8), (4, 8), (4, 16), (8, 32)])
+def test_pipeline_closed_form_is_the_simulators_makespan_without_message_time(name, chunks, pp, m):
+    t_f, t_b = 1.0, 2.3
+    simulated = schedule.simulate(schedule.build(name, pp, m, chunks), t_f, t_b, 0.0).makespan
+    closed = m * (t_f + t_b) + (pp - 1) * (t_f + t_b) / chunks
+    assert closed == pytest.approx(simulated, rel=1e-12)
+    # The cached, scaled simulation `pipeline_time` uses gives the same makespan.
+    assert plan.pipeline_time(name, pp, m, chunks, 2 * t_f, 2 * t_b, 0.0) == pytest.approx(2 * simulated, rel=1e-3)
+
+
+def cfg_of(*overrides: str) -> config.Config:
+    return config.load_config(None, list(overrides))
+
+
+def test_collective_costs_follow_the_ring_model():
+    link = plan.Link(alpha=1e-5, beta=1e9)
+    assert plan.all_reduce_time(4e6, 1, link) == 0
+    assert plan.all_reduce_time(4e6, 4, link) == pytest.approx(2 * 3 * (1e-5 + 1e6 / 1e9))
+    assert plan.all_gather_time(4e6, 4, link) == pytest.approx(plan.all_reduce_time(4e6, 4, link) / 2)
+    hw = dataclasses.replace(A100, ranks_per_node=8)
+    assert hw.link(8, 1) == hw.intra and hw.link(2, 8) == hw.inter
+
+
+def test_plans_validate_fit_and_come_fastest_first(tmp_path):
+    cfg = cfg_of("model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64")
+    hw = dataclasses.replace(A100, ranks_per_node=4, memory_bytes=2**30)
+    plans = plan.plan(cfg, 4, hw, top=0)
+    assert len(plans) > 10
+    times = [p.step_time for p in plans]
+    assert times == sorted(times)
+    for p in plans:
+        m = p.cfg.mesh
+        assert m.dp * m.tp * m.pp * m.cp == 4
+        assert m.dp * p.cfg.train.micro_batch_size * p.cfg.train.microbatches == 48   # auto dp=2 x 12 x 2
+        assert config.validate(p.cfg, 4) == p.cfg
+        assert p.memory_bytes == config.estimate_memory(p.cfg, m.dp, m.tp, m.pp, m.cp) <= hw.memory_bytes
+        assert sum(v for k, v in p.parts.items() if not k.startswith("t_")) == pytest.approx(p.step_time)
+    out = tmp_path / "plan.toml"
+    plan.write_plan(plans[0], str(out))
+    assert config.validate(config.load_config(str(out)), 4) == plans[0].cfg
+    why = plan.reasons(plans[0], plans[1:])
+    assert any(line.startswith("tp=") for line in why) and all("x slower" in line or "only value" in line
+                                                            for line in why)
+
+
+def test_memory_limit_drops_layouts_that_do_not_fit():
+    cfg = cfg_of("model.n_layer=8", "model.n_head=8", "model.n_embd=512", "model.block_size=256")
+    roomy = plan.plan(cfg, 8, dataclasses.replace(A100, memory_bytes=2**34), top=0, keep=10**6)
+    tight_bytes = sorted(p.memory_bytes for p in roomy)[len(roomy) // 2]
+    tight = plan.plan(cfg, 8, dataclasses.replace(A100, memory_bytes=tight_bytes), top=0, keep=10**6)
+    assert tight and all(p.memory_bytes <= tight_bytes for p in tight)
+    assert len(tight) < len(roomy)
+
+
+def test_a_model_that_fits_nowhere_says_how_many_ranks_it_needs():
+    cfg = cfg_of(*(f"model.{k}={v}" for k, v in plan.MODEL_PRESETS["70b"].items()))
+    with pytest.raises(ConfigError, match=r"no layout of 8 ranks fits .* need >= \d+ such ranks"):
+        plan.plan(cfg, 8, A100)
+
+
+# Narayanan et al., SC'21 (arXiv 2104.04473), Table 1 / Megatron-LM README: GPT with s = 2048,
+# V = 51200, mixed precision, full recomputation, micro-batch 1, on A100s (Selene).
+# (billions of parameters, heads, hidden, layers, tp, pp, GPUs, global batch, TFLOP/s per GPU)
+NARAYANAN = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+             (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+             (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+             (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+             (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+
+
+def narayanan_config(heads, hidden, layers, tp, pp, gpus, batch) -> config.Config:
+    dp = gpus // (tp * pp)
+    return cfg_of(f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={hidden}",
+                  "model.block_size=2048", "model.vocab_size=51200", "model.dtype=bfloat16", f"mesh.dp={dp}",
+                  f"mesh.tp={tp}", f"mesh.pp={pp}", "mesh.cp=1", "train.micro_batch_size=1",
+                  f"train.microbatches={batch // dp}", "train.recompute=full")
+
+
+def paper_tflops_per_gpu(step_time, heads, hidden, layers, gpus, batch) -> float:
+    """The paper's count: F = 96 B s l h^2 (1 + s / 6h + V / 16 l h) per step (recomputation included)."""
+    s, v = 2048, 51200
+    flops = 96 * batch * s * layers * hidden**2 * (1 + s / (6 * hidden) + v / (16 * layers * hidden))
+    return flops / step_time / gpus / 1e12
+
+
+@pytest.mark.parametrize("row", NARAYANAN, ids=[f"{r[0]}B" for r in NARAYANAN])
+def test_predicted_tflops_per_gpu_within_20_percent_of_the_paper(row):
+    _, heads, hidden, layers, tp, pp, gpus, batch, published = row
+    predicted = plan.predict(narayanan_config(heads, hidden, layers, tp, pp, gpus, batch), A100)
+    tflops = paper_tflops_per_gpu(predicted.step_time, heads, hidden, layers, gpus, batch)
+    assert tflops == pytest.approx(published, rel=0.20)
+
+
+def test_plans_for_ten_thousand_ranks():
+    """One representative rank per role: a 175B model on 16,384 GPUs plans without simulating them all."""
+    cfg = cfg_of(*(f"model.{k}={v}" for k, v in plan.MODEL_PRESETS["175b"].items()))
+    hw = dataclasses.replace(A100, ranks_per_node=8)
+    best = plan.plan(cfg, 16384, hw, top=3, global_batch=4096)
+    assert len(best) == 3 and all(p.cfg.mesh.dp * p.cfg.mesh.tp * p.cfg.mesh.pp * p.cfg.mesh.cp == 16384
+                                  for p in best)
