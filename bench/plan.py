@@ -76,6 +76,37 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps({"rows": rows, "calibration": calib, "plans": len(plans)}))
 
 
+# Narayanan et al., SC'21 (arXiv 2104.04473), Table 1 (also Megatron-LM's README): GPT with
+# s = 2048, V = 51200, mixed precision, full recomputation, micro-batch 1, A100s of Selene.
+# (billions of parameters, heads, hidden, layers, tp, pp, GPUs, global batch, TFLOP/s per GPU)
+NARAYANAN = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+             (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+             (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+             (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+             (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+
+
+def narayanan() -> list[dict]:
+    """The paper's layouts through `plan.predict` with the A100 preset: predicted TFLOP/s per GPU
+    (the paper's count, 96 B s l h^2 (1 + s/6h + V/16lh) per step) against the published ones."""
+    from hpcpar import config, plan
+
+    rows = []
+    for params, heads, hidden, layers, tp, pp, gpus, batch, published in NARAYANAN:
+        dp = gpus // (tp * pp)
+        cfg = config.load_config(None, [
+            f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={hidden}", "model.block_size=2048",
+            "model.vocab_size=51200", "model.dtype=bfloat16", f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}",
+            "mesh.cp=1", "train.micro_batch_size=1", f"train.microbatches={batch // dp}", "train.recompute=full"])
+        step = plan.predict(cfg, plan.PRESETS["a100"]).step_time
+        flops = 96 * batch * 2048 * layers * hidden**2 * (1 + 2048 / (6 * hidden) + 51200 / (16 * layers * hidden))
+        predicted = flops / step / gpus / 1e12
+        rows.append({"params_b": params, "tp": tp, "pp": pp, "dp": dp, "gpus": gpus, "batch": batch,
+                     "published_tflops": published, "predicted_tflops": predicted, "ratio": predicted / published,
+                     "step_s": step})
+    return rows
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman's rank correlation (no ties expected in measured times)."""
     ra, rb = (np.argsort(np.argsort(x)).astype(float) for x in (a, b))
@@ -130,9 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     median_error = float(np.median(errors))
     print(f"median |error| {median_error:.1%} (goal <= 15 %), Spearman {rho:.2f} (goal >= 0.8), plan's first "
           f"choice {gap:+.1%} from the fastest measured (goal <= 5 %); {result['plans']} plans fit")
+    paper = narayanan()
+    worst = max(abs(r["ratio"] - 1) for r in paper)
+    print(f"Narayanan et al. (SC'21) weak-scaling table, A100 preset: predicted / published TFLOP/s per GPU "
+          f"within {worst:.0%} on all {len(paper)} rows (goal 20 %)")
     write_result(args.out, started, "hpcpar plan's predictions vs measured step times, one launch",
                  rows=rows, calibration=result["calibration"], median_abs_error=median_error, spearman=rho,
-                 first_choice_gap=gap, plans_that_fit=result["plans"])
+                 first_choice_gap=gap, plans_that_fit=result["plans"], narayanan=paper)
     return 0 if median_error <= 0.15 and rho >= 0.8 and gap <= 0.05 else 1
 
 

@@ -83,6 +83,10 @@ BENCHMARKS = (
     Benchmark("zero", "bench/zero.py", None,
               "ZeRO-3 (FSDP) vs ZeRO-1 tokens/s on 4 ranks with prefetch; all-gather time hidden behind compute",
               quick_args=("--steps", "2", "--repeats", "1", "--layers", "2")),
+    Benchmark("plan", "bench/plan.py", None,
+              "hpcpar plan: calibrate, plan 4 ranks, train every mesh's best plan: predicted vs measured step "
+              "time; the A100 preset against Narayanan et al.'s published TFLOP/s per GPU",
+              quick_args=("--steps", "1", "--repeats", "1", "--layers", "2"), timeout_s=900.0),
     Benchmark("vs_torch", "bench/vs_torch.py", None,
               "one process, hpcpar vs PyTorch eager on the same GPT and batches (1 thread)",
               args=("--steps", "5"), quick_args=("--steps", "1", "--rounds", "1", "--n-embd", "128"),
@@ -340,6 +344,34 @@ def _vs_torch(d: dict) -> list[str]:
             f"{c['threads']} thread; per-op overhead {h['op_overhead_us']:.1f} µs vs {t['op_overhead_us']:.1f} µs"]
 
 
+def _plan(d: dict) -> list[str]:
+    paper = d["narayanan"]
+    worst = max(abs(r["ratio"] - 1) for r in paper)
+    return [f"4 ranks, {len(d['rows'])} meshes: median |predicted - measured| / measured {d['median_abs_error']:.0%} "
+            f"(goal <= 15 %), Spearman {d['spearman']:.2f} (goal >= 0.8), first choice "
+            f"{d['first_choice_gap']:+.0%} from the fastest (goal <= 5 %)",
+            f"Narayanan et al. table, A100 preset: predicted TFLOP/s per GPU within {worst:.0%} of the published "
+            f"on all {len(paper)} rows (goal 20 %)"]
+
+
+def _plan_table(d: dict) -> list[str]:
+    lines = ["`python bench/plan.py`: calibrated on this machine (4 ranks), the fastest plan of each mesh "
+             "trained with `Trainer.train`; measured = the slowest rank's median step, best round.", "",
+             "| plan | predicted ms | measured ms | error |", "|---|---:|---:|---:|"]
+    for r in sorted(d["rows"], key=lambda r: r["measured_s"]):
+        err = abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+        lines.append(f"| {r['layout']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | {err:.0%} |")
+    lines += ["", "The A100 preset (312 TFLOP/s bf16 peak, GEMM efficiency 0.70, HBM 2.0 TB/s, NVLink 300 GB/s, "
+              "one 25 GB/s HCA per GPU) on the layouts of Narayanan et al., SC'21, Table 1 (full recomputation, "
+              "micro-batch 1, 1F1B), TFLOP/s per GPU by the paper's FLOP count:", "",
+              "| model | GPUs | tp | pp | dp | batch | published | predicted | ratio |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in d["narayanan"]:
+        lines.append(f"| {r['params_b']}B | {r['gpus']} | {r['tp']} | {r['pp']} | {r['dp']} | {r['batch']} | "
+                     f"{r['published_tflops']} | {r['predicted_tflops']:.1f} | {r['ratio']:.2f} |")
+    return lines
+
+
 def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
     """The headline figures of benchmark `name` from its JSON `data`, one string per line."""
     try:
@@ -349,7 +381,7 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
             return _checkpoint(data, ranks or 4)
         return {"allreduce": _allreduce, "pipeline": _pipeline, "scaling": _scaling,
                 "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory, "zero": _zero,
-                "vs_torch": _vs_torch}[name](data)
+                "vs_torch": _vs_torch, "plan": _plan}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
 
@@ -467,7 +499,8 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
     for name, title, table, image in (("mesh_scaling", "Mesh scaling", _mesh_table, "mesh scaling"),
                                       ("pipeline", "Pipeline bubble", _pipeline_table, "pipeline"),
                                       ("context", "Context parallelism", _context_table, None),
-                                      ("memory", "Memory", _memory_table, None)):
+                                      ("memory", "Memory", _memory_table, None),
+                                      ("plan", "Plan", _plan_table, None)):
         results = details.get(name, {}).get("results")
         if not results:
             continue

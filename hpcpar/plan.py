@@ -439,7 +439,7 @@ def plan(cfg: Config, world: int, hw: Hardware, top: int = 5, global_batch: int 
     try:
         for p in preds:
             try:
-                cand = config.validate(p.cfg, world)
+                cand = _validate(p.cfg, world)
             except HpcparError:
                 continue            # a layout the engine refuses is simply not a candidate
             memory = estimate_memory(cand, cand.mesh.dp, cand.mesh.tp, cand.mesh.pp, cand.mesh.cp)
@@ -452,6 +452,15 @@ def plan(cfg: Config, world: int, hw: Hardware, top: int = 5, global_batch: int 
     if not found:
         raise ConfigError(_nothing_fits(cfg, world, hw, global_batch, len(preds)))
     return found
+
+
+def _validate(cfg: Config, world: int) -> Config:
+    """`config.validate`, except that a 16-bit model.dtype (mixed precision, which `hpcpar train`
+    refuses until it is built) is planned as what-if: every other rule still applies."""
+    if DTYPES[cfg.model.dtype] != 2:
+        return config.validate(cfg, world)
+    as32 = config.validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32")), world)
+    return dataclasses.replace(as32, model=cfg.model)
 
 
 def _global_batch(cfg: Config, world: int) -> int:
@@ -513,6 +522,7 @@ def format_plans(plans: list[Prediction], world: int, hw: Hardware, why: list[st
 
 def write_plan(pred: Prediction, path: str) -> None:
     """A config `hpcpar train` runs as is: the planned config with its mesh degrees."""
+    pred.cfg.model.check_dtype()   # a 16-bit what-if plan is not a config train can run yet
     with open(path, "w") as f:
         f.write(f"# hpcpar plan: {pred.layout}\n# predicted {pred.step_time * 1e3:.1f} ms/step, "
                 f"{pred.tokens_per_s:,.0f} tokens/s\n")

@@ -106,6 +106,11 @@ SAMPLES = {
                     "big_zero3_peak_bytes": 42.4 * MiB}},
         "checks": {"activations: none within 10% of its formula": True,
                    "model_state: zero=3 within 10% of its formula": True}},
+    "plan": {"median_abs_error": 0.12, "spearman": 0.9, "first_choice_gap": 0.02, "plans_that_fit": 500,
+             "rows": [{"layout": "dp=4 tp=1 pp=1", "predicted_s": 0.9, "measured_s": 1.0},
+                      {"layout": "dp=1 tp=4 pp=1", "predicted_s": 1.7, "measured_s": 1.5}],
+             "narayanan": [{"params_b": 1.7, "gpus": 32, "tp": 1, "pp": 1, "dp": 32, "batch": 512,
+                            "published_tflops": 137, "predicted_tflops": 150.7, "ratio": 1.1}]},
     "zero": {"ratio_zero3_over_zero1": 0.95, "hidden_fraction": 0.3,
              "best": {"dp": 4, "zero1": {"tokens_per_s": 7000.0, "gather_wait_s": 0.0},
                       "zero3": {"tokens_per_s": 6650.0, "gather_wait_s": 0.07},
@@ -163,6 +168,10 @@ def test_key_figures_computed_from_the_json(run_all):
     assert "zero=1 10.00 (10.00)" in memory[2]
     assert "3.24M params (3.9x the 0.83M plain DP fits) refused by zero=0, trains under zero=3" in memory[3]
     assert memory[4] == "every figure within 10% of its formula: yes"
+    plan = run_all.key_figures("plan", SAMPLES["plan"])
+    assert plan[0] == ("4 ranks, 2 meshes: median |predicted - measured| / measured 12% (goal <= 15 %), "
+                       "Spearman 0.90 (goal >= 0.8), first choice +2% from the fastest (goal <= 5 %)")
+    assert plan[1].startswith("Narayanan et al. table, A100 preset: predicted TFLOP/s per GPU within 10%")
     zero = run_all.key_figures("zero", SAMPLES["zero"])
     assert zero[0].startswith("zero=3 / zero=1 tokens/s on 4 ranks: 0.95x") and "30% hidden" in zero[1]
 
@@ -191,6 +200,8 @@ def test_markdown_table(run_all, summary):
     assert "| 4 | 8704 | 60.0 | 58.0 |" in text
     assert "## Memory" in text and "| selective | 14.014 | 14.000 | 1.001 | 36.4% | 10.000 | 21.00 | 1.17x |" in text
     assert "| 3 | 16/N + unit | 4.95 | 4.95 | 0.95 | +0.0% |" in text
+    assert "## Plan" in text and "| dp=1 tp=4 pp=1 | 1700.0 | 1500.0 | 13% |" in text
+    assert "| 1.7B | 32 | 1 | 1 | 32 | 512 | 137 | 150.7 | 1.10 |" in text
 
 
 def test_quiet_machine_and_missing_results(run_all, tmp_path):
