@@ -614,7 +614,8 @@ def _measure_step(cfg: Config, world_comm, comm, steps: int = 4) -> float:
 def _measure_layer(cfg: Config, tp: int, comm) -> list[float]:
     """[a_f, c_f, a_b, c_b, a_h, c_h]: a block's forward and backward and the head's forward +
     backward seconds on a tp shard, fitted to a + c * tokens from two micro-batch sizes, every
-    rank measuring at once (the shapes are the shard's: heads / tp, widths 3C/tp and 4C/tp)."""
+    rank measuring at once (the shapes are the shard's: heads / tp, widths 3C/tp and 4C/tp); the
+    best of 5 repeats, the median over ranks."""
     import numpy as np
 
     from hpcpar import ops
@@ -644,7 +645,7 @@ def _measure_layer(cfg: Config, tp: int, comm) -> list[float]:
         x = Tensor(rng.standard_normal((b, t, c)).astype(dtype), requires_grad=True)
         targets = rng.integers(0, m.vocab_size, (b, t)) % m.vocab_rows(tp)
         best = [math.inf] * 3
-        for _ in range(3):
+        for _ in range(5):
             comm.barrier()
             t0 = time.perf_counter()
             out = block(x)
@@ -658,7 +659,7 @@ def _measure_layer(cfg: Config, tp: int, comm) -> list[float]:
             best = [min(best[0], t1 - t0), min(best[1], t2 - t1), min(best[2], t3 - t2)]
         return tuple(float(np.median([r[i] for r in comm.all_gather_object(best)])) for i in range(3))
 
-    small, large = 1, 4
+    small, large = 2, 8
     lo, hi = timed(small), timed(large)
     n_lo, n_hi = small * t, large * t
     out = []
