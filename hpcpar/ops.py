@@ -686,7 +686,8 @@ def recompute(fn, *inputs: Tensor) -> Tensor:
 
     Parameters used inside `fn` are not parents of this op: they are leaves of the re-run's
     graph, so each receives its gradient and fires its grad hooks (data parallelism's counting)
-    once per backward of this op, inside it. Collectives inside `fn` are issued again by the
+    once per backward of this op, inside it (under a split backward: in the weight pass, W,
+    which then holds what the re-run's weight gradients need, as a block kept whole would). Collectives inside `fn` are issued again by the
     re-run, so every rank of their group must recompute the same `fn` at the same point.
 
     Under `no_grad` this is just `fn(*inputs)`. Returns a Tensor that requires grad (whenever
@@ -701,6 +702,8 @@ def recompute(fn, *inputs: Tensor) -> Tensor:
         leaves = tuple(Tensor(x.data, requires_grad=x.requires_grad) for x in inputs)
         with enable_grad():
             y = fn(*leaves)
-        y.backward(g)
+        # Inside a split backward (B) only the leaves' gradients are wanted now; the parameters'
+        # join the enclosing backward's weight pass (tensor.WeightGrads), in order.
+        y.backward(g, inputs=leaves)
         return tuple(leaf.grad for leaf in leaves)
     return Tensor.from_op(out.data, tuple(inputs), backward, always=True)
