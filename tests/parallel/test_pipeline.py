@@ -53,15 +53,16 @@ def meshes():
 
 def cases():
     for dp, tp, pp in meshes():
-        for name, ms, chunks in (("gpipe", (1, 2, 5), 1), ("1f1b", (1, 2, 5), 1), ("interleaved", (2, 4), 2)):
-            if name == "interleaved" and pp == 1:
-                continue  # interleaving needs >= 2 stages (config rejects it)
+        for name, ms, chunks in (("gpipe", (1, 2, 5), 1), ("1f1b", (1, 2, 5), 1), ("interleaved", (2, 4), 2),
+                                 ("zbh1", (1, 2, 4, 5), 1), ("zbv", (1, 2, 4, 5), 0)):
+            if name in ("interleaved", "zbv") and pp == 1:
+                continue  # interleaving and the V need >= 2 stages (config rejects them)
             for m in ms:
                 m = m * pp if name == "interleaved" else m  # interleaved needs m % pp == 0
                 mesh_id = f"dp{dp}-tp{tp}-pp{pp}"
                 yield pytest.param(dp, tp, pp, name, m, chunks, False, id=f"{mesh_id}-{name}-m{m}")
     if SIZE == 4:  # sequence parallelism: activations cross stages as [mbs, T/tp, C]
-        for name, m, chunks in (("1f1b", 3, 1), ("interleaved", 4, 2)):
+        for name, m, chunks in (("1f1b", 3, 1), ("interleaved", 4, 2), ("zbh1", 3, 1), ("zbv", 3, 0)):
             yield pytest.param(1, 2, 2, name, m, chunks, True, id=f"dp1-tp2-pp2-sp-{name}-m{m}")
 
 
