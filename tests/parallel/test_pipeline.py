@@ -118,19 +118,32 @@ def test_evaluate_matches_single_process(name, chunks):
 
 
 @pytest.mark.timeout(120)
-def test_trace_has_every_rank(shared_dir):
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("zbh1", 1), ("zbv", 2)])
+def test_trace_has_every_rank(shared_dir, name, chunks):
+    """Every rank's compute spans: m forwards and backwards per chunk, and under a zero-bubble
+    schedule as many weight spans (W as its own block, after its B)."""
+    if name == "zbv" and SIZE == 1:
+        pytest.skip("ZB-V needs >= 2 pipeline stages")
     m = 2
-    cfg = load_config(None, BASE + ["mesh.dp=1", "mesh.tp=1", f"mesh.pp={SIZE}", "pipeline.schedule=1f1b",
+    cfg = load_config(None, BASE + ["mesh.dp=1", "mesh.tp=1", f"mesh.pp={SIZE}", f"pipeline.schedule={name}",
                                     f"train.microbatches={m}", "pipeline.trace=true"])
     events = one_step_trace(Trainer(cfg, comm=WORLD, tokens=TOKENS), shared_dir)
     problem = ""
     if RANK == 0:
         spans = [e for e in events if e["ph"] == "X"]
+        kinds = ("forward", "backward", "weight")
+        want = {"forward": m * chunks, "backward": m * chunks, "weight": m * chunks if name != "1f1b" else 0}
         for rank in range(SIZE):
             mine = [e for e in spans if e["pid"] == rank]
-            counts = {k: sum(e["name"] == k for e in mine) for k in ("forward", "backward")}
-            if counts != {"forward": m, "backward": m}:
-                problem = f"rank {rank}: {counts} compute spans, expected {m} each"
+            counts = {k: sum(e["name"] == k for e in mine) for k in kinds}
+            if counts != want:
+                problem = f"rank {rank}: {counts} compute spans, expected {want}"
+            # Chrome trace times are in microseconds; allow 1 for rounding.
+            span = {(e["name"], e["args"]["mb"], e["tid"]): e for e in mine if e["name"] in kinds}
+            late = [key for key, e in span.items() if key[0] == "weight"
+                    and e["ts"] < span[("backward", *key[1:])]["ts"] + span[("backward", *key[1:])]["dur"] - 1]
+            if late:
+                problem = f"rank {rank}: weight spans {late} do not follow their backward"
             if SIZE > 1 and not any(e["name"].startswith("recv") for e in mine):
                 problem = f"rank {rank}: no recv spans"
         if any(e["ts"] < 0 or e["dur"] < 0 for e in spans):
