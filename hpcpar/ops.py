@@ -687,8 +687,9 @@ def recompute(fn, *inputs: Tensor) -> Tensor:
     Parameters used inside `fn` are not parents of this op: they are leaves of the re-run's
     graph, so each receives its gradient and fires its grad hooks (data parallelism's counting)
     once per backward of this op, inside it (under a split backward: in the weight pass, W,
-    which then holds what the re-run's weight gradients need, as a block kept whole would). Collectives inside `fn` are issued again by the
-    re-run, so every rank of their group must recompute the same `fn` at the same point.
+    which then holds what the re-run's weight gradients need, as a block kept whole would).
+    Collectives inside `fn` are issued again by the re-run, so every rank of their group must
+    recompute the same `fn` at the same point.
 
     Under `no_grad` this is just `fn(*inputs)`. Returns a Tensor that requires grad (whenever
     gradients are enabled: `fn`'s parameters may need them though no input does).

@@ -45,7 +45,9 @@ its neighbour. Data-parallel gradient hooks on the parameters simply fire inside
 the tied embedding/head copies on the first and last stage are kept equal by DataParallel
 (gradients summed over `mesh.embedding_comm`). `run(batches, forward_only=True)` evaluates:
 forwards only, in `schedule.forward_only` order, no graph. `measured_bubble()` is the idle
-fraction of the steps so far (time outside forward/backward/weight over time in `run`).
+fraction of the steps so far (time outside forward/backward/weight over time in `run`);
+`peak_stash` the most chunk activations held at once (from a forward until its backward, or its
+weight action where the backward is split), the executor's count of what `schedule.simulate` predicts.
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ class PipelineExecutor:
     Attributes:
         rng_contexts: None, or per micro-batch the `rng_context` (seed, step, sample_ids) that is
             set on the stage before that micro-batch's forward (dropout masks), for the next `run`.
+        peak_stash: the most chunk activations this rank held at once in any training step so far
+            (`schedule.SimResult.peak_stash` predicts it).
     """
 
     def __init__(self, stages: Sequence[Any], mesh, actions: Sequence[Action], microbatches: int,
@@ -168,6 +172,7 @@ class PipelineExecutor:
         self.step = 0
         self._busy = 0.0   # seconds of forward/backward over all training steps
         self._wall = 0.0   # seconds inside run() over all training steps
+        self.peak_stash = 0  # most (microbatch, chunk) activations held at once in a training step
         for a in self.actions:
             if not (0 <= a.chunk < self.chunks and 0 <= a.microbatch < microbatches):
                 raise ValueError(f"{a} does not fit {self.chunks} chunks x {microbatches} microbatches")
@@ -208,6 +213,11 @@ class PipelineExecutor:
         On a GPU the clock measures the host issuing kernels, not the kernels themselves."""
         return 1.0 - self._busy / self._wall if self._wall > 0 else None
 
+    def measured_idle(self) -> float | None:
+        """This rank's mean idle seconds per training step (time in run() outside forward,
+        backward and weight actions: the bubble in seconds); None before the first step."""
+        return (self._wall - self._busy) / self.step if self.step else None
+
     # -- replay: one handler per action kind ---------------------------------------------------
 
     def _replay(self, actions: Sequence[Action], st: "_Step") -> list[float]:
@@ -225,6 +235,8 @@ class PipelineExecutor:
                 end = time.perf_counter()
                 if kind in schedule.COMPUTE and st.backward:
                     self._busy += end - start
+                    # Held: stashed for the backward, or (split) what B left for the weight action.
+                    self.peak_stash = max(self.peak_stash, len(st.stash) + len(st.weights))
                 if tracer is not None:
                     for action in group:
                         tracer.record(action.kind, "compute" if kind in schedule.COMPUTE else "comm", start, end,

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from collective import collective_assert, one_step_trace, rel_err, training_problems
 
 from hpcpar.config import load_config
+from hpcpar.parallel import schedule
 from hpcpar.train import Trainer
 
 WORLD = MPI.COMM_WORLD
@@ -90,6 +91,11 @@ def check_training(dp, tp, pp, name, m, chunks, sp, host_messages=False):
     ref_steps, ref_params = reference(dp * m)
 
     problems = training_problems(results, ref_steps, trainer.global_parameters(), ref_params, RTOL)
+    # The activations the executor held at once are the simulator's count for this rank.
+    every_rank = schedule.simulate(schedule.build(name, pp, m, chunks), placement=trainer.placement)
+    predicted = every_rank.peak_stash[trainer.executor.pp_rank]
+    if trainer.executor.peak_stash != predicted:
+        problems.append(f"peak stash {trainer.executor.peak_stash} chunk activations, simulator {predicted}")
     # The head's tied copy on the last stage (not in global_parameters) must track wte exactly.
     for stage in trainer.stages:
         for pname, p in stage.named_parameters():
