@@ -1,6 +1,6 @@
 """Pipeline bubble: the real executor on stages of known cost, measured against the schedule math.
 
-    mpiexec -n 4 python bench/pipeline.py [--t-forward 0.04] [--t-backward 0.04] [--t-weight 0.04]
+    mpiexec -n 4 python bench/pipeline.py [--t-forward 0.1] [--t-backward 0.1] [--t-weight 0.1]
                                           [--microbatches 8,16] [--schedules 1f1b,zbh1,zbv,interleaved]
 
 Every rank is one pipeline rank (pp = world size). The stage modules are replaced by sleep
@@ -287,10 +287,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--t-forward", type=float, default=0.04, help="forward seconds per micro-batch per rank")
-    parser.add_argument("--t-backward", type=float, default=0.04,
+    parser.add_argument("--t-forward", type=float, default=0.1, help="forward seconds per micro-batch per rank")
+    parser.add_argument("--t-backward", type=float, default=0.1,
                         help="B (input gradient) seconds per micro-batch per rank")
-    parser.add_argument("--t-weight", type=float, default=0.04,
+    parser.add_argument("--t-weight", type=float, default=0.1,
                         help="W (weight gradient) seconds per micro-batch per rank")
     parser.add_argument("--microbatches", default="8,16")
     parser.add_argument("--schedules", default="1f1b,zbh1,zbv,interleaved",

@@ -61,7 +61,6 @@ BENCHMARKS = (
     Benchmark("pipeline", "bench/pipeline.py", 4,
               "pipeline executor (sleep stages of known F, B, W cost) vs the schedule simulator's step time; "
               "bubble and peak stash of ZB-H1 and ZB-V against 1F1B in the same run",
-              args=("--t-forward", "0.1", "--t-backward", "0.1", "--t-weight", "0.1"),
               quick_args=("--microbatches", "4", "--steps", "1", "--t-forward", "0.02", "--t-backward", "0.02",
                           "--t-weight", "0.02"), timeout_s=600.0),
     Benchmark("pipeline_gpt", "bench/pipeline.py", 4,
