@@ -213,10 +213,10 @@ class PipelineExecutor:
         On a GPU the clock measures the host issuing kernels, not the kernels themselves."""
         return 1.0 - self._busy / self._wall if self._wall > 0 else None
 
-    def measured_idle(self) -> float | None:
-        """This rank's mean idle seconds per training step (time in run() outside forward,
-        backward and weight actions: the bubble in seconds); None before the first step."""
-        return (self._wall - self._busy) / self.step if self.step else None
+    def measured_busy(self) -> float:
+        """Seconds this rank spent in forward, backward and weight actions over the training
+        steps so far (a step's idle time is its length minus its share of this)."""
+        return self._busy
 
     # -- replay: one handler per action kind ---------------------------------------------------
 
