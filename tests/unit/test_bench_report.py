@@ -58,7 +58,8 @@ SAMPLES = {
     "pipeline_gpt": {"ranks": 4, "model": ["model.n_layer=8"], "meshes": [
         {"mesh": "pp4", "dp": 1, "pp": 4, "rows": [
             {"schedule": s, "chunks": c, "step_s": t, "tokens_per_s": 2048 / t, "tokens_per_s_vs_1f1b": 1.0 / t,
-             "pipeline_bubble": b, "check_s": 0.001, "check_fraction": 0.001 / t, "loss_rel_diff_vs_1f1b": 0.0}
+             "pipeline_bubble": b, "check_s": 0.001, "check_fraction": 0.001 / t, "check_with_wait_s": 0.02,
+             "loss_rel_diff_vs_1f1b": 0.0}
             for s, c, t, b in (("1f1b", 1, 1.0, 0.3), ("zbh1", 1, 0.8, 0.1), ("zbv", 2, 0.8, 0.05))]}]},
     "checkpoint": {"ranks=4": {"ranks": 4, "bytes": 64 * MiB, "repeats": 3,
                                "gb_per_s": {"hpcpar save": 0.5, "numpy save": 2.0, "hpcpar load": 1.0,
@@ -205,7 +206,7 @@ def test_markdown_table(run_all, summary):
     assert "| 1f1b | 1 | 16 | 3.000 | 3.450 | +15.0% | 30.0% | 35.0% | 4 |" in text
     assert "| zbv | 8 | 0.25 | 0.17 | 0.2 | 0.30 | 0.33 | 0.80 | 4 (4) | no |" in text
     assert "## Pipeline schedules training a GPT" in text
-    assert "| pp4 | zbh1 | 1 | 0.800 | 2,560 | 1.25x | 10.0% | 1.00 (0.12%) | 0.0e+00 |" in text
+    assert "| pp4 | zbh1 | 1 | 0.800 | 2,560 | 1.25x | 10.0% | 1.00 (0.12%) | 20.00 | 0.0e+00 |" in text
     assert "## Context parallelism" in text and "| ring (contiguous) | 4 | 0.500 | – | 1.749 | – | – |" in text
     assert "| 4 | 8704 | 60.0 | 58.0 |" in text
     assert "## Memory" in text and "| selective | 14.014 | 14.000 | 1.001 | 36.4% | 10.000 | 21.00 | 1.17x |" in text
