@@ -50,7 +50,9 @@ def _sets(overrides: list[str]) -> list[str]:
           (4, "zbh1", ["mesh.pp=4", "mesh.dp=1"], 6, 1, ["model.n_layer=4"]),
           (4, "zbv", ["mesh.pp=2", "mesh.dp=2"], 5, 2, ["model.n_layer=4", "model.dropout=0.1"]),
           (4, "zbh1", ["mesh.pp=2", "mesh.tp=2", "mesh.dp=1"], 1, 1, ["model.dropout=0.1"]),
-          (2, "zbv", ["mesh.pp=2", "mesh.dp=1"], 2, 1, ["model.n_layer=4"])]]])
+          (2, "zbv", ["mesh.pp=2", "mesh.dp=1"], 2, 1, ["model.n_layer=4"]),
+          (4, "zbv", ["mesh.pp=4", "mesh.dp=1"], 4, 1, ["model.n_layer=8"]),
+          (4, "zbh1", ["mesh.pp=2", "mesh.dp=2"], 3, 2, ["model.n_layer=4", "model.dropout=0.1"])]]])
 def test_loss_curve_matches_the_one_rank_run(mpirun, tmp_path, n, mesh, same_global_batch):
     reference, _ = train(mpirun, 1, tmp_path / "one", *same_global_batch)
     parallel, job = train(mpirun, n, tmp_path / "many", *mesh)
