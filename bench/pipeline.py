@@ -28,9 +28,11 @@ bench/results/pipeline.json (+ pipeline.png); the exit status is 1 if a case is 
 misses its bound.
 
     mpiexec -n 4 python bench/pipeline.py --gpt [--gpt-meshes pp4,dp2xpp2] [--gpt-steps 3]
+    mpiexec -n 2 python bench/pipeline.py --gpt --gpt-meshes pp2
 
 Real training instead (`--gpt`): a float32 GPT (8 layers, C = 128, T = 128, 8 micro-batches of 2)
-trained by `Trainer.train_step` (the step of `hpcpar train`) on pp=4 and on dp=2 x pp=2, with
+trained by `Trainer.train_step` (the step of `hpcpar train`) on pp=4 and on dp=2 x pp=2 (or pp=2 on
+2 ranks), with
 every schedule of --schedules (interleaved: --chunks) built side by side in one run. The
 schedules take turns, one step each, for --gpt-warmup + --gpt-steps rounds, so that a change in
 the machine's load hits them alike; tokens/s = tokens per step / the slowest rank's step time
@@ -196,7 +198,7 @@ def _time_checks(trainer) -> None:
     trainer.dp.clip_grad_norm = timed(trainer.dp.clip_grad_norm)
 
 
-GPT_MESHES = {"pp4": (1, 4), "dp2xpp2": (2, 2)}  # name -> (dp, pp)
+GPT_MESHES = {"pp4": (1, 4), "dp2xpp2": (2, 2), "pp2": (1, 2)}  # name -> (dp, pp); dp * pp = ranks
 
 
 def gpt(args: argparse.Namespace) -> int:
