@@ -33,13 +33,13 @@ misses its bound.
 Real training instead (`--gpt`): a float32 GPT (8 layers, C = 128, T = 128, 8 micro-batches of 2)
 trained by `Trainer.train_step` (the step of `hpcpar train`) on pp=4 and on dp=2 x pp=2 (or pp=2
 on 2 ranks), with every schedule of --schedules (interleaved: --chunks) built side by side in one
-run. The
-schedules take turns, one step each, for --gpt-warmup + --gpt-steps rounds, so that a change in
-the machine's load hits them alike; tokens/s = tokens per step / the slowest rank's step time
-(median of the timed rounds), with the ratio to 1F1B's, and the time of the synchronous global
-checks (loss mean and gradient norm for clipping and the NaN check) on the last rank to reach
-them (the collectives alone) and on the first (waiting for the others included). Every schedule trains the same batches
-from the same initialisation, so their losses agree (the largest relative difference is printed).
+run. The schedules take turns, one step each, for --gpt-warmup + --gpt-steps rounds, so that a
+change in the machine's load hits them alike; tokens/s = tokens per step / the slowest rank's
+step time (median of the timed rounds), with the ratio to 1F1B's, and the time of the
+synchronous global checks (loss mean and gradient norm for clipping and the NaN check) on the
+last rank to reach them (the collectives alone) and on the first (waiting for the others
+included). Every schedule trains the same batches from the same initialisation, so their losses
+agree (the largest relative difference is printed).
 Results: bench/results/pipeline_gpt.json.
 """
 
