@@ -59,8 +59,14 @@ BENCHMARKS = (
               "tensor-parallel GEMMs (column/row-parallel Linear, tp = ranks): fraction of the GEMM peak",
               quick_args=("--sizes", "512x512x2048", "--rounds", "2")),
     Benchmark("pipeline", "bench/pipeline.py", 4,
-              "pipeline executor (sleep stages) vs the schedule simulator's step time and bubble",
-              quick_args=("--microbatches", "4", "--steps", "1", "--t-forward", "0.02", "--t-backward", "0.04")),
+              "pipeline executor (sleep stages of known F, B, W cost) vs the schedule simulator's step time; "
+              "bubble and peak stash of ZB-H1 and ZB-V against 1F1B in the same run", args=("--steps", "2"),
+              quick_args=("--microbatches", "4", "--steps", "1", "--t-forward", "0.02", "--t-backward", "0.02",
+                          "--t-weight", "0.02"), timeout_s=600.0),
+    Benchmark("pipeline_gpt", "bench/pipeline.py", 4,
+              "GPT training (Trainer.train_step) on pp=4 and dp=2 x pp=2: tokens/s of every pipeline schedule "
+              "side by side", args=("--gpt",),
+              quick_args=("--gpt", "--gpt-meshes", "dp2xpp2", "--gpt-warmup", "1", "--gpt-steps", "1")),
     Benchmark("checkpoint", "bench/checkpoint.py", 4,
               "checkpoint save/load throughput vs np.save/np.load of the same arrays",
               quick_args=("--mib", "32", "--repeats", "1")),
@@ -227,10 +233,24 @@ def _pipeline(d: dict) -> list[str]:
     within = sum(abs(e) <= d["tolerance"] for e in errors)
     one_f_one_b = [c for c in cases if c["schedule"] == "1f1b"] or cases
     c = one_f_one_b[len(one_f_one_b) // 2]  # a middle case of the plainest schedule as the example
-    return [f"pp={cases[0]['pp']}: measured step time {_pct(min(errors))} … {_pct(max(errors))} of the simulator's "
-            f"prediction over {len(cases)} cases; {within}/{len(cases)} within {d['tolerance']:.0%}",
-            f"e.g. {c['schedule']} m={c['microbatches']}: {c['measured_s']:.3f} s measured vs {c['predicted_s']:.3f} s "
-            f"predicted; bubble {c['measured_bubble']:.1%} measured vs {c['predicted_bubble']:.1%} predicted"]
+    out = [f"pp={cases[0]['pp']}: measured step time {_pct(min(errors))} … {_pct(max(errors))} of the simulator's "
+           f"prediction over {len(cases)} cases; {within}/{len(cases)} within {d['tolerance']:.0%}",
+           f"e.g. {c['schedule']} m={c['microbatches']}: {c['measured_s']:.3f} s measured vs {c['predicted_s']:.3f} s "
+           f"predicted; bubble {c['measured_bubble']:.1%} measured vs {c['predicted_bubble']:.1%} predicted"]
+    for r in d.get("against_1f1b", []):
+        if r.get("bound") is not None:
+            out.append(f"{r['schedule']} m={r['microbatches']}: bubble {r['idle_ratio']:.2f}x 1F1B's "
+                       f"(bound {r['bound']}, predicted {r['predicted_idle_ratio']:.2f}x), peak stash "
+                       f"{r['peak_stash']:g} vs {r['peak_stash_1f1b']:g}: {'ok' if r['ok'] else 'MISSED'}")
+    return out
+
+
+def _pipeline_gpt(d: dict) -> list[str]:
+    out = []
+    for mesh in d["meshes"]:
+        out.append(f"{mesh['mesh']}: " + ", ".join(f"{r['schedule']} {r['tokens_per_s']:,.0f} tok/s "
+                                                   f"({r['tokens_per_s_vs_1f1b']:.2f}x)" for r in mesh["rows"]))
+    return out
 
 
 def _checkpoint(d: dict, ranks: int) -> list[str]:
@@ -379,7 +399,7 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
             return _gemm(data, ranks or 2)
         if name == "checkpoint":
             return _checkpoint(data, ranks or 4)
-        return {"allreduce": _allreduce, "pipeline": _pipeline, "scaling": _scaling,
+        return {"allreduce": _allreduce, "pipeline": _pipeline, "pipeline_gpt": _pipeline_gpt, "scaling": _scaling,
                 "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory, "zero": _zero,
                 "vs_torch": _vs_torch, "plan": _plan}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
@@ -443,12 +463,47 @@ def _mesh_table(d: dict) -> list[str]:
 
 
 def _pipeline_table(d: dict) -> list[str]:
-    lines = ["| schedule | v | m | predicted s | measured s | error | bubble predicted | bubble measured |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    c0 = d["cases"][0]
+    lines = [f"Sleep stages, pp={c0['pp']}, per micro-batch and rank t_f={c0['t_forward']} s, "
+             f"B t_b={c0['t_backward']} s, W t_w={c0.get('t_weight', 0)} s (a schedule without W actions runs B "
+             "and W as one backward). Bubble: the idle fraction 1 - work / step time.", "",
+             "| schedule | v | m | predicted s | measured s | error | bubble predicted | bubble measured | "
+             "peak stash |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in d["cases"]:
         lines.append(f"| {c['schedule']} | {c['chunks']} | {c['microbatches']} | {c['predicted_s']:.3f} | "
                      f"{c['measured_s']:.3f} | {_pct(c['error'])} | {c['predicted_bubble']:.1%} | "
-                     f"{c['measured_bubble']:.1%} |")
+                     f"{c['measured_bubble']:.1%} | {c.get('measured_peak_stash', float('nan')):g} |")
+    if d.get("against_1f1b"):
+        lines += ["", "Against 1F1B of the same m, same run. Idle: step time minus each rank's compute time as "
+                  "the executor clocked it (mean over ranks); from step time: step - nominal work; peak stash in "
+                  "micro-batches of a rank's layers (worst rank).", "",
+                  "| schedule | m | idle / 1F1B | predicted | bound | from step time | idle fraction / 1F1B | "
+                  "step time / 1F1B | peak stash (1F1B) | ok |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in d["against_1f1b"]:
+            lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['idle_ratio']:.2f} | "
+                         f"{r['predicted_idle_ratio']:.2f} | {r['bound'] if r['bound'] is not None else '–'} | "
+                         f"{r['step_idle_ratio']:.2f} | {r['bubble_fraction_ratio']:.2f} | "
+                         f"{r['step_time_ratio']:.2f} | "
+                         f"{r['peak_stash']:g} ({r['peak_stash_1f1b']:g}) | {'yes' if r['ok'] else 'no'} |")
+    return lines
+
+
+def _pipeline_gpt_table(d: dict) -> list[str]:
+    lines = [f"{d['ranks']} ranks, " + " ".join(d["model"]) + ". Each schedule trains the same batches, in turn "
+             "one step each; tokens/s from the median of the slowest rank's step times. Bubble: the executor's "
+             "idle fraction (mean over ranks).", "",
+             "Checks: the synchronous loss mean and global gradient norm (clipping, NaN check) before the "
+             "optimizer step, on the last rank to get there (the collectives alone); + wait: on the first "
+             "(waiting for the others included).", "",
+             "| mesh | schedule | v | step s | tokens/s | vs 1F1B | bubble | checks ms (of step) | + wait ms | "
+             "loss rel. diff vs 1F1B |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for mesh in d["meshes"]:
+        for r in mesh["rows"]:
+            lines.append(f"| {mesh['mesh']} | {r['schedule']} | {r['chunks']} | {r['step_s']:.3f} | "
+                         f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_vs_1f1b']:.2f}x | {r['pipeline_bubble']:.1%} | "
+                         f"{1e3 * r['check_s']:.2f} ({r['check_fraction']:.2%}) | "
+                         f"{1e3 * r.get('check_with_wait_s', float('nan')):.2f} | {r['loss_rel_diff_vs_1f1b']:.1e} |")
     return lines
 
 
@@ -498,6 +553,8 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
     # Detail sections: (benchmark, title, table from its results, image alt text or None).
     for name, title, table, image in (("mesh_scaling", "Mesh scaling", _mesh_table, "mesh scaling"),
                                       ("pipeline", "Pipeline bubble", _pipeline_table, "pipeline"),
+                                      ("pipeline_gpt", "Pipeline schedules training a GPT", _pipeline_gpt_table,
+                                       None),
                                       ("context", "Context parallelism", _context_table, None),
                                       ("memory", "Memory", _memory_table, None),
                                       ("plan", "Plan", _plan_table, None)):

@@ -13,7 +13,7 @@ reaches the same verdict before the first collective:
 1. `load_config(path, overrides)` parses and type-checks: unknown sections or keys and wrong
    types are errors;
 2. `validate(cfg, world_size, available_memory_bytes)` checks every value and combination and
-   returns the same `Config` with the mesh degrees resolved (no 0 = "auto" left);
+   returns the same `Config` with the mesh degrees and pipeline.chunks resolved (no 0 = "auto" left);
 3. `to_toml(cfg)` writes the config used into the run directory; it round-trips through
    `load_config`.
 
@@ -117,8 +117,11 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = _field("1f1b", "pipeline schedule", ("gpipe", "1f1b", "interleaved"))
-    chunks: int = _field(1, "model chunks per pipeline rank (> 1 only with schedule = \"interleaved\")")
+    schedule: str = _field("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (chunks > 1), zbh1 / zbv "
+                                   "(zero bubble: backward split into B and W; zbv runs two chunks per rank in a V)",
+                           ("gpipe", "1f1b", "interleaved", "zbh1", "zbv"))
+    chunks: int = _field(0, "model chunks per pipeline rank (0 = the schedule's own: 2 for zbv, else 1; "
+                            "> 1 only with schedule = \"interleaved\")")
     trace: bool = _field(False, "write a per-rank timeline of pipeline actions into the run directory")
 
 
@@ -394,10 +397,10 @@ def _rank_chunks(cfg: Config, pp: int, rank: int) -> list[tuple[int, range, bool
     # Imported here: parallel/ pulls in MPI, and loading a config must not.
     from hpcpar.parallel import pipeline, schedule
 
-    chunks = cfg.pipeline.chunks
-    ranges = pipeline.split_layers(cfg.model.n_layer, pp * chunks, pipeline.head_cost(cfg.model))
-    return [(v, ranges[v], v == pp * chunks - 1)
-            for v in (schedule.stage_of(rank, chunk, pp) for chunk in range(chunks))]
+    place = schedule.placement(cfg.pipeline.schedule, pp, cfg.pipeline.chunks)
+    ranges = pipeline.split_layers(cfg.model.n_layer, place.stages, pipeline.head_cost(cfg.model))
+    return [(v, ranges[v], v == place.stages - 1)
+            for v in (place.stage(rank, chunk) for chunk in range(place.chunks))]
 
 
 def _stage_parameters(cfg: Config, tp: int, pp: int, stage: int) -> int:
@@ -459,6 +462,8 @@ def _model_state(cfg: Config, params: int, units: list[int], shards: int) -> int
 def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None) -> tuple[int, int]:
     """(weights + grads + optimizer state, activations) in bytes on the busiest rank.
     `cp` defaults to the config's resolved `mesh.cp` (1 when auto)."""
+    from hpcpar.parallel import schedule
+
     m, t = cfg.model, cfg.train
     s = DTYPES[m.dtype]
     cp = cp if cp is not None else (cfg.mesh.cp or 1)
@@ -496,16 +501,18 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
     embed = s * bsz * n * 2 * c                        # token + position embeddings
     head = s * bsz * n * (2 * c + 2 * m.vocab_size / tp)  # ln_f, logits and softmax probabilities
     # Peak stashed chunk activations per pipeline rank, from the schedule itself.
-    stash = peak_stash(cfg.pipeline.schedule, pp, t.microbatches, cfg.pipeline.chunks)
+    place = schedule.placement(cfg.pipeline.schedule, pp, cfg.pipeline.chunks)
+    stash = peak_stash(cfg.pipeline.schedule, pp, t.microbatches, place.chunks)
     worst_state, worst_act, worst = 0, 0, -1.0
     for stage in range(pp):
         p = _stage_parameters(cfg, tp, pp, stage)
         state = _model_state(cfg, p, _stage_units(cfg, tp, pp, stage), shards)  # weights + grads + optimizer
-        microbatches = -(-stash[stage] // cfg.pipeline.chunks)
+        microbatches = -(-stash[stage] // place.chunks)
         # A stashed chunk activation holds the blocks of one chunk: the rank's largest, as a bound.
         chunks = _rank_chunks(cfg, pp, stage)
         act = stash[stage] * max(chunk_bytes(blocks) for _, blocks, _ in chunks)
-        act += microbatches * ((embed if stage == 0 else 0) + (head if stage == pp - 1 else 0)) + transient
+        holds_embed, holds_head = any(v == 0 for v, _, _ in chunks), any(h for _, _, h in chunks)
+        act += microbatches * ((embed if holds_embed else 0) + (head if holds_head else 0)) + transient
         if t.recompute == "full" and any(recomputed(i, t.recompute_every) for _, blocks, _ in chunks for i in blocks):
             act += per_layer  # the block being re-run
         if state + act > worst:
@@ -526,7 +533,8 @@ def peak_stash(name: str, pp: int, microbatches: int, chunks: int = 1) -> tuple[
     if name == "interleaved":
         return tuple(min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) for r in range(pp))
     from hpcpar.parallel import schedule
-    return tuple(schedule.simulate(schedule.build(name, pp, m, v)).peak_stash)
+    place = schedule.placement(name, pp, v)
+    return tuple(schedule.simulate(schedule.build(name, pp, m, v), placement=place).peak_stash)
 
 
 def estimate_memory(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None) -> int:
@@ -626,7 +634,7 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("train.bucket_mb", _gt0, "> 0"),
     ("train.max_bad_steps", _ge1, ">= 1"),
     ("train.recompute_every", _ge1, ">= 1 (1 = every block)"),
-    ("pipeline.chunks", _ge1, ">= 1"),
+    ("pipeline.chunks", _ge0, ">= 0 (0 = the schedule's own)"),
     ("checkpoint.every", _ge0, ">= 0 (0 = only at the end)"),
     ("checkpoint.keep", _ge1, ">= 1"),
     ("run.dir", bool, "a non-empty directory path"),
@@ -745,12 +753,15 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
     from hpcpar.parallel import schedule
 
     p, t = cfg.pipeline, cfg.train
-    # Schedule-level rules (chunks only with interleaved, interleaved needs m % pp == 0, ...).
+    # Schedule-level rules (chunks only with interleaved / fixed by zbv, interleaved needs
+    # m % pp == 0, zbv needs pp >= 2, ...).
     schedule.validate(p.schedule, pp, t.microbatches, p.chunks)
-    stages = pp * p.chunks
+    chunks = schedule.resolve_chunks(p.schedule, p.chunks)
+    stages = pp * chunks
     if cfg.model.n_layer < stages:
+        fixed = f" (pipeline.schedule={p.schedule} runs {chunks} per rank)" if p.schedule == "zbv" else ""
         raise ConfigError(f"model.n_layer={cfg.model.n_layer} is fewer than mesh.pp={pp} x pipeline.chunks="
-                          f"{p.chunks} = {stages} virtual stages (each needs a layer); use n_layer >= {stages} "
+                          f"{chunks}{fixed} = {stages} virtual stages (each needs a layer); use n_layer >= {stages} "
                           + ("or fewer stages" if cfg.mesh.pp else "or mesh.pp=1 (pp=2 is the auto default)"))
     if t.microbatches < pp:
         log.warning("train.microbatches=%d < mesh.pp=%d: most of each step is pipeline bubble, "
@@ -758,11 +769,18 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
                     t.microbatches, pp, 100 * (pp - 1) / (t.microbatches + pp - 1), pp)
 
 
+def _resolved_chunks(p: PipelineConfig) -> int:
+    from hpcpar.parallel import schedule
+
+    return schedule.resolve_chunks(p.schedule, p.chunks)
+
+
 def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = None) -> Config:
     """Check every value and combination for `world_size` ranks; return `cfg` with the mesh resolved.
 
     Pure (no communication, no I/O) so that every rank reaches the same verdict before any collective.
-    The returned config has mesh.dp, mesh.tp, mesh.pp, mesh.cp >= 1 with product `world_size`; validating
+    The returned config has mesh.dp, mesh.tp, mesh.pp, mesh.cp >= 1 with product `world_size` and
+    pipeline.chunks >= 1 (the schedule's own where it was 0); validating
     it again gives it back unchanged. `available_memory_bytes`, when given, is compared with
     `estimate_memory` (pass a value every rank agrees on, e.g. the smallest device's memory).
     Raises ConfigError / MeshError (one line); logs warnings for legal but doubtful settings.
@@ -780,7 +798,9 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     if cfg.train.warmup >= cfg.train.steps:
         log.warning("train.warmup=%d >= train.steps=%d: the learning rate never reaches train.lr",
                     cfg.train.warmup, cfg.train.steps)
-    resolved = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=dp, tp=tp, pp=pp, cp=cp))
+    resolved = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=dp, tp=tp, pp=pp, cp=cp),
+                                   pipeline=dataclasses.replace(
+                                       cfg.pipeline, chunks=_resolved_chunks(cfg.pipeline)))
     if available_memory_bytes is not None:
         _check_memory(resolved, available_memory_bytes)
     return resolved

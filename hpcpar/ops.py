@@ -16,7 +16,7 @@ import math
 
 from hpcpar import kernels
 from hpcpar.backend import array_module, is_device_array
-from hpcpar.tensor import Tensor, enable_grad, is_grad_enabled, no_grad
+from hpcpar.tensor import Tensor, enable_grad, is_grad_enabled, no_grad, weight_grad
 
 
 def _fused(a) -> bool:
@@ -50,6 +50,11 @@ def _data(x):
     return x.data if isinstance(x, Tensor) else x
 
 
+def _param(x) -> bool:
+    """A leaf that wants a gradient (a parameter): its gradient is weight work (`weight_grad`)."""
+    return isinstance(x, Tensor) and x.requires_grad and x.is_leaf
+
+
 # ----------------------------------------------------------------------------------------
 # Elementwise arithmetic (with broadcasting; a plain number may stand for either operand)
 # ----------------------------------------------------------------------------------------
@@ -60,9 +65,14 @@ def add(a, b) -> Tensor:
     b_shape = b.shape if b_t else None
 
     def backward(g):
-        return (_unbroadcast(g, a_shape) if a_t else None,
-                _unbroadcast(g, b_shape) if b_t else None)
+        return (_leaf_or_now(a, lambda: _unbroadcast(g, a_shape)) if a_t else None,
+                _leaf_or_now(b, lambda: _unbroadcast(g, b_shape)) if b_t else None)
     return Tensor.from_op(out, (a if a_t else None, b if b_t else None), backward)
+
+
+def _leaf_or_now(x, fn):
+    """fn(): a parameter operand's gradient is weight work (a bias added after a reduction)."""
+    return weight_grad(fn) if _param(x) else fn()
 
 
 def sub(a, b) -> Tensor:
@@ -83,8 +93,8 @@ def mul(a, b) -> Tensor:
     out = ad * bd
 
     def backward(g):
-        return (_unbroadcast(g * bd, a.shape) if a_t and a.requires_grad else None,
-                _unbroadcast(g * ad, b.shape) if b_t and b.requires_grad else None)
+        return (_leaf_or_now(a, lambda: _unbroadcast(g * bd, a.shape)) if a_t and a.requires_grad else None,
+                _leaf_or_now(b, lambda: _unbroadcast(g * ad, b.shape)) if b_t and b.requires_grad else None)
     return Tensor.from_op(out, (a if a_t else None, b if b_t else None), backward)
 
 
@@ -186,6 +196,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     The backward reads `weight.data` when it runs: the graph keeps no reference to a parameter's
     array (ZeRO-3 frees gathered parameters after forward and gathers them again for backward).
+    Split backward (B/W): dX in B; dW = g^T x and db = sum(g) are weight work (`weight_grad`),
+    which keeps g and x until W.
     """
     xd, wd = x.data, weight.data
     x2 = xd.reshape(-1, xd.shape[-1])
@@ -198,8 +210,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     def backward(g):
         g2 = g.reshape(-1, g.shape[-1])
         gx = (g2 @ weight.data).reshape(xd.shape) if x.requires_grad else None
-        gw = g2.T @ x2 if weight.requires_grad else None
-        gb = _sum_rows(g2) if bias is not None and bias.requires_grad else None
+        gw = weight_grad(lambda: g2.T @ x2) if weight.requires_grad else None
+        gb = weight_grad(lambda: _sum_rows(g2)) if bias is not None and bias.requires_grad else None
         return gx, gw, gb
     return Tensor.from_op(out, (x, weight, bias), backward)
 
@@ -272,10 +284,8 @@ def getitem(x: Tensor, index) -> Tensor:
     if _is_basic(index):
         return _slice(x, index)
     shape, dtype = xd.shape, xd.dtype
-
-    def backward(g):
-        return (_scatter_add(array_module(g), shape, dtype, index, g),)
-    return Tensor.from_op(xd[index], (x,), backward)
+    return Tensor.from_op(xd[index], (x,),
+                          lambda g: (_leaf_or_now(x, lambda: _scatter_add(array_module(g), shape, dtype, index, g)),))
 
 
 def _scatter_add(xp, shape: tuple, dtype, index, g):
@@ -320,10 +330,11 @@ def _slice(x: Tensor, index: tuple) -> Tensor:
     xd = x.data
     shape, dtype = xd.shape, xd.dtype
 
-    def backward(g):
+    def place(g):
         gx = array_module(g).zeros(shape, dtype=dtype)
         gx[index] = g
-        return (gx,)
+        return gx
+    backward = (lambda g: (weight_grad(lambda: place(g)),)) if _param(x) else (lambda g: (place(g),))
     out = xd[index]
     return Tensor.from_op(out.copy() if x.is_leaf and x.requires_grad else out, (x,), backward)
 
@@ -346,14 +357,15 @@ def concat(tensors: list, axis: int = 0) -> Tensor:
 # Lookup, normalisation, probabilities
 # ----------------------------------------------------------------------------------------
 def embedding(idx, weight: Tensor) -> Tensor:
-    """weight[idx]: idx int [...], weight [V, C] -> [..., C]; gradient is a scatter-add."""
+    """weight[idx]: idx int [...], weight [V, C] -> [..., C]; gradient is a scatter-add (weight
+    work: all of it W under a split backward)."""
     ids = idx.data if isinstance(idx, Tensor) else idx
     wd = weight.data
     shape, dtype = wd.shape, wd.dtype  # not the array: the graph keeps no reference to a parameter's
 
-    def backward(g):
-        return (_scatter_add(array_module(g), shape, dtype, ids.reshape(-1), g.reshape(-1, shape[1])),)
-    return Tensor.from_op(wd[ids], (weight,), backward)
+    def scatter(g):
+        return _scatter_add(array_module(g), shape, dtype, ids.reshape(-1), g.reshape(-1, shape[1]))
+    return Tensor.from_op(wd[ids], (weight,), lambda g: (weight_grad(lambda: scatter(g)),))
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -370,7 +382,8 @@ def softmax(x: Tensor, axis: int = -1) -> Tensor:
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
-    """LayerNorm over the last dim. x [..., C], weight/bias [C]."""
+    """LayerNorm over the last dim. x [..., C], weight/bias [C]. Split backward (B/W): dx in B,
+    dweight = sum(g xhat) and dbias = sum(g) in W (`weight_grad`)."""
     xp = array_module(x.data)
     xd = x.data
     if _fused(xd):
@@ -388,8 +401,8 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
     def backward(g):
         g2 = g.reshape(-1, c)
         xh2 = xhat.reshape(-1, c)
-        gw = (g2 * xh2).sum(axis=0) if weight.requires_grad else None
-        gb = g2.sum(axis=0) if bias is not None and bias.requires_grad else None
+        gw = weight_grad(lambda: (g2 * xh2).sum(axis=0)) if weight.requires_grad else None
+        gb = weight_grad(lambda: g2.sum(axis=0)) if bias is not None and bias.requires_grad else None
         gx = None
         if x.requires_grad:
             gxhat = g * weight.data
@@ -409,8 +422,8 @@ def _layer_norm_fused(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float
 
     def backward(g):
         gx, g_xhat = kernels.layer_norm_backward(xd, weight.data, mu, rstd, xp.ascontiguousarray(g))
-        gw = _sum_rows(g_xhat) if weight.requires_grad else None
-        gb = _sum_rows(g.reshape(-1, c)) if bias is not None and bias.requires_grad else None
+        gw = weight_grad(lambda: _sum_rows(g_xhat)) if weight.requires_grad else None
+        gb = weight_grad(lambda: _sum_rows(g.reshape(-1, c))) if bias is not None and bias.requires_grad else None
         return (gx if x.requires_grad else None), gw, gb
     return Tensor.from_op(out, (x, weight, bias), backward)
 
@@ -681,8 +694,10 @@ def recompute(fn, *inputs: Tensor) -> Tensor:
 
     Parameters used inside `fn` are not parents of this op: they are leaves of the re-run's
     graph, so each receives its gradient and fires its grad hooks (data parallelism's counting)
-    once per backward of this op, inside it. Collectives inside `fn` are issued again by the
-    re-run, so every rank of their group must recompute the same `fn` at the same point.
+    once per backward of this op, inside it (under a split backward: in the weight pass, W,
+    which then holds what the re-run's weight gradients need, as a block kept whole would).
+    Collectives inside `fn` are issued again by the re-run, so every rank of their group must
+    recompute the same `fn` at the same point.
 
     Under `no_grad` this is just `fn(*inputs)`. Returns a Tensor that requires grad (whenever
     gradients are enabled: `fn`'s parameters may need them though no input does).
@@ -696,6 +711,8 @@ def recompute(fn, *inputs: Tensor) -> Tensor:
         leaves = tuple(Tensor(x.data, requires_grad=x.requires_grad) for x in inputs)
         with enable_grad():
             y = fn(*leaves)
-        y.backward(g)
+        # Inside a split backward (B) only the leaves' gradients are wanted now; the parameters'
+        # join the enclosing backward's weight pass (tensor.WeightGrads), in order.
+        y.backward(g, inputs=leaves)
         return tuple(leaf.grad for leaf in leaves)
     return Tensor.from_op(out.data, tuple(inputs), backward, always=True)

@@ -236,17 +236,19 @@ def _model_key(cfg: Config) -> dict:
 
 def _busiest_stage(cfg: Config) -> tuple[int, bool, bool]:
     """(blocks, holds the embedding, holds the head) of the pipeline rank with most work."""
-    return _busiest(cfg.model.n_layer, cfg.mesh.pp, cfg.pipeline.chunks, pipeline.head_cost(cfg.model))
+    return _busiest(cfg.model.n_layer, cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.chunks,
+                    pipeline.head_cost(cfg.model))
 
 
 @functools.lru_cache(maxsize=4096)
-def _busiest(n_layer: int, pp: int, chunks: int, head_cost: float) -> tuple[int, bool, bool]:
-    ranges = pipeline.split_layers(n_layer, pp * chunks, head_cost)
+def _busiest(n_layer: int, name: str, pp: int, chunks: int, head_cost: float) -> tuple[int, bool, bool]:
+    place = schedule.placement(name, pp, chunks)
+    ranges = pipeline.split_layers(n_layer, place.stages, head_cost)
     best = None
     for rank in range(pp):
-        stages = [schedule.stage_of(rank, c, pp) for c in range(chunks)]
+        stages = [place.stage(rank, c) for c in range(place.chunks)]
         blocks = sum(len(ranges[v]) for v in stages)
-        head = pp * chunks - 1 in stages
+        head = place.stages - 1 in stages
         cost = blocks + (head_cost if head else 0)
         if best is None or cost > best[0]:
             best = (cost, blocks, 0 in stages, head)
@@ -263,30 +265,63 @@ def _stage_params(cfg: Config) -> int:
     return max(m.stage_params(blocks, True, False, tp), m.stage_params(blocks, False, True, tp))
 
 
-_SIMULATE_MAX = 4_000   # actions; above this the closed form stands in for the simulator
+_SIMULATE_MAX = 4_000   # actions; longer schedules are simulated shorter and extrapolated
+_SIMULATE_LIMIT = 6_000  # actions; beyond even the shortened simulation, the closed forms
+_SIMULATED_CANDIDATES = 300   # plans ranked by the simulator (the rest by closed forms, after them)
 
 
 def pipeline_time(name: str, pp: int, microbatches: int, chunks: int, t_f: float, t_b: float,
-                  t_msg: float) -> float:
-    """Makespan of one step's schedule with per-micro-batch F and B of a rank's whole share."""
+                  t_msg: float, t_w: float = 0.0) -> float:
+    """Makespan of one step's schedule, given one micro-batch's forward, backward (B: input
+    gradients; with `t_w` = 0 the whole backward) and weight-gradient (W) times through a rank's
+    whole share, and one message's time. Zero-bubble schedules run B and W apart; the others a
+    backward of t_b + t_w. Schedules longer than `_SIMULATE_MAX` actions are simulated with
+    m0 = 2 pp + m mod pp and m0 + pp micro-batches and extended linearly by their difference,
+    the steady state's (tests/unit/test_plan.py holds this to full simulations); pipelines too
+    deep for even that (> `_SIMULATE_LIMIT` actions) take `rough_pipeline_time`."""
     if pp == 1:
-        return microbatches * (t_f + t_b)
-    if 4 * pp * microbatches * chunks <= _SIMULATE_MAX and t_f > 0:
-        # The makespan scales with the three times together: simulate once per shape and ratios.
-        ratio_b, ratio_msg = float(f"{t_b / t_f:.3g}"), float(f"{t_msg / t_f:.3g}")
-        return t_f * _simulated(name, pp, microbatches, chunks, ratio_b, ratio_msg)
-    # Closed form (the simulator's value for equal stages, tests/unit/test_plan.py): every rank
-    # runs m (F + B); the fill and drain add (pp - 1) of one chunk's F + B and a message each way.
-    return microbatches * (t_f + t_b) + (pp - 1) * ((t_f + t_b) / chunks + 2 * t_msg)
+        return microbatches * (t_f + t_b + t_w)
+    if t_f <= 0:
+        return 0.0
+    zero_bubble = name in ("zbh1", "zbv")
+    b, w = (t_b, t_w) if zero_bubble else (t_b + t_w, 0.0)
+    # The makespan scales with the times together: simulate once per shape and ratios.
+    ratios = tuple(float(f"{x / t_f:.3g}") for x in (b, w, t_msg))
+    m0 = 2 * pp + microbatches % pp
+    if 4 * pp * microbatches * chunks <= _SIMULATE_MAX or microbatches <= m0 + pp:
+        return t_f * _simulated(name, pp, microbatches, chunks, *ratios)
+    if 4 * pp * (m0 + pp) * schedule.resolve_chunks(name, chunks) > _SIMULATE_LIMIT:
+        return rough_pipeline_time(name, pp, microbatches, chunks, t_f, t_b, t_msg, t_w)
+    # Steady state: each further group of pp micro-batches repeats the same pattern of work and
+    # messages, so the makespan grows by a fixed amount per micro-batch (read off m0 and m0 + pp).
+    t0, t1 = (_simulated(name, pp, m, chunks, *ratios) for m in (m0, m0 + pp))
+    return t_f * (t0 + (microbatches - m0) * (t1 - t0) / pp)
+
+
+def rough_pipeline_time(name: str, pp: int, microbatches: int, chunks: int, t_f: float, t_b: float,
+                        t_msg: float, t_w: float = 0.0) -> float:
+    """`pipeline_time` from the textbook bubbles, no simulation: every rank works m (F + B + W);
+    the fill and drain add (pp - 1) (F + B + W) / v for GPipe, 1F1B and interleaved (v chunks),
+    (pp - 1) (F + B - W) for ZB-H1 and half that for ZB-V (Qi et al.), plus two messages per stage."""
+    work = t_f + t_b + t_w
+    if pp == 1:
+        return microbatches * work
+    v = schedule.resolve_chunks(name, chunks)
+    fill = {"zbh1": max(0.0, t_f + t_b - t_w), "zbv": max(0.0, t_f + t_b - t_w) / 2}.get(name, work / v)
+    return microbatches * work + (pp - 1) * (fill + 2 * t_msg)
 
 
 @functools.lru_cache(maxsize=8192)
-def _simulated(name: str, pp: int, microbatches: int, chunks: int, t_b: float, t_msg: float) -> float:
-    return schedule.simulate(schedule.build(name, pp, microbatches, chunks), 1.0, t_b, t_msg).makespan
+def _simulated(name: str, pp: int, microbatches: int, chunks: int, t_b: float, t_w: float, t_msg: float) -> float:
+    place = schedule.placement(name, pp, chunks)
+    return schedule.simulate(schedule.build(name, pp, microbatches, place.chunks), 1.0, t_b, t_msg, t_w,
+                             placement=place).makespan
 
 
-def predict(cfg: Config, hw: Hardware) -> Prediction:
-    """The predicted step of `cfg`, a validated config (mesh resolved), on `hw`."""
+def predict(cfg: Config, hw: Hardware, exact: bool = True) -> Prediction:
+    """The predicted step of `cfg`, a validated config (mesh resolved), on `hw`. `exact` False:
+    the pipeline from closed forms instead of the simulator (`rough_pipeline_time`), for ranking
+    many candidates before the best are simulated."""
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
     s = DTYPES[m.dtype]
     dp, tp, pp, cp = mesh.dp, mesh.tp, mesh.pp, mesh.cp
@@ -321,7 +356,10 @@ def predict(cfg: Config, hw: Hardware) -> Prediction:
     t_b = blocks * (b + bwd_tp + cp_b) + b_extra + recompute_tp * blocks + (2 * t_head / 3 if head else 0.0)
     pp_link = hw.link(pp, dp * cp * tp)
     t_msg = (pp_link.alpha + act_bytes / tp_link_split(tp, mesh) / pp_link.beta) if pp > 1 else 0.0
-    step_pipe = pipeline_time(cfg.pipeline.schedule, pp, t.microbatches, cfg.pipeline.chunks, t_f, t_b, t_msg)
+    # Weight gradients (W) are half a block's backward GEMMs: what a zero-bubble schedule defers.
+    t_w = blocks * (b - fwd_tp) / 2 if cfg.pipeline.schedule in ("zbh1", "zbv") else 0.0
+    timing = pipeline_time if exact else rough_pipeline_time
+    step_pipe = timing(cfg.pipeline.schedule, pp, t.microbatches, cfg.pipeline.chunks, t_f, t_b - t_w, t_msg, t_w)
 
     params = _stage_params(cfg)
     shards = dp * cp // mesh.dp_replicate if t.zero else 1
@@ -339,7 +377,7 @@ def predict(cfg: Config, hw: Hardware) -> Prediction:
         per = 2 if t.reshard_after_forward else 1
         gathers = t.microbatches * per * all_gather_time(grad_bytes, shards, shard_link) \
             - all_gather_time(grad_bytes, shards, shard_link)   # the step's last reduce-scatter stands in
-    hidden = hw.overlap * (t_b if t.microbatches else 0.0)
+    hidden = hw.overlap * t_b
     exposed = max(reduce - hidden, (1 - hw.overlap) * reduce)
     optimizer = hw.optimizer_seconds_per_param * params / (shards if t.zero else 1)
     fixed = 3 * all_reduce_time(8, world, hw.inter if world > hw.ranks_per_node else hw.intra) + hw.step_overhead
@@ -412,7 +450,8 @@ def candidates(cfg: Config, world: int, hw: Hardware, global_batch: int):
 
 
 def _schedules(pp: int, microbatches: int, n_layer: int):
-    """(schedule, chunks) pairs to try: 1F1B (GPipe when m < pp, where they tie), interleaved."""
+    """(schedule, chunks) pairs to try: 1F1B (GPipe when m < pp, where they tie), interleaved,
+    ZB-H1 and ZB-V (chunks 0: the schedule's own)."""
     if pp == 1:
         yield "1f1b", 1
         return
@@ -420,6 +459,9 @@ def _schedules(pp: int, microbatches: int, n_layer: int):
     for chunks in (2, 4):
         if microbatches % pp == 0 and n_layer >= pp * chunks:
             yield "interleaved", chunks
+    yield "zbh1", 1
+    if n_layer >= 2 * pp:
+        yield "zbv", 0
 
 
 def plan(cfg: Config, world: int, hw: Hardware, top: int = 5, global_batch: int | None = None,
@@ -431,7 +473,11 @@ def plan(cfg: Config, world: int, hw: Hardware, top: int = 5, global_batch: int 
         global_batch = _global_batch(cfg, world)
     if _state_bytes_per_param(cfg) * cfg.model.num_params() / world > hw.memory_bytes:
         raise ConfigError(_nothing_fits(cfg, world, hw, global_batch, 1))   # not even fully sharded
-    preds = sorted((predict(c, hw) for c in candidates(cfg, world, hw, global_batch)), key=lambda p: p.step_time)
+    rough = sorted((predict(c, hw, exact=False) for c in candidates(cfg, world, hw, global_batch)),
+                   key=lambda p: p.step_time)
+    # The simulator only for the candidates the closed forms put near the front.
+    preds = sorted((predict(p.cfg, hw) for p in rough[:_SIMULATED_CANDIDATES]), key=lambda p: p.step_time)
+    preds += rough[_SIMULATED_CANDIDATES:]
     found = []
     quiet = logging.getLogger("hpcpar.config")
     level = quiet.level
@@ -451,7 +497,7 @@ def plan(cfg: Config, world: int, hw: Hardware, top: int = 5, global_batch: int 
         quiet.setLevel(level)
     if not found:
         raise ConfigError(_nothing_fits(cfg, world, hw, global_batch, len(preds)))
-    return found
+    return sorted(found, key=lambda p: p.step_time)
 
 
 def _validate(cfg: Config, world: int) -> Config:

@@ -95,9 +95,12 @@ class Trainer:
         # Context parallelism: this rank holds the tokens at `positions` of every sample (None: all).
         self.cp = ContextParallel(self.mesh.comm(Axis.CP), cfg.mesh.cp_impl, tracer=self.tracer)
         self.positions = self.cp.positions(cfg.model.block_size) if self.cp.size > 1 else None
+        # Where the virtual stages live: the loop, or ZB-V's V (first and last stage on pp rank 0).
+        self.placement = schedule.placement(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.chunks)
         self.stages = pipeline.build_stages(cfg.model, self.mesh, chunks=cfg.pipeline.chunks,
                                             seed=cfg.train.seed,
-                                            sequence_parallel=cfg.mesh.sequence_parallel, cp=self.cp)
+                                            sequence_parallel=cfg.mesh.sequence_parallel, cp=self.cp,
+                                            placement=self.placement)
         for stage in self.stages:
             stage.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
         self.named_parameters = [(n, p) for s in self.stages for n, p in s.named_parameters()]
@@ -109,16 +112,20 @@ class Trainer:
             def make_optimizer(params):
                 return SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
         # ZeRO-3 gathers the model unit by unit: the embedding, each block, the head of every chunk.
+        # Under ZB-V the first and the last virtual stage (wte and the head's copy) share a rank.
+        n_virtual = self.placement.stages
         units = [(c, name, params) for c, s in enumerate(self.stages) for name, params in s.fsdp_units()]
         self.dp = DataParallel(self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
                                wire_dtype=t.grad_wire_dtype, zero=t.zero, make_optimizer=make_optimizer,
-                               units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward)
+                               units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward,
+                               local_tied=self.placement.holder(0)[0] == self.placement.holder(n_virtual - 1)[0])
         for stage in self.stages:
             stage.unit_hooks = self.dp.unit_hooks
         every_rank = schedule.build(cfg.pipeline.schedule, cfg.mesh.pp, t.microbatches, cfg.pipeline.chunks)
         self.executor = pipeline.PipelineExecutor(self.stages, self.mesh, every_rank[self.mesh.rank(Axis.PP)],
                                                   microbatches=t.microbatches, tracer=self.tracer,
-                                                  in_order_safe=schedule.in_order_safe(every_rank))
+                                                  in_order_safe=schedule.in_order_safe(every_rank, self.placement),
+                                                  placement=self.placement)
         self.dataset = (datasets.load(cfg.data, cfg.model.vocab_size, self.mesh.world) if tokens is None
                         else datasets.from_tokens(tokens, cfg.data.val_fraction))
         self.train_tokens, self.val_tokens = self.dataset.train, self.dataset.val
@@ -337,8 +344,10 @@ class Trainer:
         cfg, mesh = self.cfg, self.mesh
         steady = state.step_times[1:] if len(state.step_times) > 1 else state.step_times
         tok_s = self.tokens_per_step * len(steady) / sum(steady) if steady else 0.0
+        # Predicted with forward = B = W (a whole backward twice a forward).
         sim = schedule.simulate(schedule.build(cfg.pipeline.schedule, mesh.size(Axis.PP), cfg.train.microbatches,
-                                               cfg.pipeline.chunks))
+                                               cfg.pipeline.chunks), t_forward=1.0, t_backward=1.0, t_weight=1.0,
+                                placement=self.placement)
         peak_rss = mesh.world.all_gather_object(metrics.peak_rss_bytes())
         estimate = config.estimate_memory(cfg, mesh.size(Axis.DP), mesh.size(Axis.TP), mesh.size(Axis.PP),
                                           mesh.size(Axis.CP))

@@ -29,7 +29,9 @@ and identical optimizer state. Without HSDP the shard group is dp x cp.
 Tied weights. The LM head on the last pipeline stage is a copy (`tied_to`) of the embedding
 on the first. Both live in a separate final bucket (ZeRO-3: a flat parameter of its own, of
 the same size on both stages): their gradients are summed over `mesh.embedding_comm`, so the
-two copies receive identical updates.
+two copies receive identical updates. With `local_tied` (ZB-V: the first and the last virtual
+stage are both on pipeline rank 0) the copy and its weight sit on the same rank: their
+gradients are summed there, the same float an all-reduce of the two would give.
 
 Checkpoints under ZeRO: `checkpoint_shards()` gives this rank's pieces of the parameters and of
 the optimizer state, each a flat range of a parameter with its `Layout.flat_range` (no state is
@@ -78,6 +80,9 @@ class DataParallel:
             `dp.unit_hooks` so that the model gathers its units.
         reshard_after_forward: ZeRO-3: free a unit's gathered parameters after its forward.
         prefetch: ZeRO-3: issue the next unit's all-gather while the current one computes.
+        local_tied: every tied copy's weight is on this rank too (pipeline placements that put
+            the first and last virtual stage on one rank): sum their gradients here, not over
+            `mesh.embedding_comm`.
 
     Per step: `begin_step(microbatches)`, backward of every micro-batch, `finish_backward()`,
     `clip_grad_norm(max_norm)`, `step(lr)`.
@@ -97,7 +102,7 @@ class DataParallel:
                  wire_dtype: str = "float32", zero: int = 0,
                  make_optimizer: Callable[[list], Any] = AdamW, overlap: bool = True,
                  units: Iterable[tuple[int, str, list]] | None = None, reshard_after_forward: bool = True,
-                 prefetch: bool = True):
+                 prefetch: bool = True, local_tied: bool = False):
         # The gradient group: every rank holding the same weights on other tokens (dp x cp);
         # ZeRO shards over dp_shard x cp and averages the shards over dp_replicate (HSDP).
         self.dp_comm = mesh.comm((Axis.DP, Axis.CP))
@@ -122,7 +127,7 @@ class DataParallel:
         self.zero = zero
         self.wire_dtype = wire_dtype
         self.dp_size, self.dp_rank = self.dp_comm.size, self.dp_comm.rank
-        self.embedding_comm = mesh.embedding_comm
+        self.embedding_comm = None if local_tied else mesh.embedding_comm
         self.tp_rank = tp_rank = mesh.comm(Axis.TP).rank
         self.replica = self.replicate_comm.rank  # HSDP: replicas > 0 hold copies of replica 0's shards
 
@@ -132,6 +137,10 @@ class DataParallel:
             for theirs in self.embedding_comm.all_gather_object(sorted(targets)):
                 targets.update(theirs)
         tied = {n for n, p in named if getattr(p, "tied_to", None) or n in targets}
+        # (copy, weight) pairs held together by this rank: summed here (`_sum_local_tied`).
+        by_name = dict(named)
+        self._local_tied = [(p, by_name[p.tied_to]) for p in self.params
+                            if getattr(p, "tied_to", None) in by_name] if local_tied else []
         self.wait_s = 0.0
         self.buckets: list = []
         self.reducer = None
@@ -185,6 +194,14 @@ class DataParallel:
             # Replicas are identical after the average: dp rank 0 counts for all of them.
             self._norm_items = [p for p in self.params if counts_toward_norm(p, tp_rank)] if self.dp_rank == 0 else []
 
+    @staticmethod
+    def _sum_local_tied(pairs: list) -> None:
+        """Both arrays of each pair become their sum (the tied bucket before its reduction; under
+        ZeRO-3 the reduced gradient shards, as `ShardedUnits` sums them over the embedding group)."""
+        for a, b in pairs:
+            a += b
+            b[...] = a
+
     def _check_tied_match(self, mine: list) -> None:
         """Both stages' tied buckets (flats) must match, or their sum over embedding_comm would not."""
         sizes = self.embedding_comm.all_gather_object(mine[:1] or [(0, "")])
@@ -233,7 +250,11 @@ class DataParallel:
         t0 = time.perf_counter()
         if self.unit_hooks is not None:
             self.unit_hooks.finish_backward()
+            flat_of = {id(p): f for f in self.unit_hooks.flats for p in f.params}
+            self._sum_local_tied([(flat_of[id(a)].grad_shard, flat_of[id(b)].grad_shard)
+                                  for a, b in self._local_tied])
         else:
+            self._sum_local_tied([(a.grad, b.grad) for a, b in self._local_tied])
             self.reducer.finish_backward()
             if self._zero is not None:
                 self._zero.attach_grads()

@@ -1,9 +1,10 @@
 """Pipeline parallelism: split the layers into stages, and replay a schedule with Isend/Irecv.
 
 Virtual stages. With `chunks` = v model chunks per pipeline rank there are V = pp * v virtual
-stages; chunk c of pp rank r is virtual stage v = c * pp + r (as in `schedule.stage_of`).
-Virtual stage 0 holds the embedding and reads token ids; virtual stage V - 1 holds ln_f, the
-LM head and the loss. Each is one `GPT(config, layers=range(a, b), embed=..., head=...)`.
+stages; a `schedule.Placement` says which: chunk c of pp rank r is virtual stage c * pp + r
+(the loop, `schedule.stage_of`), or under ZB-V's V stage r for chunk 0 and 2 pp - 1 - r for
+chunk 1. Virtual stage 0 holds the embedding and reads token ids; virtual stage V - 1 holds
+ln_f, the LM head and the loss. Each is one `GPT(config, layers=range(a, b), embed=..., head=...)`.
 
 Layer split (`split_layers`). Cost unit: one transformer block's forward FLOPs per token,
 24 C^2 (QKV 6C^2 + projection 2C^2 + MLP 16C^2, 2 FLOPs per multiply-add; attention's T-dependent
@@ -22,7 +23,15 @@ Executor (`PipelineExecutor`). One step replays this rank's action list from `sc
     send_act   Isend the output's array; the handle is kept and waited at the end of the step;
     recv_grad  Irecv the gradient of the output (shape of the stashed output);
     backward   output.backward(grad) (the loss: backward with 1/microbatches), drop the stash;
-    send_grad  Isend the input's gradient.
+               where the schedule has a weight action for this (microbatch, chunk) this is B:
+               `backward(grad, inputs=(input,), defer=WeightGrads())` computes the input's
+               gradient and leaves the parameters' to the weight action (tensor.py);
+    send_grad  Isend the input's gradient;
+    weight     W: run what B left (`WeightGrads.run`): the parameter gradients accumulate and the
+               data-parallel / ZeRO grad hooks fire here, so gradient reductions start after W.
+Two consecutive stages on this rank (ZB-V's chunk 0 -> 1 on the last rank) hand over without a
+message: the forward's output becomes the next chunk's input leaf, B's input gradient the
+previous chunk's output gradient.
 Tags come from `schedule.message_tag`, so every MPI message is matched by tag, not by order.
 A send and the receive right after it are posted together (`schedule.message_groups`,
 `Communicator.isend_irecv`): NCCL has no tags, matches messages in posting order and its sends
@@ -31,11 +40,14 @@ sides of a boundary would deadlock if posted one by one; as one NCCL group it ca
 schedule still could (`schedule.check_in_order_transport`: interleaved with m > pp), GPU arrays
 go through host memory and MPI instead. Arrays travel with the buffer methods (never pickled). The pp communicator
 is per (dp, tp) coordinate, so with tp > 1 every tp rank of a stage talks to the same tp rank of
-its neighbour. Data-parallel gradient hooks on the parameters simply fire inside the backwards;
+its neighbour. Data-parallel gradient hooks on the parameters simply fire inside the backwards
+(inside the weight actions where the schedule splits them);
 the tied embedding/head copies on the first and last stage are kept equal by DataParallel
 (gradients summed over `mesh.embedding_comm`). `run(batches, forward_only=True)` evaluates:
 forwards only, in `schedule.forward_only` order, no graph. `measured_bubble()` is the idle
-fraction of the steps so far (time outside forward/backward over time in `run`).
+fraction of the steps so far (time outside forward/backward/weight over time in `run`);
+`peak_stash` the most chunk activations held at once (from a forward until its backward, or its
+weight action where the backward is split), the executor's count of what `schedule.simulate` predicts.
 """
 
 from __future__ import annotations
@@ -51,8 +63,8 @@ from hpcpar.mesh import Axis
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.parallel import schedule
 from hpcpar.parallel.context import ContextParallel
-from hpcpar.parallel.schedule import Action, Kind
-from hpcpar.tensor import Tensor, no_grad
+from hpcpar.parallel.schedule import Action, Kind, Placement
+from hpcpar.tensor import Tensor, WeightGrads, no_grad
 from hpcpar.trace import Tracer
 
 
@@ -94,8 +106,10 @@ def split_layers(n_layer: int, virtual_stages: int, head_cost: float = 0.0) -> l
 
 
 def build_stages(gpt_config: GPTConfig, mesh, chunks: int, seed: int,
-                 sequence_parallel: bool = False, cp: ContextParallel | None = None) -> list[GPT]:
-    """This rank's model chunks: element c is virtual stage c * pp + pp_rank.
+                 sequence_parallel: bool = False, cp: ContextParallel | None = None,
+                 placement: Placement | None = None) -> list[GPT]:
+    """This rank's model chunks: element c is virtual stage `placement.stage(pp_rank, c)`
+    (default placement: the loop, c * pp + pp_rank, with `chunks` chunks).
 
     Parameters are initialised from the seed by global name, so they equal the whole model's.
     `cp`: the context-parallel group every chunk's attention uses (default: ring attention over
@@ -104,11 +118,12 @@ def build_stages(gpt_config: GPTConfig, mesh, chunks: int, seed: int,
     if cp is None:
         cp = ContextParallel(mesh.comm(Axis.CP))
     pp, rank = mesh.size(Axis.PP), mesh.rank(Axis.PP)
-    n_virtual = pp * chunks
+    place = placement if placement is not None else Placement(pp, chunks)
+    n_virtual = place.stages
     ranges = split_layers(gpt_config.n_layer, n_virtual, head_cost(gpt_config))
     stages = []
-    for chunk in range(chunks):
-        v = schedule.stage_of(rank, chunk, pp)
+    for chunk in range(place.chunks):
+        v = place.stage(rank, chunk)
         stages.append(GPT(gpt_config, tp_comm=mesh.comm(Axis.TP), layers=ranges[v], embed=v == 0,
                           head=v == n_virtual - 1, sequence_parallel=sequence_parallel, seed=seed, cp=cp))
     return stages
@@ -127,14 +142,18 @@ class PipelineExecutor:
             tid = the chunk) and the final wait for sends one more.
         in_order_safe: the whole schedule (every rank's list) passes
             `schedule.check_in_order_transport`; if not, GPU arrays travel through host memory.
+        placement: where the virtual stages are (`schedule.placement(name, pp, chunks)`);
+            default the loop over `len(stages)` chunks.
 
     Attributes:
         rng_contexts: None, or per micro-batch the `rng_context` (seed, step, sample_ids) that is
             set on the stage before that micro-batch's forward (dropout masks), for the next `run`.
+        peak_stash: the most chunk activations this rank held at once in any training step so far
+            (`schedule.SimResult.peak_stash` predicts it).
     """
 
     def __init__(self, stages: Sequence[Any], mesh, actions: Sequence[Action], microbatches: int,
-                 tracer: Tracer | None = None, in_order_safe: bool = True):
+                 tracer: Tracer | None = None, in_order_safe: bool = True, placement: Placement | None = None):
         self.stages = list(stages)
         self.actions = list(actions)
         self.microbatches = microbatches
@@ -144,10 +163,16 @@ class PipelineExecutor:
         self.tp = mesh.size(Axis.TP)
         self.comm = mesh.comm(Axis.PP)
         self.chunks = len(self.stages)
-        self.last_stage = self.pp * self.chunks - 1
+        self.placement = placement if placement is not None else Placement(self.pp, self.chunks)
+        if self.placement.chunks != self.chunks or self.placement.pp != self.pp:
+            raise ValueError(f"{self.placement} does not fit {self.chunks} stages on {self.pp} pipeline ranks")
+        self.last_stage = self.placement.stages - 1
+        # (microbatch, chunk) whose backward is split: B in `backward`, W in `weight`.
+        self.split = {(a.microbatch, a.chunk) for a in self.actions if a.kind == Kind.WEIGHT}
         self.step = 0
         self._busy = 0.0   # seconds of forward/backward over all training steps
         self._wall = 0.0   # seconds inside run() over all training steps
+        self.peak_stash = 0  # most (microbatch, chunk) activations held at once in a training step
         for a in self.actions:
             if not (0 <= a.chunk < self.chunks and 0 <= a.microbatch < microbatches):
                 raise ValueError(f"{a} does not fit {self.chunks} chunks x {microbatches} microbatches")
@@ -155,7 +180,7 @@ class PipelineExecutor:
         # Megatron-SP: activations between blocks are split along the sequence over tp.
         self._split_t = self.tp if getattr(self.stages[0], "sequence_parallel", False) else 1
         self._channels, self._dtype = config.n_embd, config.dtype
-        self._compute = {Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward}
+        self._compute = {Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward, Kind.WEIGHT: self._weight}
         # Pipeline messages of GPU arrays go through host memory (MPI, matched by tag) when this
         # schedule could deadlock on NCCL's in-order matching (`schedule.check_in_order_transport`).
         self.host_messages = backend.name() == "cupy" and not in_order_safe
@@ -169,7 +194,7 @@ class PipelineExecutor:
         of batches, forwards only (`schedule.forward_only`), no graph kept.
         """
         if forward_only:
-            actions = schedule.forward_only(self.pp, self.pp_rank, len(batches), self.chunks)
+            actions = schedule.forward_only(self.pp, self.pp_rank, len(batches), self.chunks, self.placement)
             with no_grad():
                 return self._replay(actions, _Step(batches, len(batches), backward=False))
         if len(batches) != self.microbatches:
@@ -182,11 +207,16 @@ class PipelineExecutor:
         return losses
 
     def measured_bubble(self) -> float | None:
-        """This rank's idle fraction over the training steps run so far: 1 - (time in forward and
-        backward) / (time in run()); None before the first step. Includes message waits and
+        """This rank's idle fraction over the training steps run so far: 1 - (time in forward,
+        backward and weight actions) / (time in run()); None before the first step. Includes message waits and
         whatever else runs inside a step's backward (e.g. data-parallel hooks count as busy).
         On a GPU the clock measures the host issuing kernels, not the kernels themselves."""
         return 1.0 - self._busy / self._wall if self._wall > 0 else None
+
+    def measured_busy(self) -> float:
+        """Seconds this rank spent in forward, backward and weight actions over the training
+        steps so far (a step's idle time is its length minus its share of this)."""
+        return self._busy
 
     # -- replay: one handler per action kind ---------------------------------------------------
 
@@ -205,6 +235,8 @@ class PipelineExecutor:
                 end = time.perf_counter()
                 if kind in schedule.COMPUTE and st.backward:
                     self._busy += end - start
+                    # Held: stashed for the backward, or (split) what B left for the weight action.
+                    self.peak_stash = max(self.peak_stash, len(st.stash) + len(st.weights))
                 if tracer is not None:
                     for action in group:
                         tracer.record(action.kind, "compute" if kind in schedule.COMPUTE else "comm", start, end,
@@ -216,7 +248,8 @@ class PipelineExecutor:
         if tracer is not None:
             tracer.record("wait_sends", "comm", start, time.perf_counter(), tid=0,
                           args={"step": self.step, "sends": len(st.sends), "eval": not st.backward})
-        assert not (st.stash or st.inputs or st.grads_in or st.grads_out), "the schedule left work undone"
+        assert not (st.stash or st.inputs or st.grads_in or st.grads_out or st.weights), \
+            "the schedule left work undone"
         if not st.losses:
             return []
         # One device-to-host copy per step for every micro-batch's loss (not one sync each).
@@ -224,10 +257,10 @@ class PipelineExecutor:
         return [float(v) for v in backend.to_host(xp.stack([st.losses[j] for j in sorted(st.losses)]))]
 
     def _stage(self, action: Action) -> int:
-        return schedule.stage_of(self.pp_rank, action.chunk, self.pp)
+        return self.placement.stage(self.pp_rank, action.chunk)
 
     def _tag(self, action: Action, m: int) -> int:
-        return schedule.message_tag(action, self.pp, self.chunks, m)
+        return schedule.message_tag(action, self.pp_rank, self.placement, m)
 
     # -- messages: a send alone, a receive alone, or a send with the receive after it ------------
 
@@ -280,7 +313,8 @@ class PipelineExecutor:
     # -- compute ---------------------------------------------------------------------------------
 
     def _forward(self, st: "_Step", action: Action) -> None:
-        """Run the chunk on token ids (first stage) or the received activation; stash (in, out)."""
+        """Run the chunk on token ids (first stage) or the received (or handed-over) activation;
+        stash (in, out) for the backward, or for the send when evaluating."""
         key, v = st.key(action), self._stage(action)
         stage = self.stages[action.chunk]
         x, y = st.batches[action.microbatch]
@@ -293,19 +327,37 @@ class PipelineExecutor:
         else:
             out = stage(inp)
             assert out.shape == st.act_shape, f"stage {v} produced {out.shape}, expected {st.act_shape}"
-        if st.backward or v < self.last_stage:
+        above = self.placement.local(self.pp_rank, action.chunk, +1)
+        if above is not None:  # the next stage is on this rank: its input, with no message
+            st.inputs[(action.microbatch, above)] = Tensor(out.data, requires_grad=st.backward)
+        if st.backward or (v < self.last_stage and above is None):
             st.stash[key] = (inp, out)
 
     def _backward(self, st: "_Step", action: Action) -> None:
+        """The backward of the stashed output; only B (the input's gradient) where the schedule
+        has a weight action for it, the rest kept in `st.weights` for that action."""
         key, v = st.key(action), self._stage(action)
         inp, out = st.stash.pop(key)
         # The loss is a mean over the micro-batch; 1/m makes the sum over m a global mean.
         if v == self.last_stage:
-            out.backward(backend.array_module(out.data).asarray(1.0 / st.m, dtype=out.dtype))
+            grad = backend.array_module(out.data).asarray(1.0 / st.m, dtype=out.dtype)
         else:
-            out.backward(st.grads_in.pop(key))
+            grad = st.grads_in.pop(key)
+        if key in self.split:
+            st.weights[key] = WeightGrads()
+            out.backward(grad, inputs=(inp,) if v > 0 else (), defer=st.weights[key])
+        else:
+            out.backward(grad)
         if v > 0:
-            st.grads_out[key] = inp.grad
+            below = self.placement.local(self.pp_rank, action.chunk, -1)
+            if below is None:
+                st.grads_out[key] = inp.grad
+            else:  # the previous stage is on this rank: its output gradient, with no message
+                st.grads_in[(action.microbatch, below)] = inp.grad
+
+    def _weight(self, st: "_Step", action: Action) -> None:
+        """W: the parameter gradients its B left (accumulated into .grad; grad hooks fire here)."""
+        st.weights.pop(st.key(action)).run()
 
 
 class _Step:
@@ -321,6 +373,7 @@ class _Step:
         self.grads_out: dict = {}  # input gradient, till it is sent
         self.sends: list = []      # handles of every Isend, waited at the end of the step
         self.losses: dict = {}     # microbatch -> loss (0-d array), last stage only
+        self.weights: dict = {}    # tensor.WeightGrads B left, till its weight action
 
     @staticmethod
     def key(action: Action) -> tuple[int, int]:

@@ -7,25 +7,41 @@ of the step. Every list puts each recv right before the compute that needs it an
 right after the compute that produced it, so a rank never waits for something it could have
 sent first.
 
-Virtual stages. With `chunks` = v model chunks per rank (Megatron interleaving), rank r holds
-the layer chunks of virtual stages r, r + pp, r + 2 pp, ...: chunk c of rank r is virtual stage
-`c * pp + r`, and there are `pp * v` virtual stages. The first virtual stage reads the tokens
-(no recv_act); the last computes the loss (no send_act, no recv_grad).
+Virtual stages (`Placement`). With `chunks` = v model chunks per rank there are `pp * v`
+virtual stages. Megatron's interleaving ("loop") gives chunk c of rank r virtual stage
+`c * pp + r` (`stage_of`): every chunk runs down the ranks 0 .. pp-1. ZB-V ("v", two chunks)
+runs chunk 0 down and chunk 1 back up: rank r holds stages r and 2 pp - 1 - r, so rank 0 holds
+the first and the last stage and the hand-over between the chunks happens inside rank pp - 1,
+with no message. The first virtual stage reads the tokens (no recv_act); the last computes the
+loss (no send_act, no recv_grad).
 
-The three schedules are one loop with a different warm-up length (`_rank_actions`):
+Backward in two halves (Kind.WEIGHT). A schedule may split a backward into B (`backward`: the
+gradient of the input, which the previous stage waits for) and W (`weight`: the gradients of
+the parameters, which nobody waits for). Where a (microbatch, chunk) has a `weight` action its
+`backward` is B only; without one `backward` is the whole backward.
+
+GPipe, 1F1B and interleaved 1F1B are one loop with a different warm-up length (`_rank_actions`):
     warm-up:   W forwards;
     steady:    one forward, then one backward (1F1B), until the forwards run out;
     cool-down: the remaining backwards.
 GPipe is W = all forwards. 1F1B (PipeDream-Flush) is W = min(pp - r - 1, m): rank r keeps
 just enough microbatches in flight to fill the pipe below it. Interleaved 1F1B walks the
-(chunk, microbatch) pairs in Megatron's order with Megatron's warm-up.
+(chunk, microbatch) pairs in Megatron's order with Megatron's warm-up. ZB-H1 (Qi et al.,
+arXiv 2401.10241) is 1F1B with each backward split and rank r's weight passes r micro-batches
+late, so the last W's fill the cool-down; ZB-V is built by list scheduling (`zbv`).
 
-Bubble (idle fraction of the step, t_comm = 0, every rank busy m (t_f + t_b)):
-    GPipe, 1F1B:  (p - 1) / (m + p - 1)       step = (m + p - 1)(t_f + t_b)
-    interleaved:  (p - 1) / (v m + p - 1)     step = (m + (p - 1)/v)(t_f + t_b)
-i.e. the bubble time (p - 1)(t_f + t_b) shrinks by v (arXiv 2104.04473, section 2.2).
-Peak stashed activations on rank r (counted in chunk activations, each 1/v of the rank's layers):
-    GPipe: m;  1F1B: min(p - r, m) <= p;  interleaved: min(W_r + 1, v m) with Megatron's W_r.
+Bubble (idle fraction of the step, t_comm = 0, every rank busy m (t_f + t_b + t_w); t_b is B
+and t_w W, a whole backward is t_b + t_w):
+    GPipe, 1F1B:  (p - 1) / (m + p - 1)       step = (m + p - 1)(t_f + t_b + t_w)
+    interleaved:  (p - 1) / (v m + p - 1)     step = (m + (p - 1)/v)(t_f + t_b + t_w)
+    ZB-H1:        step = m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w)   (m >= p, t_w <= t_f, t_b)
+    ZB-V:         step >= m (t_f + t_b + t_w) + (p - 1) t_f / 2  (the last rank's first input)
+i.e. the bubble time (p - 1)(t_f + t_b + t_w) shrinks by v (arXiv 2104.04473, section 2.2), to
+a third with ZB-H1 at t_f = t_b = t_w, and to the fill of the first forward with ZB-V.
+Peak stashed activations on rank r (counted in chunk activations, each 1/v of the rank's
+layers, held from the forward until the weight pass, or the backward without one):
+    GPipe: m;  1F1B: min(p - r, m) <= p;  interleaved: min(W_r + 1, v m) with Megatron's W_r;
+    ZB-H1: min(p, m);  ZB-V: <= 2 p (p micro-batches of the rank's layers, 1F1B's peak).
 """
 
 from __future__ import annotations
@@ -36,7 +52,7 @@ from typing import NamedTuple, Sequence
 
 from hpcpar.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 
 
 class Kind(str, enum.Enum):
@@ -46,14 +62,15 @@ class Kind(str, enum.Enum):
     FORWARD = "forward"
     SEND_ACT = "send_act"    # send the output activation
     RECV_GRAD = "recv_grad"  # receive the gradient of the output
-    BACKWARD = "backward"
+    BACKWARD = "backward"    # the whole backward, or B (input gradient) when a weight action follows
     SEND_GRAD = "send_grad"  # send the gradient of the input
+    WEIGHT = "weight"        # W: the parameters' gradients that the backward (B) left
 
     __str__ = str.__str__
     __format__ = str.__format__
 
 
-COMPUTE = (Kind.FORWARD, Kind.BACKWARD)
+COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD)
 RECVS = (Kind.RECV_ACT, Kind.RECV_GRAD)
 KINDS = tuple(Kind)
@@ -63,7 +80,7 @@ KINDS = tuple(Kind)
 class Action:
     """One step of one rank: compute a (microbatch, chunk), or move its activation/gradient.
 
-    `peer` is the pipeline rank sent to / received from (None for forward/backward).
+    `peer` is the pipeline rank sent to / received from (None for forward/backward/weight).
     """
 
     kind: Kind
@@ -85,77 +102,127 @@ class Action:
 
 
 def stage_of(rank: int, chunk: int, pp: int) -> int:
-    """Virtual stage of model chunk `chunk` held by pipeline rank `rank`."""
+    """Virtual stage of model chunk `chunk` held by pipeline rank `rank` (the "loop" placement)."""
     return chunk * pp + rank
 
 
-def message_tag(action: Action, pp: int, chunks: int, microbatches: int) -> int:
-    """MPI tag of the message a send/recv action moves; equal on both sides, unique in a step.
+PLACEMENTS = ("loop", "v")
 
-    A message crosses the boundary b between virtual stages b and b + 1 (b < pp*chunks - 1):
+
+@dataclass(frozen=True)
+class Placement:
+    """Which pipeline rank and model chunk hold each virtual stage (see the module doc).
+
+    shape "loop": chunk c of rank r is virtual stage c * pp + r (`stage_of`; Megatron's
+    interleaving, and every schedule with one chunk). shape "v": chunks alternate direction,
+    stage c * pp + r for even c and c * pp + pp - 1 - r for odd c (ZB-V's two chunks). Two
+    consecutive stages on one rank hand over activations and gradients without a message.
+    """
+
+    pp: int
+    chunks: int = 1
+    shape: str = "loop"
+
+    def __post_init__(self) -> None:
+        if self.shape not in PLACEMENTS:
+            raise ValueError(f"placement shape {self.shape!r} is not one of {', '.join(PLACEMENTS)}")
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.chunks
+
+    def stage(self, rank: int, chunk: int) -> int:
+        """Virtual stage of `chunk` on `rank`."""
+        if self.shape == "v" and chunk % 2:
+            return chunk * self.pp + self.pp - 1 - rank
+        return chunk * self.pp + rank
+
+    def holder(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) holding virtual stage `stage`."""
+        chunk, i = divmod(stage, self.pp)
+        return (self.pp - 1 - i if self.shape == "v" and chunk % 2 else i), chunk
+
+    def neighbour(self, rank: int, chunk: int, step: int) -> tuple[int, int] | None:
+        """(rank, chunk) of the stage `step` (-1: previous, +1: next) from `chunk` on `rank`;
+        None past either end of the pipeline."""
+        other = self.stage(rank, chunk) + step
+        return self.holder(other) if 0 <= other < self.stages else None
+
+    def local(self, rank: int, chunk: int, step: int) -> int | None:
+        """The chunk of this rank that holds the neighbouring stage, if this rank holds it: the
+        hand-over is then local, with no message. None when it is remote or there is none."""
+        other = self.neighbour(rank, chunk, step)
+        return other[1] if other is not None and other[0] == rank else None
+
+
+def message_tag(action: Action, rank: int, placement: Placement, microbatches: int) -> int:
+    """MPI tag of the message a send/recv action of `rank` moves; equal on both sides, unique in a step.
+
+    A message crosses the boundary b between virtual stages b and b + 1 (b < V - 1):
     activations go b -> b+1, gradients b+1 -> b. tag = ((direction * (V - 1)) + b) * m + mb,
     direction 0 for activations and 1 for gradients, so tags lie in [0, 2 (V - 1) m).
-    The acting rank is not in the action; it is the peer's neighbour (receive activations from
-    rank - 1, send them to rank + 1, gradients the other way).
     """
+    stage = placement.stage(rank, action.chunk)
     if action.kind in (Kind.RECV_ACT, Kind.SEND_GRAD):  # the stage below us is the peer
-        boundary = stage_of((action.peer + 1) % pp, action.chunk, pp) - 1
+        boundary = stage - 1
     elif action.kind in (Kind.SEND_ACT, Kind.RECV_GRAD):  # the stage above us is the peer
-        boundary = stage_of((action.peer - 1) % pp, action.chunk, pp)
+        boundary = stage
     else:
         raise ValueError(f"{action} moves no message")
     direction = 0 if action.kind in (Kind.RECV_ACT, Kind.SEND_ACT) else 1
-    return (direction * (pp * chunks - 1) + boundary) * microbatches + action.microbatch
+    return (direction * (placement.stages - 1) + boundary) * microbatches + action.microbatch
 
 
 # --------------------------------------------------------------------------- schedules
 
 
-def _forward(rank: int, chunk: int, mb: int, pp: int, chunks: int) -> list[Action]:
-    """Receive the input activation (unless first stage), forward, send the output (unless last)."""
-    stage = stage_of(rank, chunk, pp)
+def _forward(rank: int, chunk: int, mb: int, place: Placement) -> list[Action]:
+    """Receive the input activation (unless first stage, or the previous stage is on this rank),
+    forward, send the output (unless last stage, or the next one is here)."""
     actions = [Action(Kind.FORWARD, mb, chunk)]
-    if stage > 0:
-        actions.insert(0, Action(Kind.RECV_ACT, mb, chunk, (rank - 1) % pp))
-    if stage < pp * chunks - 1:
-        actions.append(Action(Kind.SEND_ACT, mb, chunk, (rank + 1) % pp))
+    prev, nxt = place.neighbour(rank, chunk, -1), place.neighbour(rank, chunk, +1)
+    if prev is not None and prev[0] != rank:
+        actions.insert(0, Action(Kind.RECV_ACT, mb, chunk, prev[0]))
+    if nxt is not None and nxt[0] != rank:
+        actions.append(Action(Kind.SEND_ACT, mb, chunk, nxt[0]))
     return actions
 
 
-def _backward(rank: int, chunk: int, mb: int, pp: int, chunks: int) -> list[Action]:
-    """Receive the output gradient (unless last stage), backward, send the input gradient."""
-    stage = stage_of(rank, chunk, pp)
+def _backward(rank: int, chunk: int, mb: int, place: Placement) -> list[Action]:
+    """Receive the output gradient (unless last stage, or the next stage is on this rank),
+    backward, send the input gradient (unless first stage, or the previous one is here)."""
     actions = [Action(Kind.BACKWARD, mb, chunk)]
-    if stage < pp * chunks - 1:
-        actions.insert(0, Action(Kind.RECV_GRAD, mb, chunk, (rank + 1) % pp))
-    if stage > 0:
-        actions.append(Action(Kind.SEND_GRAD, mb, chunk, (rank - 1) % pp))
+    prev, nxt = place.neighbour(rank, chunk, -1), place.neighbour(rank, chunk, +1)
+    if nxt is not None and nxt[0] != rank:
+        actions.insert(0, Action(Kind.RECV_GRAD, mb, chunk, nxt[0]))
+    if prev is not None and prev[0] != rank:
+        actions.append(Action(Kind.SEND_GRAD, mb, chunk, prev[0]))
     return actions
 
 
-def _rank_actions(rank: int, pp: int, chunks: int, forwards: list[tuple[int, int]],
+def _rank_actions(rank: int, place: Placement, forwards: list[tuple[int, int]],
                   backwards: list[tuple[int, int]], warmup: int) -> list[Action]:
     """Warm-up forwards, then 1F1B pairs, then cool-down backwards; orders are (chunk, mb)."""
     actions: list[Action] = []
     for chunk, mb in forwards[:warmup]:
-        actions += _forward(rank, chunk, mb, pp, chunks)
+        actions += _forward(rank, chunk, mb, place)
     steady = len(forwards) - warmup
     for i in range(steady):
-        actions += _forward(rank, *forwards[warmup + i], pp, chunks)
-        actions += _backward(rank, *backwards[i], pp, chunks)
+        actions += _forward(rank, *forwards[warmup + i], place)
+        actions += _backward(rank, *backwards[i], place)
     for chunk, mb in backwards[steady:]:
-        actions += _backward(rank, chunk, mb, pp, chunks)
+        actions += _backward(rank, chunk, mb, place)
     return actions
 
 
-def gpipe(pp: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
+def gpipe(pp: int, microbatches: int, chunks: int = 0) -> list[list[Action]]:
     """GPipe: all forwards, then all backwards. Stashes all m activations; bubble (p-1)/(m+p-1)."""
     validate("gpipe", pp, microbatches, chunks)
     order = [(0, mb) for mb in range(microbatches)]
-    return [_rank_actions(r, pp, 1, order, order, warmup=microbatches) for r in range(pp)]
+    return [_rank_actions(r, Placement(pp), order, order, warmup=microbatches) for r in range(pp)]
 
 
-def one_f_one_b(pp: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
+def one_f_one_b(pp: int, microbatches: int, chunks: int = 0) -> list[list[Action]]:
     """1F1B (PipeDream-Flush): same bubble as GPipe, (p-1)/(m+p-1), but rank r stashes min(p-r, m).
 
     Rank r runs W = min(p - r - 1, m) warm-up forwards. The last rank has W = 0 and alternates
@@ -164,7 +231,7 @@ def one_f_one_b(pp: int, microbatches: int, chunks: int = 1) -> list[list[Action
     """
     validate("1f1b", pp, microbatches, chunks)
     order = [(0, mb) for mb in range(microbatches)]
-    return [_rank_actions(r, pp, 1, order, order, warmup=min(pp - r - 1, microbatches))
+    return [_rank_actions(r, Placement(pp), order, order, warmup=min(pp - r - 1, microbatches))
             for r in range(pp)]
 
 
@@ -179,7 +246,7 @@ def _interleaved_order(pp: int, microbatches: int, chunks: int, forward: bool) -
     return order
 
 
-def interleaved_1f1b(pp: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
+def interleaved_1f1b(pp: int, microbatches: int, chunks: int = 0) -> list[list[Action]]:
     """Megatron's interleaved 1F1B with v = chunks model chunks per rank (arXiv 2104.04473).
 
     Each chunk costs 1/v of a stage, so the fill and drain shrink by v: bubble (p-1)/(v m + p-1).
@@ -192,46 +259,178 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int = 1) -> list[list[A
     chunks == 1 is exactly `one_f_one_b`.
     """
     validate("interleaved", pp, microbatches, chunks)
+    chunks = resolve_chunks("interleaved", chunks)
     if chunks == 1:
         return one_f_one_b(pp, microbatches)
     forwards = _interleaved_order(pp, microbatches, chunks, forward=True)
     backwards = _interleaved_order(pp, microbatches, chunks, forward=False)
     total = microbatches * chunks
+    place = Placement(pp, chunks)
     schedules = []
     for r in range(pp):
         warmup = min(2 * (pp - r - 1) + (chunks - 1) * pp, total)
-        schedules.append(_rank_actions(r, pp, chunks, forwards, backwards, warmup))
+        schedules.append(_rank_actions(r, place, forwards, backwards, warmup))
     return schedules
 
 
-def forward_only(pp: int, rank: int, microbatches: int, chunks: int = 1) -> list[Action]:
+def zbh1(pp: int, microbatches: int, chunks: int = 0) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., arXiv 2401.10241, section 3): 1F1B with every backward split into B
+    and W, and rank r's W passes r micro-batches late.
+
+    The forwards and B's are 1F1B's (warm-up min(p - r - 1, m)); W of micro-batch k comes right
+    after B of micro-batch k + r, the last r at the end. The B's now travel down the pipe without
+    their W's, so the cool-down shrinks, and the W's left over fill what remains of it: the step
+    is m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w) (m >= p, W no slower than F or B): a
+    bubble of a third of 1F1B's when the three cost the same. A micro-batch stays stashed until
+    its W, so every rank holds up to min(p, m) micro-batches: 1F1B's peak (on its rank 0).
+    """
+    validate("zbh1", pp, microbatches, chunks)
+    place = Placement(pp)
+    order = [(0, mb) for mb in range(microbatches)]
+    schedules = []
+    for r in range(pp):
+        actions, weights = [], 0
+        for a in _rank_actions(r, place, order, order, warmup=min(pp - r - 1, microbatches)):
+            actions.append(a)
+            # W(k) after the B of k + r (and after its send: never hold a message back).
+            if (a.kind == Kind.BACKWARD and r == 0) or a.kind == Kind.SEND_GRAD:
+                if a.microbatch - r >= 0:
+                    actions.append(Action(Kind.WEIGHT, a.microbatch - r, 0))
+                    weights += 1
+        actions += [Action(Kind.WEIGHT, mb, 0) for mb in range(weights, microbatches)]
+        schedules.append(actions)
+    return schedules
+
+
+def zbv(pp: int, microbatches: int, chunks: int = 0) -> list[list[Action]]:
+    """ZB-V (Qi et al., arXiv 2401.10241, section 6): two chunks per rank in a V, B and W split.
+
+    Placement "v": rank r holds stages r and 2p - 1 - r. The order comes from list scheduling
+    in virtual time with F = B = W (each a chunk's share): whenever a rank is free it runs a
+    ready B (chunk 0 first: the previous rank waits for it), else a ready F (chunk 1 first: it
+    brings a micro-batch to its loss) if memory allows, else the oldest pending W, else it
+    waits for the next input. Memory: a chunk activation is held from F to W; a rank holds at
+    most 2p (p micro-batches of its layers, 1F1B's peak), and an F of chunk 0 leaves room for
+    the F of chunk 1 that every micro-batch in flight will still need. The W's fill what would
+    be bubble, so the step is m (t_f + t_b + t_w) plus about the fill of the first forward,
+    (p - 1) t_f / 2, for m >= 2p. F, B and W of each chunk run in micro-batch order.
+    """
+    validate("zbv", pp, microbatches, chunks)
+    place = Placement(pp, 2, "v")
+    m, limit = microbatches, 2 * pp
+    done: dict[tuple[str, int, int, int], int] = {}   # (kind, mb, chunk, rank) -> end time (unit costs)
+    clock = [0] * pp
+    next_f, next_b = [[0, 0] for _ in range(pp)], [[0, 0] for _ in range(pp)]
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # W's ready, oldest first
+    held = [0] * pp
+    order: list[list[tuple[Kind, int, int]]] = [[] for _ in range(pp)]
+
+    def ready(kind: Kind, mb: int, chunk: int, rank: int) -> int | None:
+        """When (kind, mb, chunk) can start on `rank`: its input's producer has finished."""
+        step = -1 if kind == Kind.FORWARD else +1
+        other = place.neighbour(rank, chunk, step)
+        if other is None:  # stage 0's forward needs nothing; the loss stage's B its own forward
+            return 0 if kind == Kind.FORWARD else done.get((Kind.FORWARD, mb, chunk, rank))
+        return done.get((kind, mb, other[1], other[0]))
+
+    def choice(rank: int) -> tuple[int, Kind, int, int] | None:
+        """(start, kind, mb, chunk) this rank would run next."""
+        t, now, later = clock[rank], [], []
+        for chunk in (0, 1):  # B's: chunk 0 first
+            mb = next_b[rank][chunk]
+            start = ready(Kind.BACKWARD, mb, chunk, rank) if mb < m else None
+            if start is not None:
+                (now if start <= t else later).append((max(start, t), Kind.BACKWARD, mb, chunk))
+        reserved = next_f[rank][0] - next_f[rank][1]  # micro-batches that still need chunk 1 here
+        for chunk in (1, 0):  # F's: chunk 1 first
+            mb = next_f[rank][chunk]
+            room = held[rank] + 1 <= limit if chunk == 1 else held[rank] + reserved + 2 <= limit
+            start = ready(Kind.FORWARD, mb, chunk, rank) if mb < m and room else None
+            if start is not None:
+                (now if start <= t else later).append((max(start, t), Kind.FORWARD, mb, chunk))
+        if now:
+            return now[0]
+        if pending[rank]:
+            return (t, Kind.WEIGHT, *pending[rank][0])
+        return min(later, key=lambda c: c[0]) if later else None
+
+    for _ in range(3 * 2 * m * pp):
+        picks = [(c, r) for r in range(pp) if (c := choice(r)) is not None]
+        if not picks:
+            raise ScheduleError(f"zbv({pp}, {m}): list scheduling found no runnable action")
+        (start, kind, mb, chunk), rank = min(picks, key=lambda x: (x[0][0], x[1]))
+        clock[rank] = start + 1
+        done[(kind, mb, chunk, rank)] = clock[rank]
+        order[rank].append((kind, mb, chunk))
+        if kind == Kind.FORWARD:
+            next_f[rank][chunk] += 1
+            held[rank] += 1
+        elif kind == Kind.BACKWARD:
+            next_b[rank][chunk] += 1
+            pending[rank].append((mb, chunk))
+        else:
+            pending[rank].pop(0)
+            held[rank] -= 1
+    schedules = []
+    for rank in range(pp):
+        actions = []
+        for kind, mb, chunk in order[rank]:
+            if kind == Kind.FORWARD:
+                actions += _forward(rank, chunk, mb, place)
+            elif kind == Kind.BACKWARD:
+                actions += _backward(rank, chunk, mb, place)
+            else:
+                actions.append(Action(Kind.WEIGHT, mb, chunk))
+        schedules.append(actions)
+    return schedules
+
+
+def forward_only(pp: int, rank: int, microbatches: int, chunks: int = 1,
+                 placement: Placement | None = None) -> list[Action]:
     """Rank `rank`'s actions for forwards alone (evaluation): recv_act, forward, send_act per
     (chunk, microbatch) in lexicographic order. Deadlock-free: every recv waits on an action that
-    comes earlier in the global order (chunk, microbatch, rank), and sends never block."""
-    last = pp * chunks - 1
+    comes earlier in the global order (chunk, microbatch, rank), and sends never block; a
+    hand-over inside the rank (ZB-V's chunk 0 -> 1) comes from an earlier chunk."""
+    place = placement if placement is not None else Placement(pp, chunks)
     actions = []
-    for chunk in range(chunks):
-        v = stage_of(rank, chunk, pp)
+    for chunk in range(place.chunks):
         for mb in range(microbatches):
-            if v > 0:
-                actions.append(Action(Kind.RECV_ACT, mb, chunk, (rank - 1) % pp))
-            actions.append(Action(Kind.FORWARD, mb, chunk))
-            if v < last:
-                actions.append(Action(Kind.SEND_ACT, mb, chunk, (rank + 1) % pp))
+            actions += _forward(rank, chunk, mb, place)
     return actions
 
 
-_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zbh1": zbh1, "zbv": zbv}
+_FIXED_CHUNKS = {"zbv": 2}  # schedules whose shape fixes the chunks per rank
 
 
-def validate(name: str, pp: int, microbatches: int, chunks: int = 1) -> None:
-    """Raise ConfigError (one line: what is wrong, what would be right) unless the schedule can run."""
+def resolve_chunks(name: str, chunks: int = 0) -> int:
+    """The model chunks per rank schedule `name` runs: `chunks`, or with 0 ("auto") the
+    schedule's own (2 for zbv, else 1). Raises ConfigError where the schedule fixes them."""
+    fixed = _FIXED_CHUNKS.get(name)
+    if fixed is not None:
+        if chunks not in (0, fixed):
+            raise ConfigError(f"pipeline.schedule={name} runs {fixed} chunks per rank (a V), fixed by the "
+                              f"schedule: leave pipeline.chunks unset (0) or {fixed}, not {chunks}")
+        return fixed
+    return chunks or 1
+
+
+def placement(name: str, pp: int, chunks: int = 0) -> Placement:
+    """Where schedule `name` puts the virtual stages (the V of zbv; else the loop)."""
+    return Placement(pp, resolve_chunks(name, chunks), "v" if name == "zbv" else "loop")
+
+
+def validate(name: str, pp: int, microbatches: int, chunks: int = 0) -> None:
+    """Raise ConfigError (one line: what is wrong, what would be right) unless the schedule can run.
+    `chunks` 0 means the schedule's own (`resolve_chunks`)."""
     if name not in _BUILDERS:
         raise ConfigError(f"pipeline.schedule={name!r} is not one of {', '.join(SCHEDULES)}")
-    for key, value in (("mesh.pp", pp), ("train.microbatches", microbatches), ("pipeline.chunks", chunks)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{key}={value!r} must be a positive integer")
-    if name != "interleaved" and chunks != 1:
+    for key, value, least in (("mesh.pp", pp, 1), ("train.microbatches", microbatches, 1),
+                              ("pipeline.chunks", chunks, 0)):
+        if not isinstance(value, int) or value < least:
+            raise ConfigError(f"{key}={value!r} must be a {'positive' if least else 'non-negative'} integer")
+    chunks = resolve_chunks(name, chunks)
+    if name not in ("interleaved", *_FIXED_CHUNKS) and chunks != 1:
         raise ConfigError(f"pipeline.schedule={name} runs one chunk per rank: set pipeline.chunks=1 "
                           f"(got {chunks}) or pipeline.schedule=interleaved")
     if name == "interleaved" and chunks > 1:
@@ -241,10 +440,14 @@ def validate(name: str, pp: int, microbatches: int, chunks: int = 1) -> None:
         if microbatches % pp:
             raise ConfigError(f"pipeline.schedule=interleaved needs train.microbatches ({microbatches}) "
                               f"to be a multiple of mesh.pp ({pp}), e.g. {-(-microbatches // pp) * pp}")
+    if name == "zbv" and pp == 1:
+        raise ConfigError("pipeline.schedule=zbv needs mesh.pp >= 2 (its V runs down and back up the "
+                          "pipeline ranks); use pipeline.schedule=zbh1 or 1f1b")
 
 
-def build(name: str, pp: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
-    """The action lists of schedule `name` ("gpipe" | "1f1b" | "interleaved"), one per pp rank."""
+def build(name: str, pp: int, microbatches: int, chunks: int = 0) -> list[list[Action]]:
+    """The action lists of schedule `name` (one of `SCHEDULES`), one per pp rank. Their virtual
+    stages are placed by `placement(name, pp, chunks)`."""
     validate(name, pp, microbatches, chunks)
     return _BUILDERS[name](pp, microbatches, chunks)
 
@@ -268,9 +471,10 @@ class Event(NamedTuple):
 class SimResult:
     """What one simulated step did. Lists are indexed by pipeline rank.
 
-    bubble_per_rank[r] = 1 - busy[r] / makespan (busy = forward + backward time only);
-    `bubble` is their mean. peak_stash[r] counts activations held from a forward until its
-    backward, in chunk activations.
+    bubble_per_rank[r] = 1 - busy[r] / makespan (busy = forward + backward + weight time only);
+    `bubble` is their mean, `idle` the mean idle seconds. peak_stash[r] counts activations held
+    from a forward until its weight pass (its backward when it has none), in chunk activations;
+    `peak_memory` in micro-batches of the rank's whole share of layers (peak_stash / chunks).
     """
 
     makespan: float
@@ -278,36 +482,57 @@ class SimResult:
     bubble_per_rank: list[float]
     peak_stash: list[int]
     events: list[list[Event]]
+    chunks: int = 1
 
     @property
     def bubble(self) -> float:
         return sum(self.bubble_per_rank) / len(self.bubble_per_rank)
 
+    @property
+    def idle(self) -> float:
+        """Mean idle time per rank: makespan - busy (the bubble in seconds, not as a fraction)."""
+        return self.makespan - sum(self.busy) / len(self.busy)
 
-def _expected_peer(rank: int, action: Action, pp: int, last_stage: int) -> int:
-    """The peer a send/recv must name; raises if the stage has no such neighbour."""
-    stage = stage_of(rank, action.chunk, pp)
+    @property
+    def peak_memory(self) -> list[float]:
+        return [s / self.chunks for s in self.peak_stash]
+
+
+def _infer_placement(schedules: list[list[Action]], placement: Placement | None) -> Placement:
+    chunks = 1 + max((a.chunk for actions in schedules for a in actions), default=0)
+    if placement is None:
+        return Placement(len(schedules), chunks)
+    if placement.pp != len(schedules) or placement.chunks < chunks:
+        raise ScheduleError(f"{len(schedules)} ranks with chunks up to {chunks - 1} do not fit {placement}")
+    return placement
+
+
+def _expected_peer(rank: int, action: Action, place: Placement) -> int:
+    """The peer a send/recv must name; raises if the stage has no such neighbour, or it is local."""
     downward = action.kind in (Kind.RECV_ACT, Kind.SEND_GRAD)  # talks to the previous stage
-    if (downward and stage == 0) or (not downward and stage == last_stage):
-        raise ScheduleError(f"rank {rank}: {action} on virtual stage {stage}, which has no "
-                            f"{'previous' if downward else 'next'} stage")
-    return (rank - 1) % pp if downward else (rank + 1) % pp
+    other = place.neighbour(rank, action.chunk, -1 if downward else +1)
+    if other is None:
+        raise ScheduleError(f"rank {rank}: {action} on virtual stage {place.stage(rank, action.chunk)}, which has "
+                            f"no {'previous' if downward else 'next'} stage")
+    if other[0] == rank:
+        raise ScheduleError(f"rank {rank}: {action} moves what stays on this rank (chunk {other[1]} holds the "
+                            f"{'previous' if downward else 'next'} stage)")
+    return other[0]
 
 
-def _match_messages(schedules: list[list[Action]], chunks: int, microbatches: int) -> None:
+def _match_messages(schedules: list[list[Action]], place: Placement, microbatches: int) -> None:
     """Every send/recv names the right peer, and every send meets exactly one recv."""
-    pp = len(schedules)
     sends: dict[int, tuple[int, Action]] = {}
     recvs: dict[int, tuple[int, Action]] = {}
     for rank, actions in enumerate(schedules):
         for action in actions:
             if action.kind in COMPUTE:
                 continue
-            expected = _expected_peer(rank, action, pp, pp * chunks - 1)
+            expected = _expected_peer(rank, action, place)
             if action.peer != expected:
                 raise ScheduleError(f"rank {rank}: {action} names the wrong peer; expected {expected}")
             side = sends if action.kind in SENDS else recvs
-            tag = message_tag(action, pp, chunks, microbatches)
+            tag = message_tag(action, rank, place, microbatches)
             if tag in side:
                 raise ScheduleError(f"rank {rank}: {action} duplicates {side[tag][1]} on rank {side[tag][0]}")
             side[tag] = (rank, action)
@@ -318,21 +543,26 @@ def _match_messages(schedules: list[list[Action]], chunks: int, microbatches: in
 
 
 def simulate(schedules: list[list[Action]], t_forward: float = 1.0, t_backward: float = 2.0,
-             t_comm: float = 0.0) -> SimResult:
+             t_comm: float = 0.0, t_weight: float = 0.0, placement: Placement | None = None) -> SimResult:
     """Replay every rank's actions in virtual time, as the executor would run them with MPI.
 
-    A forward of one chunk takes t_forward / chunks and a backward t_backward / chunks, so
-    t_forward and t_backward are one microbatch's time through a rank's whole share of the
-    model, whatever v. Sends never block (they are Isends); a recv blocks until the matching
-    send was issued, plus t_comm. The number of chunks and microbatches is read off the actions.
-    Raises ScheduleError naming rank and action on deadlock, an unmatched or mis-addressed
-    message, a backward before its forward, or a forward/backward missing or duplicated.
+    Costs are one microbatch's time through a rank's whole share of the model, whatever v: a
+    forward of one chunk takes t_forward / chunks, a B (a backward followed by a weight action)
+    t_backward / chunks, a W t_weight / chunks, and a whole backward (no weight action)
+    (t_backward + t_weight) / chunks. Sends never block (they are Isends); a recv blocks until
+    the matching send was issued, plus t_comm; a hand-over between two chunks of one rank is
+    free. The number of chunks and microbatches is read off the actions; `placement` (default:
+    the loop) says where the virtual stages are. Raises ScheduleError naming rank and action on
+    deadlock, an unmatched or mis-addressed message, a backward before its forward, a weight
+    pass before its backward, or a forward/backward missing or duplicated.
     """
     pp = len(schedules)
-    chunks = 1 + max((a.chunk for actions in schedules for a in actions), default=0)
+    place = _infer_placement(schedules, placement)
+    chunks = place.chunks
     microbatches = 1 + max((a.microbatch for actions in schedules for a in actions), default=0)
-    last_stage = pp * chunks - 1
-    _match_messages(schedules, chunks, microbatches)
+    last_stage = place.stages - 1
+    _match_messages(schedules, place, microbatches)
+    split = [{(a.microbatch, a.chunk) for a in actions if a.kind == Kind.WEIGHT} for actions in schedules]
 
     arrival: dict[int, float] = {}  # message tag -> time the receiver can have it
     clock, busy, stash, peak = [0.0] * pp, [0.0] * pp, [0] * pp, [0] * pp
@@ -340,29 +570,49 @@ def simulate(schedules: list[list[Action]], t_forward: float = 1.0, t_backward: 
     events: list[list[Event]] = [[] for _ in range(pp)]
     position = [0] * pp
 
+    def tag(rank: int, action: Action) -> int:
+        return message_tag(action, rank, place, microbatches)
+
     def run(rank: int, action: Action) -> None:
         """Check the action's data dependencies on `rank`, then advance that rank's clock."""
-        stage, key = stage_of(rank, action.chunk, pp), (action.microbatch, action.chunk)
-        needs = {Kind.FORWARD: [Kind.RECV_ACT] if stage > 0 else [], Kind.SEND_ACT: [Kind.FORWARD],
-                 Kind.BACKWARD: [Kind.FORWARD] + ([Kind.RECV_GRAD] if stage < last_stage else []),
-                 Kind.SEND_GRAD: [Kind.BACKWARD]}.get(action.kind, [])
-        for need in needs:
-            if (need, *key) not in done[rank]:
-                raise ScheduleError(f"rank {rank}: {action} comes before its {need}")
+        stage, key = place.stage(rank, action.chunk), (action.microbatch, action.chunk)
+        needs: list[tuple[Kind, int]] = []  # (kind, chunk) done on this rank before
+        if action.kind == Kind.FORWARD and stage > 0:
+            below = place.local(rank, action.chunk, -1)
+            needs = [(Kind.RECV_ACT, action.chunk) if below is None else (Kind.FORWARD, below)]
+        elif action.kind == Kind.BACKWARD:
+            needs = [(Kind.FORWARD, action.chunk)]
+            if stage < last_stage:
+                above = place.local(rank, action.chunk, +1)
+                needs.append((Kind.RECV_GRAD, action.chunk) if above is None else (Kind.BACKWARD, above))
+        elif action.kind == Kind.SEND_ACT:
+            needs = [(Kind.FORWARD, action.chunk)]
+        elif action.kind in (Kind.SEND_GRAD, Kind.WEIGHT):
+            needs = [(Kind.BACKWARD, action.chunk)]
+        for need, chunk in needs:
+            if (need, action.microbatch, chunk) not in done[rank]:
+                what = need if chunk == action.chunk else f"{need} of chunk {chunk}"
+                raise ScheduleError(f"rank {rank}: {action} comes before its {what}")
         if (action.kind, *key) in done[rank]:
             raise ScheduleError(f"rank {rank}: {action} is duplicated")
         done[rank].add((action.kind, *key))
         start = clock[rank]
         if action.kind in COMPUTE:
-            forward = action.kind == Kind.FORWARD
-            clock[rank] += (t_forward if forward else t_backward) / chunks
+            if action.kind == Kind.FORWARD:
+                cost, held = t_forward, 1
+            elif action.kind == Kind.WEIGHT:
+                cost, held = t_weight, -1
+            else:
+                deferred = key in split[rank]
+                cost, held = (t_backward, 0) if deferred else (t_backward + t_weight, -1)
+            clock[rank] += cost / chunks
             busy[rank] += clock[rank] - start
-            stash[rank] += 1 if forward else -1
+            stash[rank] += held
             peak[rank] = max(peak[rank], stash[rank])
         elif action.kind in SENDS:
-            arrival[message_tag(action, pp, chunks, microbatches)] = start + t_comm
+            arrival[tag(rank, action)] = start + t_comm
         else:
-            clock[rank] = max(start, arrival[message_tag(action, pp, chunks, microbatches)])
+            clock[rank] = max(start, arrival[tag(rank, action)])
         events[rank].append(Event(action, start, clock[rank]))
 
     # Ranks never wait on sends, so running each rank as far as it can, round after round,
@@ -372,7 +622,7 @@ def simulate(schedules: list[list[Action]], t_forward: float = 1.0, t_backward: 
         for rank in range(pp):
             while position[rank] < len(schedules[rank]):
                 action = schedules[rank][position[rank]]
-                if action.kind in RECVS and message_tag(action, pp, chunks, microbatches) not in arrival:
+                if action.kind in RECVS and tag(rank, action) not in arrival:
                     break  # its send has not been issued yet
                 run(rank, action)
                 position[rank] += 1
@@ -383,13 +633,13 @@ def simulate(schedules: list[list[Action]], t_forward: float = 1.0, t_backward: 
             raise ScheduleError("deadlock: " + "; ".join(stuck))
 
     for rank in range(pp):
-        for kind in COMPUTE:
+        for kind in (Kind.FORWARD, Kind.BACKWARD):
             missing = [(mb, c) for mb in range(microbatches) for c in range(chunks)
                        if (kind, mb, c) not in done[rank]]
             if missing:
                 raise ScheduleError(f"rank {rank}: no {kind} for (microbatch, chunk) {missing}")
     makespan = max(clock)
-    return SimResult(makespan, busy, [1 - b / makespan if makespan else 0.0 for b in busy], peak, events)
+    return SimResult(makespan, busy, [1 - b / makespan if makespan else 0.0 for b in busy], peak, events, chunks)
 
 
 def message_groups(actions: Sequence[Action]) -> list[list[Action]]:
@@ -404,7 +654,8 @@ def message_groups(actions: Sequence[Action]) -> list[list[Action]]:
     return groups
 
 
-def check_in_order_transport(schedules: list[list[Action]], grouped: bool = True) -> None:
+def check_in_order_transport(schedules: list[list[Action]], grouped: bool = True,
+                             placement: Placement | None = None) -> None:
     """Raise ScheduleError if the schedule can deadlock on NCCL-like point-to-point messages.
 
     NCCL matches messages in posting order on one stream per communicator, and a send does not
@@ -416,7 +667,7 @@ def check_in_order_transport(schedules: list[list[Action]], grouped: bool = True
     message completes when its counterpart is active on the peer.
     """
     pp = len(schedules)
-    chunks = 1 + max((a.chunk for actions in schedules for a in actions), default=0)
+    place = _infer_placement(schedules, placement)
     microbatches = 1 + max((a.microbatch for actions in schedules for a in actions), default=0)
     units = [message_groups(a) if grouped else [[x] for x in a] for a in schedules]
     host = [0] * pp                                   # next unit each host issues
@@ -424,14 +675,14 @@ def check_in_order_transport(schedules: list[list[Action]], grouped: bool = True
     streams: list[list[set]] = [[] for _ in range(pp)]  # per rank: posted groups of message tags
     popped = [0] * pp                                 # groups already finished on each stream
 
-    def tag(action: Action) -> int:
-        return message_tag(action, pp, chunks, microbatches)
+    def tag(rank: int, action: Action) -> int:
+        return message_tag(action, rank, place, microbatches)
 
     owner = {}  # tag -> (sending rank, receiving rank)
     for rank, actions in enumerate(schedules):
         for a in actions:
             if a.kind in SENDS:
-                owner[tag(a)] = (rank, a.peer)
+                owner[tag(rank, a)] = (rank, a.peer)
     while True:
         progressed = False
         for rank in range(pp):  # hosts run until they wait for a receive
@@ -440,7 +691,7 @@ def check_in_order_transport(schedules: list[list[Action]], grouped: bool = True
                 host[rank] += 1
                 progressed = True
                 if unit:
-                    streams[rank].append({(a.kind in SENDS, tag(a)) for a in unit})
+                    streams[rank].append({(a.kind in SENDS, tag(rank, a)) for a in unit})
                     if any(a.kind in RECVS for a in unit):
                         waiting[rank] = popped[rank] + len(streams[rank]) - 1
         heads = [s[0] if s else set() for s in streams]
@@ -468,17 +719,19 @@ def check_in_order_transport(schedules: list[list[Action]], grouped: bool = True
             raise ScheduleError("deadlock with in-order point-to-point messages (NCCL): " + "; ".join(stuck))
 
 
-def in_order_safe(schedules: list[list[Action]]) -> bool:
+def in_order_safe(schedules: list[list[Action]], placement: Placement | None = None) -> bool:
     """Whether `check_in_order_transport` finds no deadlock (GPU arrays may then use NCCL)."""
     try:
-        check_in_order_transport(schedules)
+        check_in_order_transport(schedules, placement=placement)
     except ScheduleError:
         return False
     return True
 
 
 def predict_step_time(name: str, pp: int, microbatches: int, chunks: int, t_forward: float,
-                      t_backward: float, t_comm: float = 0.0) -> float:
-    """Simulated step time of a schedule, given one microbatch's forward/backward time per rank
-    (all of a rank's chunks together) and the time of one point-to-point message."""
-    return simulate(build(name, pp, microbatches, chunks), t_forward, t_backward, t_comm).makespan
+                      t_backward: float, t_comm: float = 0.0, t_weight: float = 0.0) -> float:
+    """Simulated step time of a schedule, given one microbatch's forward, B and W times per rank
+    (all of a rank's chunks together; a schedule without weight actions runs B + W as one
+    backward) and the time of one point-to-point message."""
+    return simulate(build(name, pp, microbatches, chunks), t_forward, t_backward, t_comm, t_weight,
+                    placement(name, pp, chunks)).makespan

@@ -50,6 +50,15 @@ CASES = [
      "pipeline.schedule=interleaved needs train.microbatches (3) to be a multiple of mesh.pp (2)"),
     ("layers-by-stages", train("model.n_layer=1", "mesh.pp=2", "mesh.dp=2", "mesh.tp=1"), 4,
      "model.n_layer=1 is fewer than mesh.pp=2"),
+    # ZB-V fixes two chunks per rank (a V): chunks set to something else, and a V with too few layers.
+    ("zbv-chunks", train("model.n_layer=4", "pipeline.schedule=zbv", "pipeline.chunks=3", "mesh.pp=2", "mesh.dp=2"), 4,
+     "pipeline.schedule=zbv runs 2 chunks per rank (a V), fixed by the schedule: leave pipeline.chunks unset (0) "
+     "or 2, not 3"),
+    ("zbv-layers", train("model.n_layer=6", "pipeline.schedule=zbv", "mesh.pp=4", "mesh.dp=1"), 4,
+     "model.n_layer=6 is fewer than mesh.pp=4 x pipeline.chunks=2 (pipeline.schedule=zbv runs 2 per rank) = 8 "
+     "virtual stages"),
+    ("zbh1-chunks", train("pipeline.schedule=zbh1", "pipeline.chunks=2", "mesh.pp=2", "mesh.dp=1"), 2,
+     "pipeline.schedule=zbh1 runs one chunk per rank: set pipeline.chunks=1 (got 2)"),
     ("ring-block-by-2cp", train("mesh.cp=4", "mesh.pp=1", "model.block_size=12"), 4,
      "model.block_size=12 is not divisible by 2*mesh.cp=8 (ring attention cuts the sequence into 2*cp zigzag chunks)"),
     ("ulysses-heads", train("mesh.cp=4", "mesh.cp_impl=ulysses", "mesh.pp=1"), 4,

@@ -21,6 +21,10 @@ def train(mpirun, n, run_dir, *extra):
         return [json.loads(line) for line in f], job
 
 
+def _sets(overrides: list[str]) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
 @pytest.mark.parametrize("n, mesh, same_global_batch", [
     (2, ["--set", "mesh.tp=2"], []),
     (2, ["--set", "mesh.tp=2", "--set", "mesh.sequence_parallel=true"], []),
@@ -36,7 +40,19 @@ def train(mpirun, n, run_dir, *extra):
     (4, ["--set", "mesh.dp=4", "--set", "mesh.pp=1", "--set", "train.zero=3", "--set", "model.dropout=0.1"],
      ["--set", "model.dropout=0.1", "--set", "train.microbatches=8"]),
     (4, ["--set", "mesh.dp=2", "--set", "mesh.pp=2", "--set", "mesh.dp_replicate=2", "--set", "train.zero=2",
-         "--set", "model.dropout=0.1"], ["--set", "model.dropout=0.1", "--set", "train.microbatches=4"])])
+         "--set", "model.dropout=0.1"], ["--set", "model.dropout=0.1", "--set", "train.microbatches=4"]),
+    # Zero-bubble schedules (backward split into B and W): pp=4 and pp=2 (with dp, tp), micro-batches
+    # below, at, above and not a multiple of pp, with dropout; ZB-V's V needs 2 layers per rank.
+    *[(n, ["--set", f"pipeline.schedule={name}", *_sets(mesh), "--set", f"train.microbatches={m}", *_sets(model)],
+       ["--set", f"train.microbatches={m * dp}", *_sets(model)])
+      for n, name, mesh, m, dp, model in [
+          (4, "zbv", ["mesh.pp=4", "mesh.dp=1"], 3, 1, ["model.n_layer=8", "model.dropout=0.1"]),
+          (4, "zbh1", ["mesh.pp=4", "mesh.dp=1"], 6, 1, ["model.n_layer=4"]),
+          (4, "zbv", ["mesh.pp=2", "mesh.dp=2"], 5, 2, ["model.n_layer=4", "model.dropout=0.1"]),
+          (4, "zbh1", ["mesh.pp=2", "mesh.tp=2", "mesh.dp=1"], 1, 1, ["model.dropout=0.1"]),
+          (2, "zbv", ["mesh.pp=2", "mesh.dp=1"], 2, 1, ["model.n_layer=4"]),
+          (4, "zbv", ["mesh.pp=4", "mesh.dp=1"], 4, 1, ["model.n_layer=8"]),
+          (4, "zbh1", ["mesh.pp=2", "mesh.dp=2"], 3, 2, ["model.n_layer=4", "model.dropout=0.1"])]]])
 def test_loss_curve_matches_the_one_rank_run(mpirun, tmp_path, n, mesh, same_global_batch):
     reference, _ = train(mpirun, 1, tmp_path / "one", *same_global_batch)
     parallel, job = train(mpirun, n, tmp_path / "many", *mesh)

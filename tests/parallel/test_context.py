@@ -157,7 +157,9 @@ def cases():
                 (1, 1, 1, 4, "ring", ["train.zero=1"]),
                 (1, 2, 1, 2, "ring", ["mesh.sequence_parallel=true"]),
                 (1, 2, 1, 2, "ulysses", ["mesh.sequence_parallel=true"]), (1, 2, 1, 2, "ring", []),
-                (1, 1, 2, 2, "ring", ["pipeline.schedule=1f1b"]), (1, 1, 2, 2, "ulysses", ["pipeline.schedule=gpipe"])]
+                (1, 1, 2, 2, "ring", ["pipeline.schedule=1f1b"]), (1, 1, 2, 2, "ulysses", ["pipeline.schedule=gpipe"]),
+                (1, 1, 2, 2, "ring", ["pipeline.schedule=zbv", "model.n_layer=4"]),
+                (1, 1, 2, 2, "ulysses", ["pipeline.schedule=zbh1"])]
     return [pytest.param(*c, id=f"dp{c[0]}-tp{c[1]}-pp{c[2]}-cp{c[3]}-{c[4]}" + "".join(
         "-" + o.split(".")[1].replace("sequence_parallel=true", "sp") for o in c[5] if not o.startswith("model.")))
         for c in out]

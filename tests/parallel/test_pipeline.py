@@ -17,6 +17,7 @@ from mpi4py import MPI
 from collective import collective_assert, one_step_trace, rel_err, training_problems
 
 from hpcpar.config import load_config
+from hpcpar.parallel import schedule
 from hpcpar.train import Trainer
 
 WORLD = MPI.COMM_WORLD
@@ -53,15 +54,16 @@ def meshes():
 
 def cases():
     for dp, tp, pp in meshes():
-        for name, ms, chunks in (("gpipe", (1, 2, 5), 1), ("1f1b", (1, 2, 5), 1), ("interleaved", (2, 4), 2)):
-            if name == "interleaved" and pp == 1:
-                continue  # interleaving needs >= 2 stages (config rejects it)
+        for name, ms, chunks in (("gpipe", (1, 2, 5), 1), ("1f1b", (1, 2, 5), 1), ("interleaved", (2, 4), 2),
+                                 ("zbh1", (1, 2, 4, 5), 1), ("zbv", (1, 2, 4, 5), 0)):
+            if name in ("interleaved", "zbv") and pp == 1:
+                continue  # interleaving and the V need >= 2 stages (config rejects them)
             for m in ms:
                 m = m * pp if name == "interleaved" else m  # interleaved needs m % pp == 0
                 mesh_id = f"dp{dp}-tp{tp}-pp{pp}"
                 yield pytest.param(dp, tp, pp, name, m, chunks, False, id=f"{mesh_id}-{name}-m{m}")
     if SIZE == 4:  # sequence parallelism: activations cross stages as [mbs, T/tp, C]
-        for name, m, chunks in (("1f1b", 3, 1), ("interleaved", 4, 2)):
+        for name, m, chunks in (("1f1b", 3, 1), ("interleaved", 4, 2), ("zbh1", 3, 1), ("zbv", 3, 0)):
             yield pytest.param(1, 2, 2, name, m, chunks, True, id=f"dp1-tp2-pp2-sp-{name}-m{m}")
 
 
@@ -89,6 +91,11 @@ def check_training(dp, tp, pp, name, m, chunks, sp, host_messages=False):
     ref_steps, ref_params = reference(dp * m)
 
     problems = training_problems(results, ref_steps, trainer.global_parameters(), ref_params, RTOL)
+    # The activations the executor held at once are the simulator's count for this rank.
+    every_rank = schedule.simulate(schedule.build(name, pp, m, chunks), placement=trainer.placement)
+    predicted = every_rank.peak_stash[trainer.executor.pp_rank]
+    if trainer.executor.peak_stash != predicted:
+        problems.append(f"peak stash {trainer.executor.peak_stash} chunk activations, simulator {predicted}")
     # The head's tied copy on the last stage (not in global_parameters) must track wte exactly.
     for stage in trainer.stages:
         for pname, p in stage.named_parameters():
@@ -117,19 +124,32 @@ def test_evaluate_matches_single_process(name, chunks):
 
 
 @pytest.mark.timeout(120)
-def test_trace_has_every_rank(shared_dir):
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("zbh1", 1), ("zbv", 2)])
+def test_trace_has_every_rank(shared_dir, name, chunks):
+    """Every rank's compute spans: m forwards and backwards per chunk, and under a zero-bubble
+    schedule as many weight spans (W as its own block, after its B)."""
+    if name == "zbv" and SIZE == 1:
+        pytest.skip("ZB-V needs >= 2 pipeline stages")
     m = 2
-    cfg = load_config(None, BASE + ["mesh.dp=1", "mesh.tp=1", f"mesh.pp={SIZE}", "pipeline.schedule=1f1b",
+    cfg = load_config(None, BASE + ["mesh.dp=1", "mesh.tp=1", f"mesh.pp={SIZE}", f"pipeline.schedule={name}",
                                     f"train.microbatches={m}", "pipeline.trace=true"])
     events = one_step_trace(Trainer(cfg, comm=WORLD, tokens=TOKENS), shared_dir)
     problem = ""
     if RANK == 0:
         spans = [e for e in events if e["ph"] == "X"]
+        kinds = ("forward", "backward", "weight")
+        want = {"forward": m * chunks, "backward": m * chunks, "weight": m * chunks if name != "1f1b" else 0}
         for rank in range(SIZE):
             mine = [e for e in spans if e["pid"] == rank]
-            counts = {k: sum(e["name"] == k for e in mine) for k in ("forward", "backward")}
-            if counts != {"forward": m, "backward": m}:
-                problem = f"rank {rank}: {counts} compute spans, expected {m} each"
+            counts = {k: sum(e["name"] == k for e in mine) for k in kinds}
+            if counts != want:
+                problem = f"rank {rank}: {counts} compute spans, expected {want}"
+            # Chrome trace times are in microseconds; allow 1 for rounding.
+            span = {(e["name"], e["args"]["mb"], e["tid"]): e for e in mine if e["name"] in kinds}
+            late = [key for key, e in span.items() if key[0] == "weight"
+                    and e["ts"] < span[("backward", *key[1:])]["ts"] + span[("backward", *key[1:])]["dur"] - 1]
+            if late:
+                problem = f"rank {rank}: weight spans {late} do not follow their backward"
             if SIZE > 1 and not any(e["name"].startswith("recv") for e in mine):
                 problem = f"rank {rank}: no recv spans"
         if any(e["ts"] < 0 or e["dur"] < 0 for e in spans):

@@ -43,6 +43,9 @@ MESHES = {
     "dp2": (2, ["mesh.dp=2", "mesh.pp=1"], 2),
     "tp2-sp": (2, ["mesh.tp=2", "mesh.pp=1", "mesh.sequence_parallel=true"], 2),
     "pp2-1f1b": (2, ["mesh.pp=2", "pipeline.schedule=1f1b"], 3),
+    # Zero-bubble: the recomputation runs in B, and the parameter gradients it leaves in W.
+    "pp2-zbh1": (2, ["mesh.pp=2", "pipeline.schedule=zbh1"], 3),
+    "pp2-zbv": (2, ["mesh.pp=2", "pipeline.schedule=zbv"], 3),
     "cp2-ring": (2, ["mesh.cp=2", "mesh.pp=1", "mesh.cp_impl=ring"], 2),
     "cp2-ulysses": (2, ["mesh.cp=2", "mesh.pp=1", "mesh.cp_impl=ulysses"], 2),
     "dp2-tp2-sp": (4, ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "mesh.sequence_parallel=true"], 2),
@@ -59,6 +62,8 @@ MESHES = {
     "hsdp2x2-z3": (4, ["mesh.dp=4", "mesh.pp=1", "mesh.dp_replicate=2", "train.zero=3"], 2),
     "dp2-tp2-sp-z3": (4, ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "mesh.sequence_parallel=true", "train.zero=3"], 2),
     "dp2-pp2-1f1b-z3": (4, ["mesh.dp=2", "mesh.pp=2", "pipeline.schedule=1f1b", "train.zero=3"], 3),
+    "dp2-pp2-zbv-z3": (4, ["mesh.dp=2", "mesh.pp=2", "pipeline.schedule=zbv", "train.zero=3"], 3),
+    "tp2-sp-pp2-zbh1": (4, ["mesh.tp=2", "mesh.pp=2", "mesh.sequence_parallel=true", "pipeline.schedule=zbh1"], 5),
     "cp2-ring-dp2-z3": (4, ["mesh.dp=2", "mesh.cp=2", "mesh.pp=1", "mesh.cp_impl=ring", "train.zero=3"], 2),
 }
 

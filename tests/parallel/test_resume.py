@@ -28,11 +28,14 @@ RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 TINY = ["model.n_layer=4", "model.n_embd=32", "model.n_head=4", "model.block_size=16", "model.dtype=float64",
         "train.steps=4", "train.warmup=1", "train.lr=0.01", "train.microbatches=2", "run.progress=false"]
 
-# Per world size: (save layout, load layouts), each (dp, tp, pp, zero); and dp * micro_batch_size.
+# Per world size: (save layout, load layouts), each (dp, tp, pp, zero[, pipeline schedule]); and
+# dp * micro_batch_size. The zero-bubble schedules (ZB-V: first and last stage on pp rank 0) load
+# and save the same global tensors.
 LAYOUTS = {
-    2: ((1, 2, 1, 0), [(1, 1, 2, 0), (2, 1, 1, 1)]),
-    3: ((1, 1, 3, 0), [(3, 1, 1, 1)]),
-    4: ((1, 2, 2, 0), [(4, 1, 1, 0), (1, 1, 4, 0), (2, 2, 1, 1), (2, 1, 2, 1)]),
+    2: ((1, 2, 1, 0), [(1, 1, 2, 0), (2, 1, 1, 1), (1, 1, 2, 0, "zbv")]),
+    3: ((1, 1, 3, 0), [(3, 1, 1, 1), (1, 1, 3, 0, "zbh1")]),
+    4: ((1, 2, 2, 0), [(4, 1, 1, 0), (1, 1, 4, 0), (2, 2, 1, 1), (2, 1, 2, 1), (1, 1, 4, 0, "zbh1"),
+                       (2, 1, 2, 1, "zbv")]),
 }
 SEQUENCES_PER_MICROBATCH = {2: 4, 3: 3, 4: 4}
 pytestmark = pytest.mark.skipif(SIZE not in LAYOUTS, reason="needs 2, 3 or 4 ranks")
@@ -41,8 +44,9 @@ pytestmark = pytest.mark.skipif(SIZE not in LAYOUTS, reason="needs 2, 3 or 4 ran
 
 
 def make_trainer(layout, tokens) -> Trainer:
-    dp, tp, pp, zero = layout
+    dp, tp, pp, zero, name = (*layout, "1f1b")[:5]
     cfg = config.load_config(None, TINY + [f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"train.zero={zero}",
+                                           f"pipeline.schedule={name}",
                                            f"train.micro_batch_size={SEQUENCES_PER_MICROBATCH[SIZE] // dp}"])
     return Trainer(cfg, WORLD, tokens=tokens)
 

@@ -68,6 +68,13 @@ def layouts(world: int) -> list:
             ("pp2-interleaved-z3", ["mesh.dp=2", "mesh.pp=2", "pipeline.schedule=interleaved", "pipeline.chunks=2",
                                     "model.n_layer=4", "train.microbatches=2", "train.zero=3"]),
             ("pp2-tp2-sp-z3", ["mesh.dp=1", "mesh.pp=2", "mesh.tp=2", "mesh.sequence_parallel=true", "train.zero=3"]),
+            # Zero-bubble: gradient hooks (ZeRO-2 bucket release, ZeRO-3 unit reduce-scatter) fire
+            # in the weight passes; under ZB-V wte and the head's copy share pp rank 0.
+            ("pp2-zbh1-z2", ["mesh.dp=2", "mesh.pp=2", "pipeline.schedule=zbh1", "train.zero=2"]),
+            ("pp2-zbv-z1", ["mesh.dp=2", "mesh.pp=2", "pipeline.schedule=zbv", "model.n_layer=4", "train.zero=1"]),
+            ("pp2-zbv-z3", ["mesh.dp=2", "mesh.pp=2", "pipeline.schedule=zbv", "model.n_layer=4", "train.zero=3"]),
+            ("pp2-tp2-zbv-z3", ["mesh.dp=1", "mesh.pp=2", "mesh.tp=2", "pipeline.schedule=zbv", "model.n_layer=4",
+                                "train.zero=3"]),
             ("cp2-ring-z3", ["mesh.dp=2", "mesh.cp=2", "mesh.pp=1", "train.zero=3"]),
             ("cp2-ring-hsdp-z2", ["mesh.dp=2", "mesh.cp=2", "mesh.pp=1", "mesh.dp_replicate=2", "train.zero=2"]),
             ("cp4-ulysses-z3", ["mesh.dp=1", "mesh.cp=4", "mesh.pp=1", "mesh.cp_impl=ulysses", "model.n_head=4",
@@ -82,6 +89,7 @@ def layouts(world: int) -> list:
     if world == 2:
         out += [("tp2-z3", ["mesh.dp=1", "mesh.tp=2", "mesh.pp=1", "train.zero=3"]),
                 ("pp2-z3", ["mesh.dp=1", "mesh.pp=2", "train.zero=3"]),
+                ("pp2-zbv-z3", ["mesh.dp=1", "mesh.pp=2", "pipeline.schedule=zbv", "model.n_layer=4", "train.zero=3"]),
                 ("tp2-vocab257-z3", ["mesh.dp=1", "mesh.tp=2", "mesh.pp=1", "train.zero=3", PADDED_VOCAB])]
     return out
 

@@ -46,8 +46,21 @@ SAMPLES = {
          "row_speedup": 1.2}]}},
     "pipeline": {"tolerance": 0.1, "cases": [
         {"schedule": "1f1b", "pp": 4, "chunks": 1, "microbatches": m, "predicted_s": p, "measured_s": p * (1 + e),
-         "error": e, "predicted_bubble": 0.3, "measured_bubble": 0.35}
-        for m, p, e in ((4, 1.0, 0.02), (8, 2.0, -0.03), (16, 3.0, 0.15))]},
+         "error": e, "predicted_bubble": 0.3, "measured_bubble": 0.35, "t_forward": 0.1, "t_backward": 0.1,
+         "t_weight": 0.1, "measured_peak_stash": 4.0}
+        for m, p, e in ((4, 1.0, 0.02), (8, 2.0, -0.03), (16, 3.0, 0.15))],
+        "against_1f1b": [{"schedule": "zbh1", "microbatches": 8, "idle_ratio": 0.36, "predicted_idle_ratio": 1 / 3,
+                          "step_idle_ratio": 0.38, "bubble_fraction_ratio": 0.45, "step_time_ratio": 0.82,
+                          "peak_stash": 4.0, "peak_stash_1f1b": 4.0, "bound": 0.4, "ok": True},
+                         {"schedule": "zbv", "microbatches": 8, "idle_ratio": 0.25, "predicted_idle_ratio": 1 / 6,
+                          "step_idle_ratio": 0.3, "bubble_fraction_ratio": 0.33, "step_time_ratio": 0.8,
+                          "peak_stash": 4.0, "peak_stash_1f1b": 4.0, "bound": 0.2, "ok": False}]},
+    "pipeline_gpt": {"ranks": 4, "model": ["model.n_layer=8"], "meshes": [
+        {"mesh": "pp4", "dp": 1, "pp": 4, "rows": [
+            {"schedule": s, "chunks": c, "step_s": t, "tokens_per_s": 2048 / t, "tokens_per_s_vs_1f1b": 1.0 / t,
+             "pipeline_bubble": b, "check_s": 0.001, "check_fraction": 0.001 / t, "check_with_wait_s": 0.02,
+             "loss_rel_diff_vs_1f1b": 0.0}
+            for s, c, t, b in (("1f1b", 1, 1.0, 0.3), ("zbh1", 1, 0.8, 0.1), ("zbv", 2, 0.8, 0.05))]}]},
     "checkpoint": {"ranks=4": {"ranks": 4, "bytes": 64 * MiB, "repeats": 3,
                                "gb_per_s": {"hpcpar save": 0.5, "numpy save": 2.0, "hpcpar load": 1.0,
                                             "numpy load": 4.0},
@@ -146,6 +159,10 @@ def test_key_figures_computed_from_the_json(run_all):
     pipeline = " ".join(run_all.key_figures("pipeline", SAMPLES["pipeline"]))
     assert "-3.0% … +15.0%" in pipeline and "2/3 within 10%" in pipeline
     assert "e.g. 1f1b m=8" in pipeline
+    assert "zbh1 m=8: bubble 0.36x 1F1B's (bound 0.4, predicted 0.33x), peak stash 4 vs 4: ok" in pipeline
+    assert "zbv m=8: bubble 0.25x 1F1B's (bound 0.2, predicted 0.17x), peak stash 4 vs 4: MISSED" in pipeline
+    gpt = run_all.key_figures("pipeline_gpt", SAMPLES["pipeline_gpt"])
+    assert gpt == ["pp4: 1f1b 2,048 tok/s (1.00x), zbh1 2,560 tok/s (1.25x), zbv 2,560 tok/s (1.25x)"]
     checkpoint = " ".join(run_all.key_figures("checkpoint", SAMPLES["checkpoint"], 4))
     assert "save 0.50 GB/s vs numpy 2.00 GB/s (0.25x)" in checkpoint
     scaling = " ".join(run_all.key_figures("scaling", SAMPLES["scaling"]))
@@ -195,7 +212,10 @@ def test_markdown_table(run_all, summary):
     assert "| dp=2xpp=2 | 4\\* | 1,700 | 1.70x | 42% (85%) | 1.87x | 1,500 | 1.50x | 38% (75%) | 1.65x |" in text
     assert "| tp=4 | 4\\* | failed | – | – | – | failed | – | – | – |" in text
     assert "PyTorch peer skipped: torch is not installed." in text
-    assert "| 1f1b | 1 | 16 | 3.000 | 3.450 | +15.0% |" in text
+    assert "| 1f1b | 1 | 16 | 3.000 | 3.450 | +15.0% | 30.0% | 35.0% | 4 |" in text
+    assert "| zbv | 8 | 0.25 | 0.17 | 0.2 | 0.30 | 0.33 | 0.80 | 4 (4) | no |" in text
+    assert "## Pipeline schedules training a GPT" in text
+    assert "| pp4 | zbh1 | 1 | 0.800 | 2,560 | 1.25x | 10.0% | 1.00 (0.12%) | 20.00 | 0.0e+00 |" in text
     assert "## Context parallelism" in text and "| ring (contiguous) | 4 | 0.500 | – | 1.749 | – | – |" in text
     assert "| 4 | 8704 | 60.0 | 58.0 |" in text
     assert "## Memory" in text and "| selective | 14.014 | 14.000 | 1.001 | 36.4% | 10.000 | 21.00 | 1.17x |" in text

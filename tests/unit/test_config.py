@@ -51,7 +51,7 @@ BAD = [
     (["train.bucket_mb=0"], 1, "train.bucket_mb=0.0 is invalid: must be > 0"),
     (["train.max_bad_steps=0"], 1, "train.max_bad_steps=0 is invalid: must be >= 1"),
     (["train.recompute_every=0"], 1, "train.recompute_every=0 is invalid: must be >= 1 (1 = every block)"),
-    (["pipeline.chunks=0"], 1, "pipeline.chunks=0 is invalid: must be >= 1"),
+    (["pipeline.chunks=-1"], 1, "pipeline.chunks=-1 is invalid: must be >= 0 (0 = the schedule's own)"),
     (["checkpoint.every=-1"], 1, "checkpoint.every=-1 is invalid: must be >= 0"),
     (["checkpoint.keep=0"], 1, "checkpoint.keep=0 is invalid: must be >= 1"),
     (["run.dir="], 1, 'run.dir="" is invalid: must be a non-empty directory path'),
@@ -73,7 +73,8 @@ BAD = [
      "is built for train.zero 0 and 1 without HSDP"),
     (["mesh.dp_replicate=0"], 1, "mesh.dp_replicate=0 is invalid: must be >= 1"),
     (["train.optimizer=adam"], 1, 'train.optimizer="adam" is not one of "adamw", "sgd"; did you mean \'adamw\'?'),
-    (["pipeline.schedule=1F1B"], 1, 'pipeline.schedule="1F1B" is not one of "gpipe", "1f1b", "interleaved"'),
+    (["pipeline.schedule=1F1B"], 1, 'pipeline.schedule="1F1B" is not one of "gpipe", "1f1b", "interleaved", '
+                                     '"zbh1", "zbv"'),
     (["model.dtype=float8"], 1, 'model.dtype="float8" is not one of'),
     (["run.backend=torch"], 1, 'run.backend="torch" is not one of "auto", "numpy", "cupy"'),
     (["train.grad_wire_dtype=int8"], 1, 'train.grad_wire_dtype="int8" is not one of'),
@@ -124,6 +125,16 @@ BAD = [
     (["pipeline.schedule=interleaved", "pipeline.chunks=2", "train.microbatches=3"], 4,
      "needs train.microbatches (3) to be a multiple of mesh.pp (2), e.g. 4"),
     (["pipeline.schedule=interleaved", "pipeline.chunks=2"], 1, "needs mesh.pp >= 2"),
+    # zero-bubble schedules: ZB-V fixes two chunks per rank (a V over 2 pp virtual stages)
+    (["pipeline.schedule=zbv", "pipeline.chunks=3", "mesh.pp=2"], 2,
+     "pipeline.schedule=zbv runs 2 chunks per rank (a V), fixed by the schedule: leave pipeline.chunks unset (0) "
+     "or 2, not 3"),
+    (["pipeline.schedule=zbv", "pipeline.chunks=1", "mesh.pp=2"], 2, "leave pipeline.chunks unset (0) or 2, not 1"),
+    (["pipeline.schedule=zbv", "model.n_layer=3", "mesh.pp=2"], 2,
+     "model.n_layer=3 is fewer than mesh.pp=2 x pipeline.chunks=2 (pipeline.schedule=zbv runs 2 per rank) = 4 "
+     "virtual stages (each needs a layer); use n_layer >= 4"),
+    (["pipeline.schedule=zbv", "mesh.pp=1"], 1, "pipeline.schedule=zbv needs mesh.pp >= 2"),
+    (["pipeline.schedule=zbh1", "pipeline.chunks=2"], 4, "pipeline.schedule=zbh1 runs one chunk per rank"),
 ]
 
 MESH_BAD = [

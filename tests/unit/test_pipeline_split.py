@@ -89,17 +89,20 @@ def test_split_rejects_too_few_layers():
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=6, n_head=2, n_embd=16, dtype="float64")
 
 
-@pytest.mark.parametrize("pp,chunks", [(1, 1), (2, 1), (3, 1), (2, 2), (3, 2)])
-def test_stages_partition_the_model(pp, chunks):
+@pytest.mark.parametrize("pp,chunks,shape", [(1, 1, "loop"), (2, 1, "loop"), (3, 1, "loop"), (2, 2, "loop"),
+                                            (3, 2, "loop"), (2, 2, "v"), (3, 2, "v")])
+def test_stages_partition_the_model(pp, chunks, shape):
     """Every global parameter lives on exactly one virtual stage (the head's tied copy aside),
-    with the whole model's initial values; embed on v = 0, head on v = V - 1."""
+    with the whole model's initial values; embed on v = 0, head on v = V - 1 (under ZB-V's V
+    both on rank 0)."""
     whole = dict(GPT(CFG, seed=5).named_parameters())
     seen = {}
+    place = schedule.Placement(pp, chunks, shape)
     for rank in range(pp):
-        stages = build_stages(CFG, StubMesh(pp, rank), chunks, seed=5)
+        stages = build_stages(CFG, StubMesh(pp, rank), chunks, seed=5, placement=place)
         assert len(stages) == chunks
         for c, stage in enumerate(stages):
-            v = schedule.stage_of(rank, c, pp)
+            v = place.stage(rank, c)
             assert stage.embed == (v == 0) and stage.head == (v == pp * chunks - 1)
             for name, p in stage.named_parameters():
                 key = p.tied_to or name
@@ -110,13 +113,17 @@ def test_stages_partition_the_model(pp, chunks):
     assert set(seen) == set(whole)
 
 
-def test_forward_only_schedules_send_what_is_received():
+@pytest.mark.parametrize("shape", ["loop", "v"])
+def test_forward_only_schedules_send_what_is_received(shape):
     for pp, m, chunks in itertools.product((1, 2, 3, 4), (1, 3), (1, 2)):
-        lists = [schedule.forward_only(pp, r, m, chunks) for r in range(pp)]
-        tags = {k: sorted(schedule.message_tag(a, pp, chunks, m) for acts in lists for a in acts if a.kind == k)
+        place = schedule.Placement(pp, chunks, shape)
+        lists = [schedule.forward_only(pp, r, m, chunks, place) for r in range(pp)]
+        tags = {k: sorted(schedule.message_tag(a, r, place, m) for r, acts in enumerate(lists) for a in acts
+                          if a.kind == k)
                 for k in ("send_act", "recv_act")}
         assert tags["send_act"] == tags["recv_act"]
-        assert len(tags["recv_act"]) == (pp * chunks - 1) * m
+        local = sum(place.local(r, c, +1) is not None for r in range(pp) for c in range(chunks))
+        assert len(tags["recv_act"]) == (pp * chunks - 1 - local) * m
         assert sum(a.kind == "forward" for acts in lists for a in acts) == pp * chunks * m
 
 

@@ -7,19 +7,31 @@ import pytest
 
 from hpcpar.errors import ConfigError
 from hpcpar.parallel.schedule import (
-    RECVS, SENDS, Action, ScheduleError, build, check_in_order_transport, gpipe, in_order_safe, interleaved_1f1b,
-    message_groups, message_tag, one_f_one_b, predict_step_time, simulate, validate,
+    RECVS, SENDS, Action, Placement, ScheduleError, build, check_in_order_transport, gpipe, in_order_safe,
+    interleaved_1f1b, message_groups, message_tag, one_f_one_b, placement, predict_step_time, resolve_chunks,
+    simulate, validate, zbh1, zbv,
 )
+
+ALL = ["gpipe", "1f1b", "interleaved", "zbh1", "zbv"]
 
 
 def valid_cases(name):
-    """Every (pp, m, chunks) with pp in 1..8, m in 1..16, chunks in 1..4 that `name` accepts."""
-    for pp, m, v in itertools.product(range(1, 9), range(1, 17), range(1, 5)):
+    """Every (pp, m, chunks) with pp in 1..8, m in 1..16, chunks in 1..4 that `name` accepts
+    (chunks resolved: zbv's fixed 2 once)."""
+    seen = set()
+    for pp, m, v in itertools.product(range(1, 9), range(1, 17), range(0, 5)):
         try:
             validate(name, pp, m, v)
         except ConfigError:
             continue
-        yield pp, m, v
+        case = (pp, m, resolve_chunks(name, v))
+        if case not in seen:
+            seen.add(case)
+            yield case
+
+
+def sim(name, pp, m, v, **costs):
+    return simulate(build(name, pp, m, v), placement=placement(name, pp, v), **costs)
 
 
 def interleaved_warmup(r, p, m, v):
@@ -30,16 +42,29 @@ def interleaved_warmup(r, p, m, v):
 # ---------------------------------------------------------------- structure of the lists
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("name", ALL)
 def test_each_rank_computes_every_microbatch_chunk_once(name):
     for pp, m, v in valid_cases(name):
         for rank, actions in enumerate(build(name, pp, m, v)):
-            for kind in ("forward", "backward"):
+            for kind in ("forward", "backward") + (("weight",) if name.startswith("zb") else ()):
                 done = sorted((a.microbatch, a.chunk) for a in actions if a.kind == kind)
                 assert done == sorted(itertools.product(range(m), range(v))), (name, pp, m, v, rank, kind)
+            if not name.startswith("zb"):
+                assert not any(a.kind == "weight" for a in actions)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("name", ALL)
+def test_each_chunk_runs_its_microbatches_in_order(name):
+    """Per chunk, forwards, backwards and weight passes go micro-batch by micro-batch: every
+    parameter accumulates its m gradients in the order 1F1B does (bitwise the same sums)."""
+    for pp, m, v in valid_cases(name):
+        for actions in build(name, pp, m, v):
+            for kind, chunk in itertools.product(("forward", "backward", "weight"), range(v)):
+                mbs = [a.microbatch for a in actions if a.kind == kind and a.chunk == chunk]
+                assert mbs == sorted(mbs), (name, pp, m, v, kind, chunk)
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_recv_right_before_and_send_right_after_their_compute(name):
     """The executor's contract: never wait before sending what is ready."""
     for pp, m, v in valid_cases(name):
@@ -55,29 +80,55 @@ def test_recv_right_before_and_send_right_after_their_compute(name):
                         "forward" if a.kind == "send_act" else "backward", a.microbatch, a.chunk)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("name", ALL)
 def test_message_tags_match_between_sender_and_receiver_and_are_unique(name):
     for pp, m, v in valid_cases(name):
-        schedules = build(name, pp, m, v)
+        schedules, place = build(name, pp, m, v), placement(name, pp, v)
         sent = []
         for rank, actions in enumerate(schedules):
             for a in (a for a in actions if a.kind.startswith("send")):
-                stage = a.chunk * pp + rank
-                to = stage + 1 if a.kind == "send_act" else stage - 1
-                assert a.peer == to % pp
-                want = Action("recv_act" if a.kind == "send_act" else "recv_grad", a.microbatch, to // pp, rank)
+                stage = place.stage(rank, a.chunk)
+                to_rank, to_chunk = place.holder(stage + 1 if a.kind == "send_act" else stage - 1)
+                assert a.peer == to_rank != rank
+                want = Action("recv_act" if a.kind == "send_act" else "recv_grad", a.microbatch, to_chunk, rank)
                 assert want in schedules[a.peer], (name, pp, m, v, rank, a)
-                tag = message_tag(a, pp, v, m)
-                assert tag == message_tag(want, pp, v, m)
+                tag = message_tag(a, rank, place, m)
+                assert tag == message_tag(want, a.peer, place, m)
                 assert 0 <= tag < 2 * (pp * v - 1) * m
                 sent.append(tag)
-        assert len(sent) == len(set(sent)) == 2 * (pp * v - 1) * m
+        local = sum(place.local(r, c, +1) is not None for r in range(pp) for c in range(v))  # ZB-V's turn
+        assert len(sent) == len(set(sent)) == 2 * (pp * v - 1 - local) * m
+
+
+def test_placements():
+    loop, vee = Placement(4, 2), Placement(4, 2, "v")
+    assert [loop.stage(r, c) for c in (0, 1) for r in range(4)] == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert [vee.stage(r, c) for c in (0, 1) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    for place in (loop, vee):
+        assert all(place.holder(place.stage(r, c)) == (r, c) for r in range(4) for c in (0, 1))
+    assert vee.local(3, 0, +1) == 1 and vee.local(3, 1, -1) == 0 and vee.local(2, 0, +1) is None
+    assert vee.neighbour(0, 1, +1) is None and vee.neighbour(0, 0, -1) is None
+    assert loop.local(3, 0, +1) is None and loop.neighbour(3, 0, +1) == (0, 1)
+    assert placement("zbv", 4) == vee and placement("interleaved", 4, 2) == loop
+    assert placement("1f1b", 4) == Placement(4)
 
 
 def test_pp1_orders():
     f, b = (lambda mb: Action("forward", mb)), (lambda mb: Action("backward", mb))
     assert one_f_one_b(1, 3) == [[f(0), b(0), f(1), b(1), f(2), b(2)]]
     assert gpipe(1, 3) == [[f(0), f(1), f(2), b(0), b(1), b(2)]]
+
+
+def test_zb_orders_on_one_rank_and_zbh1_is_1f1b_with_late_weights():
+    f, b, w = (lambda mb: Action("forward", mb)), (lambda mb: Action("backward", mb)), (lambda mb: Action("weight", mb))
+    assert zbh1(1, 2) == [[f(0), b(0), w(0), f(1), b(1), w(1)]]
+    for pp, m in itertools.product(range(1, 9), range(1, 17)):
+        for rank, (zb, base) in enumerate(zip(zbh1(pp, m), one_f_one_b(pp, m))):
+            assert [a for a in zb if a.kind != "weight"] == base
+            computes = [(a.kind, a.microbatch) for a in zb if a.kind in ("backward", "weight")]
+            for k in range(m):  # W(k) right after B(k + rank) (or after the last B)
+                i = computes.index(("weight", k))
+                assert computes[i - 1] == ("backward", min(k + rank, m - 1)) or computes[i - 1][0] == "weight"
 
 
 def test_1f1b_warmup_and_interleaved_with_one_chunk_is_1f1b():
@@ -93,28 +144,69 @@ def test_1f1b_warmup_and_interleaved_with_one_chunk_is_1f1b():
 # ---------------------------------------------------------------- simulated bubble and stash
 
 
-@pytest.mark.parametrize("t_backward", [2.0, 1.0])
+@pytest.mark.parametrize("t_backward, t_weight", [(2.0, 0.0), (1.0, 0.0), (1.0, 1.0), (1.5, 0.5)])
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
-def test_bubble_and_step_time_match_formulas(name, t_backward):
+def test_bubble_and_step_time_match_formulas(name, t_backward, t_weight):
+    """Without weight actions a backward costs t_backward + t_weight (B and W as one)."""
+    t_b = t_backward + t_weight
     for pp, m, v in valid_cases(name):
-        res = simulate(build(name, pp, m, v), t_forward=1.0, t_backward=t_backward)
-        assert res.busy == pytest.approx([m * (1.0 + t_backward)] * pp)
-        assert res.makespan == pytest.approx((m + (pp - 1) / v) * (1.0 + t_backward)), (pp, m, v)
+        res = simulate(build(name, pp, m, v), t_forward=1.0, t_backward=t_backward, t_weight=t_weight)
+        assert res.busy == pytest.approx([m * (1.0 + t_b)] * pp)
+        assert res.makespan == pytest.approx((m + (pp - 1) / v) * (1.0 + t_b)), (pp, m, v)
         assert res.bubble == pytest.approx((pp - 1) / (v * m + pp - 1)), (pp, m, v)
         assert res.bubble_per_rank == pytest.approx([res.bubble] * pp)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("t_f, t_b, t_w", [(1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (2.0, 1.0, 1.0), (1.0, 1.0, 0.5)])
+def test_zbh1_step_time_matches_the_paper(t_f, t_b, t_w):
+    """ZB-H1 (arXiv 2401.10241, section 3.1): m (F + B + W) + (p - 1)(F + B - W) for m >= p
+    (W <= F, B); at F = B = W the bubble time is a third of 1F1B's (p - 1)(F + B + W)."""
+    for pp, m, _ in valid_cases("zbh1"):
+        res = sim("zbh1", pp, m, 1, t_forward=t_f, t_backward=t_b, t_weight=t_w)
+        assert res.busy == pytest.approx([m * (t_f + t_b + t_w)] * pp)
+        if m >= pp:
+            assert res.makespan == pytest.approx(m * (t_f + t_b + t_w) + (pp - 1) * (t_f + t_b - t_w)), (pp, m)
+        one_f = sim("1f1b", pp, m, 1, t_forward=t_f, t_backward=t_b, t_weight=t_w)
+        assert res.makespan <= one_f.makespan + 1e-12
+        if t_f == t_b == t_w and m >= pp:
+            assert res.idle == pytest.approx(one_f.idle / 3)
+
+
+def test_zbv_bubble_is_near_zero_at_1f1b_memory():
+    """ZB-V at F = B = W never holds more than 1F1B's peak; from m = 2p on it idles at most half
+    as long as 1F1B, and at p = 4, m = 8 and 16 (the bench's cases) only the fill of the first
+    forward through chunk 0, (p - 1) F / 2: a sixth of 1F1B's idle time."""
+    for pp, m, _ in valid_cases("zbv"):
+        res, one_f = sim("zbv", pp, m, 2, t_weight=1.0, t_backward=1.0), sim("1f1b", pp, m, 1, t_weight=1.0,
+                                                                           t_backward=1.0)
+        assert res.busy == pytest.approx([3.0 * m] * pp)
+        assert max(res.peak_memory) <= max(one_f.peak_memory), (pp, m)  # p micro-batches' activations
+        assert res.makespan <= one_f.makespan, (pp, m)
+        if m >= 2 * pp:
+            assert res.idle <= one_f.idle / 2, (pp, m, res.idle)
+    for m in (8, 16):
+        res, one_f = sim("zbv", 4, m, 2, t_weight=1.0, t_backward=1.0), sim("1f1b", 4, m, 1, t_weight=1.0,
+                                                                          t_backward=1.0)
+        assert res.idle == pytest.approx(1.5) and res.idle == pytest.approx(one_f.idle / 6)
+        assert res.bubble <= 0.22 * one_f.bubble
+        assert sim("zbh1", 4, m, 1, t_weight=1.0, t_backward=1.0).idle == pytest.approx(one_f.idle / 3)
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_peak_stash(name):
     for pp, m, v in valid_cases(name):
-        peak = simulate(build(name, pp, m, v)).peak_stash
+        peak = sim(name, pp, m, v).peak_stash
         if name == "gpipe":
             assert peak == [m] * pp
         elif name == "1f1b":
             assert peak == [min(pp - r, m) for r in range(pp)]
             assert max(peak) <= pp
-        elif v > 1:
+        elif name == "interleaved" and v > 1:
             assert peak == [min(interleaved_warmup(r, pp, m, v) + 1, v * m) for r in range(pp)]
+        elif name == "zbh1":  # held until W: 1F1B's rank-0 peak on every rank
+            assert peak == [min(pp, m)] * pp
+        elif name == "zbv":
+            assert max(peak) <= 2 * pp and max(peak) <= 2 * m
 
 
 def test_interleaving_shrinks_the_bubble():
@@ -123,12 +215,15 @@ def test_interleaving_shrinks_the_bubble():
             assert simulate(interleaved_1f1b(pp, m, v)).bubble < simulate(one_f_one_b(pp, m)).bubble
 
 
-def test_events_are_sequential_per_rank():
-    res = simulate(interleaved_1f1b(4, 8, 2), t_forward=1.0, t_backward=2.0, t_comm=0.1)
+@pytest.mark.parametrize("name", ["interleaved", "zbv"])
+def test_events_are_sequential_per_rank(name):
+    res = sim(name, 4, 8, 2, t_forward=1.0, t_backward=2.0, t_comm=0.1, t_weight=0.6)
+    whole = 1.3 if name == "interleaved" else 1.0  # B + W as one, or B alone (W: 0.3)
     for events in res.events:
         for e in events:
-            if e.action.kind in ("forward", "backward"):  # per chunk: t / v
-                assert e.end - e.start == pytest.approx(0.5 if e.action.kind == "forward" else 1.0)
+            if e.action.kind in ("forward", "backward", "weight"):  # per chunk: t / v
+                want = {"forward": 0.5, "backward": whole, "weight": 0.3}[e.action.kind]
+                assert e.end - e.start == pytest.approx(want)
             else:
                 assert e.end >= e.start
         assert all(a.end <= b.start + 1e-12 for a, b in zip(events, events[1:]))
@@ -147,6 +242,9 @@ def test_predict_step_time():
     assert predict_step_time("1f1b", 4, 8, 1, 0.1, 0.2) == pytest.approx((8 + 3) * 0.3)
     assert predict_step_time("interleaved", 4, 8, 2, 0.1, 0.2) == pytest.approx((8 + 1.5) * 0.3)
     assert predict_step_time("1f1b", 4, 8, 1, 0.1, 0.2, t_comm=0.01) > (8 + 3) * 0.3
+    assert predict_step_time("1f1b", 4, 8, 1, 0.1, 0.1, t_weight=0.1) == pytest.approx((8 + 3) * 0.3)
+    assert predict_step_time("zbh1", 4, 8, 1, 0.1, 0.1, t_weight=0.1) == pytest.approx(8 * 0.3 + 3 * 0.1)
+    assert predict_step_time("zbv", 4, 8, 0, 0.1, 0.1, t_weight=0.1) == pytest.approx(8 * 0.3 + 3 * 0.05)
 
 
 # ---------------------------------------------------------------- config validation
@@ -156,7 +254,10 @@ def test_predict_step_time():
     (("interleaved", 4, 6, 2), ["train.microbatches (6)", "multiple of mesh.pp (4)"]),
     (("interleaved", 1, 4, 2), ["mesh.pp >= 2"]),
     (("1f1b", 4, 8, 2), ["pipeline.chunks=1", "interleaved"]),
-    (("zb", 4, 8, 1), ["pipeline.schedule='zb'", "gpipe, 1f1b, interleaved"]),
+    (("zb", 4, 8, 1), ["pipeline.schedule='zb'", "gpipe, 1f1b, interleaved, zbh1, zbv"]),
+    (("zbv", 4, 8, 3), ["zbv runs 2 chunks per rank (a V)", "leave pipeline.chunks unset (0) or 2"]),
+    (("zbv", 1, 8, 0), ["zbv needs mesh.pp >= 2"]),
+    (("zbh1", 4, 8, 2), ["pipeline.chunks=1"]),
     (("gpipe", 4, 0, 1), ["train.microbatches=0"]),
 ])
 def test_validate_explains(args, words):
@@ -196,6 +297,25 @@ def test_detects_dropped_send_and_recv():
     del schedules[0][_find(schedules[0], "recv_grad", 1)]
     with pytest.raises(ScheduleError, match=r"rank 1: send_grad\(mb=1.*never received"):
         simulate(schedules)
+
+
+def test_detects_weight_before_backward_and_messages_inside_a_rank():
+    schedules = zbh1(2, 2)
+    last = schedules[1]
+    i, j = _find(last, "backward", 0), _find(last, "weight", 0)
+    last.insert(i, last.pop(j))
+    with pytest.raises(ScheduleError, match=r"rank 1: weight\(mb=0.*before its backward"):
+        simulate(schedules)
+    schedules = zbv(2, 2)  # rank 1 hands chunk 0's output to its chunk 1: no message may cross
+    schedules[1].insert(0, Action("send_act", 0, 0, peer=0))
+    with pytest.raises(ScheduleError, match="rank 1: send_act.*stays on this rank"):
+        simulate(schedules, placement=placement("zbv", 2))
+    schedules = zbv(2, 2)
+    i, j = _find(schedules[1], "forward", 0), _find(schedules[1], "forward", 1)
+    k = next(k for k, a in enumerate(schedules[1]) if a.kind == "forward" and a.chunk == 1)
+    schedules[1].insert(0, schedules[1].pop(k))  # chunk 1's forward before the chunk 0 one it takes over
+    with pytest.raises(ScheduleError, match="before its forward of chunk 0"):
+        simulate(schedules, placement=placement("zbv", 2))
 
 
 def test_detects_backward_before_forward():
@@ -244,12 +364,12 @@ def test_message_groups_join_a_send_with_the_next_receive_only():
             assert len(g) == 1 or (len(g) == 2 and g[0].kind in SENDS and g[1].kind in RECVS)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbh1", "zbv"])
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
 def test_grouped_messages_cannot_deadlock_on_an_in_order_transport(name, pp, m):
-    check_in_order_transport(build(name, pp, m))  # raises on a deadlock
-    assert in_order_safe(build(name, pp, m))
+    check_in_order_transport(build(name, pp, m), placement=placement(name, pp))  # raises on a deadlock
+    assert in_order_safe(build(name, pp, m), placement(name, pp))
 
 
 def test_one_by_one_1f1b_would_deadlock_on_nccl():
