@@ -86,6 +86,8 @@ class Hardware:
     optimizer_seconds_per_param: float
     layer_times: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
+    tp_scale: float = 1.0             # measured / modelled tp and cp traffic of a real step (calibrated)
+    cp_scale: float = 1.0
     step_overhead: float = 0.0        # seconds per step the model above leaves out (calibrated)
     microbatch_overhead: float = 0.0  # seconds per micro-batch and stage likewise
 
@@ -345,19 +347,21 @@ def predict(cfg: Config, hw: Hardware, exact: bool = True) -> Prediction:
         bwd_tp = fwd_tp + 6 * all_reduce_time(m.n_embd * s, tp, tp_link)
     else:
         fwd_tp = bwd_tp = 2 * all_reduce_time(act_bytes, tp, tp_link)
+    fwd_tp, bwd_tp = fwd_tp * hw.tp_scale, bwd_tp * hw.tp_scale
     recompute_tp = fwd_tp if t.recompute == "full" else 0.0
     cp_f = cp_b = 0.0
     if cp > 1:   # K and V of the rank's tokens pass cp - 1 hops forward, their gradients backward
         link = hw.link(cp, tp)
         hop = link.alpha + 2 * act_bytes / tp / link.beta
         cp_f = max((cp - 1) * hop - hw.overlap * scores, (1 - hw.overlap) * (cp - 1) * hop)
+        cp_f *= hw.cp_scale
         cp_b = 2 * cp_f
     t_f = blocks * (f + fwd_tp + cp_f) + (t_head / 3 if head else 0.0) + hw.microbatch_overhead
     t_b = blocks * (b + bwd_tp + cp_b) + b_extra + recompute_tp * blocks + (2 * t_head / 3 if head else 0.0)
     pp_link = hw.link(pp, dp * cp * tp)
     t_msg = (pp_link.alpha + act_bytes / tp_link_split(tp, mesh) / pp_link.beta) if pp > 1 else 0.0
     # Weight gradients (W) are half a block's backward GEMMs: what a zero-bubble schedule defers.
-    t_w = blocks * (b - fwd_tp) / 2 if cfg.pipeline.schedule in ("zbh1", "zbv") else 0.0
+    t_w = blocks * b / 2 if cfg.pipeline.schedule in ("zbh1", "zbv") else 0.0
     timing = pipeline_time if exact else rough_pipeline_time
     step_pipe = timing(cfg.pipeline.schedule, pp, t.microbatches, cfg.pipeline.chunks, t_f, t_b - t_w, t_msg, t_w)
 
@@ -386,8 +390,11 @@ def predict(cfg: Config, hw: Hardware, exact: bool = True) -> Prediction:
     tokens_per_s = seqs * m.block_size / step
     flops = _flops_per_token(cfg)
     mfu = flops * tokens_per_s / (world * hw.peak_flops)
+    # tp and cp traffic inside the pipeline part (for calibration and the reasons), per step.
+    comm = {"tp_in_pipeline": t.microbatches * blocks * (fwd_tp + bwd_tp + recompute_tp),
+            "cp_in_pipeline": t.microbatches * blocks * (cp_f + cp_b)}
     parts = {"pipeline": step_pipe, "dp_exposed": exposed, "zero3_gathers": gathers * (1 - hw.overlap),
-             "optimizer": optimizer, "fixed": fixed, "t_forward": t_f, "t_backward": t_b}
+             "optimizer": optimizer, "fixed": fixed, "t_forward": t_f, "t_backward": t_b, **comm}
     return Prediction(cfg, step, tokens_per_s, mfu, 0, parts)
 
 
@@ -635,7 +642,27 @@ def calibrate(cfg: Config, world_comm, repeats: int = 3) -> Hardware:
         run = config.validate(run, world)
         residual.append(_measure_step(run, world_comm, comm) - predict(run, hw).step_time)
     per_mb = max(0.0, (residual[1] - residual[0]) / 2)
-    return dataclasses.replace(hw, microbatch_overhead=per_mb, step_overhead=max(0.0, residual[0] - per_mb))
+    hw = dataclasses.replace(hw, microbatch_overhead=per_mb, step_overhead=max(0.0, residual[0] - per_mb))
+    # The tensor- and context-parallel traffic of a real step (with everything around it: the
+    # mappings, vocabulary-parallel loss, ring bookkeeping) against the alpha-beta model's:
+    # the ratio scales those terms. On the whole world, one micro-batch of two sequences.
+    for axis, key in (("tp", "tp_in_pipeline"), ("cp", "cp_in_pipeline")):
+        degrees = {"tp": 1, "cp": 1, axis: world}
+        run = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=1, pp=1, dp_replicate=1,
+                                                                sequence_parallel=False, **degrees),
+                                  train=dataclasses.replace(cfg.train, micro_batch_size=2, microbatches=1, zero=0,
+                                                            recompute="none"),
+                                  pipeline=dataclasses.replace(cfg.pipeline, schedule="1f1b", chunks=1))
+        try:
+            run = config.validate(run, world)
+        except HpcparError:
+            continue    # the model does not split over the whole world on this axis: keep 1
+        pred = predict(run, hw)
+        if world > 1 and pred.parts[key] > 0:
+            rest = pred.step_time - pred.parts[key]
+            scale = (_measure_step(run, world_comm, comm) - rest) / pred.parts[key]
+            hw = dataclasses.replace(hw, **{f"{axis}_scale": min(max(scale, 0.5), 20.0)})
+    return hw
 
 
 def _measure_step(cfg: Config, world_comm, comm, steps: int = 4) -> float:
