@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 import pytest
+from compression_reference import ref_int8, ref_orthogonalize, ref_powersgd, ref_topk, run_steps
 from test_data_parallel import run_ranks
 
 from hpcpar import config
@@ -110,45 +111,6 @@ def test_powersgd_residual_is_the_input_minus_the_approximation():
 
 # -- int8 against a reference ---------------------------------------------------------------------
 
-def ref_quantize(row, b):
-    """int8 values (as floats) and float32 scales of one row, block by block, from the description:
-    scale = absmax / 127 rounded to float32 (zero below float32's smallest normal), q = rint(x /
-    scale) within [-127, 127]; returns (dequantized row, q, scales)."""
-    dt = np.result_type(np.float32, row.dtype)
-    out, qs, ss = np.empty(row.size, dtype=dt), [], []
-    for lo in range(0, row.size, b):
-        blk = row[lo:lo + b]
-        s = np.float32(np.max(np.abs(blk)) / 127)
-        s = np.float32(0) if s < np.finfo(np.float32).tiny else s
-        q = np.clip(np.rint(blk.astype(dt) / dt.type(s)), -127, 127) if s > 0 else np.zeros(blk.size, dtype=dt)
-        out[lo:lo + b] = q.astype(np.int8).astype(dt) * dt.type(s)
-        qs.append(q)
-        ss.append(s)
-    return out, qs, ss
-
-
-def ref_int8_two_phase(xs, owners, b):
-    """Every rank's x (gradient + worker residual) and the owners' residuals -> (whole average,
-    new worker residuals, new owner residuals), on one process: phase 1 quantizes each rank's row
-    j for rank j, rank j sums the dequantized rows in rank order and averages; phase 2 re-quantizes
-    that part plus its owner residual, and the whole is the concatenation of the dequantized parts."""
-    n, size = len(xs), xs[0].size
-    m = size // n
-    deq = [np.concatenate([ref_quantize(x[j * m:(j + 1) * m], b)[0] for j in range(n)]) for x in xs]
-    dt = deq[0].dtype
-    whole, new_owners = np.empty(size, dtype=dt), []
-    for j in range(n):
-        part = np.zeros(m, dtype=dt)
-        for i in range(n):  # rank order
-            part += deq[i][j * m:(j + 1) * m]
-        part /= n
-        y = part + owners[j]
-        back = ref_quantize(y, b)[0]
-        whole[j * m:(j + 1) * m] = back
-        new_owners.append(y - back)
-    return whole, [x - d for x, d in zip(xs, deq)], new_owners
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_int8_two_phases_on_4_ranks_equal_the_reference_bitwise(dtype):
     rng = np.random.default_rng(3)
@@ -159,26 +121,21 @@ def test_int8_two_phases_on_4_ranks_equal_the_reference_bitwise(dtype):
     def rank(comm):
         c = Int8(comm, block_size=b)
         c.setup([flat_spec(0, size, dtype)])
-        out = []
-        for step in grads:
-            whole = c.all_gather(0, c.decompress(0, c.exchange(c.compress(0, step[comm.rank])).wait()))
-            out.append((whole, c.worker.pending[0].copy(), c.owner.pending[0].copy()))
-            c.commit()
-        return out
+        return run_steps(c, [step[comm.rank] for step in grads])
 
     results = run_ranks(N, rank)
     worker = [np.zeros(size, dtype=dtype) for _ in range(N)]
     owner = [np.zeros(size // N, dtype=np.result_type(np.float32, dtype)) for _ in range(N)]
     for s, step in enumerate(grads):
-        whole, worker, owner = ref_int8_two_phase([g + r for g, r in zip(step, worker)], owner, b)
+        whole, worker, owner = ref_int8([g + r for g, r in zip(step, worker)], owner, b)
         for r in range(N):
-            got_whole, got_worker, got_owner = results[r][s]
+            _, got_whole, state = results[r][s]
             np.testing.assert_array_equal(got_whole, whole)
-            np.testing.assert_array_equal(got_worker, worker[r])
-            np.testing.assert_array_equal(got_owner, owner[r])
+            np.testing.assert_array_equal(state["residual"][0], worker[r])
+            np.testing.assert_array_equal(state["owner_residual"][0], owner[r])
     # int8 with 32-value blocks: the average is within a few per cent of the exact mean
     exact = np.mean(grads[0], axis=0)
-    assert np.max(np.abs(results[0][0][0] - exact)) < 0.05 * np.max(np.abs(exact))
+    assert np.max(np.abs(results[0][0][1] - exact)) < 0.05 * np.max(np.abs(exact))
 
 
 def test_int8_zero_sends_one_phase_and_its_part():
@@ -195,12 +152,9 @@ def test_int8_zero_sends_one_phase_and_its_part():
         return c.decompress(0, c.exchange(c.compress(0, grads[comm.rank])).wait()), dict(c.owner.pending)
 
     m = size // N
-    deq = [ref_quantize(g, 16)[0] for g in grads]  # blocks of 16 never cross the parts of 64
+    whole, _, _ = ref_int8(grads, None, 16)
     for r, (part, owners) in enumerate(run_ranks(N, rank)):
-        want = np.zeros(m)
-        for d in deq:
-            want += d[r * m:(r + 1) * m]
-        np.testing.assert_array_equal(part, want / N)
+        np.testing.assert_array_equal(part, whole[r * m:(r + 1) * m])
         assert owners == {}
 
 
@@ -216,34 +170,21 @@ def test_topk_on_4_ranks_equals_the_reference_bitwise(ratio, dtype):
     def rank(comm):
         c = TopK(comm, ratio=ratio)
         c.setup([flat_spec(0, size, dtype)])
-        out = []
-        for step in grads:
-            part = c.decompress(0, c.exchange(c.compress(0, step[comm.rank])).wait())
-            out.append((part, c.all_gather(0, part), c.worker.pending[0].copy()))
-            c.commit()
-        return out
+        return run_steps(c, [step[comm.rank] for step in grads])
 
     results = run_ranks(N, rank)
-    k = math.ceil(ratio * size)
     residual = [np.zeros(size, dtype=dtype) for _ in range(N)]
     for s, step in enumerate(grads):
-        whole = np.zeros(size, dtype=dtype)
-        for i, g in enumerate(step):  # rank order
-            x = g + residual[i]
-            idx = np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
-            whole[idx] += x[idx]
-            residual[i] = x.copy()
-            residual[i][idx] = 0
-        whole /= N
+        whole, residual = ref_topk([g + r for g, r in zip(step, residual)], math.ceil(ratio * size))
         for r in range(N):
-            part, got, res = results[r][s]
+            part, got, state = results[r][s]
             np.testing.assert_array_equal(got, whole)
             np.testing.assert_array_equal(part, whole[r * size // N:(r + 1) * size // N])
-            np.testing.assert_array_equal(res, residual[r])
+            np.testing.assert_array_equal(state["residual"][0], residual[r])
     if ratio == 1.0:  # everything sent: the exact mean (summed in rank order), nothing owed
         np.testing.assert_allclose(results[0][0][1], np.mean(grads[0], axis=0), rtol=1e-6 if dtype == "float32"
                                    else 1e-14, atol=1e-6 if dtype == "float32" else 1e-14)
-        assert not np.any(results[0][1][2])
+        assert not np.any(results[0][1][2]["residual"][0])
 
 
 # -- PowerSGD against a reference -------------------------------------------------------------------
@@ -260,25 +201,14 @@ def powersgd_bucket(shapes):
     return BucketSpec(0, size, "float64", tuple(slots)), size
 
 
-def run_powersgd(grads, rank_r, steps=1, seed=7):
+def run_powersgd(grads, rank_r, seed=7):
     spec, size = powersgd_bucket(SHAPES)
 
     def rank(comm):
         c = PowerSGD(comm, rank=rank_r, seed=seed)
         c.setup([spec])
-        out = []
-        for step in grads[:steps]:
-            part = c.decompress(0, c.exchange(c.compress(0, step[comm.rank])).wait())
-            out.append((c.all_gather(0, part), c.worker.pending[0].copy(), {k: q.copy() for k, q in c._next_q.items()}))
-            c.commit()
-        return out
+        return run_steps(c, [step[comm.rank] for step in grads])
     return run_ranks(N, rank), spec, size
-
-
-def ref_orthogonalize(p):
-    """Gram-Schmidt by Householder QR, signs fixed so R's diagonal is positive."""
-    q, r = np.linalg.qr(p)
-    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
 
 
 def test_powersgd_on_4_ranks_equals_the_reference():
@@ -287,26 +217,20 @@ def test_powersgd_on_4_ranks_equals_the_reference():
     grads = [[rng.standard_normal(size) for _ in range(N)] for _ in range(2)]
     for g in (gr for step in grads for gr in step):
         g[sum(a * b for a, b in SHAPES):] = 0.0  # the bucket's padding holds no gradient
-    results, spec, size = run_powersgd(grads, 3, steps=2)
+    results, spec, size = run_powersgd(grads, 3)
     qs = [initial_q(s.key, s.shape[1], min(3, *s.shape), 7, np.float64, np) for s in spec.slots]
     residual = [np.zeros(size) for _ in range(N)]
     for step in range(2):
-        xs = [g + r for g, r in zip(grads[step], residual)]
-        whole = np.zeros(size)
-        for j, s in enumerate(spec.slots):
-            a, b = s.shape
-            ms = [x[s.offset:s.offset + a * b].reshape(a, b) for x in xs]
-            p = ref_orthogonalize(sum(m @ qs[j] for m in ms) / N)
-            qs[j] = sum(m.T @ p for m in ms) / N
-            whole[s.offset:s.offset + a * b] = (p @ qs[j].T).reshape(-1)
-        residual = [x - whole for x in xs]
+        whole, residual, qs = ref_powersgd([g + r for g, r in zip(grads[step], residual)], qs,
+                                           [(s.offset, *s.shape) for s in spec.slots])
         for r in range(N):
-            got, res, new_q = results[r][step]
+            _, got, state = results[r][step]
             scale = np.max(np.abs(whole))
             assert np.max(np.abs(got - whole)) <= 1e-12 * scale
-            assert np.max(np.abs(res - residual[r])) <= 1e-12 * scale
-            assert all(np.max(np.abs(new_q[(0, j)] - qs[j])) <= 1e-12 * np.max(np.abs(qs[j])) for j in range(3))
-        assert all(np.array_equal(results[0][step][0], results[r][step][0]) for r in range(N))  # same bits
+            assert np.max(np.abs(state["residual"][0] - residual[r])) <= 1e-12 * scale
+            assert all(np.max(np.abs(state["powersgd_q"][(0, j)] - qs[j])) <= 1e-12 * np.max(np.abs(qs[j]))
+                       for j in range(3))
+        assert all(np.array_equal(results[0][step][1], results[r][step][1]) for r in range(N))  # same bits
 
 
 def test_powersgd_at_full_rank_gives_back_the_mean_gradient():
@@ -316,7 +240,7 @@ def test_powersgd_at_full_rank_gives_back_the_mean_gradient():
     results, _, _ = run_powersgd(grads, rank_r=min(min(s) for s in SHAPES) + 100)  # min(rank, a, b) = min(a, b)
     mean = np.mean(grads[0], axis=0)
     used = sum(a * b for a, b in SHAPES)
-    assert np.max(np.abs(results[0][0][0][:used] - mean[:used])) <= 1e-10 * np.max(np.abs(mean))
+    assert np.max(np.abs(results[0][0][1][:used] - mean[:used])) <= 1e-10 * np.max(np.abs(mean))
 
 
 def test_orthogonalize_is_deterministic_and_orthonormal():
