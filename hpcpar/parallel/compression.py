@@ -63,10 +63,8 @@ from hpcpar.comm import Communicator, Handle
 from hpcpar.errors import ConfigError
 
 KINDS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
-ERROR_FEEDBACK_KINDS = ("int8", "topk", "powersgd")  # the lossy ones: 16-bit rounding needs none
 # The 16-bit wire's old key, train.grad_wire_dtype, names these kinds.
 WIRE_DTYPE_KINDS = {"float32": "none", "float16": "fp16", "bfloat16": "bf16"}
-WIRE_DTYPES = tuple(WIRE_DTYPE_KINDS)
 _SCALE_BYTES = 4  # one float32 scale per int8 block
 
 
@@ -108,10 +106,6 @@ class Compression:
     @property
     def enabled(self) -> bool:
         return self.kind != "none"
-
-    @property
-    def uses_error_feedback(self) -> bool:
-        return self.error_feedback and self.kind in ERROR_FEEDBACK_KINDS
 
     def bucket_group(self, ndim: int, tp_split: bool) -> Hashable:
         """The bucket group of a parameter (`plan_buckets(groups=...)`): PowerSGD keeps matrices

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert, rel_err
+from collective import collective_assert, rel_err, stored
 from compression_reference import ref_int8, ref_powersgd, ref_topk, run_steps
 
 from hpcpar import config
@@ -199,9 +199,12 @@ def uncompressed():
 
 def replicas_differ(trainer: Trainer) -> list[str]:
     """Parameters whose local arrays differ between the data-parallel replicas (ZeRO: after the
-    all-gather every replica holds the same whole parameters)."""
-    dp = trainer.dp.dp_comm
-    return [n for n, p in trainer.named_parameters if len(set(dp.all_gather_object(p.data.tobytes()))) > 1]
+    all-gather every replica holds the same whole parameters), or, for tp-replicated ones
+    (LayerNorm, some biases), between the tp ranks."""
+    dp, tp = trainer.dp.dp_comm, trainer.mesh.comm("tp")
+    differ = [n for n, p in trainer.named_parameters if len(set(dp.all_gather_object(p.data.tobytes()))) > 1]
+    return differ + [f"{n} (tp)" for n, p in trainer.named_parameters
+                     if p.layout.is_replicated and len(set(tp.all_gather_object(p.data.tobytes()))) > 1]
 
 
 @needs_4
@@ -313,3 +316,61 @@ def test_a_checkpoint_loads_with_and_without_compression(shared_dir):
     collective_assert(same and ok_plain and fresh and np.isfinite(record["loss"]) and record["grad_compressed"],
                       f"loaded weights equal: {same}; plain run trains: {ok_plain}; PowerSGD state fresh: {fresh}; "
                       f"its step: {record}")
+
+
+@needs_4
+@pytest.mark.timeout(120)
+def test_residuals_load_into_another_group_size(shared_dir):
+    """Saved by 4 dp ranks, loaded by 2 (dp x tp = 2 x 2): each rank takes the mean of the stored
+    rows of its pieces, and training goes on."""
+    a = make_trainer(LAYOUTS[0], "train.grad_compression=topk", "train.compression_ratio=0.1")
+    train(a, 2)
+    path = a.save(os.path.join(shared_dir, "topk4"), keep=1)
+    a.mesh.free()
+    stored_rows = stored(path)
+    b = make_trainer(LAYOUTS[1], "train.grad_compression=topk", "train.compression_ratio=0.1")
+    b.load(path)
+    residuals = b.dp.compression_state.tensors()  # {name: (local array, layout)} of what it now owes
+    bad = []
+    for name, (local, layout) in residuals.items():
+        mean = stored_rows[name].mean(axis=0)  # [*shape]: the mean over the 4 stored rows
+        want = layout.take(np.ascontiguousarray(np.broadcast_to(mean, layout.global_shape)))  # every new row
+        if not np.allclose(local, want, rtol=1e-12, atol=0):
+            bad.append(name)
+    record = train(b, 1)[0]
+    b.mesh.free()
+    collective_assert(residuals and not bad and np.isfinite(record["loss"]),
+                      f"loaded residuals differ from the mean of the stored rows: {bad[:3]}; step {record}")
+
+
+@needs_4
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["int8", "topk", "powersgd"])
+def test_a_nan_on_one_rank_skips_the_step_and_keeps_the_state(kind):
+    """Rank 2's gradient turns NaN in step 1: the compressed average shows it on every rank, the
+    step is skipped (no update), the residuals and Q stay as step 0 left them, and step 2 trains."""
+    t = make_trainer(LAYOUTS[0], f"train.grad_compression={kind}", "train.compression_ratio=0.1",
+                     "train.powersgd_rank=2")
+    train(t, 1)
+    c = t.dp.compressor
+    before = {k: {i: a.copy() for i, a in v.items()} for k, v in c.state().items()}
+    params = t.global_parameters()
+    compress = c.compress
+
+    def poisoned(index, grad):
+        grad = grad.copy()
+        grad[0] = np.nan
+        return compress(index, grad)
+    if RANK == 2:
+        c.compress = poisoned
+    bad = train(t, 1)[0]
+    c.compress = compress
+    after = c.state()
+    kept = all(np.array_equal(before[k][i], after[k][i]) for k in before for i in before[k]) and \
+        all(set(before[k]) == set(after[k]) for k in before)
+    unchanged = all(np.array_equal(p, params[n]) for n, p in t.global_parameters().items())
+    good = train(t, 1)[0]
+    t.mesh.free()
+    collective_assert(bad["skipped"] and kept and unchanged and not good["skipped"] and np.isfinite(good["loss"]),
+                      f"{kind}: skipped {bad['skipped']}, state kept {kept}, parameters kept {unchanged}, "
+                      f"next step {good}")
