@@ -83,6 +83,10 @@ BENCHMARKS = (
     Benchmark("zero", "bench/zero.py", None,
               "ZeRO-3 (FSDP) vs ZeRO-1 tokens/s on 4 ranks with prefetch; all-gather time hidden behind compute",
               quick_args=("--steps", "2", "--repeats", "1", "--layers", "2")),
+    Benchmark("compression", "bench/compression.py", 4,
+              "gradient compression (fp16, bf16, int8, top-k, PowerSGD) side by side with none on dp=4: bytes per "
+              "step vs each formula, step time, loss after 300 steps with and without error feedback, where it pays",
+              quick_args=("--quick",), timeout_s=3600.0),
     Benchmark("vs_torch", "bench/vs_torch.py", None,
               "one process, hpcpar vs PyTorch eager on the same GPT and batches (1 thread)",
               args=("--steps", "5"), quick_args=("--steps", "1", "--rounds", "1", "--n-embd", "128"),
@@ -340,6 +344,31 @@ def _vs_torch(d: dict) -> list[str]:
             f"{c['threads']} thread; per-op overhead {h['op_overhead_us']:.1f} µs vs {t['op_overhead_us']:.1f} µs"]
 
 
+def _gbps(c) -> str:
+    """A crossover link speed: Gb/s, or "any" (the compressor costs no time)."""
+    return c if isinstance(c, str) else f"{c:.2f}"
+
+
+def _compression_name(r: dict) -> str:
+    return r["kind"] + ("" if r["error_feedback"] or r["kind"] in ("none", "fp16", "bf16") else " (no EF)")
+
+
+def _compression(d: dict) -> list[str]:
+    m, rows = d["meta"], d["default"]
+    worst = max(abs(r["formula_error"]) for r in rows + d["wide"])
+    loss = [r for r in rows if r["loss_vs_none"] is not None and r["kind"] != "none"]
+    cross = ", ".join(f"{r['kind']} {_gbps(r['crossover_gbps'])}" for r in d["where_it_pays"]["default"]
+                      if r["crossover_gbps"] is not None)
+    return [f"bytes/step/rank vs none, default model, dp={m['ranks']}: "
+            + ", ".join(f"{r['kind']} {r['ratio_to_none']:.3f}x" for r in rows if r["error_feedback"]
+                        and r["kind"] != "none")
+            + f"; every compressor within {worst:.1%} of its formula",
+            f"final loss vs none after {m['steps']} steps: "
+            + ", ".join(f"{_compression_name(r)} {r['loss_vs_none']:+.1%}" for r in loss),
+            f"link speed below which each wins (Gb/s): {cross}; shared memory here "
+            f"{m['shared_memory_gbps']:.1f} Gb/s"]
+
+
 def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
     """The headline figures of benchmark `name` from its JSON `data`, one string per line."""
     try:
@@ -349,7 +378,7 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
             return _checkpoint(data, ranks or 4)
         return {"allreduce": _allreduce, "pipeline": _pipeline, "scaling": _scaling,
                 "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory, "zero": _zero,
-                "vs_torch": _vs_torch}[name](data)
+                "compression": _compression, "vs_torch": _vs_torch}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
 
@@ -467,7 +496,9 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
     for name, title, table, image in (("mesh_scaling", "Mesh scaling", _mesh_table, "mesh scaling"),
                                       ("pipeline", "Pipeline bubble", _pipeline_table, "pipeline"),
                                       ("context", "Context parallelism", _context_table, None),
-                                      ("memory", "Memory", _memory_table, None)):
+                                      ("memory", "Memory", _memory_table, None),
+                                      ("compression", "Gradient compression", _compression_table,
+                                       "gradient compression loss curves")):
         results = details.get(name, {}).get("results")
         if not results:
             continue
@@ -521,6 +552,39 @@ def _memory_table(d: dict) -> list[str]:
                   f"({f['param_ratio']:.1f}x; estimated {f['estimates']['big_zero0'] / MiB:.1f} MiB); zero=3 trains "
                   f"them (estimated {f['estimates']['big_zero3'] / MiB:.1f} MiB, measured peak "
                   f"{f['big_zero3_peak_bytes'] / MiB:.1f} MiB)."]
+    return lines
+
+
+def _compression_table(d: dict) -> list[str]:
+    m = d["meta"]
+    lines = [f"dp={m['ranks']}, float32, global batch {m['global_sequences']} sequences; bytes: what a rank sends per "
+             "step for gradient synchronisation (`Communicator.sent`), next to the compressor's formula "
+             "([parallelism.md](parallelism.md#gradient-compression)); step time: slowest rank's median; final "
+             f"loss: mean of the last 10 of {m['steps']} steps (default model; the wider one and bf16 run "
+             f"{m['wide_steps']} steps for bytes and time only). top-k ratio {m['ratio']}, PowerSGD rank {m['rank']}."]
+    for title, rows in (("default model", d["default"]), (f"wider model (n_embd {m['wide_embd']})", d["wide"])):
+        lines += ["", f"{title}, {rows[0]['params'] / 1e6:.2f}M parameters:", "",
+                  "| compressor | MiB/step/rank | formula | error | vs none | step ms | time vs none | final loss | "
+                  "loss vs none |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            full = r["steps"] == m["steps"]
+            final = f"{r['final_loss']:.4f}" if full else "–"
+            vs = f"{r['loss_vs_none']:+.2%}" if full and r["loss_vs_none"] is not None else "–"
+            lines.append(f"| {_compression_name(r)} | {r['bytes_per_step'] / MiB:.3f} | "
+                         f"{r['formula_bytes'] / MiB:.3f} | {r['formula_error']:+.1%} | {r['ratio_to_none']:.3f}x | "
+                         f"{1e3 * r['step_s']:.0f} | "
+                         f"{r['step_time_vs_none']:.2f}x | {final} | {vs} |")
+    lines += ["", f"Where compression pays: predicted step time = measured here + bytes / link + {m['alpha_us']:g} µs "
+              "x messages; L* = the link speed below which the compressor beats none (\"any\": it costs no time "
+              f"here). This machine's shared memory moves the uncompressed gradient at {m['shared_memory_gbps']:.1f} "
+              "Gb/s per rank; a compressor pays here only where L* is above that.", "",
+              "| model | compressor | 1 Gb/s ms | 10 Gb/s ms | 100 Gb/s ms | L* Gb/s |",
+              "|---|---|---:|---:|---:|---:|"]
+    for model, rows in d["where_it_pays"].items():
+        for r in rows:
+            cross = "–" if r["crossover_gbps"] is None else _gbps(r["crossover_gbps"])
+            lines.append(f"| {model} | {r['kind']} | " + " | ".join(f"{1e3 * r['predicted_step_s'][g]:.0f}"
+                                                                   for g in ("1", "10", "100")) + f" | {cross} |")
     return lines
 
 
