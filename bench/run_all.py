@@ -354,18 +354,16 @@ def _compression_name(r: dict) -> str:
 
 
 def _compression(d: dict) -> list[str]:
-    m, rows = d["meta"], d["default"]
-    worst = max(abs(r["formula_error"]) for r in rows + d["wide"])
-    loss = [r for r in rows if r["loss_vs_none"] is not None and r["kind"] != "none"]
+    m, loss = d["meta"], d["loss"]
+    worst = max(abs(r["formula_error"]) for r in loss + d["default"] + d["wide"])
     cross = ", ".join(f"{r['kind']} {_gbps(r['crossover_gbps'])}" for r in d["where_it_pays"]["default"]
                       if r["crossover_gbps"] is not None)
     return [f"bytes/step/rank vs none, default model, dp={m['ranks']}: "
-            + ", ".join(f"{r['kind']} {r['ratio_to_none']:.3f}x" for r in rows if r["error_feedback"]
-                        and r["kind"] != "none")
-            + f"; every compressor within {worst:.1%} of its formula",
+            + ", ".join(f"{r['kind']} {r['ratio_to_none']:.3f}x" for r in d["default"] if r["kind"] != "none")
+            + f"; every measurement within {worst:.1%} of its formula",
             f"final loss vs none after {m['steps']} steps: "
-            + ", ".join(f"{_compression_name(r)} {r['loss_vs_none']:+.1%}" for r in loss),
-            f"link speed below which each wins (Gb/s): {cross}; shared memory here "
+            + ", ".join(f"{_compression_name(r)} {r['loss_vs_none']:+.1%}" for r in loss if r["kind"] != "none"),
+            f"link speed below which each wins (Gb/s): {cross}; this machine's shared memory: "
             f"{m['shared_memory_gbps']:.1f} Gb/s"]
 
 
@@ -557,23 +555,26 @@ def _memory_table(d: dict) -> list[str]:
 
 def _compression_table(d: dict) -> list[str]:
     m = d["meta"]
-    lines = [f"dp={m['ranks']}, float32, global batch {m['global_sequences']} sequences; bytes: what a rank sends per "
-             "step for gradient synchronisation (`Communicator.sent`), next to the compressor's formula "
-             "([parallelism.md](parallelism.md#gradient-compression)); step time: slowest rank's median; final "
-             f"loss: mean of the last 10 of {m['steps']} steps (default model; the wider one and bf16 run "
-             f"{m['wide_steps']} steps for bytes and time only). top-k ratio {m['ratio']}, PowerSGD rank {m['rank']}."]
+    lines = [f"dp={m['ranks']}, float32, global batch {m['global_sequences']} sequences of the default job; bytes: "
+             "what a rank sends per step for gradient synchronisation (`Communicator.sent`), next to the "
+             "compressor's formula ([parallelism.md](parallelism.md#gradient-compression)); final loss: mean of the "
+             f"last 10 of {m['steps']} steps; step time: slowest rank's median step, best of {m['rounds']} alternating "
+             f"rounds of {m['time_steps']} steps. top-k ratio {m['ratio']}, PowerSGD rank {m['rank']}.", "",
+             f"Loss, default model, {d['loss'][0]['params'] / 1e6:.2f}M parameters:", "",
+             "| compressor | MiB/step/rank | formula | error | vs none | final loss | loss vs none |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["loss"]:
+        lines.append(f"| {_compression_name(r)} | {r['bytes_per_step'] / MiB:.3f} | {r['formula_bytes'] / MiB:.3f} | "
+                     f"{r['formula_error']:+.1%} | {r['ratio_to_none']:.3f}x | {r['final_loss']:.4f} | "
+                     f"{r['loss_vs_none']:+.2%} |")
     for title, rows in (("default model", d["default"]), (f"wider model (n_embd {m['wide_embd']})", d["wide"])):
-        lines += ["", f"{title}, {rows[0]['params'] / 1e6:.2f}M parameters:", "",
-                  "| compressor | MiB/step/rank | formula | error | vs none | step ms | time vs none | final loss | "
-                  "loss vs none |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", f"Step time, {title}, {rows[0]['params'] / 1e6:.2f}M parameters:", "",
+                  "| compressor | MiB/step/rank | formula | error | vs none | step ms | time vs none |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
-            full = r["steps"] == m["steps"]
-            final = f"{r['final_loss']:.4f}" if full else "–"
-            vs = f"{r['loss_vs_none']:+.2%}" if full and r["loss_vs_none"] is not None else "–"
-            lines.append(f"| {_compression_name(r)} | {r['bytes_per_step'] / MiB:.3f} | "
-                         f"{r['formula_bytes'] / MiB:.3f} | {r['formula_error']:+.1%} | {r['ratio_to_none']:.3f}x | "
-                         f"{1e3 * r['step_s']:.0f} | "
-                         f"{r['step_time_vs_none']:.2f}x | {final} | {vs} |")
+            lines.append(f"| {r['kind']} | {r['bytes_per_step'] / MiB:.3f} | {r['formula_bytes'] / MiB:.3f} | "
+                         f"{r['formula_error']:+.1%} | {r['ratio_to_none']:.3f}x | {1e3 * r['step_s']:.0f} | "
+                         f"{r['step_time_vs_none']:.2f}x |")
     lines += ["", f"Where compression pays: predicted step time = measured here + bytes / link + {m['alpha_us']:g} µs "
               "x messages; L* = the link speed below which the compressor beats none (\"any\": it costs no time "
               f"here). This machine's shared memory moves the uncompressed gradient at {m['shared_memory_gbps']:.1f} "
