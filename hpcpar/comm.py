@@ -7,9 +7,9 @@ staged through host memory and MPI otherwise.
 
 Every op is recorded in the flight recorder (`watchdog.recorder`) and numbered per
 communicator, and the bytes it sends from this rank are counted (`Communicator.sent`, by op
-kind; `bytes_sent` is the formula per collective kind). Blocking ops on host arrays call MPI's blocking functions (MPICH's
-blocking collectives are faster than its non-blocking ones); the watchdog's monitor
-thread watches them and aborts the job with a report across ranks when one waits
+kind; `bytes_sent` is the formula per collective kind). Blocking ops on host arrays call MPI's
+blocking functions (MPICH's blocking collectives are faster than its non-blocking ones); the
+watchdog's monitor thread watches them and aborts the job with a report across ranks when one waits
 longer than `watchdog.timeout()`. Non-blocking ops (`Handle.wait()`) and GPU ops are
 completed by one polling loop (`_wait`) that yields the core to ranks sharing it and
 raises `watchdog.CommTimeout` when the monitor reports a timeout. Without
@@ -229,7 +229,6 @@ def _nccl_possible(mpi_comm: MPI.Comm) -> bool:
     mpi_comm.Allgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
     pairs = {(int(h), int(d)) for h, d, _ in every}
     return bool(every[:, 2].all()) and len(pairs) == mpi_comm.size
-
 
 
 def bytes_sent(op: str, nbytes: int, size: int) -> float:

@@ -40,6 +40,15 @@ def flat_spec(index: int, size: int, dtype: str) -> BucketSpec:
     return BucketSpec(index, size, dtype, (SpecSlot(f"b{index}", 0, size, (size,)),))
 
 
+def simulate(make, specs: list, grads: list) -> list:
+    """`run_steps` of the compressor `make(comm)` on N simulated ranks: grads[step][rank]."""
+    def rank(comm):
+        c = make(comm)
+        c.setup(specs)
+        return run_steps(c, [step[comm.rank] for step in grads])
+    return run_ranks(N, rank)
+
+
 def wide_values(rng, size: int, dtype) -> np.ndarray:
     """Random signs and magnitudes from 1e-30 to 1e30, some zeros: a hard case for scales."""
     x = rng.standard_normal(size) * 10.0 ** rng.integers(-30, 30, size)
@@ -118,12 +127,7 @@ def test_int8_two_phases_on_4_ranks_equal_the_reference_bitwise(dtype):
     grads = [[(rng.standard_normal(size) * 10.0 ** rng.integers(-3, 3)).astype(dtype) for _ in range(N)]
              for _ in range(3)]
 
-    def rank(comm):
-        c = Int8(comm, block_size=b)
-        c.setup([flat_spec(0, size, dtype)])
-        return run_steps(c, [step[comm.rank] for step in grads])
-
-    results = run_ranks(N, rank)
+    results = simulate(lambda comm: Int8(comm, block_size=b), [flat_spec(0, size, dtype)], grads)
     worker = [np.zeros(size, dtype=dtype) for _ in range(N)]
     owner = [np.zeros(size // N, dtype=np.result_type(np.float32, dtype)) for _ in range(N)]
     for s, step in enumerate(grads):
@@ -167,12 +171,7 @@ def test_topk_on_4_ranks_equals_the_reference_bitwise(ratio, dtype):
     size = N * 101
     grads = [[rng.standard_normal(size).astype(dtype) for _ in range(N)] for _ in range(2)]
 
-    def rank(comm):
-        c = TopK(comm, ratio=ratio)
-        c.setup([flat_spec(0, size, dtype)])
-        return run_steps(c, [step[comm.rank] for step in grads])
-
-    results = run_ranks(N, rank)
+    results = simulate(lambda comm: TopK(comm, ratio=ratio), [flat_spec(0, size, dtype)], grads)
     residual = [np.zeros(size, dtype=dtype) for _ in range(N)]
     for s, step in enumerate(grads):
         whole, residual = ref_topk([g + r for g, r in zip(step, residual)], math.ceil(ratio * size))
@@ -203,12 +202,7 @@ def powersgd_bucket(shapes):
 
 def run_powersgd(grads, rank_r, seed=7):
     spec, size = powersgd_bucket(SHAPES)
-
-    def rank(comm):
-        c = PowerSGD(comm, rank=rank_r, seed=seed)
-        c.setup([spec])
-        return run_steps(c, [step[comm.rank] for step in grads])
-    return run_ranks(N, rank), spec, size
+    return simulate(lambda comm: PowerSGD(comm, rank=rank_r, seed=seed), [spec], grads), spec, size
 
 
 def test_powersgd_on_4_ranks_equals_the_reference():
