@@ -9,8 +9,10 @@ Every run trains through `Trainer.train` (the loop of `hpcpar train`, no files) 
    default job's schedule and global batch (48 sequences of 128 bytes per step:
    micro_batch_size 48 / (2 n), 2 micro-batches), with `train.grad_compression` = none, fp16,
    bf16, int8, topk (ratio `--ratio`), powersgd (rank `--rank`), with error feedback where the
-   compressor keeps one, and topk and powersgd without it (`train.error_feedback = false`). The
-   final loss is the mean of the last 10 steps' losses; the curves go to compression.png.
+   compressor keeps one; topk and powersgd without it (`train.error_feedback = false`); and topk
+   and powersgd with error feedback after `--warm-up` uncompressed steps
+   (`train.compression_start_step`, as PyTorch's PowerSGD hook advises). The final loss is the
+   mean of the last 10 steps' losses; the curves go to compression.png.
 2. Step time: every compressor for `--time-steps` steps, `--rounds` rounds in alternation (so
    that load from elsewhere hits all alike), the fastest round kept: the default model, then a
    wider one (n_embd `--wide-embd`).
@@ -76,8 +78,9 @@ def say(*a) -> None:
         print(*a, flush=True)
 
 
-def overrides(args, embd: int, kind: str, error_feedback: bool, steps: int) -> list[str]:
-    return [f"model.n_embd={embd}", "model.dtype=float32", f"mesh.dp={SIZE}", "mesh.tp=1", "mesh.pp=1",
+def overrides(args, embd: int, kind: str, error_feedback: bool, steps: int, start: int) -> list[str]:
+    return [f"train.compression_start_step={start}", f"model.n_embd={embd}", "model.dtype=float32",
+            f"mesh.dp={SIZE}", "mesh.tp=1", "mesh.pp=1",
             f"train.micro_batch_size={GLOBAL_SEQUENCES // (2 * SIZE)}", "train.microbatches=2",
             f"train.steps={steps}", f"train.grad_compression={kind}", f"train.compression_ratio={args.ratio}",
             f"train.powersgd_rank={args.rank}", f"train.error_feedback={str(error_feedback).lower()}",
@@ -116,22 +119,24 @@ def messages(trainer: Trainer, kind: str) -> int:
     return total
 
 
-def run(args, embd: int, kind: str, error_feedback: bool, steps: int) -> dict:
-    cfg = config.load_config(None, overrides(args, embd, kind, error_feedback, steps))
+def run(args, embd: int, kind: str, error_feedback: bool, steps: int, start: int = 0) -> dict:
+    cfg = config.load_config(None, overrides(args, embd, kind, error_feedback, steps, start))
     trainer = Trainer(cfg, WORLD)
     records = []
 
     def on_step(record: dict) -> None:
         slowest = trainer.mesh.world.all_reduce(np.array([record["step_time_s"]]), op="max")
-        records.append({"loss": record["loss"], "step_s": float(slowest[0]),
+        records.append({"loss": record["loss"], "step_s": float(slowest[0]), "compressed": record["grad_compressed"],
                         "grad_bytes": record["grad_bytes_sent"], "plain_bytes": record["grad_bytes_uncompressed"]})
 
     started = time.perf_counter()
     trainer.train(files=False, progress=False, on_step=on_step, peak_flops=0.0)
-    later = records[1:] or records  # the first step warms up allocators and connections
+    # The first step warms up allocators and connections; bytes count the compressed steps only
+    # (after the warm-up of `start` uncompressed steps).
+    later = [r for r in records[1:] if r["compressed"] or kind == "none"] or records
     measured = statistics.fmean(r["grad_bytes"] for r in later)
     formula = formula_bytes(trainer, kind, args)
-    row = {"kind": kind, "error_feedback": error_feedback, "embd": embd, "steps": steps,
+    row = {"kind": kind, "error_feedback": error_feedback, "start_step": start, "embd": embd, "steps": steps,
            "params": sum(int(p.data.size) for _, p in trainer.named_parameters if not getattr(p, "tied_to", None)),
            "buckets": len(trainer.dp.buckets), "bytes_per_step": measured, "formula_bytes": formula,
            "formula_error": measured / formula - 1,
@@ -140,7 +145,7 @@ def run(args, embd: int, kind: str, error_feedback: bool, steps: int) -> dict:
            "losses": [r["loss"] for r in records], "final_loss": statistics.fmean(r["loss"] for r in records[-10:]),
            "wall_s": time.perf_counter() - started}
     trainer.mesh.free()
-    say(f"  {kind:<9} ef={str(error_feedback).lower():<5} C={embd:<4} {steps:>4} steps: "
+    say(f"  {kind:<9} ef={str(error_feedback).lower():<5} start={start:<3} C={embd:<4} {steps:>4} steps: "
         f"{measured / 2**20:8.3f} MiB/step "
         f"(formula {formula / 2**20:.3f}, {row['formula_error']:+.1%}), {1e3 * row['step_s']:7.1f} ms/step, "
         f"final loss {row['final_loss']:.4f}, {row['wall_s']:.0f} s")
@@ -192,7 +197,8 @@ def where_it_pays(rows: list[dict], alpha_s: float) -> list[dict]:
 
 
 def name_of(r: dict) -> str:
-    return r["kind"] + ("" if r["error_feedback"] or r["kind"] in ("none", "fp16", "bf16") else " (no EF)")
+    return (r["kind"] + ("" if r["error_feedback"] or r["kind"] in ("none", "fp16", "bf16") else " (no EF)")
+            + (f" (warm-up {r['start_step']})" if r.get("start_step") else ""))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -207,7 +213,8 @@ def plot(rows: list[dict], path: Path) -> None:
     for r in rows:
         k = 10  # a running mean over 10 steps: the curves are noisy step to step
         smooth = np.convolve(r["losses"], np.ones(k) / k, mode="valid")
-        ax.plot(np.arange(k - 1, len(r["losses"])), smooth, "-" if r["error_feedback"] else "--", label=name_of(r))
+        style = "--" if not r["error_feedback"] else ":" if r["start_step"] else "-"
+        ax.plot(np.arange(k - 1, len(r["losses"])), smooth, style, label=name_of(r))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats / byte), running mean of 10")
     ax.set_title(f"gradient compression, dp={SIZE}, default model")
@@ -226,12 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wide-embd", type=int, default=384, help="n_embd of the wider model")
     parser.add_argument("--ratio", type=float, default=0.01, help="top-k: fraction of entries sent")
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
+    parser.add_argument("--warm-up", type=int, default=100,
+                        help="train.compression_start_step of the top-k and PowerSGD warm-up loss runs")
     parser.add_argument("--alpha-us", type=float, default=10.0, help="link latency per message (µs)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 20 loss steps, 1 round of 3 timed steps")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compression.json"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.time_steps, args.rounds = 20, 3, 1
+        args.steps, args.time_steps, args.rounds, args.warm_up = 20, 3, 1, 5
     if GLOBAL_SEQUENCES % (2 * SIZE):
         parser.error(f"the global batch of {GLOBAL_SEQUENCES} sequences does not split over {SIZE} ranks")
     started = time.perf_counter()
@@ -239,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"gradient compression on {SIZE} ranks (dp={SIZE}), float32, global batch {GLOBAL_SEQUENCES}x"
         f"{config.Config().model.block_size} tokens")
     say(f"1. loss: default model (n_embd {default_embd}), {args.steps} steps each")
-    loss_runs = [(k, True) for k in ("none", "fp16", "bf16", "int8", "topk", "powersgd")] + [("topk", False),
-                                                                                           ("powersgd", False)]
-    losses = [run(args, default_embd, k, ef, args.steps) for k, ef in loss_runs]
+    loss_runs = [(k, True, 0) for k in ("none", "fp16", "bf16", "int8", "topk", "powersgd")] + [
+        ("topk", False, 0), ("powersgd", False, 0), ("topk", True, args.warm_up), ("powersgd", True, args.warm_up)]
+    losses = [run(args, default_embd, k, ef, args.steps, start) for k, ef, start in loss_runs]
     say(f"2. step time: default model, {args.rounds} alternating rounds of {args.time_steps} steps")
     default = timed(args, default_embd)
     say(f"3. step time: wider model (n_embd {args.wide_embd}), {args.rounds} alternating rounds of "
@@ -262,10 +271,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n# 1. loss after {args.steps} steps (mean of the last 10), default model, "
           f"{losses[0]['params'] / 1e6:.2f}M parameters")
-    print(f"{'compressor':<18} {'MiB/step/rank':>13} {'formula':>9} {'error':>7} {'vs none':>8} {'final loss':>10} "
+    print(f"{'compressor':<28} {'MiB/step/rank':>13} {'formula':>9} {'error':>7} {'vs none':>8} {'final loss':>10} "
           f"{'loss vs none':>12}")
     for r in losses:
-        print(f"{name_of(r):<18} {r['bytes_per_step'] / 2**20:>13.3f} {r['formula_bytes'] / 2**20:>9.3f} "
+        print(f"{name_of(r):<28} {r['bytes_per_step'] / 2**20:>13.3f} {r['formula_bytes'] / 2**20:>9.3f} "
               f"{r['formula_error']:>+7.1%} {r['ratio_to_none']:>7.3f}x {r['final_loss']:>10.4f} "
               f"{r['loss_vs_none']:>+12.2%}")
     for title, rows in (("2. default model", default), (f"3. wider model (n_embd {args.wide_embd})", wide)):
