@@ -350,7 +350,8 @@ def _gbps(c) -> str:
 
 
 def _compression_name(r: dict) -> str:
-    return r["kind"] + ("" if r["error_feedback"] or r["kind"] in ("none", "fp16", "bf16") else " (no EF)")
+    return (r["kind"] + ("" if r["error_feedback"] or r["kind"] in ("none", "fp16", "bf16") else " (no EF)")
+            + (f" (warm-up {r['start_step']})" if r.get("start_step") else ""))
 
 
 def _compression(d: dict) -> list[str]:

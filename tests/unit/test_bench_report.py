@@ -118,7 +118,8 @@ SAMPLES = {
                  "alpha_us": 10.0, "global_sequences": 48, "shared_memory_gbps": 3.4},
         "loss": [compression_row(k, ef, nbytes, formula, loss) for k, ef, nbytes, formula, loss in (
             ("none", True, 4.8 * MiB, 4.8 * MiB, 2.0), ("int8", True, 1.22 * MiB, 1.2 * MiB, 2.01),
-            ("topk", False, 0.2 * MiB, 0.2 * MiB, 2.2))],
+            ("topk", False, 0.2 * MiB, 0.2 * MiB, 2.2))] + [
+            {**compression_row("topk", True, 0.2 * MiB, 0.2 * MiB, 2.1), "start_step": 100}],
         "default": [compression_row(k, True, nbytes, nbytes, 2.0, step_s) for k, nbytes, step_s in (
             ("none", 4.8 * MiB, 0.5), ("int8", 1.2 * MiB, 0.6))],
         "wide": [compression_row(k, True, nbytes, nbytes, 2.0, 2.0) for k, nbytes in (("none", 40 * MiB),
@@ -188,7 +189,8 @@ def test_key_figures_computed_from_the_json(run_all):
     compression = run_all.key_figures("compression", SAMPLES["compression"])
     assert compression[0] == ("bytes/step/rank vs none, default model, dp=4: int8 0.250x; every measurement within "
                               "1.7% of its formula")
-    assert compression[1] == "final loss vs none after 300 steps: int8 +0.5%, topk (no EF) +10.0%"
+    assert compression[1] == ("final loss vs none after 300 steps: int8 +0.5%, topk (no EF) +10.0%, "
+                              "topk (warm-up 100) +5.0%")
     assert compression[2] == ("link speed below which each wins (Gb/s): int8 0.29; this machine's shared memory: "
                               "3.4 Gb/s")
     zero = run_all.key_figures("zero", SAMPLES["zero"])
