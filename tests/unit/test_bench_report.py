@@ -37,6 +37,13 @@ def mesh_row(mesh: str, ranks: int, tokens_per_s: float, baseline: float, cores:
             "cpu_speedup": 1.1 * speedup}
 
 
+def compression_row(kind: str, ef: bool, nbytes: float, formula: float, loss: float, step_s: float = 0.5) -> dict:
+    none_bytes, none_loss, none_s = 4.8 * MiB, 2.0, 0.5
+    return {"kind": kind, "error_feedback": ef, "params": 840_000, "bytes_per_step": nbytes, "formula_bytes": formula,
+            "formula_error": nbytes / formula - 1, "ratio_to_none": nbytes / none_bytes, "final_loss": loss,
+            "loss_vs_none": loss / none_loss - 1, "step_s": step_s, "step_time_vs_none": step_s / none_s}
+
+
 SAMPLES = {
     "allreduce": {"meta": {"ranks": 4}, "rows": [allreduce_row(8, 80.0, 20.0), allreduce_row(MiB, 400.0, 300.0),
                                                  allreduce_row(64 * MiB, 5e4, 4.5e4)]},
@@ -119,6 +126,22 @@ SAMPLES = {
                     "big_zero3_peak_bytes": 42.4 * MiB}},
         "checks": {"activations: none within 10% of its formula": True,
                    "model_state: zero=3 within 10% of its formula": True}},
+    "compression": {
+        "meta": {"ranks": 4, "steps": 300, "time_steps": 6, "rounds": 2, "wide_embd": 384, "ratio": 0.01, "rank": 4,
+                 "alpha_us": 10.0, "global_sequences": 48, "shared_memory_gbps": 3.4},
+        "loss": [compression_row(k, ef, nbytes, formula, loss) for k, ef, nbytes, formula, loss in (
+            ("none", True, 4.8 * MiB, 4.8 * MiB, 2.0), ("int8", True, 1.22 * MiB, 1.2 * MiB, 2.01),
+            ("topk", False, 0.2 * MiB, 0.2 * MiB, 2.2))] + [
+            {**compression_row("topk", True, 0.2 * MiB, 0.2 * MiB, 2.1), "start_step": 100}],
+        "default": [compression_row(k, True, nbytes, nbytes, 2.0, step_s) for k, nbytes, step_s in (
+            ("none", 4.8 * MiB, 0.5), ("int8", 1.2 * MiB, 0.6))],
+        "wide": [compression_row(k, True, nbytes, nbytes, 2.0, 2.0) for k, nbytes in (("none", 40 * MiB),
+                                                                                      ("int8", 10 * MiB))],
+        "where_it_pays": {model: [{"kind": "none", "predicted_step_s": {"1": 0.54, "10": 0.504, "100": 0.5},
+                                   "crossover_gbps": None},
+                                  {"kind": "int8", "predicted_step_s": {"1": 0.61, "10": 0.601, "100": 0.6},
+                                   "crossover_gbps": 0.29 if model == "default" else "any"}]
+                          for model in ("default", "wide")}},
     "zero": {"ratio_zero3_over_zero1": 0.95, "hidden_fraction": 0.3,
              "best": {"dp": 4, "zero1": {"tokens_per_s": 7000.0, "gather_wait_s": 0.0},
                       "zero3": {"tokens_per_s": 6650.0, "gather_wait_s": 0.07},
@@ -180,6 +203,13 @@ def test_key_figures_computed_from_the_json(run_all):
     assert "zero=1 10.00 (10.00)" in memory[2]
     assert "3.24M params (3.9x the 0.83M plain DP fits) refused by zero=0, trains under zero=3" in memory[3]
     assert memory[4] == "every figure within 10% of its formula: yes"
+    compression = run_all.key_figures("compression", SAMPLES["compression"])
+    assert compression[0] == ("bytes/step/rank vs none, default model, dp=4: int8 0.250x; every measurement within "
+                              "1.7% of its formula")
+    assert compression[1] == ("final loss vs none after 300 steps: int8 +0.5%, topk (no EF) +10.0%, "
+                              "topk (warm-up 100) +5.0%")
+    assert compression[2] == ("link speed below which each wins (Gb/s): int8 0.29; this machine's shared memory: "
+                              "3.4 Gb/s")
     zero = run_all.key_figures("zero", SAMPLES["zero"])
     assert zero[0].startswith("zero=3 / zero=1 tokens/s on 4 ranks: 0.95x") and "30% hidden" in zero[1]
 
@@ -211,6 +241,9 @@ def test_markdown_table(run_all, summary):
     assert "| 4 | 8704 | 60.0 | 58.0 |" in text
     assert "## Memory" in text and "| selective | 14.014 | 14.000 | 1.001 | 36.4% | 10.000 | 21.00 | 1.17x |" in text
     assert "| 3 | 16/N + unit | 4.95 | 4.95 | 0.95 | +0.0% |" in text
+    assert "## Gradient compression" in text
+    assert "| topk (no EF) | 0.200 | 0.200 | +0.0% | 0.042x | 2.2000 | +10.00% |" in text
+    assert "| wide | int8 | 610 | 601 | 600 | any |" in text
 
 
 def test_quiet_machine_and_missing_results(run_all, tmp_path):
