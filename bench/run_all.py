@@ -93,6 +93,10 @@ BENCHMARKS = (
               "hpcpar plan: calibrate, plan 4 ranks, train every mesh's best plan: predicted vs measured step "
               "time; the A100 preset against Narayanan et al.'s published TFLOP/s per GPU",
               quick_args=("--steps", "1", "--repeats", "1", "--layers", "2"), timeout_s=900.0),
+    Benchmark("compression", "bench/compression.py", 4,
+              "gradient compression (fp16, bf16, int8, top-k, PowerSGD) side by side with none on dp=4: bytes per "
+              "step vs each formula, step time, loss after 300 steps with and without error feedback, where it pays",
+              quick_args=("--quick",), timeout_s=3600.0),
     Benchmark("vs_torch", "bench/vs_torch.py", None,
               "one process, hpcpar vs PyTorch eager on the same GPT and batches (1 thread)",
               args=("--steps", "5"), quick_args=("--steps", "1", "--rounds", "1", "--n-embd", "128"),
@@ -392,6 +396,30 @@ def _plan_table(d: dict) -> list[str]:
     return lines
 
 
+def _gbps(c) -> str:
+    """A crossover link speed: Gb/s, or "any" (the compressor costs no time)."""
+    return c if isinstance(c, str) else f"{c:.2f}"
+
+
+def _compression_name(r: dict) -> str:
+    return (r["kind"] + ("" if r["error_feedback"] or r["kind"] in ("none", "fp16", "bf16") else " (no EF)")
+            + (f" (warm-up {r['start_step']})" if r.get("start_step") else ""))
+
+
+def _compression(d: dict) -> list[str]:
+    m, loss = d["meta"], d["loss"]
+    worst = max(abs(r["formula_error"]) for r in loss + d["default"] + d["wide"])
+    cross = ", ".join(f"{r['kind']} {_gbps(r['crossover_gbps'])}" for r in d["where_it_pays"]["default"]
+                      if r["crossover_gbps"] is not None)
+    return [f"bytes/step/rank vs none, default model, dp={m['ranks']}: "
+            + ", ".join(f"{r['kind']} {r['ratio_to_none']:.3f}x" for r in d["default"] if r["kind"] != "none")
+            + f"; every measurement within {worst:.1%} of its formula",
+            f"final loss vs none after {m['steps']} steps: "
+            + ", ".join(f"{_compression_name(r)} {r['loss_vs_none']:+.1%}" for r in loss if r["kind"] != "none"),
+            f"link speed below which each wins (Gb/s): {cross}; this machine's shared memory: "
+            f"{m['shared_memory_gbps']:.1f} Gb/s"]
+
+
 def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
     """The headline figures of benchmark `name` from its JSON `data`, one string per line."""
     try:
@@ -401,7 +429,7 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
             return _checkpoint(data, ranks or 4)
         return {"allreduce": _allreduce, "pipeline": _pipeline, "pipeline_gpt": _pipeline_gpt, "scaling": _scaling,
                 "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory, "zero": _zero,
-                "vs_torch": _vs_torch, "plan": _plan}[name](data)
+                "compression": _compression, "vs_torch": _vs_torch, "plan": _plan}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
 
@@ -557,7 +585,9 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
                                        None),
                                       ("context", "Context parallelism", _context_table, None),
                                       ("memory", "Memory", _memory_table, None),
-                                      ("plan", "Plan", _plan_table, None)):
+                                      ("plan", "Plan", _plan_table, None),
+                                      ("compression", "Gradient compression", _compression_table,
+                                       "gradient compression loss curves")):
         results = details.get(name, {}).get("results")
         if not results:
             continue
@@ -611,6 +641,42 @@ def _memory_table(d: dict) -> list[str]:
                   f"({f['param_ratio']:.1f}x; estimated {f['estimates']['big_zero0'] / MiB:.1f} MiB); zero=3 trains "
                   f"them (estimated {f['estimates']['big_zero3'] / MiB:.1f} MiB, measured peak "
                   f"{f['big_zero3_peak_bytes'] / MiB:.1f} MiB)."]
+    return lines
+
+
+def _compression_table(d: dict) -> list[str]:
+    m = d["meta"]
+    lines = [f"dp={m['ranks']}, float32, global batch {m['global_sequences']} sequences of the default job; bytes: "
+             "what a rank sends per step for gradient synchronisation (`Communicator.sent`), next to the "
+             "compressor's formula ([parallelism.md](parallelism.md#gradient-compression)); final loss: mean of the "
+             f"last 10 of {m['steps']} steps; step time: slowest rank's median step, best of {m['rounds']} alternating "
+             f"rounds of {m['time_steps']} steps. top-k ratio {m['ratio']}, PowerSGD rank {m['rank']}.", "",
+             f"Loss, default model, {d['loss'][0]['params'] / 1e6:.2f}M parameters:", "",
+             "| compressor | MiB/step/rank | formula | error | vs none | final loss | loss vs none |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["loss"]:
+        lines.append(f"| {_compression_name(r)} | {r['bytes_per_step'] / MiB:.3f} | {r['formula_bytes'] / MiB:.3f} | "
+                     f"{r['formula_error']:+.1%} | {r['ratio_to_none']:.3f}x | {r['final_loss']:.4f} | "
+                     f"{r['loss_vs_none']:+.2%} |")
+    for title, rows in (("default model", d["default"]), (f"wider model (n_embd {m['wide_embd']})", d["wide"])):
+        lines += ["", f"Step time, {title}, {rows[0]['params'] / 1e6:.2f}M parameters:", "",
+                  "| compressor | MiB/step/rank | formula | error | vs none | step ms | time vs none |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['kind']} | {r['bytes_per_step'] / MiB:.3f} | {r['formula_bytes'] / MiB:.3f} | "
+                         f"{r['formula_error']:+.1%} | {r['ratio_to_none']:.3f}x | {1e3 * r['step_s']:.0f} | "
+                         f"{r['step_time_vs_none']:.2f}x |")
+    lines += ["", f"Where compression pays: predicted step time = measured here + bytes / link + {m['alpha_us']:g} µs "
+              "x messages; L* = the link speed below which the compressor beats none (\"any\": it costs no time "
+              f"here). This machine's shared memory moves the uncompressed gradient at {m['shared_memory_gbps']:.1f} "
+              "Gb/s per rank; a compressor pays here only where L* is above that.", "",
+              "| model | compressor | 1 Gb/s ms | 10 Gb/s ms | 100 Gb/s ms | L* Gb/s |",
+              "|---|---|---:|---:|---:|---:|"]
+    for model, rows in d["where_it_pays"].items():
+        for r in rows:
+            cross = "–" if r["crossover_gbps"] is None else _gbps(r["crossover_gbps"])
+            lines.append(f"| {model} | {r['kind']} | " + " | ".join(f"{1e3 * r['predicted_step_s'][g]:.0f}"
+                                                                   for g in ("1", "10", "100")) + f" | {cross} |")
     return lines
 
 

@@ -604,8 +604,8 @@ def _assemble(name: str, t: StoredTensor, layout: Layout, shards: _Shards) -> np
                 raise CheckpointError(f"{os.path.join(shards.ckpt, b.file)}: cannot read tensor {name} "
                                       f"(dataset {b.dataset}): corrupt data ({err}); run `hpcpar ckpt verify` "
                                       "on the checkpoint") from None
-        if flat:
-            out[want.local] = target.reshape(-1)
+        if flat:  # its elements in C order (a local region with leading dims: the same order)
+            out[want.local] = target.reshape(out[want.local].shape)
     return out
 
 

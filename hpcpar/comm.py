@@ -6,9 +6,10 @@ NCCL communicator over the same ranks when every rank has its own GPU, and are
 staged through host memory and MPI otherwise.
 
 Every op is recorded in the flight recorder (`watchdog.recorder`) and numbered per
-communicator. Blocking ops on host arrays call MPI's blocking functions (MPICH's
-blocking collectives are faster than its non-blocking ones); the watchdog's monitor
-thread watches them and aborts the job with a report across ranks when one waits
+communicator, and the bytes it sends from this rank are counted (`Communicator.sent`, by op
+kind; `bytes_sent` is the formula per collective kind). Blocking ops on host arrays call MPI's
+blocking functions (MPICH's blocking collectives are faster than its non-blocking ones); the
+watchdog's monitor thread watches them and aborts the job with a report across ranks when one waits
 longer than `watchdog.timeout()`. Non-blocking ops (`Handle.wait()`) and GPU ops are
 completed by one polling loop (`_wait`) that yields the core to ranks sharing it and
 raises `watchdog.CommTimeout` when the monitor reports a timeout. Without
@@ -229,6 +230,27 @@ def _nccl_possible(mpi_comm: MPI.Comm) -> bool:
     pairs = {(int(h), int(d)) for h, d, _ in every}
     return bool(every[:, 2].all()) and len(pairs) == mpi_comm.size
 
+
+def bytes_sent(op: str, nbytes: int, size: int) -> float:
+    """Bytes one rank sends for one op over `size` ranks whose input (as the op records it) is
+    `nbytes` long: what a bandwidth-optimal algorithm sends (ring or Rabenseifner; nccl-tests'
+    bus-bandwidth factors), whatever algorithm the MPI library picks.
+
+        all_reduce       2 (n-1)/n · S     (S = the whole array)
+        reduce_scatter     (n-1)/n · S     (S = the whole input, n parts)
+        all_gather         (n-1)   · S     (S = this rank's piece: it reaches n-1 others)
+        all_to_all         (n-1)/n · S     (S = the whole input: all parts but its own leave)
+        broadcast          S on the root, 0 elsewhere (the data that leaves the root)
+        send               S;  recv, barrier: 0
+    """
+    n = size
+    if n <= 1 or op in ("recv", "barrier"):
+        return 0.0
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1,
+              "all_to_all": (n - 1) / n, "send": 1.0, "broadcast": 1.0}.get(op, 0.0)
+    return factor * nbytes
+
+
 def _contiguous(a):
     return a if a.flags.c_contiguous else backend.array_module(a).ascontiguousarray(a)
 
@@ -249,7 +271,8 @@ class Communicator:
 
     The only door to MPI and NCCL for everything above it: array collectives, point-to-point,
     object collectives for setup and reports, progress. Every op is recorded in the flight
-    recorder.
+    recorder, and `sent` counts the bytes this rank sent, by op kind (`bytes_sent`'s formula of
+    the op's recorded size; a broadcast counts on its root only). `bytes_sent_total()` sums them.
 
     Shapes: `all_reduce`/`broadcast` keep the shape; `reduce_scatter(a, dim)` divides
     `a.shape[dim]` by `size` (rank r keeps part r of the sum); `all_gather(a, dim)`
@@ -275,6 +298,11 @@ class Communicator:
         self._host = MpiTransport(mpi_comm)
         self._nccl: NcclTransport | None | bool = None  # None: not decided yet; False: stage through host
         self._pool: list[np.ndarray] = []  # byte buffers behind earlier results (see _result)
+        self.sent: dict[str, float] = {}  # op kind -> bytes this rank sent (bytes_sent), since creation
+
+    def bytes_sent_total(self) -> float:
+        """Bytes this rank has sent over this communicator so far (every op kind)."""
+        return sum(self.sent.values())
 
     @classmethod
     def local(cls) -> "Communicator":
@@ -305,7 +333,8 @@ class Communicator:
         """Record the op, start it on `transport` from the prepared buffers, and return a handle
         that waits for it and then `finish`es. Blocking only on MPI, and only when asked."""
         blocking = blocking and transport is self._host
-        record = self._begin(kind, a, peer=peer if kind in ("send", "recv") else None, blocking=blocking)
+        record = self._begin(kind, a, peer=peer if kind in ("send", "recv") else None, blocking=blocking,
+                             root=peer if kind == "broadcast" else None)
         if blocking:
             try:
                 transport.start(kind, send, recv, op, peer, tag, blocking=True)
@@ -339,11 +368,15 @@ class Communicator:
 
     # -- issuing and waiting --------------------------------------------------------------------
 
-    def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False) -> watchdog.OpRecord:
-        """Number and record an op (`blocking`: a blocking MPI call, watched by the monitor)."""
+    def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False,
+               root: int | None = None) -> watchdog.OpRecord:
+        """Number and record an op (`blocking`: a blocking MPI call, watched by the monitor) and
+        count the bytes it sends from this rank (a broadcast's on its `root` only)."""
         if peer is None and watchdog.check_every():
             self._check_sequence(op, a)
         seq, self._seq = self._seq, self._seq + 1
+        if a is not None and (op != "broadcast" or root == self.rank):
+            self.sent[op] = self.sent.get(op, 0.0) + bytes_sent(op, a.nbytes, self.size)
         if a is None:
             return watchdog.recorder.begin(self.name, seq, op, (), "", 0, peer, self._group, blocking)
         return watchdog.recorder.begin(self.name, seq, op, a.shape, a.dtype, a.nbytes, peer, self._group,

@@ -43,6 +43,12 @@ from hpcpar.schema import divisors, field as _field, require_divisible
 
 log = logging.getLogger(__name__)
 
+# train.grad_compression's choices (hpcpar.parallel.compression.KINDS, which imports MPI: loading a
+# config must not) and the old 16-bit wire key it replaces, kept as an alias: every config.toml
+# written before it (every checkpoint's too) names train.grad_wire_dtype.
+COMPRESSION_KINDS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
+WIRE_DTYPE_ALIAS = {"float32": "none", "float16": "fp16", "bfloat16": "bf16"}
+
 
 @dataclass(frozen=True)
 class MeshConfig:
@@ -102,8 +108,21 @@ class TrainConfig:
     optimizer: str = _field("adamw", "optimizer", ("adamw", "sgd"))
     momentum: float = _field(0.9, "SGD momentum, 0 <= momentum < 1 (optimizer = \"sgd\" only)")
     bucket_mb: float = _field(25.0, "data-parallel gradient bucket size in MiB (> 0)")
-    grad_wire_dtype: str = _field("float32", "dtype of gradients on the wire in the data-parallel allreduce",
-                                  ("float32", "float16", "bfloat16"))
+    grad_compression: str = _field("none", "gradient compression on the data-parallel wire: none; fp16/bf16 = "
+                                           "16-bit values summed in float32; int8 = blockwise absmax int8, two "
+                                           "compressed phases; topk = the compression_ratio largest entries per "
+                                           "bucket as (index, value) pairs; powersgd = rank-powersgd_rank factors "
+                                           "of every matrix (zero 0-2; under HSDP the dp_replicate axis is "
+                                           "compressed, PowerSGD all of dp)", COMPRESSION_KINDS)
+    compression_ratio: float = _field(0.01, "top-k: fraction of each bucket's entries sent, 0 < ratio <= 1")
+    powersgd_rank: int = _field(4, "PowerSGD: rank of the factors P [a, r] and Q [b, r] of each [a, b] "
+                                   "gradient matrix (>= 1; min(rank, a, b) per matrix)")
+    compression_start_step: int = _field(0, "steps before this one reduce gradients uncompressed (warm-up), "
+                                            "as PyTorch's PowerSGD hook does")
+    error_feedback: bool = _field(True, "int8, topk, powersgd: add what compression dropped (the residual, "
+                                        "kept per bucket and saved in checkpoints) to the next step's gradient; "
+                                        "the 16-bit wires keep none")
+    int8_block_size: int = _field(256, "int8: values per float32 absmax scale (>= 1)")
     max_bad_steps: int = _field(3, "abort after this many consecutive steps with a NaN/Inf loss or "
                                    "gradient norm (each is skipped)")
     recompute: str = _field("none", "activation recomputation: none = keep every activation for backward; "
@@ -197,11 +216,44 @@ def _check_section(section: str) -> None:
 
 def _check_key(section: str, key: str) -> dataclasses.Field:
     _check_section(section)
+    if (section, key) == ("train", "grad_wire_dtype"):
+        return _WIRE_DTYPE_FIELD
     fields = _fields(section)
     if key not in fields:
         hint = _did_you_mean(key, list(fields))
         raise ConfigError(f"unknown key '{section}.{key}'; {hint}valid keys in [{section}]: {', '.join(fields)}")
     return fields[key]
+
+
+@dataclass(frozen=True)
+class _WireDtypeAlias:
+    """The old key train.grad_wire_dtype: read like a string field, resolved by `_resolve_alias`."""
+
+    grad_wire_dtype: str = _field("float32", "old name of grad_compression", tuple(WIRE_DTYPE_ALIAS))
+
+
+_WIRE_DTYPE_FIELD = dataclasses.fields(_WireDtypeAlias)[0]
+
+
+def _resolve_alias(values: dict[str, dict[str, Any]]) -> None:
+    """train.grad_wire_dtype -> train.grad_compression: "float16" and "bfloat16" mean "fp16" and
+    "bf16", "float32" (the old default) means nothing; a conflict with grad_compression is an error."""
+    train = values.get("train", {})
+    if "grad_wire_dtype" not in train:
+        return
+    old = train.pop("grad_wire_dtype")
+    if old not in WIRE_DTYPE_ALIAS:
+        raise ConfigError(f"train.grad_wire_dtype={_toml_value(old)} is not one of "
+                          f"{', '.join(_toml_value(c) for c in WIRE_DTYPE_ALIAS)}; it is the old name of "
+                          "train.grad_compression (none, fp16, bf16, int8, topk, powersgd)")
+    kind = WIRE_DTYPE_ALIAS[old]
+    current = train.get("grad_compression", "none")
+    if kind != "none" and current not in ("none", kind):
+        raise ConfigError(f"train.grad_wire_dtype={_toml_value(old)} (the old name of train.grad_compression="
+                          f"{_toml_value(kind)}) conflicts with train.grad_compression={_toml_value(current)}; "
+                          "drop train.grad_wire_dtype")
+    if kind != "none":
+        train["grad_compression"] = kind
 
 
 def _describe(value: Any) -> str:
@@ -242,6 +294,10 @@ def _read_toml(path: str | os.PathLike) -> dict:
         raise ConfigError(f"config file {shown!r} is not valid TOML: {e}") from None
 
 
+def _type_of(section: str, f: dataclasses.Field) -> type:
+    return str if f is _WIRE_DTYPE_FIELD else _TYPES[section][f.name]
+
+
 def _section_of_key(key: str) -> str | None:
     for section in SECTIONS:
         if key in _fields(section):
@@ -264,7 +320,7 @@ def _values_from_tables(tables: dict, shown: str) -> dict[str, dict[str, Any]]:
             _check_section(section)
             for key, value in table.items():
                 f = _check_key(section, key)
-                values.setdefault(section, {})[key] = _coerce(f"{section}.{key}", _TYPES[section][f.name], value)
+                values.setdefault(section, {})[key] = _coerce(f"{section}.{key}", _type_of(section, f), value)
         except ConfigError as e:
             raise ConfigError(f"{shown}: {e}") from None
     return values
@@ -291,7 +347,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         parsed = {}
     # Anything but exactly one value (a bare word, or text that smuggles in more keys) is a string.
     value = parsed["v"] if set(parsed) == {"v"} else raw
-    ftype = _TYPES[section][f.name]
+    ftype = _type_of(section, f)
     if ftype is str and not isinstance(value, str):
         value = raw
     try:
@@ -310,6 +366,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     for text in overrides:
         section, key, value = parse_override(text)
         values.setdefault(section, {})[key] = value
+    _resolve_alias(values)
     _apply_preset(values)
     return Config(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
 
@@ -337,6 +394,7 @@ def loads(text: str, origin: str = "<text>") -> Config:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{origin}: not valid TOML: {e}") from None
     values = _values_from_tables(tables, origin)
+    _resolve_alias(values)
     _apply_preset(values)
     return Config(**{name: cls(**values.get(name, {})) for name, cls in SECTIONS.items()})
 
@@ -632,6 +690,10 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("train.seed", _ge0, ">= 0"),
     ("train.momentum", _unit, "in [0, 1)"),
     ("train.bucket_mb", _gt0, "> 0"),
+    ("train.compression_ratio", lambda v: 0 < v <= 1, "in (0, 1]: the fraction of each bucket's entries top-k sends"),
+    ("train.powersgd_rank", _ge1, ">= 1"),
+    ("train.compression_start_step", _ge0, ">= 0"),
+    ("train.int8_block_size", _ge1, ">= 1"),
     ("train.max_bad_steps", _ge1, ">= 1"),
     ("train.recompute_every", _ge1, ">= 1 (1 = every block)"),
     ("pipeline.chunks", _ge0, ">= 0 (0 = the schedule's own)"),
@@ -696,18 +758,19 @@ def _check_model(cfg: Config) -> None:
 
 
 def _check_data_parallel(cfg: Config, dp: int) -> None:
-    """HSDP splits dp into dp_replicate x dp_shard and needs ZeRO; the 16-bit gradient wire is
-    built for zero 0 and 1 without HSDP only."""
+    """HSDP splits dp into dp_replicate x dp_shard and needs ZeRO; gradient compression works on
+    the buckets of zero 0-2, not on ZeRO-3's units."""
     t, r = cfg.train, cfg.mesh.dp_replicate
     require_divisible("mesh.dp", dp, "mesh.dp_replicate", r, "(HSDP: dp = dp_replicate x dp_shard)",
                       alternative="mesh.dp_replicate=1")
     if r > 1 and t.zero == 0:
         raise ConfigError(f"mesh.dp_replicate={r} splits dp for HSDP, which shards model state over dp_shard; "
                           "use train.zero >= 1 with it, or mesh.dp_replicate=1")
-    if t.grad_wire_dtype != "float32" and (t.zero >= 2 or r > 1):
-        raise ConfigError(f"train.grad_wire_dtype={_toml_value(t.grad_wire_dtype)} is built for train.zero 0 and 1 "
-                          f"without HSDP, not with train.zero={t.zero} and mesh.dp_replicate={r}; use "
-                          "train.grad_wire_dtype=\"float32\"")
+    if t.grad_compression != "none" and t.zero == 3:
+        raise ConfigError(f"train.grad_compression={_toml_value(t.grad_compression)} compresses the gradient buckets "
+                          "of train.zero 0-2; ZeRO-3 reduce-scatters each unit's flat gradient instead (and PowerSGD "
+                          "needs whole matrices, which ZeRO-3 never holds); use train.zero <= 2 or "
+                          "train.grad_compression=\"none\"")
 
 
 def _check_tensor_parallel(cfg: Config, tp: int) -> None:
@@ -795,6 +858,9 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     _check_tensor_parallel(cfg, tp)
     _check_context_parallel(cfg, tp, cp)
     _check_pipeline(cfg, pp)
+    if cfg.train.grad_compression != "none" and dp * cp == 1:
+        log.warning("train.grad_compression=%s has nothing to compress: dp x cp = 1 (no data-parallel "
+                    "gradient averaging)", cfg.train.grad_compression)
     if cfg.train.warmup >= cfg.train.steps:
         log.warning("train.warmup=%d >= train.steps=%d: the learning rate never reaches train.lr",
                     cfg.train.warmup, cfg.train.steps)

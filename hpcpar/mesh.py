@@ -355,6 +355,15 @@ class Mesh:
             lines.append(f"{r:>6} " + " ".join(f"{coords[a]:>{widths[a]}}" for a in shown) + f"  {hosts[r]}")
         return "\n".join(lines)
 
+    def communicators(self) -> list[Communicator]:
+        """Every distinct communicator of this mesh (the world first, the embedding group and the
+        node group included): for totals of `Communicator.sent`."""
+        out: list[Communicator] = []
+        for c in [self.world, *self._comms.values(), self.embedding_comm, self.node_comm]:
+            if c is not None and all(c is not o for o in out):
+                out.append(c)
+        return out
+
     def free(self) -> None:
         """Release every communicator this mesh created (collective)."""
         for key, c in self._comms.items():

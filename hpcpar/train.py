@@ -34,6 +34,7 @@ from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.mesh import Axis, Mesh, resolve_degrees
 from hpcpar.optim import SGD, AdamW, lr_at
 from hpcpar.parallel import pipeline, schedule
+from hpcpar.parallel.compression import Compression
 from hpcpar.parallel.context import ContextParallel
 from hpcpar.parallel.data_parallel import DataParallel
 from hpcpar.tensor import no_grad
@@ -70,6 +71,7 @@ class _RunState:
     first_loss: float | None = None
     last_loss: float | None = None
     val_loss: float | None = None
+    traffic: list = field(default_factory=list)         # each step's bytes (Trainer._step_traffic)
 
 
 class Trainer:
@@ -115,8 +117,11 @@ class Trainer:
         # Under ZB-V the first and the last virtual stage (wte and the head's copy) share a rank.
         n_virtual = self.placement.stages
         units = [(c, name, params) for c, s in enumerate(self.stages) for name, params in s.fsdp_units()]
+        compression = Compression(t.grad_compression, ratio=t.compression_ratio, rank=t.powersgd_rank,
+                                  start_step=t.compression_start_step, error_feedback=t.error_feedback,
+                                  block_size=t.int8_block_size, seed=t.seed)
         self.dp = DataParallel(self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
-                               wire_dtype=t.grad_wire_dtype, zero=t.zero, make_optimizer=make_optimizer,
+                               compression=compression, zero=t.zero, make_optimizer=make_optimizer,
                                units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward,
                                local_tied=self.placement.holder(0)[0] == self.placement.holder(n_virtual - 1)[0])
         for stage in self.stages:
@@ -182,7 +187,7 @@ class Trainer:
         batches = self.microbatches(step)
         if self.cfg.model.dropout:  # masks are keyed by (seed, step, sample id), not by rank
             self.executor.rng_contexts = [(t.seed, step, list(ids)) for ids in self.sample_ids()]
-        self.dp.begin_step(microbatches=t.microbatches)
+        self.dp.begin_step(microbatches=t.microbatches, step=step)
         losses = self.executor.run(batches)
         self.dp.finish_backward()
         loss = self._global_mean_loss(losses, t.microbatches)
@@ -271,14 +276,17 @@ class Trainer:
         try:
             while self.step < end:
                 step = self.step
+                sent_before = self._bytes_sent()
                 start, cpu_start = time.perf_counter(), time.process_time()
                 result = self.train_step(step)
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-                self._account(step, result, elapsed, state)
+                traffic = self._step_traffic(sent_before)
+                self._account(step, result, elapsed, state, traffic)
                 tok_s = self.tokens_per_step / elapsed
                 mfu = tok_s * model_flops / peak if peak else 0.0
                 record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                          "tokens_per_s": tok_s, "mfu": mfu, "step_time_s": elapsed, "skipped": result.skipped}
+                          "tokens_per_s": tok_s, "mfu": mfu, "step_time_s": elapsed, "skipped": result.skipped,
+                          **traffic}
                 if run.eval_every and (self.step % run.eval_every == 0 or self.step == end):
                     state.val_loss = record["val_loss"] = self.evaluate(run.eval_batches)
                 if writer:
@@ -306,9 +314,33 @@ class Trainer:
             self._checkpoint(final=True)
         return RunResult(status, self._summary(state, model_flops, peak))
 
-    def _account(self, step: int, result: StepResult, elapsed: float, state: _RunState) -> None:
+    def _bytes_sent(self) -> tuple[float, float]:
+        """(bytes this rank has sent over all its communicators, of which for gradient sync) so far."""
+        return (sum(c.bytes_sent_total() for c in self.mesh.communicators()), self.dp.sync_bytes())
+
+    def _step_traffic(self, before: tuple[float, float]) -> dict:
+        """The last step's bytes (collective: one small all-gather over the world): the mean over
+        ranks of the bytes each sent in the step (`bytes_sent`: every collective and pipeline
+        message; `grad_bytes_sent`: the gradient synchronisation, ZeRO's parameter all-gather
+        included), what that synchronisation sends uncompressed (`grad_bytes_uncompressed`:
+        `DataParallel.uncompressed_bytes`'s formula; during `compression_start_step`'s warm-up
+        and without compression the same as sent), their ratio (`compression_ratio`) and whether
+        the step was compressed (`grad_compressed`)."""
+        total, grad = (now - then for now, then in zip(self._bytes_sent(), before))
+        plain = self.dp.uncompressed_bytes() if self.dp.compressing else None
+        mine = np.array([total, grad, grad if plain is None else plain], dtype=np.float64)
+        mean = self.mesh.world.all_gather(mine).reshape(-1, 3).mean(axis=0)
+        return {"bytes_sent": float(mean[0]), "grad_bytes_sent": float(mean[1]),
+                "grad_bytes_uncompressed": float(mean[2]),
+                "compression_ratio": float(mean[1] / mean[2]) if mean[2] else 1.0,
+                "grad_compressed": self.dp.compressing}
+
+    def _account(self, step: int, result: StepResult, elapsed: float, state: _RunState,
+                 traffic: dict | None = None) -> None:
         """The skip policy and the summary's figures: a skipped step is warned about (naming the
         first bad parameter) and counted; `train.max_bad_steps` in a row raise HpcparError."""
+        if traffic:
+            state.traffic.append(traffic)
         if not result.skipped:
             state.bad_in_a_row = 0
             state.step_times.append(elapsed)
@@ -359,9 +391,25 @@ class Trainer:
             "schedule": cfg.pipeline.schedule, "microbatches": cfg.train.microbatches,
             "pipeline_bubble_predicted": sim.bubble,
             "pipeline_bubble_measured": self.executor.measured_bubble(),
+            "grad_compression": cfg.train.grad_compression, **self._traffic_summary(state),
             "peak_memory_bytes_per_rank": peak_rss, "estimated_memory_bytes_per_rank": estimate,
             "run_dir": cfg.run.dir,
         }
+
+    @staticmethod
+    def _traffic_summary(state: _RunState) -> dict:
+        """Bytes per step (means over ranks and over the steps after the compression warm-up, or
+        over all steps when every one was a warm-up step) and the compression ratio."""
+        steps = [t for t in state.traffic if t["grad_compressed"]] or state.traffic
+        if not steps:
+            return {"bytes_sent_per_step": None, "grad_bytes_sent_per_step": None,
+                    "grad_bytes_uncompressed_per_step": None, "compression_ratio": None}
+        mean = {k: sum(t[k] for t in steps) / len(steps) for k in ("bytes_sent", "grad_bytes_sent",
+                                                                   "grad_bytes_uncompressed")}
+        return {"bytes_sent_per_step": mean["bytes_sent"], "grad_bytes_sent_per_step": mean["grad_bytes_sent"],
+                "grad_bytes_uncompressed_per_step": mean["grad_bytes_uncompressed"],
+                "compression_ratio": (mean["grad_bytes_sent"] / mean["grad_bytes_uncompressed"]
+                                      if mean["grad_bytes_uncompressed"] else 1.0)}
 
     # -- global views (tests, checkpoints) -------------------------------------------------
     def _owns_blocks(self, p) -> bool:
@@ -392,11 +440,12 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict:
-        """Global name -> (local array, layout) for the model and optimizer state. Under ZeRO each
-        rank gives its shards of both (flat ranges of the parameters), nothing gathered."""
+        """Global name -> (local array, layout) for the model and optimizer state (under ZeRO each
+        rank gives its shards of both, flat ranges of the parameters, nothing gathered) and the
+        gradient compressor's state (`compress/...`: residuals, PowerSGD's Q)."""
+        tensors = self.dp.compression_tensors()
         if self.cfg.train.zero:
-            return self.dp.checkpoint_shards()
-        tensors = {}
+            return {**self.dp.checkpoint_shards(), **tensors}
         state = self.dp.optimizer_state()
         for name, p in self.named_parameters:
             key = p.tied_to or name
@@ -425,7 +474,12 @@ class Trainer:
                 "rng": {"kind": "counter-based: (seed, step, sample id)", "seed": t.seed, "next_step": self.step},
                 "lr_schedule": {"next_step": self.step, "warmup": t.warmup, "total": t.steps},
                 "tokenizer": self.dataset.tokenizer}
-        result = checkpoint.save(directory, self.step, self.checkpoint_tensors(), meta, self.mesh.world,
+        tensors = self.checkpoint_tensors()
+        compression = self.dp.compression_meta()
+        if compression is not None:  # what a loader needs to map the compressor state back
+            names = self.mesh.world.all_gather_object(sorted(n for n in tensors if n.startswith("compress/")))
+            meta["compression"] = {**compression, "names": sorted(set().union(*names))}
+        result = checkpoint.save(directory, self.step, tensors, meta, self.mesh.world,
                                  keep=keep, async_save=async_save)
         self.save_in_flight = result if async_save else None
         return result
@@ -440,7 +494,10 @@ class Trainer:
 
         With `weights_only` (or from a checkpoint that holds only weights, e.g. `hpcpar ckpt
         import`'s) only the parameters are loaded: the optimizer starts fresh and `step` is kept.
-        A checkpoint whose tokenizer differs from the data's is refused (one line)."""
+        A checkpoint whose tokenizer differs from the data's is refused (one line). Gradient
+        compressor state (residuals, PowerSGD's Q) is loaded when this run compresses and the
+        checkpoint has it (see parallel/compression_state.py); otherwise it starts afresh / is
+        ignored, so a checkpoint loads with and without compression."""
         _, meta = checkpoint.load(path, {}, self.mesh.world)
         tokenizer.require_match(meta.get("tokenizer"), self.dataset.tokenizer, f"checkpoint {path}",
                                 f"data {self.cfg.data.corpus or '(default corpus)'}")
@@ -457,9 +514,16 @@ class Trainer:
                 wanted[f"model/{key}"] = p.layout
                 if not weights_only:
                     wanted.update({f"optim/{key}/{state}": p.layout for state in self.dp.state_names()})
+        stored = meta.get("compression")
+        if not weights_only:
+            wanted.update(self.dp.compression_wanted(stored))
         all_names = set().union(*self.mesh.world.all_gather_object(set(wanted)))  # every stage's tensors
+        if not weights_only and stored:
+            all_names |= set(stored["names"])  # loaded or not, they belong to the checkpoint
         arrays, meta = checkpoint.load(path, wanted, self.mesh.world, all_names=all_names,
                                        only_prefix="model/" if weights_only else "")
+        if not weights_only:
+            self.dp.load_compression(arrays, stored)
         if self.cfg.train.zero:
             self.dp.load_checkpoint(arrays, key_of, None if weights_only else int(meta["optimizer_step"]),
                                     weights_only=weights_only)
@@ -645,6 +709,18 @@ def _measure_peak(mesh: Mesh, dtype: str) -> float:
     return float(mesh.world.all_reduce(np.array([rate]), op="sum")[0])
 
 
+def _traffic_line(s: dict) -> str:
+    """The summary's line on bytes: gradient sync per rank per step, compressed vs uncompressed."""
+    if s.get("grad_bytes_sent_per_step") is None:
+        return "bytes sent       (no step)"
+    mib = 2 ** 20
+    kind = s.get("grad_compression", "none")
+    return (f"bytes sent       {s['grad_bytes_sent_per_step'] / mib:.2f} MiB per rank per step for gradients"
+            + (f" ({kind}: {s['compression_ratio']:.3f}x of {s['grad_bytes_uncompressed_per_step'] / mib:.2f} MiB "
+               "uncompressed)" if kind != "none" else "")
+            + f"; {s['bytes_sent_per_step'] / mib:.2f} MiB in all")
+
+
 def _format_summary(s: dict) -> str:
     """The summary as printed at the end of `hpcpar train`."""
     mem = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
@@ -664,6 +740,7 @@ def _format_summary(s: dict) -> str:
         + (f" (dp_replicate={s['dp_replicate']})" if s.get("dp_replicate", 1) > 1 else "")
         + (f", zero={s['zero']}" if s.get("zero") else "")
         + f", schedule {s['schedule']}, {s['microbatches']} micro-batches",
+        _traffic_line(s),
         f"pipeline bubble  {s['pipeline_bubble_predicted']:.1%} predicted"
         + (f", {measured:.1%} measured" if measured is not None else ""),
         f"peak memory      {mem} MiB per rank (RSS)"

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -89,7 +89,7 @@ class BucketPlan:
 
 
 def plan_buckets(params: list[tuple[str, int, str]], bucket_bytes: int, pad_to: int = 1,
-                 tied: Iterable[str] = ()) -> list[BucketPlan]:
+                 tied: Iterable[str] = (), groups: Sequence[Hashable] | None = None) -> list[BucketPlan]:
     """Group parameters into flat buckets.
 
     Args:
@@ -99,17 +99,24 @@ def plan_buckets(params: list[tuple[str, int, str]], bucket_bytes: int, pad_to: 
         pad_to: every bucket's size is rounded up to a multiple of this (dp, for ZeRO's
             reduce-scatter and the compressed all-to-all).
         tied: names that go in one final bucket (sorted by name), not in the regular ones.
+        groups: a key per parameter (same order as `params`): a bucket never mixes keys (nor
+            dtypes). Each key keeps its own open bucket, so parameters of one key that are
+            interleaved with another's still share buckets; the open buckets left at the end
+            close in the order they were opened. Gradient compressors use it: PowerSGD keeps
+            matrices and vectors apart, int8 and top-k keep tp-replicated parameters apart
+            from tp-split ones (their blocks and selections span parameters, and a replicated
+            parameter must be compressed identically on every tp rank).
 
     Returns:
-        Regular buckets in reverse registration order (a new bucket also starts where the
-        dtype changes), then the tied bucket if any.
+        Regular buckets in reverse registration order (without `groups` a new bucket also
+        starts where the dtype changes), then the tied bucket if any.
     """
     tied = set(tied)
     buckets: list[BucketPlan] = []
-    current: list[Slot] = []
-    offset, dtype = 0, None
+    open_buckets: dict[Hashable, tuple[list[Slot], int, str]] = {}  # key -> (slots, elements, dtype)
 
-    def close(slots: list[Slot], used: int, dt: str, is_tied: bool = False) -> None:
+    def close(key, is_tied: bool = False) -> None:
+        slots, used, dt = open_buckets.pop(key)
         if slots:
             buckets.append(BucketPlan(tuple(slots), -(-used // pad_to) * pad_to, dt, is_tied))
 
@@ -117,16 +124,16 @@ def plan_buckets(params: list[tuple[str, int, str]], bucket_bytes: int, pad_to: 
         name, numel, dt = params[index]
         if name in tied:
             continue
-        if current and dt != dtype:
-            close(current, offset, dtype)
-            current, offset = [], 0
-        dtype = dt
-        current.append(Slot(name, index, offset, numel))
-        offset += numel
-        if offset * np.dtype(dt).itemsize >= bucket_bytes:
-            close(current, offset, dtype)
-            current, offset = [], 0
-    close(current, offset, dtype)
+        key = (groups[index] if groups is not None else None, dt)
+        if groups is None and open_buckets and key not in open_buckets:
+            close(next(iter(open_buckets)))  # one open bucket: a dtype change closes it
+        slots, offset, _ = open_buckets.setdefault(key, ([], 0, dt))
+        slots.append(Slot(name, index, offset, numel))
+        open_buckets[key] = (slots, offset + numel, dt)
+        if (offset + numel) * np.dtype(dt).itemsize >= bucket_bytes:
+            close(key)
+    for key in list(open_buckets):
+        close(key)
 
     tied_params = sorted((name, i) for i, (name, _, _) in enumerate(params) if name in tied)
     if tied_params:
@@ -138,7 +145,8 @@ def plan_buckets(params: list[tuple[str, int, str]], bucket_bytes: int, pad_to: 
         for name, i in tied_params:
             slots.append(Slot(name, i, offset, params[i][1]))
             offset += params[i][1]
-        close(slots, offset, dtypes.pop(), is_tied=True)
+        open_buckets["tied"] = (slots, offset, dtypes.pop())
+        close("tied", is_tied=True)
     return buckets
 
 
@@ -206,24 +214,54 @@ class ReduceScatterAvg:
 
 
 class CompressedReduction:
-    """A bucket through a gradient compressor: compress and exchange when launched; when
-    finished, decompress this rank's averaged part, and unless `shards`, gather the whole
-    averaged bucket back into `bucket.grad` (the all-reduce case)."""
+    """A bucket through a gradient compressor (hpcpar/parallel/compression.py).
 
-    def __init__(self, compressor: Compressor, shards: bool):
+    Without `scatter` the compressor's communicator is the bucket's group: compress and exchange
+    when launched; when finished, decompress this rank's averaged part, and unless `shards`,
+    gather the whole averaged bucket back into `bucket.grad` (the all-reduce case). With `shards`
+    the result is the part of `part_comm` (default: the compressor's communicator; PowerSGD under
+    HSDP averages over all of dp and keeps the part of the shard group).
+
+    With `scatter` (HSDP: the shard group; the compressor's communicator is then the replica
+    group), the bucket is first reduce-scattered uncompressed inside the shard group (the fast
+    links, inside a node), and this rank's part is then averaged over the replicas through the
+    compressor, in the all-reduce form: compression goes where the links are slow.
+    """
+
+    def __init__(self, compressor: Compressor, shards: bool, scatter: Communicator | None = None,
+                 part_comm: Communicator | None = None):
         self.compressor = compressor
-        self.comm = compressor.comm
         self.shards = shards
+        self.scatter = scatter
+        self.comm = scatter if scatter is not None else compressor.comm  # what the bucket divides over
+        self.replicate = compressor.comm if scatter is not None else None
+        self.part_comm = part_comm if part_comm is not None else self.comm
+        if scatter is not None and not shards:
+            raise ConfigError("a compressed reduction after a reduce-scatter (HSDP) needs ZeRO's parts (shards=True)")
+        compressor.gathers = scatter is not None or not shards or self.part_comm is not compressor.comm
 
     def start(self, bucket: Bucket) -> Handle:
-        return self.compressor.exchange(self.compressor.compress(bucket.index, bucket.grad))
+        if self.scatter is None:
+            return self.compressor.exchange(self.compressor.compress(bucket.index, bucket.grad))
+        if bucket.part_buffer is None:
+            bucket.part_buffer = backend.array_module(bucket.grad).empty(bucket.plan.size // self.scatter.size,
+                                                                         dtype=bucket.plan.dtype)
+        return self.scatter.ireduce_scatter(bucket.grad, dim=0, op="avg", out=bucket.part_buffer)
 
     def finish(self, bucket: Bucket, handle: Handle):
-        part = self.compressor.decompress(bucket.index, handle.wait())
-        if self.shards:
-            return part.astype(bucket.plan.dtype)
-        bucket.grad[...] = self.compressor.all_gather(bucket.index, part)
-        return None
+        c, i = self.compressor, bucket.index
+        if self.scatter is not None:  # HSDP: the shard's average over the replicas, compressed
+            part = handle.wait()
+            return c.all_gather(i, c.decompress(i, c.exchange(c.compress(i, part)).wait())).astype(bucket.plan.dtype)
+        part = c.decompress(i, handle.wait())
+        if not self.shards:
+            bucket.grad[...] = c.all_gather(i, part)
+            return None
+        if self.part_comm is not c.comm:
+            whole = c.all_gather(i, part)
+            n = whole.shape[0] // self.part_comm.size
+            part = whole[self.part_comm.rank * n:(self.part_comm.rank + 1) * n]
+        return part.astype(bucket.plan.dtype)
 
 
 # -- runtime ------------------------------------------------------------------------------------
@@ -323,6 +361,14 @@ class BucketManager:
         self.attach_grads()
         for p in params:
             p.register_grad_hook(self.on_grad)
+
+    def set_reduction(self, reduction: Reduction) -> None:
+        """Reduce the buckets with `reduction` from the next launch on (gradient compression
+        switches between its compressed reduction and the plain one at its start step); it must
+        give the same kind of result (parts or whole buckets) over the same ranks."""
+        if reduction.shards != self.reduction.shards:
+            raise ConfigError("set_reduction: the new reduction must give the same kind of result (parts or whole)")
+        self.reduction, self.comm = reduction, reduction.comm
 
     def attach_grads(self) -> None:
         """Point every parameter's `.grad` at its slice of its bucket (someone may have reset it)."""

@@ -11,8 +11,9 @@ training loop talks to; the mechanisms live in their own modules:
 - hpcpar/parallel/buckets.py: the bucket plan, the flat gradient buffers every `.grad` is a
   view of, and the `BucketManager` whose grad hooks launch each complete bucket's non-blocking
   reduction in index order while backward goes on;
-- hpcpar/parallel/compression.py: the optional 16-bit wire (`wire_dtype` "float16" or
-  "bfloat16"), a compressor behind the same reduction interface;
+- hpcpar/parallel/compression.py, powersgd.py: gradient compressors (16-bit wires, int8,
+  top-k, PowerSGD) with error feedback, behind the same reduction interface, and
+  compression_state.py, their state in checkpoints;
 - hpcpar/parallel/zero.py: ZeRO-1/2, optimizer state for this rank's part of every bucket only,
   and the all-gather of the updated parameters;
 - hpcpar/parallel/fsdp.py: ZeRO-3, parameters sharded per unit and gathered around each unit's
@@ -43,14 +44,18 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 from hpcpar import backend
+from hpcpar.comm import bytes_sent
 from hpcpar.errors import CheckpointError, ConfigError
 from hpcpar.mesh import Axis
 from hpcpar.optim import AdamW
 from hpcpar.parallel.buckets import (AllReduceAvg, BucketManager, CompressedReduction, ReduceScatterAvg,
                                      plan_buckets)
 from hpcpar.parallel.clipping import clip_global_norm, counts_toward_norm
-from hpcpar.parallel.compression import make_compressor
+from hpcpar.parallel.compression import BucketSpec, Compression, SpecSlot, make_compressor
+from hpcpar.parallel.compression_state import CompressionState
 from hpcpar.parallel.fsdp import ShardedUnits
 from hpcpar.parallel.zero import ZeroOptimizer
 
@@ -69,7 +74,11 @@ class DataParallel:
             group `comm((Axis.DP_SHARD, Axis.CP))` and `comm(Axis.DP_REPLICATE)` (HSDP),
             `comm(Axis.TP)`, `world` and `embedding_comm`.
         bucket_mb: bucket size in MiB.
-        wire_dtype: "float32" (no compression), "float16" or "bfloat16" (ZeRO 0 and 1, no HSDP).
+        compression: gradient compression (`compression.Compression`, or its kind as a string:
+            "none", "fp16", "bf16", "int8", "topk", "powersgd"; ZeRO 0-2). Without HSDP the
+            buckets are compressed over dp x cp; with HSDP the shard group reduce-scatters
+            uncompressed and the compressor averages the shards over dp_replicate (PowerSGD,
+            which factors whole matrices: over all of dp x cp).
         zero: 0 (replicated), 1 (optimizer state sharded), 2 (gradients too), 3 (parameters too).
         make_optimizer: builds the optimizer from a list of objects with `.data`, `.grad`,
             `.no_decay` (the parameters, or under ZeRO this rank's segments).
@@ -84,7 +93,7 @@ class DataParallel:
             the first and last virtual stage on one rank): sum their gradients here, not over
             `mesh.embedding_comm`.
 
-    Per step: `begin_step(microbatches)`, backward of every micro-batch, `finish_backward()`,
+    Per step: `begin_step(microbatches, step)`, backward of every micro-batch, `finish_backward()`,
     `clip_grad_norm(max_norm)`, `step(lr)`.
 
     Attributes:
@@ -96,10 +105,11 @@ class DataParallel:
             when a parameter has all its contributions, ("bucket_start", i, t) when bucket i's
             reduction is launched (ZeRO-3: the `ShardedUnits` events). Cleared by `begin_step`.
         wait_s: seconds the last `finish_backward` spent (launching the rest and waiting).
+        compressor: the gradient compressor (None without compression).
     """
 
     def __init__(self, named_params: Iterable[tuple[str, Any]], mesh, bucket_mb: float = 25.0,
-                 wire_dtype: str = "float32", zero: int = 0,
+                 compression: Compression | str = "none", zero: int = 0,
                  make_optimizer: Callable[[list], Any] = AdamW, overlap: bool = True,
                  units: Iterable[tuple[int, str, list]] | None = None, reshard_after_forward: bool = True,
                  prefetch: bool = True, local_tied: bool = False):
@@ -110,11 +120,16 @@ class DataParallel:
         self.replicate_comm = mesh.comm(Axis.DP_REPLICATE)
         if zero not in ZERO_STAGES or isinstance(zero, bool):
             raise ConfigError(f"zero={zero!r} is not a supported ZeRO stage; choose 0, 1, 2 or 3")
-        compressor = make_compressor(wire_dtype, self.dp_comm)  # validates wire_dtype
-        if compressor is not None and (zero >= 2 or self.replicate_comm.size > 1):
-            raise ConfigError(f"grad_wire_dtype={wire_dtype!r} is built for zero 0 and 1 without HSDP, not for "
-                              f"zero={zero} with dp_replicate={self.replicate_comm.size}; use "
-                              "grad_wire_dtype=\"float32\"")
+        if isinstance(compression, str):
+            compression = Compression(compression)
+        if compression.enabled and zero == 3:
+            raise ConfigError(f"grad_compression={compression.kind!r} works on gradient buckets (zero 0-2); ZeRO-3 "
+                              "reduce-scatters each unit's flat gradient instead; use zero <= 2 or no compression")
+        # Where the compressor runs: over dp x cp; under HSDP over the replicas only (the shard
+        # group reduce-scatters uncompressed first), except PowerSGD, which factors whole matrices.
+        hsdp = self.replicate_comm.size > 1
+        self._compress_replicas = hsdp and compression.kind != "powersgd"
+        compressor = make_compressor(compression, self.replicate_comm if self._compress_replicas else self.dp_comm)
         if not bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be > 0, got {bucket_mb!r}")
         named = list(named_params)
@@ -125,7 +140,10 @@ class DataParallel:
         self.params = [p for _, p in named]
         self.mesh = mesh
         self.zero = zero
-        self.wire_dtype = wire_dtype
+        self.compression = compression
+        self.compressor = compressor
+        self.compression_state: CompressionState | None = None
+        self._plain = None  # the uncompressed reduction (warm-up steps before compression.start_step)
         self.dp_size, self.dp_rank = self.dp_comm.size, self.dp_comm.rank
         self.embedding_comm = None if local_tied else mesh.embedding_comm
         self.tp_rank = tp_rank = mesh.comm(Axis.TP).rank
@@ -162,17 +180,21 @@ class DataParallel:
             if self.embedding_comm is not None:
                 self._check_tied_match([(f.size, f.dtype) for f in self.unit_hooks.flats if f.tied])
         else:
-            # Buckets padded to a multiple of the shard group (ZeRO's parts) or of dp (the
-            # compressed all-to-all's rows).
-            pad = self.shard_comm.size if zero else self.dp_size
+            # Buckets padded to a multiple of the shard group (ZeRO's parts) or of dp x cp (the
+            # compressors' rows, also of the parts of HSDP's shards over the replicas).
+            pad = self.dp_size if compressor is not None or not zero else self.shard_comm.size
+            groups = ([compression.bucket_group(p.data.ndim, not p.layout.is_replicated) for _, p in named]
+                      if compressor is not None else None)
             plans = plan_buckets([(n, int(p.data.size), str(p.data.dtype)) for n, p in named],
-                                 int(bucket_mb * _MIB), pad, tied)
-            if compressor is not None:
-                reduction = CompressedReduction(compressor, shards=bool(zero))
-            elif zero:
-                reduction = ReduceScatterAvg(self.shard_comm, self.replicate_comm, in_bucket=zero == 1)
+                                 int(bucket_mb * _MIB), pad, tied, groups=groups)
+            if zero:
+                self._plain = reduction = ReduceScatterAvg(self.shard_comm, self.replicate_comm, in_bucket=zero == 1)
             else:
-                reduction = AllReduceAvg(self.dp_comm)
+                self._plain = reduction = AllReduceAvg(self.dp_comm)
+            if compressor is not None:
+                self._compressed = reduction = CompressedReduction(
+                    compressor, shards=bool(zero), scatter=self.shard_comm if self._compress_replicas else None,
+                    part_comm=self.shard_comm if zero else None)
             self.reducer = BucketManager(named, plans, reduction, tied_comm=self.embedding_comm, overlap=overlap,
                                          release=zero == 2)
             self.buckets = self.reducer.buckets
@@ -183,6 +205,8 @@ class DataParallel:
             if zero:
                 self._zero = ZeroOptimizer(self.buckets, self.shard_comm, make_optimizer)
                 self.segments = self._zero.segments
+            if compressor is not None:
+                self._setup_compressor(named)
         if zero:
             self.optimizer = make_optimizer(self.segments) if zero == 3 else self._zero.optimizer
             # Every rank of the shard group counts its own part, in segment order; replicas are
@@ -201,6 +225,27 @@ class DataParallel:
         for a, b in pairs:
             a += b
             b[...] = a
+
+    def _setup_compressor(self, named: list[tuple[str, Any]]) -> None:
+        """Tell the compressor its buckets (each whole, or under HSDP this rank's shard of it) and
+        map its state onto checkpoint tensors. A tied copy is known by the weight it mirrors (its
+        PowerSGD Q starts the same, its state is saved once)."""
+        names = {id(p): getattr(p, "tied_to", None) or n for n, p in named}
+        specs, starts = [], {}
+        for b in self.buckets:
+            size = b.plan.size // (self.shard_comm.size if self._compress_replicas else 1)
+            lo = self.shard_comm.rank * size if self._compress_replicas else 0
+            starts[b.index] = lo
+            slots = []
+            for s, p in zip(b.plan.slots, b.params):
+                a, z = max(lo, s.offset), min(lo + size, s.offset + s.numel)
+                if a < z:
+                    whole = (a, z) == (s.offset, s.offset + s.numel)
+                    slots.append(SpecSlot(names[id(p)], a - lo, z - a, tuple(p.shape) if whole else (z - a,)))
+            specs.append(BucketSpec(b.index, size, b.plan.dtype, tuple(slots)))
+        self.compressor.setup(specs)
+        self.compression_state = CompressionState(self.compressor, self.buckets, starts, lambda p: names[id(p)],
+                                                  self.mesh.comm(Axis.TP))
 
     def _check_tied_match(self, mine: list) -> None:
         """Both stages' tied buckets (flats) must match, or their sum over embedding_comm would not."""
@@ -234,13 +279,23 @@ class DataParallel:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def begin_step(self, microbatches: int = 1) -> None:
+    def begin_step(self, microbatches: int = 1, step: int | None = None) -> None:
         """Zero the gradient buckets, point every `.grad` at its view, arm the hooks (ZeRO-2:
-        buffers come with the first gradients; ZeRO-3: with each unit's backward)."""
+        buffers come with the first gradients; ZeRO-3: with each unit's backward). `step` (the
+        global step) decides whether gradient compression is on yet (`compression.start_step`);
+        None: it is."""
         if self.unit_hooks is not None:
             self.unit_hooks.begin_step(microbatches)
-        else:
-            self.reducer.begin_step(microbatches)
+            return
+        if self.compressor is not None:
+            warm_up = step is not None and step < self.compression.start_step
+            self.reducer.set_reduction(self._plain if warm_up else self._compressed)
+        self.reducer.begin_step(microbatches)
+
+    @property
+    def compressing(self) -> bool:
+        """Whether this step's buckets go through the compressor (False in the warm-up steps)."""
+        return self.compressor is not None and self.reducer.reduction is self._compressed
 
     def finish_backward(self) -> None:
         """Launch the buckets not yet started (tied weights last, after summing them across
@@ -275,10 +330,49 @@ class DataParallel:
     def step(self, lr: float | None = None) -> None:
         """Optimizer step with learning rate `lr`. ZeRO 1/2: update this rank's part, all-gather
         the parameters; ZeRO-3: update the shards (the next forward gathers them)."""
+        if self.compressor is not None:
+            self.compressor.commit()  # the step's residuals and Q count now that its update is applied
         if self._zero is not None:
             self._zero.step(lr)
         else:
             self.optimizer.step(lr)
+
+    # -- bytes on the wire ----------------------------------------------------------------------------
+
+    def sync_comms(self) -> list:
+        """The communicators the gradient synchronisation uses (dp x cp, the shard group, the
+        replicas; each once): their `sent` counters hold its bytes (and ZeRO's parameter
+        all-gather's). The tied weights' sum over the embedding group is not counted: it is the
+        same with and without compression."""
+        out: list = []
+        for c in (self.dp_comm, self.shard_comm, self.replicate_comm):
+            if all(c is not o for o in out):
+                out.append(c)
+        return out
+
+    def sync_bytes(self) -> float:
+        """Bytes this rank has sent for gradient synchronisation so far (see `sync_comms`)."""
+        return sum(c.bytes_sent_total() for c in self.sync_comms())
+
+    def uncompressed_bytes(self) -> float | None:
+        """Bytes this rank sends per step to synchronise gradients without compression: the
+        plain reduction's collectives through `comm.bytes_sent` (zero 0: an all-reduce of every
+        bucket over dp x cp; zero 1/2: a reduce-scatter in the shard group, HSDP's all-reduce of
+        the part over the replicas, the all-gather of the updated part). None under ZeRO-3 (no
+        compression there: what is measured is what an uncompressed step sends)."""
+        if self.unit_hooks is not None:
+            return None
+        total = 0.0
+        for b in self.buckets:
+            nbytes = b.plan.size * np.dtype(b.plan.dtype).itemsize
+            if not self.zero:
+                total += bytes_sent("all_reduce", nbytes, self.dp_comm.size)
+                continue
+            n = self.shard_comm.size
+            total += (bytes_sent("reduce_scatter", nbytes, n) + bytes_sent("all_reduce", nbytes // n,
+                                                                          self.replicate_comm.size)
+                      + bytes_sent("all_gather", nbytes // n, n))
+        return total
 
     def nonfinite_gradients(self) -> list[str]:
         """Names of this rank's parameters with a non-finite averaged gradient (its part under
@@ -433,6 +527,27 @@ class DataParallel:
                 dst[...] = xp.asarray(arrays[f"optim/{key}/{k}"])
         if step_count is not None:
             self.optimizer.step_count = int(step_count)
+
+    # -- compressor state in checkpoints (parallel/compression_state.py) -----------------------------
+
+    def compression_tensors(self) -> dict[str, tuple[Any, Any]]:
+        """{"compress/...": (local array, Layout)}: this rank's committed residuals and PowerSGD
+        Qs ({} without compression)."""
+        return self.compression_state.tensors() if self.compression_state is not None else {}
+
+    def compression_meta(self) -> dict | None:
+        """What a loader needs besides the tensors (kind, group size, tp, rank); None without."""
+        return self.compression_state.meta() if self.compression_state is not None else None
+
+    def compression_wanted(self, stored: dict | None) -> dict[str, Any]:
+        """{name: Layout} of the compressor state to load from a checkpoint whose compression
+        meta (with the names of its tensors) is `stored`."""
+        return self.compression_state.wanted(stored) if self.compression_state is not None else {}
+
+    def load_compression(self, arrays: dict[str, Any], stored: dict | None) -> None:
+        """Take the compressor state `compression_wanted` asked for (zeros for what is missing)."""
+        if self.compression_state is not None:
+            self.compression_state.load(arrays, stored)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind: parameters (whole or shards; ZeRO-3 gathered

@@ -187,15 +187,17 @@ def test_a_rank_stalled_in_compute_is_named_by_the_watchdog(train, tmp_path):
     assert all(f"rank {r}: stalled" not in named for r in (0, 1, 3))
 
 
-def test_sigterm_mid_step_checkpoints_exits_75_and_resumes_exactly(train, tmp_path):
-    straight = train("none", tmp_path / "straight", "train.steps=6")
+@pytest.mark.parametrize("compression", ["none", "powersgd"])  # PowerSGD: residuals and Q saved on preemption
+def test_sigterm_mid_step_checkpoints_exits_75_and_resumes_exactly(train, tmp_path, compression):
+    kind = f"train.grad_compression={compression}"
+    straight = train("none", tmp_path / "straight", "train.steps=6", kind)
     assert straight.returncode == 0, straight.output
     run = tmp_path / "preempted"
-    job = train("sigterm", run, "train.steps=6", FAULT_RANK="1", FAULT_STEP="2")
+    job = train("sigterm", run, "train.steps=6", kind, FAULT_RANK="1", FAULT_STEP="2")
     assert not job.timed_out and job.returncode == 75, job.output
     assert "preemption signal received: saving a checkpoint at step 3" in job.output
     assert ck.latest(str(run / "checkpoints")).endswith("step-0000003")
-    resumed = train("none", run, "train.steps=6", "checkpoint.resume=auto")
+    resumed = train("none", run, "train.steps=6", "checkpoint.resume=auto", kind)
     assert resumed.returncode == 0 and "resumed from" in resumed.output, resumed.output
     expected, got = losses(tmp_path / "straight"), losses(run)
     assert sorted(got) == list(range(6)) and got == expected  # bitwise: the same float64 losses

@@ -35,6 +35,14 @@ CASES = {
     "hsdp2x2-zero3-async-dropout": ["mesh.dp=4", "mesh.dp_replicate=2", "mesh.tp=1", "mesh.pp=1", "train.zero=3",
                                     "model.dropout=0.1", "checkpoint.async_save=true", "checkpoint.every=1",
                                     "checkpoint.keep=5"],
+    # gradient compression: the residuals (and PowerSGD's Q) travel in the checkpoint
+    "dp2xpp2-zero2-powersgd": ["mesh.dp=2", "mesh.tp=1", "mesh.pp=2", "train.zero=2", "train.grad_compression=powersgd",
+                               "train.powersgd_rank=2"],
+    "hsdp2x2-zero1-int8-async": ["mesh.dp=4", "mesh.dp_replicate=2", "mesh.tp=1", "mesh.pp=1", "train.zero=1",
+                                 "train.grad_compression=int8", "checkpoint.async_save=true", "checkpoint.every=1",
+                                 "checkpoint.keep=5"],
+    "dp2xtp2-topk": ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "train.grad_compression=topk",
+                     "train.compression_ratio=0.05"],
 }
 
 

@@ -69,7 +69,7 @@ def reference(global_batch: int, steps: int = STEPS, clip: float = CLIP):
 class Setup:
     """This rank's stage of the model on a (dp, tp, pp) mesh, with its DataParallel."""
 
-    def __init__(self, degrees, zero=0, wire_dtype="float32", bucket_mb=BUCKET_MB, n_layer=None):
+    def __init__(self, degrees, zero=0, compression="none", bucket_mb=BUCKET_MB, n_layer=None):
         dp, tp, pp = degrees
         self.mesh = Mesh(dp=dp, tp=tp, pp=pp, comm=WORLD)
         self.cfg = CFG if n_layer is None else GPTConfig(**{**CFG.__dict__, "n_layer": n_layer})
@@ -79,7 +79,7 @@ class Setup:
         self.model = GPT(self.cfg, tp_comm=self.mesh.comm("tp"), layers=layers, embed=stage == 0,
                          head=stage == stages - 1, seed=SEED)
         self.named = list(self.model.named_parameters())
-        self.dp = DataParallel(self.named, self.mesh, bucket_mb=bucket_mb, wire_dtype=wire_dtype, zero=zero,
+        self.dp = DataParallel(self.named, self.mesh, bucket_mb=bucket_mb, compression=compression, zero=zero,
                                make_optimizer=make_optimizer)
 
     def backward_microbatch(self, step: int, j: int, m: int) -> float:
@@ -211,16 +211,16 @@ def test_zero_shards_optimizer_state():
                       f"rank state {mine} elements, all ranks {total}, unsharded {full}, dp={SIZE}")
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
 def test_compressed_wire_close_to_exact_and_identical_on_replicas(wire, zero):
     exact = Setup((SIZE, 1, 1))
-    packed = Setup((SIZE, 1, 1), wire_dtype=wire, zero=zero)
+    packed = Setup((SIZE, 1, 1), compression=wire, zero=zero)
     for s in (exact, packed):
         s.dp.begin_step(microbatches=1)
         s.backward_microbatch(0, 0, 1)
         s.dp.finish_backward()
-    tol = 2e-3 if wire == "float16" else 1.6e-2  # 16-bit rounding of each addend and of the sum
+    tol = 2e-3 if wire == "fp16" else 1.6e-2  # 16-bit rounding of each addend and of the sum
     problems = []
     exact_by_name = dict(exact.named)
     if zero:  # this rank's averaged part, as the optimizer's segments see it

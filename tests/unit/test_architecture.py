@@ -28,7 +28,8 @@ LAYERS = [
     {"parallel.mappings", "parallel.context", "nn", "nn.module", "nn.layers", "nn.gpt", "nn.tensor_parallel",
      "nn.context_parallel"},
     {"parallel", "parallel.schedule", "parallel.pipeline", "parallel.buckets", "parallel.compression",
-     "parallel.zero", "parallel.fsdp", "parallel.clipping", "parallel.data_parallel", "optim", "checkpoint"},
+     "parallel.powersgd", "parallel.compression_state", "parallel.zero", "parallel.fsdp", "parallel.clipping",
+     "parallel.data_parallel", "optim", "checkpoint"},
     {"config", "train", "generate", "evaluate", "huggingface", "plan"},
     {"cli", "__main__"},
 ]
@@ -75,14 +76,15 @@ def test_comm_imports_no_autograd():
     assert not {d for d in deps if d in ("tensor", "ops") or d.startswith(("nn", "parallel"))}, deps
 
 
-DP_PIECES = ("parallel.buckets", "parallel.compression", "parallel.zero", "parallel.fsdp", "parallel.clipping",
-             "parallel.data_parallel")
+DP_PIECES = ("parallel.buckets", "parallel.compression", "parallel.powersgd", "parallel.compression_state",
+             "parallel.zero", "parallel.fsdp", "parallel.clipping", "parallel.data_parallel")
 
 
 @pytest.mark.parametrize("module", DP_PIECES)
 def test_data_parallel_pieces_know_no_model_or_run(module):
-    """Gradient sync works on any objects with .data/.grad: no nn, autograd, config or train."""
-    allowed = {"backend", "comm", "mesh", "optim", "errors", *DP_PIECES}
+    """Gradient sync works on any objects with .data/.grad: no nn, autograd, config or train
+    (layout: the pure shard <-> global maps its checkpoint state is described with)."""
+    allowed = {"backend", "comm", "mesh", "optim", "errors", "layout", *DP_PIECES}
     extra = sorted(_imports(_modules()[module]) - allowed)
     assert not extra, f"hpcpar.{module} imports {extra}"
 

@@ -37,6 +37,13 @@ def mesh_row(mesh: str, ranks: int, tokens_per_s: float, baseline: float, cores:
             "cpu_speedup": 1.1 * speedup}
 
 
+def compression_row(kind: str, ef: bool, nbytes: float, formula: float, loss: float, step_s: float = 0.5) -> dict:
+    none_bytes, none_loss, none_s = 4.8 * MiB, 2.0, 0.5
+    return {"kind": kind, "error_feedback": ef, "params": 840_000, "bytes_per_step": nbytes, "formula_bytes": formula,
+            "formula_error": nbytes / formula - 1, "ratio_to_none": nbytes / none_bytes, "final_loss": loss,
+            "loss_vs_none": loss / none_loss - 1, "step_s": step_s, "step_time_vs_none": step_s / none_s}
+
+
 SAMPLES = {
     "allreduce": {"meta": {"ranks": 4}, "rows": [allreduce_row(8, 80.0, 20.0), allreduce_row(MiB, 400.0, 300.0),
                                                  allreduce_row(64 * MiB, 5e4, 4.5e4)]},
@@ -124,6 +131,22 @@ SAMPLES = {
                       {"layout": "dp=1 tp=4 pp=1", "predicted_s": 1.7, "measured_s": 1.5}],
              "narayanan": [{"params_b": 1.7, "gpus": 32, "tp": 1, "pp": 1, "dp": 32, "batch": 512,
                             "published_tflops": 137, "predicted_tflops": 150.7, "ratio": 1.1}]},
+    "compression": {
+        "meta": {"ranks": 4, "steps": 300, "time_steps": 6, "rounds": 2, "wide_embd": 384, "ratio": 0.01, "rank": 4,
+                 "alpha_us": 10.0, "global_sequences": 48, "shared_memory_gbps": 3.4},
+        "loss": [compression_row(k, ef, nbytes, formula, loss) for k, ef, nbytes, formula, loss in (
+            ("none", True, 4.8 * MiB, 4.8 * MiB, 2.0), ("int8", True, 1.22 * MiB, 1.2 * MiB, 2.01),
+            ("topk", False, 0.2 * MiB, 0.2 * MiB, 2.2))] + [
+            {**compression_row("topk", True, 0.2 * MiB, 0.2 * MiB, 2.1), "start_step": 100}],
+        "default": [compression_row(k, True, nbytes, nbytes, 2.0, step_s) for k, nbytes, step_s in (
+            ("none", 4.8 * MiB, 0.5), ("int8", 1.2 * MiB, 0.6))],
+        "wide": [compression_row(k, True, nbytes, nbytes, 2.0, 2.0) for k, nbytes in (("none", 40 * MiB),
+                                                                                      ("int8", 10 * MiB))],
+        "where_it_pays": {model: [{"kind": "none", "predicted_step_s": {"1": 0.54, "10": 0.504, "100": 0.5},
+                                   "crossover_gbps": None},
+                                  {"kind": "int8", "predicted_step_s": {"1": 0.61, "10": 0.601, "100": 0.6},
+                                   "crossover_gbps": 0.29 if model == "default" else "any"}]
+                          for model in ("default", "wide")}},
     "zero": {"ratio_zero3_over_zero1": 0.95, "hidden_fraction": 0.3,
              "best": {"dp": 4, "zero1": {"tokens_per_s": 7000.0, "gather_wait_s": 0.0},
                       "zero3": {"tokens_per_s": 6650.0, "gather_wait_s": 0.07},
@@ -189,6 +212,13 @@ def test_key_figures_computed_from_the_json(run_all):
     assert plan[0] == ("4 ranks, 2 meshes: median |predicted - measured| / measured 12% (goal <= 15 %), "
                        "Spearman 0.90 (goal >= 0.8), first choice +2% from the fastest (goal <= 5 %)")
     assert plan[1].startswith("Narayanan et al. table, A100 preset: predicted TFLOP/s per GPU within 10%")
+    compression = run_all.key_figures("compression", SAMPLES["compression"])
+    assert compression[0] == ("bytes/step/rank vs none, default model, dp=4: int8 0.250x; every measurement within "
+                              "1.7% of its formula")
+    assert compression[1] == ("final loss vs none after 300 steps: int8 +0.5%, topk (no EF) +10.0%, "
+                              "topk (warm-up 100) +5.0%")
+    assert compression[2] == ("link speed below which each wins (Gb/s): int8 0.29; this machine's shared memory: "
+                              "3.4 Gb/s")
     zero = run_all.key_figures("zero", SAMPLES["zero"])
     assert zero[0].startswith("zero=3 / zero=1 tokens/s on 4 ranks: 0.95x") and "30% hidden" in zero[1]
 
@@ -222,6 +252,9 @@ def test_markdown_table(run_all, summary):
     assert "| 3 | 16/N + unit | 4.95 | 4.95 | 0.95 | +0.0% |" in text
     assert "## Plan" in text and "| dp=1 tp=4 pp=1 | 1700.0 | 1500.0 | 13% |" in text
     assert "| 1.7B | 32 | 1 | 1 | 32 | 512 | 137 | 150.7 | 1.10 |" in text
+    assert "## Gradient compression" in text
+    assert "| topk (no EF) | 0.200 | 0.200 | +0.0% | 0.042x | 2.2000 | +10.00% |" in text
+    assert "| wide | int8 | 610 | 601 | 600 | any |" in text
 
 
 def test_quiet_machine_and_missing_results(run_all, tmp_path):

@@ -211,9 +211,12 @@ class ThreadComm:
         return Handle.ready(out)
 
     def iall_reduce(self, a, op="sum"):
-        total = sum(self._everyone(a.copy()))
+        total = sum(self._everyone(a.copy()))  # in rank order
         a[...] = total / (self.size if op == "avg" else 1)
         return Handle.ready(a)
+
+    def all_reduce(self, a, op="sum"):
+        return self.iall_reduce(a.copy(), op).wait()
 
 
 def run_ranks(n, fn):
@@ -472,8 +475,8 @@ def test_optimizer_state_roundtrip_zero():
         dp2.load_optimizer_state(bad)
 
 
-@pytest.mark.parametrize("kw, match", [({"wire_dtype": "int8"}, "wire_dtype"), ({"zero": 4}, "ZeRO"),
-                                       ({"bucket_mb": 0}, "bucket_mb")])
+@pytest.mark.parametrize("kw, match", [({"compression": "int4"}, "compression 'int4' is unknown"),
+                                       ({"zero": 4}, "ZeRO"), ({"bucket_mb": 0}, "bucket_mb")])
 def test_bad_arguments(kw, match):
     with pytest.raises(ConfigError, match=match):
         make_dp(**kw)
