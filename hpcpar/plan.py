@@ -632,26 +632,34 @@ def calibrate(cfg: Config, world_comm, repeats: int = 3) -> Hardware:
     # What the pieces leave out (data, loss, Python between ops, the step's bookkeeping): two
     # real training steps on dp = world, 1 and 3 micro-batches of one sequence, against their
     # predictions; the difference per micro-batch and the rest per step.
+    def on_dp(microbatches: int, size: int) -> Config:
+        return config.validate(dataclasses.replace(
+            cfg, mesh=dataclasses.replace(cfg.mesh, dp=world, tp=1, pp=1, cp=1, dp_replicate=1,
+                                          sequence_parallel=False),
+            train=dataclasses.replace(cfg.train, micro_batch_size=size, microbatches=microbatches, zero=0,
+                                      recompute="none"),
+            pipeline=dataclasses.replace(cfg.pipeline, schedule="1f1b", chunks=1)), world)
+    # How much of the gradient reduction the engine hides behind backward here: the same step
+    # with the bucketed reduction overlapped and not.
+    if world > 1:
+        run = on_dp(1, cfg.train.micro_batch_size)
+        hidden = _measure_step(run, world_comm, comm, overlap=False) - _measure_step(run, world_comm, comm)
+        reduce = predict(run, hw).parts["dp_exposed"]
+        hw = dataclasses.replace(hw, overlap=min(max(hidden / reduce, 0.0), 1.0) if reduce > 0 else 0.0)
     residual = []
     for microbatches in (1, 3):
-        run = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=world, tp=1, pp=1, cp=1,
-                                                                dp_replicate=1, sequence_parallel=False),
-                                  train=dataclasses.replace(cfg.train, micro_batch_size=1,
-                                                            microbatches=microbatches, zero=0, recompute="none"),
-                                  pipeline=dataclasses.replace(cfg.pipeline, schedule="1f1b", chunks=1))
-        run = config.validate(run, world)
+        run = on_dp(microbatches, 1)
         residual.append(_measure_step(run, world_comm, comm) - predict(run, hw).step_time)
     per_mb = max(0.0, (residual[1] - residual[0]) / 2)
     hw = dataclasses.replace(hw, microbatch_overhead=per_mb, step_overhead=max(0.0, residual[0] - per_mb))
     # The tensor- and context-parallel traffic of a real step (with everything around it: the
     # mappings, vocabulary-parallel loss, ring bookkeeping) against the alpha-beta model's:
-    # the ratio scales those terms. On the whole world, one micro-batch of two sequences.
+    # the ratio scales those terms. On the whole world, one micro-batch of the config's size.
     for axis, key in (("tp", "tp_in_pipeline"), ("cp", "cp_in_pipeline")):
         degrees = {"tp": 1, "cp": 1, axis: world}
         run = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=1, pp=1, dp_replicate=1,
                                                                 sequence_parallel=False, **degrees),
-                                  train=dataclasses.replace(cfg.train, micro_batch_size=2, microbatches=1, zero=0,
-                                                            recompute="none"),
+                                  train=dataclasses.replace(cfg.train, microbatches=1, zero=0, recompute="none"),
                                   pipeline=dataclasses.replace(cfg.pipeline, schedule="1f1b", chunks=1))
         try:
             run = config.validate(run, world)
@@ -665,8 +673,9 @@ def calibrate(cfg: Config, world_comm, repeats: int = 3) -> Hardware:
     return hw
 
 
-def _measure_step(cfg: Config, world_comm, comm, steps: int = 4) -> float:
-    """The slowest rank's median step time of `cfg` through `Trainer.train` (no files)."""
+def _measure_step(cfg: Config, world_comm, comm, steps: int = 4, overlap: bool = True) -> float:
+    """The slowest rank's median step time of `cfg` through `Trainer.train` (no files); `overlap`
+    False: data-parallel reductions wait for the end of backward."""
     import numpy as np
 
     from hpcpar.train import Trainer
@@ -674,6 +683,7 @@ def _measure_step(cfg: Config, world_comm, comm, steps: int = 4) -> float:
     tokens = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
     trainer = Trainer(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, eval_every=0)), world_comm,
                       tokens=tokens)
+    trainer.dp.overlap = overlap
     times = []
 
     def on_step(record: dict) -> None:
