@@ -359,7 +359,7 @@ def predict(cfg: Config, hw: Hardware, exact: bool = True) -> Prediction:
     t_f = blocks * (f + fwd_tp + cp_f) + (t_head / 3 if head else 0.0) + hw.microbatch_overhead
     t_b = blocks * (b + bwd_tp + cp_b) + b_extra + recompute_tp * blocks + (2 * t_head / 3 if head else 0.0)
     pp_link = hw.link(pp, dp * cp * tp)
-    t_msg = (pp_link.alpha + act_bytes / tp_link_split(tp, mesh) / pp_link.beta) if pp > 1 else 0.0
+    t_msg = (pp_link.alpha + act_bytes / _message_split(tp, mesh) / pp_link.beta) if pp > 1 else 0.0
     # Weight gradients (W) are half a block's backward GEMMs: what a zero-bubble schedule defers.
     t_w = blocks * b / 2 if cfg.pipeline.schedule in ("zbh1", "zbv") else 0.0
     timing = pipeline_time if exact else rough_pipeline_time
@@ -398,7 +398,7 @@ def predict(cfg: Config, hw: Hardware, exact: bool = True) -> Prediction:
     return Prediction(cfg, step, tokens_per_s, mfu, 0, parts)
 
 
-def tp_link_split(tp: int, mesh) -> int:
+def _message_split(tp: int, mesh) -> int:
     """Pipeline messages carry a rank's tp shard under sequence parallelism, else the whole activation."""
     return tp if mesh.sequence_parallel else 1
 
@@ -588,7 +588,10 @@ def write_plan(pred: Prediction, path: str) -> None:
 def calibrate(cfg: Config, world_comm, repeats: int = 3) -> Hardware:
     """Measure this machine with every rank of `world_comm` (an mpi4py communicator) working at
     once, as they would in training: GEMM rate, collectives' alpha and beta inside the world,
-    the model's block and head times for each tp shard, and the optimizer's update rate."""
+    the model's block and head times for each tp shard, and the optimizer's update rate; then,
+    from real training steps (`Trainer.train`) against their predictions, the share of the
+    gradient reduction hidden behind backward, the per-step and per-micro-batch overheads, and
+    the factors on tp and cp traffic (`Hardware`)."""
     import numpy as np
 
     from hpcpar import metrics
