@@ -314,11 +314,12 @@ class Trainer:
                     writer.write(record)
                 if on_step:
                     on_step({**record, "cpu_time_s": cpu})
-                bar.update(f"loss {result.loss:.3f} | {tok_s:,.0f} tok/s | MFU {mfu:.1%}")
+                scale = f" | scale {result.loss_scale:g}" if self.scaler is not None else ""
+                bar.update(f"loss {result.loss:.3f} | {tok_s:,.0f} tok/s | MFU {mfu:.1%}{scale}")
                 if rank0 and not draw and (step % run.log_every == 0 or self.step == end):
-                    log.info("step %5d | loss %.4f | lr %.2e | %8.0f tok/s | MFU %.1f%%%s", step, result.loss,
+                    log.info("step %5d | loss %.4f | lr %.2e | %8.0f tok/s | MFU %.1f%%%s%s", step, result.loss,
                              result.lr, tok_s, 100 * mfu,
-                             f" | val {record['val_loss']:.4f}" if "val_loss" in record else "")
+                             f" | val {record['val_loss']:.4f}" if "val_loss" in record else "", scale)
                 if files and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < end:
                     self._checkpoint()
                 if preemption.agreed(self.mesh.world):
@@ -773,6 +774,10 @@ def _format_summary(s: dict) -> str:
         + (f", zero={s['zero']}" if s.get("zero") else "")
         + f", schedule {s['schedule']}, {s['microbatches']} micro-batches",
         _traffic_line(s),
+        *([f"precision        {s['precision']}: activations {s['activation_dtype']}, masters and optimizer state "
+           "in model.dtype"
+           + (f"; loss scale {s['loss_scale']:g}, {s['overflow_steps']} overflow step(s) skipped"
+              if s.get("loss_scale") is not None else "")] if s.get("precision", "full") != "full" else []),
         f"pipeline bubble  {s['pipeline_bubble_predicted']:.1%} predicted"
         + (f", {measured:.1%} measured" if measured is not None else ""),
         f"peak memory      {mem} MiB per rank (RSS)"
