@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from hpcpar import kernels
 from hpcpar.backend import array_module, is_device_array
 from hpcpar.precision import down, is_low, rounded, up
@@ -216,6 +218,23 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return Tensor.from_op(out, (a, b), backward)
 
 
+def _gemm_in_16_bits(a, dt) -> bool:
+    """Whether an op computing for `dt` activations runs its GEMMs in 16 bits: CuPy float16 (cuBLAS
+    on the tensor cores, float32 accumulation). NumPy has no 16-bit BLAS: float32 there."""
+    return dt == _FLOAT16 and is_device_array(a)
+
+
+_FLOAT16 = np.dtype(np.float16)
+
+
+def _gemm(a, b, dt):
+    """a @ b, operands holding values of `dt` (in `dt` or float32 arrays), the result in float32 (in
+    the full-precision dtype without 16 bits): a 16-bit GEMM where `_gemm_in_16_bits`, else float32."""
+    if _gemm_in_16_bits(a, dt):
+        return (a.astype(dt, copy=False) @ b.astype(dt, copy=False)).astype(np.float32)
+    return up(a) @ up(b)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype=None) -> Tensor:
     """y = x @ weight.T + bias.  x [..., in], weight [out, in] (nn.Linear layout), bias [out].
 
@@ -228,7 +247,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype=None
     xd, dt = x.data, x.data.dtype
     x2 = xd.reshape(-1, xd.shape[-1])
     wd = rounded(weight.data, dt)
-    y = up(x2) @ wd.T
+    y = _gemm(x2, wd.T, dt)
     if bias is not None:
         y += rounded(bias.data, dt)
     out = down(y, dt if out_dtype is None else out_dtype).reshape(xd.shape[:-1] + (wd.shape[0],))
@@ -236,8 +255,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype=None
 
     def backward(g):
         g2 = g.reshape(-1, g.shape[-1])
-        gx = down(up(g2) @ rounded(weight.data, dt), dt).reshape(xd.shape) if x.requires_grad else None
-        gw = weight_grad(lambda: up(g2).T @ up(x2)) if weight.requires_grad else None
+        gx = down(_gemm(g2, rounded(weight.data, dt), dt), dt).reshape(xd.shape) if x.requires_grad else None
+        gw = weight_grad(lambda: _gemm(g2.T, x2, dt)) if weight.requires_grad else None
         gb = weight_grad(lambda: _sum_rows(up(g2))) if bias is not None and bias.requires_grad else None
         return gx, gw, gb
     return Tensor.from_op(out, (x, weight, bias), backward)

@@ -201,3 +201,24 @@ def test_precision_names():
         GPT(TINY, precision="half")
     with pytest.raises(ConfigError, match='train.precision="bf16"'):
         GPTConfig(dtype="bfloat16").check_dtype()
+
+
+def test_the_16_bit_gemm_path_tracks_the_float32_one(monkeypatch):
+    """The GPU's fp16 path (CuPy float16 GEMMs on the tensor cores), exercised on NumPy float16:
+    the same shapes and dtypes in and out as the float32-GEMM path, values within 16-bit rounding."""
+    rng = np.random.default_rng(5)
+    x = low_input(rng, (6, 16), np.float16)
+    w, b = param(rng, (5, 16)), param(rng, (5,))
+    g = rng.standard_normal((6, 5)).astype(np.float16)
+    runs = []
+    for sixteen in (False, True):
+        monkeypatch.setattr(ops, "_gemm_in_16_bits", lambda a, dt, on=sixteen: on and dt == np.float16)
+        xs, ws, bs = (Tensor(t.data.copy(), requires_grad=True) for t in (x, w, b))
+        out = ops.linear(xs, ws, bs)
+        out.backward(g)
+        runs.append((out, xs.grad, ws.grad, bs.grad))
+    (o32, gx32, gw32, gb32), (o16, gx16, gw16, gb16) = runs
+    assert o16.dtype == o32.dtype == np.float16 and gx16.dtype == np.float16 and gw16.dtype == np.float64
+    assert close_in_low(o16.data, o32.data, "fp16", ulps=2.0)
+    assert close_in_low(gx16, gx32, "fp16", ulps=2.0)
+    assert close_in_low(gw16, gw32, "fp16", ulps=2.0) and np.array_equal(gb16, gb32)
