@@ -660,3 +660,18 @@ def test_memory_check():
     with pytest.raises(ConfigError, match="train.zero=1"):
         _validate(["model.n_embd=1024", "model.n_layer=8", "model.n_head=8", "train.micro_batch_size=1",
                    "model.block_size=16", "mesh.dp=4"], world=4, memory=2**20)
+
+
+def test_the_memory_estimate_counts_16_bit_activations_and_full_model_state():
+    """Under bf16/fp16 the masters, gradients and optimizer state stay in model.dtype (no 16-bit
+    weight copy), and every stored activation takes 2 bytes instead of 4."""
+    from hpcpar.config import _memory_parts
+
+    full = load_config(None, ["model.dropout=0.1"])
+    for precision in ("bf16", "fp16"):
+        low = load_config(None, ["model.dropout=0.1", f"train.precision={precision}"])
+        state_full, act_full = _memory_parts(full, 2, 1, 2, 1)
+        state_low, act_low = _memory_parts(low, 2, 1, 2, 1)
+        assert state_low == state_full
+        # Halved, except for the float32 working sets (attention in backward, the loss's probabilities).
+        assert 0.5 * act_full < act_low < 0.7 * act_full
