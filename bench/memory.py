@@ -1,6 +1,6 @@
 """Memory per rank: what hpcpar keeps, measured, next to the formula that says what it should keep.
 
-    python bench/memory.py [--sections activations,model_state] [--seq 512] [--batch 2] [--n-embd 128]
+    python bench/memory.py [--sections activations,precision,model_state] [--seq 512] [--batch 2] [--n-embd 128]
                            [--n-head 4] [--ranks 4] [--state-layers 4] [--state-embd 128]
 
 The script is a list of independent sections (`SECTIONS`: name -> function(args) -> Section). Each

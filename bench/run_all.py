@@ -97,7 +97,7 @@ BENCHMARKS = (
     Benchmark("precision", "bench/precision.py", 4,
               "mixed precision: 300 steps of the default job in full (float32), bf16 and fp16 side by side: final "
               "loss vs full, worst step, fp16 overflows and loss scale, tokens/s",
-              quick_args=("--quick",), timeout_s=3600.0),
+              quick_args=("--quick",), timeout_s=7200.0),
     Benchmark("compression", "bench/compression.py", 4,
               "gradient compression (fp16, bf16, int8, top-k, PowerSGD) side by side with none on dp=4: bytes per "
               "step vs each formula, step time, loss after 300 steps with and without error feedback, where it pays",
