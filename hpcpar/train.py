@@ -190,7 +190,8 @@ class Trainer:
     def train_step(self, step: int) -> StepResult:
         """Run global step `step`: forward/backward of every micro-batch through the pipeline
         schedule, gradient sync over dp, clipping and the optimizer update (none when the loss
-        or gradient norm is not finite). Collective. Afterwards `self.step` is `step + 1`: a
+        or gradient norm is not finite; under fp16 the loss is scaled by the `LossScaler`, and a
+        non-finite norm is an overflow that backs the scale off). Collective. Afterwards `self.step` is `step + 1`: a
         skipped step's batch is passed over, not retried."""
         t = self.cfg.train
         batches = self.microbatches(step)
