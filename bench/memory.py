@@ -1,6 +1,6 @@
 """Memory per rank: what hpcpar keeps, measured, next to the formula that says what it should keep.
 
-    python bench/memory.py [--sections activations,model_state] [--seq 512] [--batch 2] [--n-embd 128]
+    python bench/memory.py [--sections activations,precision,model_state] [--seq 512] [--batch 2] [--n-embd 128]
                            [--n-head 4] [--ranks 4] [--state-layers 4] [--state-embd 128]
 
 The script is a list of independent sections (`SECTIONS`: name -> function(args) -> Section). Each
@@ -73,6 +73,18 @@ model_state: model-state bytes per parameter under ZeRO 0/1/2/3, and a model pla
   (zero 0) but refuses a model with >= 3x its parameters; the big model is accepted with zero=3 and
   trains `--state-steps` steps on the same ranks, its measured peak (tracemalloc, all allocations
   of the steps) under the limit.
+
+precision: bytes per parameter and activation bytes per layer under train.precision = full
+  (float32), bf16 and fp16, one process. Activations measured as in `activations` (recompute none,
+  dropout > 0), next to the 16-bit count of what each op keeps (a = 2 bytes; LayerNorm keeps its
+  output and a float32 mean and 1/std per row instead of xhat, GELU its input only, dropout a
+  1-byte mask, attention the 16-bit probabilities):
+
+      16-bit    a B T 18 C + 16 B T + d (2a + 2) B T C + a B H T^2
+
+  Bytes per parameter: every NumPy allocation a one-rank Trainer (AdamW, zero 0) holds after two
+  steps, per parameter, next to 4 + 4 + 8 = 16 for all three precisions (the masters, gradients and
+  moments stay float32; no 16-bit weight copy is kept: each op rounds the weight it reads).
 
 Prints a table per section; writes bench/results/memory.json.
 """
@@ -166,10 +178,10 @@ def model_config(args, n_layer: int) -> GPTConfig:
                      n_embd=args.n_embd, dropout=args.dropout, dtype="float32")
 
 
-def measure_activations(cfg: GPTConfig, mode: str, batch: int) -> dict:
+def measure_activations(cfg: GPTConfig, mode: str, batch: int, precision: str = "full") -> dict:
     """Bytes one micro-batch's forward leaves held for backward, and the peak above that during
     backward (tracemalloc: every NumPy allocation), after a warm-up step (caches, gradients)."""
-    model = GPT(cfg, seed=0)
+    model = GPT(cfg, seed=0, precision=precision)
     model.set_recompute(mode)
     model.rng_context = (0, 0, range(batch))
     rng = np.random.default_rng(0)
@@ -258,6 +270,77 @@ def activations(args) -> Section:
                "estimate: the start-up estimate's per-layer count for the same micro-batch (config.estimate_memory: "
                "Megatron's per-layer terms for every layout, not this exact count; docs/config.md)",
                "bwd peak: NumPy bytes above the held ones during backward (full: one block re-run)"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixed precision: activation bytes per layer and bytes per parameter, full vs bf16 vs fp16
+# ---------------------------------------------------------------------------------------------
+PRECISIONS = ("full", "bf16", "fp16")
+
+
+def precision_formula_bytes(precision: str, batch: int, seq: int, n_embd: int, n_head: int, dropout: float) -> int:
+    """Activation bytes one block keeps for backward (recompute none) under `precision` (module doc)."""
+    if precision == "full":
+        return activation_formula_bytes("none", batch, seq, n_embd, n_head, "float32", dropout)
+    a, d, bt = 2, int(dropout > 0), batch * seq
+    return a * bt * 18 * n_embd + 16 * bt + d * (2 * a + 2) * bt * n_embd + a * batch * n_head * seq * seq
+
+
+def state_bytes_per_parameter(args, precision: str) -> float:
+    """NumPy bytes a one-rank Trainer holds after two steps, per parameter (tracemalloc)."""
+    from mpi4py import MPI
+
+    from hpcpar.train import Trainer
+
+    tracemalloc.start()
+    before = numpy_bytes()
+    cfg = config.load_config(None, [
+        f"model.n_layer={args.state_layers}", f"model.n_embd={args.state_embd}", f"model.n_head={args.state_heads}",
+        f"model.block_size={args.state_block}", "model.dtype=float32", "mesh.dp=1", "mesh.tp=1", "mesh.pp=1",
+        f"train.micro_batch_size={args.state_batch}", "train.microbatches=1", f"train.precision={precision}",
+        "train.steps=100", "run.eval_every=0", "run.progress=false"])
+    trainer = Trainer(cfg, MPI.COMM_SELF, tokens=TOKENS)
+    for step in range(2):
+        trainer.train_step(step)
+    after = numpy_bytes()
+    params = sum(int(np.prod(p.layout.local_shape)) for _, p in trainer.named_parameters)
+    trainer.mesh.free()
+    del trainer
+    tracemalloc.stop()
+    return (after - before) / params
+
+
+def precision(args) -> Section:
+    layers, rows, table = args.n_layer, [], []
+    for name in PRECISIONS:
+        one, many = (measure_activations(model_config(args, n), "none", args.batch, name) for n in (1, layers))
+        measured = (many["held_bytes"] - one["held_bytes"]) / (layers - 1)
+        formula = precision_formula_bytes(name, args.batch, args.seq, args.n_embd, args.n_head, args.dropout)
+        rows.append({"precision": name, "measured_bytes_per_layer": measured, "formula_bytes_per_layer": formula,
+                     "ratio": measured / formula, "state_bytes_per_parameter": state_bytes_per_parameter(args, name)})
+    full = rows[0]
+    for r in rows:
+        r["activations_vs_full"] = r["measured_bytes_per_layer"] / full["measured_bytes_per_layer"]
+        table.append([r["precision"], f"{r['measured_bytes_per_layer'] / MiB:.3f}",
+                      f"{r['formula_bytes_per_layer'] / MiB:.3f}", f"{r['ratio']:.3f}",
+                      f"{r['activations_vs_full']:.2f}x", f"{r['state_bytes_per_parameter']:.2f}"])
+    checks = {f"{r['precision']} activations within {TOLERANCE:.0%} of the formula": abs(r["ratio"] - 1) <= TOLERANCE
+              for r in rows}
+    checks.update({f"{r['precision']} state within {TOLERANCE:.0%} of 16 bytes/parameter":
+                   abs(r["state_bytes_per_parameter"] / 16 - 1) <= TOLERANCE for r in rows})
+    data = {"config": {"batch": args.batch, "seq": args.seq, "n_embd": args.n_embd, "n_head": args.n_head,
+                       "n_layer": layers, "dropout": args.dropout, "master_dtype": "float32",
+                       "state_model": {"n_layer": args.state_layers, "n_embd": args.state_embd}},
+            "rows": rows}
+    return Section(
+        data=data,
+        title=(f"mixed precision: activations per layer (B={args.batch}, T={args.seq}, C={args.n_embd}, "
+               f"H={args.n_head}, dropout={args.dropout}) and model state per parameter, float32 masters, one process"),
+        header=["precision", "activations MiB", "formula MiB", "ratio", "vs full", "state bytes/param"],
+        rows=table, checks=checks,
+        notes=["formula: full s B T [(24 + 4d) C + 2] + s B H T^2 (s = 4); 16-bit a B T 18 C + 16 B T "
+               "+ d (2a + 2) B T C + a B H T^2 (a = 2)",
+               "state: masters, gradients and AdamW moments stay float32 (16 bytes/parameter in every precision)"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,6 +503,7 @@ def model_state(args) -> Section:
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], Section]] = {"activations": activations,
+                                                             "precision": precision,
                                                              "model_state": model_state}
 
 
@@ -433,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         parser_for().error(f"--sections: unknown {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
-    if "activations" in names and args.n_layer < 2:
+    if ("activations" in names or "precision" in names) and args.n_layer < 2:
         parser_for().error("--n-layer must be >= 2 (per-layer figures are differences against a 1-block model)")
     started = time.perf_counter()
     done = {name: SECTIONS[name](args) for name in names}

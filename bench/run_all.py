@@ -82,8 +82,9 @@ BENCHMARKS = (
               quick_args=("--seq", "256", "--limit-mib", "16", "--steps", "1", "--repeats", "1")),
     Benchmark("memory", "bench/memory.py", None,
               "memory per rank, measured next to its formula: activation bytes per layer with recompute "
-              "none / selective / full; model-state bytes per parameter for ZeRO 0/1/2/3 on 4 ranks; a model "
-              "plain DP refuses under a per-rank limit training under ZeRO-3",
+              "none / selective / full, and in float32 vs bf16 vs fp16 with bytes per parameter; model-state bytes "
+              "per parameter for ZeRO 0/1/2/3 on 4 ranks; a model plain DP refuses under a per-rank limit training "
+              "under ZeRO-3",
               quick_args=("--seq", "256", "--n-layer", "2", "--repeats", "2", "--state-layers", "2",
                           "--state-embd", "64", "--state-big-embd", "128", "--state-steps", "1")),
     Benchmark("zero", "bench/zero.py", None,
@@ -93,6 +94,10 @@ BENCHMARKS = (
               "hpcpar plan: calibrate, plan 4 ranks, train every mesh's best plan: predicted vs measured step "
               "time; the A100 preset against Narayanan et al.'s published TFLOP/s per GPU",
               quick_args=("--steps", "1", "--repeats", "1", "--layers", "2"), timeout_s=900.0),
+    Benchmark("precision", "bench/precision.py", 4,
+              "mixed precision: 300 steps of the default job in full (float32), bf16 and fp16 side by side: final "
+              "loss vs full, worst step, fp16 overflows and loss scale, tokens/s",
+              quick_args=("--quick",), timeout_s=7200.0),
     Benchmark("compression", "bench/compression.py", 4,
               "gradient compression (fp16, bf16, int8, top-k, PowerSGD) side by side with none on dp=4: bytes per "
               "step vs each formula, step time, loss after 300 steps with and without error feedback, where it pays",
@@ -337,6 +342,11 @@ def _memory(d: dict) -> list[str]:
                        for m, r in rows.items()))
         out.append("forward + backward time vs none: " + ", ".join(
             f"{m} {r['step_time_vs_none']:.2f}x" for m, r in rows.items() if m != "none"))
+    if "precision" in d:
+        rows = d["precision"]["rows"]
+        out.append("activations per layer vs float32: " + ", ".join(
+            f"{r['precision']} {r['activations_vs_full']:.2f}x" for r in rows if r["precision"] != "full")
+            + "; bytes/parameter: " + ", ".join(f"{r['precision']} {r['state_bytes_per_parameter']:.2f}" for r in rows))
     if "model_state" in d:
         ms = d["model_state"]
         out.append(f"model-state bytes/parameter on {ms['rows'][0]['n']} ranks, measured (formula): " + ", ".join(
@@ -420,6 +430,16 @@ def _compression(d: dict) -> list[str]:
             f"{m['shared_memory_gbps']:.1f} Gb/s"]
 
 
+def _precision(d: dict) -> list[str]:
+    m, rows = d["meta"], d["rows"]
+    return [f"final loss vs full after {m['steps']} steps: " + ", ".join(
+                f"{r['precision']} {r['loss_vs_full']:+.2%}" for r in rows if r["precision"] != "full")
+            + "; diverged: " + (", ".join(r["precision"] for r in rows if r["diverged"]) or "none"),
+            "tokens/s vs full: " + ", ".join(f"{r['precision']} {r['speed_vs_full']:.2f}x" for r in rows
+                                             if r["precision"] != "full")
+            + f"; fp16 skipped steps {next(r['skipped_steps'] for r in rows if r['precision'] == 'fp16')}"]
+
+
 def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
     """The headline figures of benchmark `name` from its JSON `data`, one string per line."""
     try:
@@ -429,7 +449,8 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
             return _checkpoint(data, ranks or 4)
         return {"allreduce": _allreduce, "pipeline": _pipeline, "pipeline_gpt": _pipeline_gpt, "scaling": _scaling,
                 "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory, "zero": _zero,
-                "compression": _compression, "vs_torch": _vs_torch, "plan": _plan}[name](data)
+                "compression": _compression, "precision": _precision, "vs_torch": _vs_torch,
+                "plan": _plan}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
 
@@ -586,6 +607,8 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
                                       ("context", "Context parallelism", _context_table, None),
                                       ("memory", "Memory", _memory_table, None),
                                       ("plan", "Plan", _plan_table, None),
+                                      ("precision", "Mixed precision", _precision_table,
+                                       "mixed precision loss curves"),
                                       ("compression", "Gradient compression", _compression_table,
                                        "gradient compression loss curves")):
         results = details.get(name, {}).get("results")
@@ -622,6 +645,20 @@ def _memory_table(d: dict) -> list[str]:
                          f"{r['formula_bytes_per_layer'] / MiB:.3f} | {r['ratio']:.3f} | {r['saved_vs_none']:.1%} | "
                          f"{r['estimate_bytes_per_layer'] / MiB:.3f} | "
                          f"{r['backward_peak_above_held_bytes'] / MiB:.2f} | {r['step_time_vs_none']:.2f}x |")
+    if "precision" in d:
+        p = d["precision"]
+        c = p["config"]
+        lines += [""] if lines else []
+        lines += [f"Mixed precision, one process: activation bytes per layer (B={c['batch']}, T={c['seq']}, "
+                  f"C={c['n_embd']}, H={c['n_head']}, dropout={c['dropout']}, recompute none) next to the count of "
+                  "what each op keeps (16-bit: `a B T 18 C + 16 B T + d (2a + 2) B T C + a B H T²`, a = 2), and NumPy "
+                  "bytes per parameter a one-rank Trainer holds after two steps (float32 masters, AdamW).", "",
+                  "| precision | activations MiB | formula MiB | ratio | vs float32 | bytes/parameter |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in p["rows"]:
+            lines.append(f"| {r['precision']} | {r['measured_bytes_per_layer'] / MiB:.3f} | "
+                         f"{r['formula_bytes_per_layer'] / MiB:.3f} | {r['ratio']:.3f} | "
+                         f"{r['activations_vs_full']:.2f}x | {r['state_bytes_per_parameter']:.2f} |")
     if "model_state" in d:
         ms = d["model_state"]
         m, n = ms["model"], ms["rows"][0]["n"]
@@ -641,6 +678,23 @@ def _memory_table(d: dict) -> list[str]:
                   f"({f['param_ratio']:.1f}x; estimated {f['estimates']['big_zero0'] / MiB:.1f} MiB); zero=3 trains "
                   f"them (estimated {f['estimates']['big_zero3'] / MiB:.1f} MiB, measured peak "
                   f"{f['big_zero3_peak_bytes'] / MiB:.1f} MiB)."]
+    return lines
+
+
+def _precision_table(d: dict) -> list[str]:
+    m = d["meta"]
+    lines = [f"The default job ({d['rows'][0]['mesh']}, float32 masters) on {m['ranks']} ranks, {m['steps']} steps "
+             "per precision through `Trainer.train`; final loss: mean of the last 10 steps; worst step: the largest "
+             "relative excess over full's loss at the same step; tokens/s: the slowest rank's median step, best of "
+             f"{m['rounds']} alternating rounds of {m['time_steps']} steps. On the CPU the GEMMs are float32 in every "
+             "precision ([parallelism.md](parallelism.md#mixed-precision)).", "",
+             "| precision | final loss | vs full | worst step | skipped (overflow) | final loss scale | tokens/s | "
+             "vs full |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        scale = "–" if r["final_loss_scale"] is None else f"{r['final_loss_scale']:g}"
+        lines.append(f"| {r['precision']} | {r['final_loss']:.4f} | {r['loss_vs_full']:+.2%} | "
+                     f"{r['worst_step_vs_full']:+.2%} | {r['skipped_steps']} | {scale} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['speed_vs_full']:.2f}x |")
     return lines
 
 

@@ -758,17 +758,28 @@ def _verify_rank_file(full: str, blocks: list[tuple[str, str]]) -> list[str]:
     return []
 
 
-def export(path: str, out_npz: str) -> list[str]:
-    """Write every global tensor to one .npz (keys are the global names). Returns the names."""
+def as_dtype(arrays: dict, dtype: str | None) -> dict:
+    """Every floating-point array of `arrays` in `dtype` (None: as they are); others unchanged."""
+    if dtype is None:
+        return arrays
+    return {k: a.astype(dtype) if a.dtype.kind == "f" else a for k, a in arrays.items()}
+
+
+def export(path: str, out_npz: str, dtype: str | None = None) -> list[str]:
+    """Write every global tensor to one .npz (keys are the global names), floating-point ones in
+    `dtype` when given. Returns the names."""
+    if dtype == "bfloat16":  # np.savez writes it as raw 2-byte voids that np.load cannot type again
+        raise CheckpointError("ckpt export --dtype bfloat16 needs --format safetensors (an .npz cannot record "
+                              "bfloat16); or export --dtype float16 / float32 to .npz")
     ckpt = _resolve(path)
     table, _ = _read_index(ckpt, _read_manifest(ckpt))
     arrays, _ = load(ckpt, {name: Layout.replicated(t.shape) for name, t in table.items()}, Communicator.local())
-    np.savez(out_npz, **arrays)
+    np.savez(out_npz, **as_dtype(arrays, dtype))
     return sorted(arrays)
 
 
-def cli(action: str, path: str, out: str | None = None) -> int:
-    """`hpcpar ckpt info|verify|export PATH [--out FILE.npz]` (one process)."""
+def cli(action: str, path: str, out: str | None = None, dtype: str | None = None) -> int:
+    """`hpcpar ckpt info|verify|export PATH [--out FILE.npz] [--dtype D]` (one process)."""
     if action == "info":
         print(info(path), end="")
     elif action == "verify":
@@ -780,8 +791,8 @@ def cli(action: str, path: str, out: str | None = None) -> int:
     elif action == "export":
         if not out:
             raise CheckpointError("ckpt export needs --out FILE.npz (where to write the global tensors)")
-        names = export(path, out)
-        print(f"wrote {len(names)} tensors to {out}")
+        names = export(path, out, dtype)
+        print(f"wrote {len(names)} tensors to {out}" + (f" as {dtype}" if dtype else ""))
     else:
         raise CheckpointError(f"unknown ckpt action {action!r}; expected info, verify or export")
     return 0

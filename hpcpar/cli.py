@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "import: the checkpoint directory to create")
     p.add_argument("--format", choices=["npz", "safetensors"], default="npz",
                    help="export: npz (every tensor, hpcpar names) or safetensors (HuggingFace GPT-2 names)")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"],
+                   help="export: write the floating-point tensors in this dtype (default: as stored, the master "
+                        "weights); bfloat16/float16 round them as a 16-bit run reads them")
     p.add_argument("--n-head", type=int, help="import: attention heads, when no config.json is beside the weights")
     p.add_argument("--tokenizer", help="import: tokenizer.json to record (default: the model directory's)")
 
@@ -133,9 +136,9 @@ def run(args: argparse.Namespace) -> int:
     if args.verb == "ckpt":
         if args.action == "import" or (args.action == "export" and args.format == "safetensors"):
             from hpcpar import huggingface
-            return huggingface.cli(args.action, args.path, args.out, args.n_head, args.tokenizer)
+            return huggingface.cli(args.action, args.path, args.out, args.n_head, args.tokenizer, args.dtype)
         from hpcpar import checkpoint
-        return checkpoint.cli(args.action, args.path, out=args.out)
+        return checkpoint.cli(args.action, args.path, out=args.out, dtype=args.dtype)
     if args.verb == "job":
         from hpcpar import jobs
         return jobs.render_cli(args)

@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpar import backend, watchdog
+from hpcpar.precision import is_low
 
 # Polling. MPI moves data only inside MPI calls, so while a transfer can still be
 # running the loop calls Test() back to back, yielding the core every few polls
@@ -478,9 +479,10 @@ class Communicator:
             raise ValueError(f"{what} on '{self.name}': op 'avg' needs a floating dtype, got {a.dtype}")
 
     def _work_buffer(self, send, transport):
-        """`send` in the dtype its reduction runs in: its own, or float32 where MPI has no such
-        type (e.g. bfloat16; NCCL reduces those natively)."""
-        if transport is self._host and backend.mpi_datatype(send.dtype) is None:
+        """`send` in the dtype its reduction runs in: its own, or float32 for 16-bit floats over
+        MPI (bfloat16 has no MPI type; float16 sums would round at every addition, so a result
+        would depend on the number of ranks; NCCL reduces those natively)."""
+        if transport is self._host and (backend.mpi_datatype(send.dtype) is None or is_low(send.dtype)):
             return send.astype(np.float32)
         return send
 

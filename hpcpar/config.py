@@ -37,8 +37,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from hpcpar import backend
 from hpcpar.errors import ConfigError
 from hpcpar.nn.gpt import DTYPES, PRESETS, RECOMPUTE_MODES, GPTConfig, recomputed
+from hpcpar.precision import PRECISIONS
 from hpcpar.schema import divisors, field as _field, require_divisible
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,24 @@ class TrainConfig:
                             RECOMPUTE_MODES)
     recompute_every: int = _field(1, "recompute every k-th block: the blocks whose global index % k == 0 "
                                      "(1 = every block)")
+    precision: str = _field("full", "full = every array in model.dtype; bf16 / fp16 = mixed precision: "
+                                    "activations stored in 16 bits and computed in float32, weights read "
+                                    "rounded to 16 bits; master weights, gradients and optimizer state stay "
+                                    "in model.dtype (fp16 with loss scaling)", PRECISIONS)
+    grad_reduce_dtype: str = _field("fp32", "dtype of the data-parallel gradient reduction: fp32 = the "
+                                            "gradients' own (model.dtype); bf16 / fp16 = 16-bit values summed in "
+                                            "float32 (the same as grad_compression = \"bf16\" / \"fp16\")",
+                                    ("fp32", "bf16", "fp16"))
+    loss_scale: float = _field(0.0, "precision = fp16: a static loss scale (> 0), or 0 = dynamic loss scaling")
+    initial_loss_scale: float = _field(65536.0, "dynamic loss scaling: the first scale (> 0)")
+    loss_scale_window: int = _field(1000, "dynamic loss scaling: steps without overflow before the scale "
+                                          "grows (>= 1)")
+    loss_scale_growth: float = _field(2.0, "dynamic loss scaling: growth factor (> 1)")
+    loss_scale_backoff: float = _field(0.5, "dynamic loss scaling: backoff factor after an overflow, in (0, 1)")
+    loss_scale_hysteresis: int = _field(2, "dynamic loss scaling: overflows tolerated since the last growth "
+                                           "before the scale backs off (>= 1)")
+    min_loss_scale: float = _field(1.0, "dynamic loss scaling: the scale never backs off below this (> 0); an "
+                                        "overflow at the minimum counts as a bad step (train.max_bad_steps)")
 
 
 @dataclass(frozen=True)
@@ -517,13 +537,21 @@ def _model_state(cfg: Config, params: int, units: list[int], shards: int) -> int
     return 2 * -(-p * s // n) + state + gathered + grads * s
 
 
+def activation_bytes(cfg: Config) -> int:
+    """Bytes per stored activation element: 2 under train.precision bf16/fp16, else model.dtype's."""
+    return 2 if cfg.train.precision != "full" else DTYPES[cfg.model.dtype]
+
+
 def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None) -> tuple[int, int]:
     """(weights + grads + optimizer state, activations) in bytes on the busiest rank.
     `cp` defaults to the config's resolved `mesh.cp` (1 when auto)."""
     from hpcpar.parallel import schedule
 
     m, t = cfg.model, cfg.train
-    s = DTYPES[m.dtype]
+    # Activations: stored in s bytes (16 bits under mixed precision); an op's working arrays
+    # (attention scores while they are computed, the loss's probabilities) in f bytes (float32).
+    s = activation_bytes(cfg)
+    f = 4 if t.precision != "full" else s
     cp = cp if cp is not None else (cfg.mesh.cp or 1)
     # ZeRO shards over dp_shard x cp (HSDP replicates the shards over dp_replicate).
     replicate = cfg.mesh.dp_replicate if dp % cfg.mesh.dp_replicate == 0 else 1
@@ -555,9 +583,9 @@ def _memory_parts(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None)
     def chunk_bytes(blocks) -> float:
         return sum(kept[t.recompute if recomputed(i, t.recompute_every) else "none"] for i in blocks)
     q = n if ring else seq
-    transient = s * (2 * bsz * heads / (tp * (1 if ring else cp)) + 1) * q * q
+    transient = f * (2 * bsz * heads / (tp * (1 if ring else cp)) + 1) * q * q
     embed = s * bsz * n * 2 * c                        # token + position embeddings
-    head = s * bsz * n * (2 * c + 2 * m.vocab_size / tp)  # ln_f, logits and softmax probabilities
+    head = bsz * n * (s * 2 * c + (s + f) * m.vocab_size / tp)  # ln_f, logits and softmax probabilities
     # Peak stashed chunk activations per pipeline rank, from the schedule itself.
     place = schedule.placement(cfg.pipeline.schedule, pp, cfg.pipeline.chunks)
     stash = peak_stash(cfg.pipeline.schedule, pp, t.microbatches, place.chunks)
@@ -696,6 +724,13 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("train.int8_block_size", _ge1, ">= 1"),
     ("train.max_bad_steps", _ge1, ">= 1"),
     ("train.recompute_every", _ge1, ">= 1 (1 = every block)"),
+    ("train.loss_scale", _ge0, ">= 0 (0 = dynamic)"),
+    ("train.initial_loss_scale", _gt0, "> 0"),
+    ("train.loss_scale_window", _ge1, ">= 1"),
+    ("train.loss_scale_growth", lambda v: v > 1, "> 1"),
+    ("train.loss_scale_backoff", _open_unit, "in (0, 1)"),
+    ("train.loss_scale_hysteresis", _ge1, ">= 1"),
+    ("train.min_loss_scale", _gt0, "> 0"),
     ("pipeline.chunks", _ge0, ">= 0 (0 = the schedule's own)"),
     ("checkpoint.every", _ge0, ">= 0 (0 = only at the end)"),
     ("checkpoint.keep", _ge1, ">= 1"),
@@ -832,6 +867,30 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
                     t.microbatches, pp, 100 * (pp - 1) / (t.microbatches + pp - 1), pp)
 
 
+def _fold_reduce_dtype(cfg: Config) -> Config:
+    """train.grad_reduce_dtype = "bf16"/"fp16" is the 16-bit wire of train.grad_compression: the
+    returned config names it there too (a different compressor beside it is a conflict)."""
+    t = cfg.train
+    if t.grad_reduce_dtype == "fp32" or t.grad_compression == t.grad_reduce_dtype:
+        return cfg
+    if t.grad_compression != "none":
+        raise ConfigError(f"train.grad_reduce_dtype={_toml_value(t.grad_reduce_dtype)} (16-bit gradients on the "
+                          f"wire) conflicts with train.grad_compression={_toml_value(t.grad_compression)}; keep "
+                          "one: train.grad_reduce_dtype=\"fp32\" or train.grad_compression=\"none\"")
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_compression=t.grad_reduce_dtype))
+
+
+def _check_precision(cfg: Config) -> None:
+    """bfloat16 arrays exist on the CPU only (ml_dtypes); CuPy has float16 but no bfloat16."""
+    t = cfg.train
+    if t.precision != "bf16":
+        return
+    gpu = cfg.run.backend == "cupy" or (cfg.run.backend == "auto" and backend.name() == "cupy")
+    if gpu:
+        raise ConfigError("train.precision=\"bf16\" stores activations as bfloat16, which CuPy arrays cannot "
+                          "hold; on the GPU use train.precision=\"fp16\" (or run.backend=\"numpy\")")
+
+
 def _resolved_chunks(p: PipelineConfig) -> int:
     from hpcpar.parallel import schedule
 
@@ -851,6 +910,8 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     _check_fields(cfg)
     _check_ranges(cfg)
     _check_model(cfg)
+    _check_precision(cfg)
+    cfg = _fold_reduce_dtype(cfg)
     from hpcpar.mesh import resolve_degrees  # here, not at the top: mesh.py loads MPI
 
     dp, tp, pp, cp = resolve_degrees(world_size, cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp)

@@ -58,7 +58,7 @@ def _model_names(cfg: GPTConfig) -> dict[str, tuple]:
     return names
 
 
-def _hf_config(cfg: GPTConfig, tok: dict | None) -> dict:
+def _hf_config(cfg: GPTConfig, tok: dict | None, dtype: str) -> dict:
     """config.json of GPT2LMHeadModel for this architecture."""
     out = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
            "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
@@ -66,7 +66,7 @@ def _hf_config(cfg: GPTConfig, tok: dict | None) -> dict:
            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": 0.0,  # no attention dropout
            "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-           "tie_word_embeddings": True, "use_cache": True, "torch_dtype": cfg.dtype}
+           "tie_word_embeddings": True, "use_cache": True, "torch_dtype": dtype}
     if tok is not None and tok["kind"] == "gpt2":
         out["bos_token_id"] = out["eos_token_id"] = 50256
     return out
@@ -75,10 +75,11 @@ def _hf_config(cfg: GPTConfig, tok: dict | None) -> dict:
 # ------------------------------------------------------------------------------ export
 
 
-def export(path: str, out: str) -> str:
+def export(path: str, out: str, dtype: str | None = None) -> str:
     """Write the checkpoint at `path` (or its latest) in HF GPT-2 naming. `out` ending in
     .safetensors: that file; else a directory with model.safetensors, config.json and, when the
-    checkpoint records a BPE tokenizer, tokenizer.json. Returns what was written."""
+    checkpoint records a BPE tokenizer, tokenizer.json. `dtype`: the weights' dtype (default the
+    checkpoint's; bfloat16 and float16 are written as BF16 / F16). Returns what was written."""
     ckpt = checkpoint.latest(path) or path
     _, meta = checkpoint.load(ckpt, {}, Communicator.local())
     cfg = config.loads(meta["config"], origin=f"config stored in {ckpt}").model
@@ -86,7 +87,8 @@ def export(path: str, out: str) -> str:
     stored = {n: s for n, s in shapes.items() if cfg.bias or not n.endswith(".bias")}
     arrays, _ = checkpoint.load(ckpt, {f"model/{n}": Layout.replicated(s) for n, s in stored.items()},
                                 Communicator.local())
-    dtype = np.dtype(cfg.dtype)
+    dtype = np.dtype(dtype or cfg.dtype)
+    arrays = checkpoint.as_dtype(arrays, dtype.name)
     tensors = {}
     for name, shape in shapes.items():
         a = arrays.get(f"model/{name}")
@@ -101,7 +103,7 @@ def export(path: str, out: str) -> str:
         if directory:
             tok = meta.get("tokenizer")
             with open(os.path.join(out, "config.json"), "w") as f:
-                json.dump(_hf_config(cfg, tok), f, indent=2)
+                json.dump(_hf_config(cfg, tok, dtype.name), f, indent=2)
             if tok is not None and tok["kind"] != "bytes":
                 with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
                     f.write(tok["json"])
@@ -227,13 +229,14 @@ def import_(src: str, out: str, n_head: int | None = None, tokenizer_file: str |
                            Communicator.local(), keep=None)
 
 
-def cli(action: str, path: str, out: str | None, n_head: int | None = None, tokenizer_file: str | None = None) -> int:
+def cli(action: str, path: str, out: str | None, n_head: int | None = None, tokenizer_file: str | None = None,
+        dtype: str | None = None) -> int:
     """`hpcpar ckpt export --format safetensors` and `hpcpar ckpt import` (one process)."""
     if not out:
         raise CheckpointError(f"ckpt {action} needs --out " + ("FILE.safetensors or DIR" if action == "export"
                                                                  else "DIR (the new checkpoint directory)"))
     if action == "export":
-        print(f"wrote {export(path, out)} (HuggingFace GPT-2 names)")
+        print(f"wrote {export(path, out, dtype)} (HuggingFace GPT-2 names)")
     else:
         print(f"imported {path} into {import_(path, out, n_head, tokenizer_file)}")
     return 0

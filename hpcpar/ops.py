@@ -8,14 +8,22 @@ None). Broadcasting ops reduce their gradients back to each input's shape.
 The transformer's hot paths are fused into single ops (linear, layer_norm, gelu,
 causal attention, cross_entropy) so that per-op Python overhead stays small and
 no temporary outlives the op that needs it.
+
+Mixed precision (`precision.py`): when activations arrive in 16 bits, these fused ops compute in
+float32 (`up`), read weights rounded to the activations' dtype (`rounded`), store their outputs and
+input gradients in 16 bits (`down`) and keep only 16-bit arrays (or per-row statistics) for
+backward; weight gradients stay float32. In full precision every helper is the identity.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from hpcpar import kernels
 from hpcpar.backend import array_module, is_device_array
+from hpcpar.precision import down, is_low, rounded, up
 from hpcpar.tensor import Tensor, enable_grad, is_grad_enabled, no_grad, weight_grad
 
 
@@ -142,25 +150,37 @@ def tanh(x: Tensor) -> Tensor:
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 
-def gelu(x: Tensor) -> Tensor:
-    """GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    xp = array_module(x.data)
-    xd = x.data
-    if _fused(xd):
-        out, t = kernels.gelu_forward(xd)
-        return Tensor.from_op(out, (x,), lambda g: (kernels.gelu_backward(xd, t, g),))
+def _gelu_tanh(xp, xd):
+    """t = tanh(sqrt(2/pi) (x + 0.044715 x^3)), a new array."""
     t = xd * xd
     t *= 0.044715
     t += 1.0
     t *= xd
     t *= _GELU_C
-    xp.tanh(t, out=t)                 # t = tanh(u)
+    xp.tanh(t, out=t)
+    return t
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Keeps t = tanh(..) for
+    backward; with 16-bit x only x itself (backward recomputes t in float32)."""
+    xp = array_module(x.data)
+    stored = x.data
+    if _fused(stored):
+        out, tanh_u = kernels.gelu_forward(stored)
+        return Tensor.from_op(out, (x,), lambda g: (kernels.gelu_backward(stored, tanh_u, g),))
+    xd = up(stored)
+    t = _gelu_tanh(xp, xd)
     out = t + 1.0
     out *= xd
     out *= 0.5
+    kept = None if is_low(stored.dtype) else t
+    del t, xd
 
     def backward(g):
         # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2)
+        xd = up(stored)
+        t = kept if kept is not None else _gelu_tanh(xp, xd)
         x2 = xd * xd
         x2 *= 3 * 0.044715
         x2 += 1.0
@@ -171,9 +191,16 @@ def gelu(x: Tensor) -> Tensor:
         sech2 += t
         sech2 += 1.0
         sech2 *= 0.5
-        sech2 *= g
-        return (sech2,)
-    return Tensor.from_op(out, (x,), backward)
+        sech2 *= up(g)
+        return (down(sech2, stored.dtype),)
+    return Tensor.from_op(down(out, stored.dtype), (x,), backward)
+
+
+def cast(x: Tensor, dtype) -> Tensor:
+    """x stored as `dtype` (rounded to nearest even); the gradient goes back in x's dtype. Where a
+    mixed-precision model's activations enter 16 bits (after the embedding sum)."""
+    source = x.data.dtype
+    return Tensor.from_op(down(x.data, dtype), (x,), lambda g: (down(g, source),))
 
 
 # ----------------------------------------------------------------------------------------
@@ -191,29 +218,62 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return Tensor.from_op(out, (a, b), backward)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def _gemm_in_16_bits(a, dt) -> bool:
+    """Whether an op computing for `dt` activations runs its GEMMs in 16 bits: CuPy float16 (cuBLAS
+    on the tensor cores, float32 accumulation). NumPy has no 16-bit BLAS: float32 there."""
+    return dt == _FLOAT16 and is_device_array(a)
+
+
+_FLOAT16 = np.dtype(np.float16)
+
+
+def _gemm(a, b, dt):
+    """a @ b, operands holding values of `dt` (in `dt` or float32 arrays), the result in float32 (in
+    the full-precision dtype without 16 bits): a 16-bit GEMM where `_gemm_in_16_bits`, else float32."""
+    if _gemm_in_16_bits(a, dt):
+        return (a.astype(dt, copy=False) @ b.astype(dt, copy=False)).astype(np.float32)
+    return up(a) @ up(b)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype=None) -> Tensor:
     """y = x @ weight.T + bias.  x [..., in], weight [out, in] (nn.Linear layout), bias [out].
 
     The backward reads `weight.data` when it runs: the graph keeps no reference to a parameter's
     array (ZeRO-3 frees gathered parameters after forward and gathers them again for backward).
     Split backward (B/W): dX in B; dW = g^T x and db = sum(g) are weight work (`weight_grad`),
-    which keeps g and x until W.
+    which keeps g and x until W. `out_dtype`: y's dtype (default x's; float32 for a partial sum
+    of 16-bit activations that a reduction adds up before rounding).
     """
-    xd, wd = x.data, weight.data
+    xd, dt = x.data, x.data.dtype
     x2 = xd.reshape(-1, xd.shape[-1])
-    y = x2 @ wd.T
+    wd = rounded(weight.data, dt)
+    y = _gemm(x2, wd.T, dt)
     if bias is not None:
-        y += bias.data
-    out = y.reshape(xd.shape[:-1] + (wd.shape[0],))
-    del wd
+        y += rounded(bias.data, dt)
+    out = down(y, dt if out_dtype is None else out_dtype).reshape(xd.shape[:-1] + (wd.shape[0],))
+    del wd, y
 
     def backward(g):
         g2 = g.reshape(-1, g.shape[-1])
-        gx = (g2 @ weight.data).reshape(xd.shape) if x.requires_grad else None
-        gw = weight_grad(lambda: g2.T @ x2) if weight.requires_grad else None
-        gb = weight_grad(lambda: _sum_rows(g2)) if bias is not None and bias.requires_grad else None
+        gx = down(_gemm(g2, rounded(weight.data, dt), dt), dt).reshape(xd.shape) if x.requires_grad else None
+        gw = weight_grad(lambda: _gemm(g2.T, x2, dt)) if weight.requires_grad else None
+        gb = weight_grad(lambda: _sum_rows(up(g2))) if bias is not None and bias.requires_grad else None
         return gx, gw, gb
     return Tensor.from_op(out, (x, weight, bias), backward)
+
+
+def add_bias(y: Tensor, bias: Tensor | None, dtype) -> Tensor:
+    """y [..., C] + bias [C] (None: no bias), stored as `dtype`: a bias added after a reduction
+    (row-parallel layers). With 16-bit `dtype`, y is the float32 reduced sum; the bias is read
+    rounded to `dtype`, and the result is rounded once. In full precision it is `add` (or y)."""
+    if not is_low(dtype):
+        return y if bias is None else add(y, bias)
+    if bias is None:
+        return cast(y, dtype)
+    out = up(y.data) + rounded(bias.data, dtype)
+    c = out.shape[-1]
+    return Tensor.from_op(down(out, dtype), (y, bias),
+                          lambda g: (up(g), _leaf_or_now(bias, lambda: _sum_rows(up(g).reshape(-1, c)))))
 
 
 # ----------------------------------------------------------------------------------------
@@ -383,34 +443,41 @@ def softmax(x: Tensor, axis: int = -1) -> Tensor:
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
     """LayerNorm over the last dim. x [..., C], weight/bias [C]. Split backward (B/W): dx in B,
-    dweight = sum(g xhat) and dbias = sum(g) in W (`weight_grad`)."""
+    dweight = sum(g xhat) and dbias = sum(g) in W (`weight_grad`). Keeps xhat; with 16-bit x the
+    per-row mean and 1/std instead (xhat is recomputed from x in float32)."""
     xp = array_module(x.data)
-    xd = x.data
-    if _fused(xd):
+    stored, dt = x.data, x.data.dtype
+    if _fused(stored):
         return _layer_norm_fused(x, weight, bias, eps)
+    xd = up(stored)
     mu = xd.mean(axis=-1, keepdims=True)
     xhat = xd - mu
     var = (xhat * xhat).mean(axis=-1, keepdims=True)
     rstd = 1.0 / xp.sqrt(var + eps)
     xhat *= rstd
-    out = xhat * weight.data
+    out = xhat * rounded(weight.data, dt)
     if bias is not None:
-        out += bias.data
-    c = xd.shape[-1]
+        out += rounded(bias.data, dt)
+    c = stored.shape[-1]
+    kept = None if is_low(dt) else xhat
+    del xhat, xd
 
     def backward(g):
+        g = up(g)
+        xhat = kept if kept is not None else (up(stored) - mu) * rstd
         g2 = g.reshape(-1, c)
         xh2 = xhat.reshape(-1, c)
         gw = weight_grad(lambda: (g2 * xh2).sum(axis=0)) if weight.requires_grad else None
         gb = weight_grad(lambda: g2.sum(axis=0)) if bias is not None and bias.requires_grad else None
         gx = None
         if x.requires_grad:
-            gxhat = g * weight.data
+            gxhat = g * rounded(weight.data, dt)
             gx = gxhat - gxhat.mean(axis=-1, keepdims=True)
             gx -= xhat * (gxhat * xhat).mean(axis=-1, keepdims=True)
             gx *= rstd
+            gx = down(gx, dt)
         return gx, gw, gb
-    return Tensor.from_op(out, (x, weight, bias), backward)
+    return Tensor.from_op(down(out, dt), (x, weight, bias), backward)
 
 
 def _layer_norm_fused(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
@@ -435,7 +502,7 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
     out of the mean. Returns a scalar Tensor.
     """
     xp = array_module(logits.data)
-    ld = logits.data
+    ld = up(logits.data)    # 16-bit logits: the softmax and the loss in float32
     v = ld.shape[-1]
     z = ld.reshape(-1, v)
     t = (targets.data if isinstance(targets, Tensor) else targets).reshape(-1)
@@ -457,7 +524,7 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
         grad = probs / total[:, None]
         grad[rows, safe_t] -= 1.0
         grad *= (valid * (g / count))[:, None].astype(grad.dtype)
-        return (grad.reshape(ld.shape),)
+        return (down(grad.reshape(ld.shape), logits.dtype),)
     return Tensor.from_op(loss.astype(ld.dtype), (logits,), backward)
 
 
@@ -470,7 +537,8 @@ def _cross_entropy_fused(logits: Tensor, z, t, valid, ignore_index: int) -> Tens
 
     def backward(g):
         coef = (g / count).reshape(1).astype(z.dtype)
-        return (kernels.cross_entropy_backward(z, t, lse, coef, ignore_index).reshape(logits.shape),)
+        return (down(kernels.cross_entropy_backward(z, t, lse, coef, ignore_index).reshape(logits.shape),
+                     logits.dtype),)
     return Tensor.from_op((nll.sum() / count).astype(z.dtype), (logits,), backward)
 
 
@@ -502,32 +570,39 @@ def causal_attention(qkv: Tensor, n_head: int, recompute: bool = False) -> Tenso
     """
     b, t, three_c = qkv.shape
     d = three_c // 3 // n_head
-    heads = qkv.data.reshape(b, t, 3, n_head, d).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, D]
+    stored, dt = qkv.data, qkv.data.dtype
+
+    def split_heads():
+        return up(stored.reshape(b, t, 3, n_head, d).transpose(2, 0, 3, 1, 4))  # [3, B, H, T, D]
+    heads = split_heads()
     if _fused(heads):
         return _causal_attention_fused(qkv, heads, recompute)
-    xp = array_module(qkv.data)
+    xp = array_module(stored)
     scale = 1.0 / math.sqrt(d)
-    q, k, v = heads[0], heads[1], heads[2]
+    low = is_low(dt)
 
-    def probabilities():
+    def probabilities(q, k):
         probs = q @ k.swapaxes(-1, -2)                                     # [B, H, T, T]
         probs *= scale
         probs += _causal_bias(xp, t, probs.dtype)
         probs -= probs.max(axis=-1, keepdims=True)
         xp.exp(probs, out=probs)
         probs /= probs.sum(axis=-1, keepdims=True)
-        return probs
+        # 16-bit: P is stored (and multiplies V) rounded to 16 bits, as a 16-bit model keeps it.
+        return up(down(probs, dt)) if low else probs
 
-    probs = probabilities()
-    y = probs @ v                                                          # [B, H, T, D]
-    out = y.transpose(0, 2, 1, 3).reshape(b, t, three_c // 3)
-    kept = None if recompute else probs
-    del probs, y
+    probs = probabilities(heads[0], heads[1])
+    y = probs @ heads[2]                                                   # [B, H, T, D]
+    out = down(y.transpose(0, 2, 1, 3).reshape(b, t, three_c // 3), dt)
+    kept = None if recompute else down(probs, dt)
+    held = None if low else heads  # 16-bit: q, k, v are taken from the stored qkv again
+    del probs, y, heads
 
     def backward(g):
-        probs = kept if kept is not None else probabilities()
-        gy = g.reshape(b, t, n_head, d).transpose(0, 2, 1, 3)              # [B, H, T, D]
-        gqkv = xp.empty((3, b, n_head, t, d), dtype=g.dtype)
+        q, k, v = held if held is not None else split_heads()
+        probs = up(kept) if kept is not None else probabilities(q, k)
+        gy = up(g).reshape(b, t, n_head, d).transpose(0, 2, 1, 3)          # [B, H, T, D]
+        gqkv = xp.empty((3, b, n_head, t, d), dtype=gy.dtype)
         xp.matmul(probs.swapaxes(-1, -2), gy, out=gqkv[2])                 # dV = P^T dY
         gs = gy @ v.swapaxes(-1, -2)                                       # dP = dY V^T
         gs -= (gs * probs).sum(axis=-1, keepdims=True)
@@ -535,7 +610,7 @@ def causal_attention(qkv: Tensor, n_head: int, recompute: bool = False) -> Tenso
         gs *= scale
         xp.matmul(gs, k, out=gqkv[0])                                      # dQ = dS K
         xp.matmul(gs.swapaxes(-1, -2), q, out=gqkv[1])                     # dK = dS^T Q
-        return (gqkv.transpose(1, 3, 0, 2, 4).reshape(b, t, three_c),)
+        return (down(gqkv.transpose(1, 3, 0, 2, 4).reshape(b, t, three_c), dt),)
     return Tensor.from_op(out, (qkv,), backward)
 
 
@@ -571,10 +646,10 @@ def _causal_attention_fused(qkv: Tensor, heads, recompute: bool = False) -> Tens
         y[:, :, a:e] = p @ v[:, :, :e]
         probs.append(None if recompute else p)
         del p
-    out = y.transpose(0, 2, 1, 3).reshape(b, t, n_head * d)
+    out = down(y.transpose(0, 2, 1, 3).reshape(b, t, n_head * d), qkv.dtype)
 
     def backward(g):
-        gy = xp.ascontiguousarray(g.reshape(b, t, n_head, d).transpose(0, 2, 1, 3))  # [B, H, T, D]
+        gy = xp.ascontiguousarray(up(g).reshape(b, t, n_head, d).transpose(0, 2, 1, 3))  # [B, H, T, D]
         gq = xp.empty_like(q)
         gkt = xp.zeros_like(kt)                                            # dK^T [B, H, D, T]
         gvt = xp.zeros((b, n_head, d, t), dtype=q.dtype)                   # dV^T [B, H, D, T]
@@ -588,7 +663,7 @@ def _causal_attention_fused(qkv: Tensor, heads, recompute: bool = False) -> Tens
             gq[:, :, a:e] = gs @ k[:, :, :e]                               # dQ = dS K
             gkt[:, :, :, :e] += q[:, :, a:e].swapaxes(-1, -2) @ gs         # dK^T += Q^T dS
         gqkv = xp.stack([gq, gkt.swapaxes(-1, -2), gvt.swapaxes(-1, -2)])  # [3, B, H, T, D]
-        return (gqkv.transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * n_head * d),)
+        return (down(gqkv.transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * n_head * d), qkv.dtype),)
     return Tensor.from_op(out, (qkv,), backward)
 
 
@@ -672,7 +747,14 @@ def dropout(x: Tensor, p: float, mask_rng_keys=None, training: bool = True, rows
     xp = array_module(x.data)
     keep = 1.0 - p
     shape = tuple(full_shape) if full_shape is not None else x.shape[1:]
-    mask = (counter_uniform(xp, mask_rng_keys, shape, rows) < keep).astype(x.dtype)
+    kept = counter_uniform(xp, mask_rng_keys, shape, rows) < keep
+    if is_low(x.dtype):  # the 1/keep scaling in float32 (1/keep is not a 16-bit number)
+        def scaled(a):
+            out = up(a) * kept
+            out *= 1.0 / keep
+            return down(out, x.dtype)
+        return Tensor.from_op(scaled(x.data), (x,), lambda g: (scaled(g),))
+    mask = kept.astype(x.dtype)
     mask *= 1.0 / keep
     return Tensor.from_op(x.data * mask, (x,), lambda g: (g * mask,))
 

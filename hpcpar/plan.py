@@ -53,6 +53,7 @@ from hpcpar import config
 from hpcpar.config import DTYPES, Config, estimate_memory
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.parallel import pipeline, schedule
+from hpcpar.precision import LOW_DTYPES
 
 # --------------------------------------------------------------------------- hardware
 
@@ -508,8 +509,9 @@ def plan(cfg: Config, world: int, hw: Hardware, top: int = 5, global_batch: int 
 
 
 def _validate(cfg: Config, world: int) -> Config:
-    """`config.validate`, except that a 16-bit model.dtype (mixed precision, which `hpcpar train`
-    refuses until it is built) is planned as what-if: every other rule still applies."""
+    """`config.validate`, except that a 16-bit model.dtype (a 16-bit model: what `train.precision`
+    bf16/fp16 runs, with 16-bit GEMM rates and bytes) is planned as such: every other rule still
+    applies, and `write_plan` writes it as float32 masters with `train.precision`."""
     if DTYPES[cfg.model.dtype] != 2:
         return config.validate(cfg, world)
     as32 = config.validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32")), world)
@@ -573,13 +575,24 @@ def format_plans(plans: list[Prediction], world: int, hw: Hardware, why: list[st
     return "\n".join(lines)
 
 
+PRECISION_OF = {dtype: name for name, dtype in LOW_DTYPES.items()}   # "bfloat16" -> "bf16"
+
+
+def runnable(cfg: Config) -> Config:
+    """`cfg` as `hpcpar train` runs it: a 16-bit model.dtype (the planner's what-if of a 16-bit
+    model) becomes float32 masters with train.precision = "bf16" / "fp16"."""
+    if DTYPES[cfg.model.dtype] != 2:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"),
+                               train=dataclasses.replace(cfg.train, precision=PRECISION_OF[cfg.model.dtype]))
+
+
 def write_plan(pred: Prediction, path: str) -> None:
     """A config `hpcpar train` runs as is: the planned config with its mesh degrees."""
-    pred.cfg.model.check_dtype()   # a 16-bit what-if plan is not a config train can run yet
     with open(path, "w") as f:
         f.write(f"# hpcpar plan: {pred.layout}\n# predicted {pred.step_time * 1e3:.1f} ms/step, "
                 f"{pred.tokens_per_s:,.0f} tokens/s\n")
-        f.write(config.to_toml(pred.cfg))
+        f.write(config.to_toml(runnable(pred.cfg)))
 
 
 # --------------------------------------------------------------------------- calibration

@@ -35,7 +35,7 @@ def write(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, s
     for name in sorted(tensors):
         a = np.asarray(tensors[name], order="C")   # (ascontiguousarray would make a scalar 1-D)
         a = a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a
-        code = _FROM_NUMPY.get(a.dtype.str if a.dtype.kind != "b" else "|b1")
+        code = "BF16" if a.dtype.name == "bfloat16" else _FROM_NUMPY.get(a.dtype.str if a.dtype.kind != "b" else "|b1")
         if code is None:
             raise CheckpointError(f"safetensors: cannot store {name} of dtype {a.dtype}")
         header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}

@@ -31,6 +31,7 @@ import hpcpar
 from hpcpar import backend, checkpoint, config, data, datasets, metrics, preemption, threads, tokenizer, watchdog
 from hpcpar.comm import Communicator
 from hpcpar.errors import ConfigError, HpcparError
+from hpcpar.loss_scale import LossScaler
 from hpcpar.mesh import Axis, Mesh, resolve_degrees
 from hpcpar.optim import SGD, AdamW, lr_at
 from hpcpar.parallel import pipeline, schedule
@@ -52,6 +53,8 @@ class StepResult:
     lr: float
     skipped: bool        # NaN/Inf loss or gradient: no update was made
     bad_parameter: str   # first parameter with a non-finite gradient ("" if none)
+    overflow: bool = False   # fp16: skipped because the loss scale overflowed (the scaler backed off)
+    loss_scale: float = 1.0  # the loss scale this step's backward used
 
 
 @dataclass
@@ -102,7 +105,7 @@ class Trainer:
         self.stages = pipeline.build_stages(cfg.model, self.mesh, chunks=cfg.pipeline.chunks,
                                             seed=cfg.train.seed,
                                             sequence_parallel=cfg.mesh.sequence_parallel, cp=self.cp,
-                                            placement=self.placement)
+                                            placement=self.placement, precision=cfg.train.precision)
         for stage in self.stages:
             stage.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
         self.named_parameters = [(n, p) for s in self.stages for n, p in s.named_parameters()]
@@ -137,6 +140,12 @@ class Trainer:
         self.is_loss_reporter = (self.stages[-1].head and self.mesh.rank(Axis.TP) == 0)
         self.tokens_per_step = self.mesh.size(Axis.DP) * t.micro_batch_size * t.microbatches * cfg.model.block_size
         self.step = 0  # the next step to run
+        # fp16: the loss scaler (dynamic unless train.loss_scale > 0); None: the loss is not scaled.
+        self.scaler = (LossScaler(t.loss_scale or t.initial_loss_scale, dynamic=t.loss_scale == 0,
+                                  window=t.loss_scale_window, growth=t.loss_scale_growth,
+                                  backoff=t.loss_scale_backoff, hysteresis=t.loss_scale_hysteresis,
+                                  min_scale=t.min_loss_scale)
+                       if t.precision == "fp16" else None)
         self.save_in_flight = None  # checkpoint.SaveHandle of an asynchronous save not yet committed
 
     def _mesh_text(self) -> str:
@@ -181,23 +190,34 @@ class Trainer:
     def train_step(self, step: int) -> StepResult:
         """Run global step `step`: forward/backward of every micro-batch through the pipeline
         schedule, gradient sync over dp, clipping and the optimizer update (none when the loss
-        or gradient norm is not finite). Collective. Afterwards `self.step` is `step + 1`: a
+        or gradient norm is not finite; under fp16 the loss is scaled by the `LossScaler`, and a
+        non-finite norm is an overflow that backs the scale off). Collective. Afterwards `self.step` is `step + 1`: a
         skipped step's batch is passed over, not retried."""
         t = self.cfg.train
         batches = self.microbatches(step)
         if self.cfg.model.dropout:  # masks are keyed by (seed, step, sample id), not by rank
             self.executor.rng_contexts = [(t.seed, step, list(ids)) for ids in self.sample_ids()]
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self.executor.loss_scale = scale
         self.dp.begin_step(microbatches=t.microbatches, step=step)
         losses = self.executor.run(batches)
         self.dp.finish_backward()
         loss = self._global_mean_loss(losses, t.microbatches)
-        norm = self.dp.clip_grad_norm(t.grad_clip)
+        # The norm is the world's agreed figure: a non-finite one on any rank is an overflow everywhere.
+        norm = self.dp.clip_grad_norm(t.grad_clip, loss_scale=scale)
         lr = lr_at(step, t.lr, t.warmup, t.steps, t.min_lr)
         self.step = step + 1
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            return StepResult(loss, norm, lr, True, self._first_bad_parameter())
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if self.scaler is not None:
+            # An overflow the scale can still back off from is the scaler's business, not a bad step.
+            overflow = math.isfinite(loss) and not finite and not self.scaler.at_minimum
+            self.scaler.update(not finite)
+            if overflow:
+                return StepResult(loss, norm, lr, True, "", overflow=True, loss_scale=scale)
+        if not finite:
+            return StepResult(loss, norm, lr, True, self._first_bad_parameter(), loss_scale=scale)
         self.dp.step(lr)
-        return StepResult(loss, norm, lr, False, "")
+        return StepResult(loss, norm, lr, False, "", loss_scale=scale)
 
     def _first_bad_parameter(self) -> str:
         """Name of the first parameter (in model order) whose gradient is not finite, on any rank
@@ -287,17 +307,20 @@ class Trainer:
                 record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                           "tokens_per_s": tok_s, "mfu": mfu, "step_time_s": elapsed, "skipped": result.skipped,
                           **traffic}
+                if self.scaler is not None:
+                    record.update(loss_scale=result.loss_scale, overflow=result.overflow)
                 if run.eval_every and (self.step % run.eval_every == 0 or self.step == end):
                     state.val_loss = record["val_loss"] = self.evaluate(run.eval_batches)
                 if writer:
                     writer.write(record)
                 if on_step:
                     on_step({**record, "cpu_time_s": cpu})
-                bar.update(f"loss {result.loss:.3f} | {tok_s:,.0f} tok/s | MFU {mfu:.1%}")
+                scale = f" | scale {result.loss_scale:g}" if self.scaler is not None else ""
+                bar.update(f"loss {result.loss:.3f} | {tok_s:,.0f} tok/s | MFU {mfu:.1%}{scale}")
                 if rank0 and not draw and (step % run.log_every == 0 or self.step == end):
-                    log.info("step %5d | loss %.4f | lr %.2e | %8.0f tok/s | MFU %.1f%%%s", step, result.loss,
+                    log.info("step %5d | loss %.4f | lr %.2e | %8.0f tok/s | MFU %.1f%%%s%s", step, result.loss,
                              result.lr, tok_s, 100 * mfu,
-                             f" | val {record['val_loss']:.4f}" if "val_loss" in record else "")
+                             f" | val {record['val_loss']:.4f}" if "val_loss" in record else "", scale)
                 if files and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < end:
                     self._checkpoint()
                 if preemption.agreed(self.mesh.world):
@@ -341,6 +364,10 @@ class Trainer:
         first bad parameter) and counted; `train.max_bad_steps` in a row raise HpcparError."""
         if traffic:
             state.traffic.append(traffic)
+        if result.overflow:
+            log.info("step %d: fp16 gradients overflowed at loss scale %g; step skipped, scale now %g",
+                     step, result.loss_scale, self.scaler.scale)
+            return
         if not result.skipped:
             state.bad_in_a_row = 0
             state.step_times.append(elapsed)
@@ -392,6 +419,9 @@ class Trainer:
             "pipeline_bubble_predicted": sim.bubble,
             "pipeline_bubble_measured": self.executor.measured_bubble(),
             "grad_compression": cfg.train.grad_compression, **self._traffic_summary(state),
+            "precision": cfg.train.precision, "activation_dtype": self.stages[0].activation_dtype,
+            "loss_scale": self.scaler.scale if self.scaler is not None else None,
+            "overflow_steps": self.scaler.overflows if self.scaler is not None else 0,
             "peak_memory_bytes_per_rank": peak_rss, "estimated_memory_bytes_per_rank": estimate,
             "run_dir": cfg.run.dir,
         }
@@ -474,6 +504,8 @@ class Trainer:
                 "rng": {"kind": "counter-based: (seed, step, sample id)", "seed": t.seed, "next_step": self.step},
                 "lr_schedule": {"next_step": self.step, "warmup": t.warmup, "total": t.steps},
                 "tokenizer": self.dataset.tokenizer}
+        if self.scaler is not None:
+            meta["loss_scale"] = self.scaler.state_dict()
         tensors = self.checkpoint_tensors()
         compression = self.dp.compression_meta()
         if compression is not None:  # what a loader needs to map the compressor state back
@@ -524,6 +556,8 @@ class Trainer:
                                        only_prefix="model/" if weights_only else "")
         if not weights_only:
             self.dp.load_compression(arrays, stored)
+            if self.scaler is not None and "loss_scale" in meta:  # else: a fresh scaler (a run without fp16)
+                self.scaler.load_state_dict(meta["loss_scale"])
         if self.cfg.train.zero:
             self.dp.load_checkpoint(arrays, key_of, None if weights_only else int(meta["optimizer_step"]),
                                     weights_only=weights_only)
@@ -741,6 +775,10 @@ def _format_summary(s: dict) -> str:
         + (f", zero={s['zero']}" if s.get("zero") else "")
         + f", schedule {s['schedule']}, {s['microbatches']} micro-batches",
         _traffic_line(s),
+        *([f"precision        {s['precision']}: activations {s['activation_dtype']}, masters and optimizer state "
+           "in model.dtype"
+           + (f"; loss scale {s['loss_scale']:g}, {s['overflow_steps']} overflow step(s) skipped"
+              if s.get("loss_scale") is not None else "")] if s.get("precision", "full") != "full" else []),
         f"pipeline bubble  {s['pipeline_bubble_predicted']:.1%} predicted"
         + (f", {measured:.1%} measured" if measured is not None else ""),
         f"peak memory      {mem} MiB per rank (RSS)"

@@ -30,13 +30,16 @@ from hpcpar.nn.layers import Embedding, LayerNorm, Linear
 from hpcpar.nn.context_parallel import ContextParallelPlan
 from hpcpar.nn.module import Module, Parameter
 from hpcpar.nn.tensor_parallel import TensorParallelPlan
+from hpcpar.precision import PRECISIONS, activation_dtype
 from hpcpar.schema import field
 from hpcpar.tensor import Tensor
 
-# model.dtype: every name the config accepts, with its size in bytes (the memory estimate's s).
-# The 16-bit ones are mixed precision, reserved for the GPU path: accepted names, refused by
-# `GPTConfig.check_dtype` until implemented.
+# model.dtype: bytes per element of each dtype name (the memory estimate's s). A model's own dtype
+# (its master weights) is float32 or float64; the 16-bit ones are what activations are stored in
+# under train.precision = "bf16" / "fp16" (see precision.py), and what the planner's 16-bit
+# what-ifs assume.
 DTYPES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+MASTER_DTYPES = ("float32", "float64")
 
 # model.preset: named architectures. `config.load_config` fills in a preset's fields wherever the
 # file and the --set overrides leave them out. gpt2 is GPT-2 small (124M parameters), the shapes
@@ -73,20 +76,22 @@ class GPTConfig:
     n_embd: int = field(128, "model width C")
     bias: bool = field(True, "biases in Linear and LayerNorm layers")
     dropout: float = field(0.0, "dropout probability, 0 <= dropout < 1")
-    dtype: str = field("float32", "parameter and activation dtype; bfloat16/float16 (mixed precision) "
-                                  "are reserved for the GPU path and not implemented yet", tuple(DTYPES))
+    dtype: str = field("float32", "parameter dtype: the master weights, optimizer state and checkpoints, and "
+                                  "the activations in full precision (16-bit training: train.precision)",
+                       tuple(DTYPES))
     preset: str = field("", "named architecture whose shape keys (vocab_size, block_size, n_layer, n_head, "
                             "n_embd, bias) apply unless given explicitly: \"gpt2\" = GPT-2 small, 124M "
                             "(50257, 1024, 12, 12, 768, true); \"\" = none", ("", *PRESETS))
 
     def check_dtype(self) -> None:
-        """Raise ConfigError unless a GPT computes in `dtype` today (16-bit: not yet)."""
-        if self.dtype not in DTYPES:
+        """Raise ConfigError unless `dtype` is a master dtype (16-bit training is train.precision)."""
+        if self.dtype in DTYPES and self.dtype not in MASTER_DTYPES:
+            raise ConfigError(f"model.dtype=\"{self.dtype}\" is the master weights' dtype and must be \"float32\" or "
+                              f"\"float64\"; for {self.dtype} activations set train.precision="
+                              f"\"{'bf16' if self.dtype == 'bfloat16' else 'fp16'}\"")
+        if self.dtype not in MASTER_DTYPES:
             raise ConfigError(f"model.dtype=\"{self.dtype}\" is not one of "
-                              + ", ".join(f'"{d}"' for d in DTYPES))
-        if DTYPES[self.dtype] == 2:
-            raise ConfigError(f"model.dtype=\"{self.dtype}\" (mixed precision) is not implemented yet; "
-                              "use model.dtype=\"float32\" or \"float64\"")
+                              + ", ".join(f'"{d}"' for d in MASTER_DTYPES))
 
     # -- parameter counts (elements on one tp rank of `tp`; tp = 1: the global count) ----------
     def block_params(self, tp: int = 1) -> int:
@@ -260,13 +265,20 @@ class GPT(Module):
         cp: the context-parallel group (`parallel.context.ContextParallel`; None or size 1: the
             whole sequence on this rank). With cp > 1 token ids, targets and activations are this
             rank's tokens only, [B, T/cp(, C)] (`cp.positions(T)`).
+        precision: train.precision: "full", or "bf16"/"fp16" (activations in 16 bits from the
+            embedding sum on, parameters in config.dtype; see `precision.py`).
     """
 
     def __init__(self, config: GPTConfig, tp_comm=None, layers=None, embed: bool = True,
-                 head: bool = True, sequence_parallel: bool = False, seed: int = 0, cp=None):
+                 head: bool = True, sequence_parallel: bool = False, seed: int = 0, cp=None,
+                 precision: str = "full"):
         super().__init__()
         config.check_dtype()
+        if precision not in PRECISIONS:
+            raise ConfigError(f"train.precision={precision!r} is not one of " + ", ".join(map(repr, PRECISIONS)))
         self.config = config
+        # Parameters are config.dtype (the masters); activations between ops are this dtype.
+        self.activation_dtype = activation_dtype(precision, config.dtype)
         self.embed, self.head = embed, head
         self.layer_ids = list(range(config.n_layer) if layers is None else layers)
         self.rng_context = None  # (seed, step, sample_ids) for dropout masks; set by the trainer
@@ -417,7 +429,10 @@ class GPT(Module):
         rows = self.plan.position_ids(t)   # slice(0, t), or my positions under context parallelism
         rows = rows if isinstance(rows, slice) else xp.asarray(rows)
         pos = self.plan.positions(ops.getitem(self.transformer.wpe.weight, rows), t)
-        return self._dropout(tok + pos, 0)
+        h = tok + pos
+        if h.dtype != self.activation_dtype:  # mixed precision: 16 bits from here to the loss
+            h = ops.cast(h, self.activation_dtype)
+        return self._dropout(h, 0)
 
     def _head(self, h, targets):
         if targets is not None:

@@ -39,6 +39,7 @@ from hpcpar.layout import Layout
 from hpcpar.nn.layers import LayerNorm
 from hpcpar.nn.module import Module, Parameter
 from hpcpar.parallel.mappings import all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim, split_to
+from hpcpar.precision import down, up, up_dtype
 from hpcpar.schema import require_divisible
 from hpcpar.tensor import Tensor
 
@@ -119,14 +120,16 @@ class RowParallelLinear(Module):
         self.bias = _zeros(Layout.replicated((out_features,)), dtype, True) if bias else None
 
     def forward(self, x_shard: Tensor) -> Tensor:
-        partial = ops.linear(x_shard, self.weight)
+        # 16-bit activations: the partial sums stay float32 through the reduction and are rounded
+        # once, after the bias, as the one-rank layer rounds its whole sum.
+        partial = ops.linear(x_shard, self.weight, out_dtype=up_dtype(x_shard.dtype))
         if self.sequence_parallel:
             y = reduce_scatter_dim(partial, self.comm, SEQ_DIM)
             bias = copy_to(self.bias, self.comm) if self.bias is not None else None  # grad: sum of shards
         else:
             y = reduce_from(partial, self.comm)
             bias = self.bias
-        return y if bias is None else y + bias
+        return ops.add_bias(y, bias, x_shard.dtype)
 
 
 class ParallelSelfAttention(Module):
@@ -222,7 +225,7 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, comm: Communicat
     -inf logits, so no probability and no gradient.
     """
     xp = backend.array_module(logits_shard.data)
-    ld = logits_shard.data
+    ld = up(logits_shard.data)    # 16-bit logits: the softmax and the loss in float32
     v_local = ld.shape[-1]
     lo = comm.rank * v_local
     real = v_local if vocab_size is None else max(0, min(v_local, vocab_size - lo))  # my non-padding columns
@@ -247,7 +250,7 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, comm: Communicat
         grad = shifted / total[:, None]
         grad[rows, local_t] -= mine                     # -1 at the target, on the rank that owns it
         grad *= (valid * (g / count))[:, None].astype(grad.dtype)
-        return (grad.reshape(ld.shape),)
+        return (down(grad.reshape(ld.shape), logits_shard.dtype),)
     return Tensor.from_op(loss.astype(ld.dtype), (logits_shard,), backward)
 
 

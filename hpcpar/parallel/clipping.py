@@ -44,15 +44,21 @@ def global_grad_norm(items: Iterable[Any], world: Communicator) -> float:
     return math.sqrt(math.fsum(float(v) for v in parts))
 
 
-def clip_global_norm(items: Iterable[Any], grads: Iterable[Any], max_norm: float, world: Communicator) -> float:
+def clip_global_norm(items: Iterable[Any], grads: Iterable[Any], max_norm: float, world: Communicator,
+                     loss_scale: float = 1.0) -> float:
     """Global norm of `items`' gradients (collective over `world`); when `max_norm > 0` and the
     norm exceeds it, scale every array of `grads` in place by `max_norm / (norm + 1e-6)` (as
     torch.nn.utils.clip_grad_norm_). `grads` are the buffers that hold the gradients (whole
-    buckets, or ZeRO parts), tied copies included. Returns the norm before clipping."""
-    norm = global_grad_norm(items, world)
-    if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g *= coef
+    buckets, or ZeRO parts), tied copies included. Returns the norm before clipping.
+
+    `loss_scale`: the gradients are of the loss times this (fp16 loss scaling): they are divided
+    by it first (unscaled, in the same pass as the clipping), and the norm is the unscaled one. A
+    non-finite norm (an overflow) leaves the gradients as they are: the step is skipped."""
+    norm = global_grad_norm(items, world) / loss_scale
+    coef = 1.0 / loss_scale
+    if max_norm > 0 and max_norm / (norm + 1e-6) < 1.0:
+        coef *= max_norm / (norm + 1e-6)
+    if coef != 1.0 and math.isfinite(norm):
+        for g in grads:
+            g *= coef
     return norm

@@ -54,6 +54,7 @@ import numpy as np
 
 from hpcpar import ops
 from hpcpar.backend import array_module
+from hpcpar.precision import down, up
 from hpcpar.tensor import Tensor
 
 if TYPE_CHECKING:  # annotations only: model code never needs MPI loaded
@@ -261,10 +262,12 @@ def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
     d = three_c // 3 // n_head
     scale = 1.0 / math.sqrt(d)
     q, kv = _heads(qkv.data, n_head)                                       # [B,H,Tl,D], [2,B,H,Tl,D]
-    dtype = q.dtype
+    # 16-bit activations: K/V travel in 16 bits, every block is computed in float32.
+    qf = up(q)
+    dtype = qf.dtype
     row_max = xp.full((b, n_head, tl), -xp.inf, dtype=dtype)
     row_sum = xp.zeros((b, n_head, tl), dtype=dtype)
-    acc = xp.zeros_like(q)                                                 # unnormalised output
+    acc = xp.zeros_like(qf)                                                # unnormalised output
     ring = _Rotation(kv)
     for step in range(size):
         src = (rank - step) % size                                         # whose K/V I hold
@@ -280,13 +283,13 @@ def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
         start = time.perf_counter()
         if block is not None:
             r0, r1 = block.r0, block.r1
-            s = _scores(q, held[0], block, scale)
+            s = _scores(qf, up(held[0]), block, scale)
             new_max = xp.maximum(row_max[:, :, r0:r1], s.max(axis=-1))
             alpha = xp.exp(row_max[:, :, r0:r1] - new_max)                  # rescale what came before
             s -= new_max[..., None]
             xp.exp(s, out=s)                                               # unnormalised probabilities
             row_sum[:, :, r0:r1] = row_sum[:, :, r0:r1] * alpha + s.sum(axis=-1)
-            acc[:, :, r0:r1] = acc[:, :, r0:r1] * alpha[..., None] + s @ held[1][:, :, block.c0:block.c1]
+            acc[:, :, r0:r1] = acc[:, :, r0:r1] * alpha[..., None] + s @ up(held[1][:, :, block.c0:block.c1])
             row_max[:, :, r0:r1] = new_max
             cp.stats["pairs"] += b * n_head * block.pairs
             del s  # before the next block's scores exist: one [n, n] block at a time
@@ -300,22 +303,26 @@ def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
             cp._span("cp_kv_wait", "comm", start, {"step": step})
     out_heads = acc / row_sum[..., None]                                   # [B, H, Tl, D]
     lse = row_max + xp.log(row_sum)                                        # [B, H, Tl]
-    out = out_heads.transpose(0, 2, 1, 3).reshape(b, tl, n_head * d)
+    out = down(out_heads.transpose(0, 2, 1, 3).reshape(b, tl, n_head * d), qkv.dtype)
 
     def backward(g):
-        return (_ring_backward(g, q, kv, out_heads, lse, n_head, scale, cp),)
+        return (down(_ring_backward(up(g), q, kv, out_heads, lse, n_head, scale, cp), qkv.dtype),)
     return Tensor.from_op(out, (qkv,), backward)
 
 
 def _ring_backward(g, q, kv, out_heads, lse, n_head: int, scale: float, cp: ContextParallel):
-    """dqkv [B, T/cp, 3 H D] of `ring_attention` (see its doc and the module's)."""
+    """dqkv [B, T/cp, 3 H D] of `ring_attention` (see its doc and the module's). `g`, `out_heads`,
+    `lse` and the result in float32 (or float64); q and the K/V blocks may be 16-bit (taken up to
+    float32 block by block; the dK/dV accumulators travel in float32)."""
     xp = array_module(g)
+    q = up(q)
     comm, size, rank = cp.comm, cp.size, cp.rank
     nxt, prv = (rank + 1) % size, (rank - 1) % size
     b, h, tl, d = q.shape
     gy = xp.ascontiguousarray(g.reshape(b, tl, h, d).transpose(0, 2, 1, 3))   # dO [B, H, Tl, D]
     delta = (gy * out_heads).sum(axis=-1)                                   # rowsum(dO * O) [B, H, Tl]
     dq = xp.zeros_like(q)
+    acc_dtype = q.dtype
     ring = _Rotation(kv)
     incoming = None      # the dK/dV accumulator of the K/V I hold, from the ranks before me
     pending = []         # send handles, waited at the end
@@ -331,21 +338,22 @@ def _ring_backward(g, q, kv, out_heads, lse, n_head: int, scale: float, cp: Cont
         block = cp._block(tl, src, xp, q.dtype)
         cp._event("back_compute", step)
         start = time.perf_counter()
-        part = xp.zeros_like(kv)                                           # my dK, dV of src's keys
+        part = xp.zeros(kv.shape, dtype=acc_dtype)                          # my dK, dV of src's keys
         if block is not None:
             r0, r1, c0, c1 = block.r0, block.r1, block.c0, block.c1
-            p = _scores(q, held[0], block, scale)
+            k = up(held[0])                                                # float32 under 16 bits
+            p = _scores(q, k, block, scale)
             p -= lse[:, :, r0:r1, None]
             xp.exp(p, out=p)                                               # P from the saved log-sum-exp
             gy_rows = gy[:, :, r0:r1]
             part[1][:, :, c0:c1] = p.swapaxes(-1, -2) @ gy_rows            # dV = P^T dO
-            ds = gy_rows @ held[1][:, :, c0:c1].swapaxes(-1, -2)           # dP = dO V^T
+            ds = gy_rows @ up(held[1][:, :, c0:c1]).swapaxes(-1, -2)       # dP = dO V^T
             ds -= delta[:, :, r0:r1, None]
             ds *= p
             ds *= scale                                                    # dS = P (dP - delta) / sqrt(D)
-            dq[:, :, r0:r1] += ds @ held[0][:, :, c0:c1]                   # dQ += dS K
+            dq[:, :, r0:r1] += ds @ k[:, :, c0:c1]                         # dQ += dS K
             part[0][:, :, c0:c1] = ds.swapaxes(-1, -2) @ q[:, :, r0:r1]    # dK = dS^T Q
-            del p, ds  # one block's P and dS at a time
+            del p, ds, k  # one block's P and dS at a time
         cp._event("back_computed", step)
         if cp._tracing():
             cp._span("cp_attention_block", "compute", start, {"step": step, "source": src, "backward": True})
@@ -353,7 +361,7 @@ def _ring_backward(g, q, kv, out_heads, lse, n_head: int, scale: float, cp: Cont
         if incoming is not None:
             part += incoming[1].wait()                                     # add the ranks before me
         # The accumulator goes on to the next rank (after the last step: to its owner, src).
-        incoming_buf = xp.empty_like(kv)
+        incoming_buf = xp.empty(kv.shape, dtype=acc_dtype)
         incoming = comm.isend_irecv(part, nxt, incoming_buf, prv, _TAG_DKV, _TAG_DKV)
         pending.append((incoming[0], part))
         cp.stats["bytes_sent"] += part.nbytes

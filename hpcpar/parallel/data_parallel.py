@@ -321,11 +321,12 @@ class DataParallel:
             return [f.grad_shard for f in self.unit_hooks.flats]
         return [b.part for b in self.buckets] if self._zero is not None else [b.grad for b in self.buckets]
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float, loss_scale: float = 1.0) -> float:
         """Global L2 norm of the averaged gradients over the whole mesh (the same float on every
         rank); when `max_norm > 0` and the norm exceeds it, scale every gradient by
-        `max_norm / (norm + 1e-6)` (as torch.nn.utils.clip_grad_norm_). Returns the norm before."""
-        return clip_global_norm(self._norm_items, self._grad_buffers(), max_norm, self.mesh.world)
+        `max_norm / (norm + 1e-6)` (as torch.nn.utils.clip_grad_norm_). Returns the norm before.
+        Gradients of a loss scaled by `loss_scale` are unscaled first (`clip_global_norm`)."""
+        return clip_global_norm(self._norm_items, self._grad_buffers(), max_norm, self.mesh.world, loss_scale)
 
     def step(self, lr: float | None = None) -> None:
         """Optimizer step with learning rate `lr`. ZeRO 1/2: update this rank's part, all-gather

@@ -107,13 +107,13 @@ def split_layers(n_layer: int, virtual_stages: int, head_cost: float = 0.0) -> l
 
 def build_stages(gpt_config: GPTConfig, mesh, chunks: int, seed: int,
                  sequence_parallel: bool = False, cp: ContextParallel | None = None,
-                 placement: Placement | None = None) -> list[GPT]:
+                 placement: Placement | None = None, precision: str = "full") -> list[GPT]:
     """This rank's model chunks: element c is virtual stage `placement.stage(pp_rank, c)`
     (default placement: the loop, c * pp + pp_rank, with `chunks` chunks).
 
     Parameters are initialised from the seed by global name, so they equal the whole model's.
     `cp`: the context-parallel group every chunk's attention uses (default: ring attention over
-    `mesh.comm(Axis.CP)`).
+    `mesh.comm(Axis.CP)`). `precision`: train.precision (see `GPT`).
     """
     if cp is None:
         cp = ContextParallel(mesh.comm(Axis.CP))
@@ -125,7 +125,8 @@ def build_stages(gpt_config: GPTConfig, mesh, chunks: int, seed: int,
     for chunk in range(place.chunks):
         v = place.stage(rank, chunk)
         stages.append(GPT(gpt_config, tp_comm=mesh.comm(Axis.TP), layers=ranges[v], embed=v == 0,
-                          head=v == n_virtual - 1, sequence_parallel=sequence_parallel, seed=seed, cp=cp))
+                          head=v == n_virtual - 1, sequence_parallel=sequence_parallel, seed=seed, cp=cp,
+                          precision=precision))
     return stages
 
 
@@ -179,7 +180,11 @@ class PipelineExecutor:
         config = self.stages[0].config
         # Megatron-SP: activations between blocks are split along the sequence over tp.
         self._split_t = self.tp if getattr(self.stages[0], "sequence_parallel", False) else 1
-        self._channels, self._dtype = config.n_embd, config.dtype
+        # Activations travel in the stages' storage dtype (16 bits under mixed precision).
+        self._channels = config.n_embd
+        self._dtype = getattr(self.stages[0], "activation_dtype", config.dtype)
+        # Each micro-batch's loss is backpropagated times this (fp16 loss scaling; set per step).
+        self.loss_scale = 1.0
         self._compute = {Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward, Kind.WEIGHT: self._weight}
         # Pipeline messages of GPU arrays go through host memory (MPI, matched by tag) when this
         # schedule could deadlock on NCCL's in-order matching (`schedule.check_in_order_transport`).
@@ -340,7 +345,7 @@ class PipelineExecutor:
         inp, out = st.stash.pop(key)
         # The loss is a mean over the micro-batch; 1/m makes the sum over m a global mean.
         if v == self.last_stage:
-            grad = backend.array_module(out.data).asarray(1.0 / st.m, dtype=out.dtype)
+            grad = backend.array_module(out.data).asarray(self.loss_scale / st.m, dtype=out.dtype)
         else:
             grad = st.grads_in.pop(key)
         if key in self.split:

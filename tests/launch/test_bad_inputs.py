@@ -72,6 +72,13 @@ CASES = [
      "--hardware='tpu' is not one of a100, h100, this"),
     ("plan-model-fits-nowhere", ["plan", "--preset", "70b", "--ranks", "8", "--hardware", "a100"], 1,
      "no layout of 8 ranks fits the"),
+    ("16-bit-master", train("model.dtype=bfloat16"), 1,
+     'model.dtype="bfloat16" is the master weights\' dtype and must be "float32" or "float64"; for bfloat16 '
+     'activations set train.precision="bf16"'),
+    ("reduce-dtype-conflict", train("train.grad_reduce_dtype=fp16", "train.grad_compression=topk"), 1,
+     'train.grad_reduce_dtype="fp16" (16-bit gradients on the wire) conflicts with train.grad_compression="topk"'),
+    ("loss-scale-backoff", train("train.precision=fp16", "train.loss_scale_backoff=2"), 1,
+     "train.loss_scale_backoff=2.0 is invalid: must be in (0, 1)"),
     ("hsdp-without-zero", train("mesh.dp=4", "mesh.pp=1", "mesh.dp_replicate=2"), 4,
      "mesh.dp_replicate=2 splits dp for HSDP, which shards model state over dp_shard; use train.zero >= 1"),
     ("wire16-zero3", train("mesh.dp=4", "mesh.pp=1", "train.zero=3", "train.grad_wire_dtype=bfloat16"), 4,

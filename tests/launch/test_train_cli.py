@@ -115,3 +115,18 @@ def test_sample_from_a_context_parallel_run(mpirun, tmp_path):
                      "--prompt", "def ", "--tokens", "20"], timeout=120)
     assert job.returncode == 0, job.output
     assert job.stdout.startswith("def ") and len(job.stdout.strip()) > len("def ")
+
+
+def test_fp16_run_reports_its_loss_scale_and_samples(mpirun, tmp_path):
+    records, job = train(mpirun, 2, tmp_path / "run", *_sets(["train.precision=fp16", "train.loss_scale_window=2",
+                                                            "mesh.pp=2"]))
+    # The tiny model never overflows at these scales: the scale doubles every two clean steps.
+    assert [r["loss_scale"] for r in records] == [65536.0 * 2 ** (i // 2) for i in range(6)]
+    assert not any(r["overflow"] or r["skipped"] for r in records)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["precision"], summary["activation_dtype"]) == ("fp16", "float16")
+    assert (summary["loss_scale"], summary["overflow_steps"]) == (65536.0 * 2 ** 3, 0)
+    assert "precision        fp16: activations float16" in job.output
+    sample = mpirun(1, [sys.executable, "-m", "hpcpar", "sample", str(tmp_path / "run" / "checkpoints"),
+                        "--prompt", "import ", "--tokens", "10"], timeout=120)
+    assert sample.returncode == 0 and sample.stdout.startswith("import "), sample.output

@@ -22,14 +22,14 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "hpcpar"
 LAYERS = [
     {"hpcpar", "errors", "schema", "layout", "threads", "metrics", "trace", "preemption", "data", "jobs", "plot",
      "nn.init", "tokenizer", "datasets", "prepare", "safetensors_file"},
-    {"backend", "kernels", "watchdog", "failure"},
+    {"backend", "precision", "kernels", "watchdog", "failure"},
     {"comm", "mesh"},
     {"tensor", "ops"},
     {"parallel.mappings", "parallel.context", "nn", "nn.module", "nn.layers", "nn.gpt", "nn.tensor_parallel",
      "nn.context_parallel"},
     {"parallel", "parallel.schedule", "parallel.pipeline", "parallel.buckets", "parallel.compression",
      "parallel.powersgd", "parallel.compression_state", "parallel.zero", "parallel.fsdp", "parallel.clipping",
-     "parallel.data_parallel", "optim", "checkpoint"},
+     "parallel.data_parallel", "optim", "loss_scale", "checkpoint"},
     {"config", "train", "generate", "evaluate", "huggingface", "plan"},
     {"cli", "__main__"},
 ]

@@ -100,8 +100,20 @@ BAD = [
     (["model.preset=gpt3"], 1, 'model.preset="gpt3" is not one of "", "gpt2"; did you mean \'gpt2\'?'),
     # combinations
     (["model.n_embd=130"], 1, "model.n_embd=130 is not divisible by model.n_head=4"),
-    (["model.dtype=bfloat16"], 1, 'model.dtype="bfloat16" (mixed precision) is not implemented yet'),
-    (["model.dtype=float16"], 1, 'use model.dtype="float32" or "float64"'),
+    (["model.dtype=bfloat16"], 1, 'model.dtype="bfloat16" is the master weights\' dtype and must be "float32" or '
+     '"float64"; for bfloat16 activations set train.precision="bf16"'),
+    (["model.dtype=float16"], 1, 'for float16 activations set train.precision="fp16"'),
+    (["train.precision=half"], 1, 'train.precision="half" is not one of "full", "bf16", "fp16"'),
+    (["train.loss_scale=-1", "train.precision=fp16"], 1,
+     "train.loss_scale=-1.0 is invalid: must be >= 0 (0 = dynamic)"),
+    (["train.loss_scale_backoff=1.5"], 1, "train.loss_scale_backoff=1.5 is invalid: must be in (0, 1)"),
+    (["train.loss_scale_growth=1"], 1, "train.loss_scale_growth=1.0 is invalid: must be > 1"),
+    (["train.loss_scale_hysteresis=0"], 1, "train.loss_scale_hysteresis=0 is invalid: must be >= 1"),
+    (["train.min_loss_scale=0"], 1, "train.min_loss_scale=0.0 is invalid: must be > 0"),
+    (["train.initial_loss_scale=0"], 1, "train.initial_loss_scale=0.0 is invalid: must be > 0"),
+    (["train.loss_scale_window=0"], 1, "train.loss_scale_window=0 is invalid: must be >= 1"),
+    (["train.grad_reduce_dtype=bf16", "train.grad_compression=int8"], 1,
+     'train.grad_reduce_dtype="bf16" (16-bit gradients on the wire) conflicts with train.grad_compression="int8"'),
     (["train.min_lr=0.01"], 1, "train.min_lr=0.01 exceeds train.lr=0.003"),
     (["data.val_fraction=0"], 1, "run.eval_every=50 needs held-out data but data.val_fraction=0"),
     # tensor parallelism
@@ -246,9 +258,12 @@ def test_sequence_parallel_is_a_no_op_at_tp_1():
     validate(load_config(None, ["mesh.sequence_parallel=true", "model.block_size=129"]), 1)
 
 
-def test_mixed_precision_is_refused_until_implemented():
-    with pytest.raises(ConfigError, match="not implemented yet"):
-        validate(load_config(None, ["model.dtype=float16", "run.backend=cupy"]), 1)
+def test_bf16_is_refused_on_cupy_and_the_reduce_dtype_folds_into_compression():
+    with pytest.raises(ConfigError, match='on the GPU use train.precision="fp16"'):
+        validate(load_config(None, ["train.precision=bf16", "run.backend=cupy"]), 1)
+    assert validate(load_config(None, ["train.precision=fp16", "run.backend=cupy"]), 1).train.precision == "fp16"
+    folded = validate(load_config(None, ["train.grad_reduce_dtype=bf16", "mesh.dp=2"]), 2)
+    assert folded.train.grad_compression == "bf16" and validate(folded, 2) == folded
 
 
 def test_warnings(caplog):
@@ -607,7 +622,7 @@ def test_the_model_section_is_the_models_config():
     cfg = load_config(None, ["model.n_layer=2", "model.dtype=float64"])
     assert type(cfg.model) is GPTConfig and cfg.model == GPTConfig(n_layer=2, dtype="float64")
     assert GPT(cfg.model).config is cfg.model
-    with pytest.raises(ConfigError, match='model.dtype="bfloat16" \\(mixed precision\\) is not implemented yet'):
+    with pytest.raises(ConfigError, match='set train.precision="bf16"'):
         GPT(GPTConfig(dtype="bfloat16"))
 
 
@@ -645,3 +660,18 @@ def test_memory_check():
     with pytest.raises(ConfigError, match="train.zero=1"):
         _validate(["model.n_embd=1024", "model.n_layer=8", "model.n_head=8", "train.micro_batch_size=1",
                    "model.block_size=16", "mesh.dp=4"], world=4, memory=2**20)
+
+
+def test_the_memory_estimate_counts_16_bit_activations_and_full_model_state():
+    """Under bf16/fp16 the masters, gradients and optimizer state stay in model.dtype (no 16-bit
+    weight copy), and every stored activation takes 2 bytes instead of 4."""
+    from hpcpar.config import _memory_parts
+
+    full = load_config(None, ["model.dropout=0.1"])
+    for precision in ("bf16", "fp16"):
+        low = load_config(None, ["model.dropout=0.1", f"train.precision={precision}"])
+        state_full, act_full = _memory_parts(full, 2, 1, 2, 1)
+        state_low, act_low = _memory_parts(low, 2, 1, 2, 1)
+        assert state_low == state_full
+        # Halved, except for the float32 working sets (attention in backward, the loss's probabilities).
+        assert 0.5 * act_full < act_low < 0.7 * act_full

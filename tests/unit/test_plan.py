@@ -133,3 +133,13 @@ def test_plans_for_ten_thousand_ranks():
     best = plan.plan(cfg, 16384, hw, top=3, global_batch=4096)
     assert len(best) == 3 and all(p.cfg.mesh.dp * p.cfg.mesh.tp * p.cfg.mesh.pp * p.cfg.mesh.cp == 16384
                                   for p in best)
+
+
+def test_a_16_bit_what_if_is_written_as_float32_masters_with_train_precision(tmp_path):
+    cfg = cfg_of("model.dtype=bfloat16")
+    best = plan.plan(cfg, 4, dataclasses.replace(A100, ranks_per_node=4), top=1)[0]
+    out = tmp_path / "plan.toml"
+    plan.write_plan(best, str(out))
+    written = config.validate(config.load_config(str(out)), 4)
+    assert (written.model.dtype, written.train.precision) == ("float32", "bf16")
+    assert written.mesh == best.cfg.mesh
