@@ -663,6 +663,14 @@ def _compression_table(d: dict) -> list[str]:
         lines.append(f"| {_compression_name(r)} | {r['bytes_per_step'] / MiB:.3f} | {r['formula_bytes'] / MiB:.3f} | "
                      f"{r['formula_error']:+.1%} | {r['ratio_to_none']:.3f}x | {r['final_loss']:.4f} | "
                      f"{r['loss_vs_none']:+.2%} |")
+    compressed = [r for r in d["loss"] if r["kind"] != "none" and r["error_feedback"]]
+    lines += ["", "Within 3 % of none with error feedback (the loss criterion): "
+              + (", ".join(_compression_name(r) for r in compressed if r["loss_vs_none"] <= 0.03) or "none")
+              + "; not: " + (", ".join(_compression_name(r) for r in compressed if r["loss_vs_none"] > 0.03) or "none")
+              + ". Top-k and PowerSGD need the warm-up: from the first step error feedback pays the first steps' "
+              "large, fast-turning gradients back about 1/ρ steps late (top-k ended worse with it than without); "
+              "after it the remaining gap is that delay, which only a larger ratio or rank shrinks. Why, and what "
+              "else was tried: [parallelism.md](parallelism.md#what-compression-does-to-the-loss)."]
     for title, rows in (("default model", d["default"]), (f"wider model (n_embd {m['wide_embd']})", d["wide"])):
         lines += ["", f"Step time, {title}, {rows[0]['params'] / 1e6:.2f}M parameters:", "",
                   "| compressor | MiB/step/rank | formula | error | vs none | step ms | time vs none |",

@@ -257,6 +257,7 @@ def test_markdown_table(run_all, summary):
     assert "## Gradient compression" in text
     assert "| topk 0.01 (no EF) | 0.200 | 0.200 | +0.0% | 0.042x | 2.2000 | +10.00% |" in text
     assert "top-k ratio 0.1, PowerSGD rank 8, 16." in text
+    assert "Within 3 % of none with error feedback (the loss criterion): int8; not: topk 0.01 (warm-up 100)." in text
     assert "| wide | int8 | 610 | 601 | 600 | any |" in text
 
 
