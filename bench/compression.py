@@ -1,25 +1,35 @@
 """Gradient compression side by side with `none`: bytes per step, step time, loss, where it pays.
 
-    mpiexec -n 4 python bench/compression.py [--steps 300] [--rounds 2] [--time-steps 6] [--quick]
+    mpiexec -n 4 python bench/compression.py [--steps 300] [--warm-up 100] [--rounds 2] [--time-steps 4]
+                                             [--from-scratch] [--quick]
 
-Every run trains through `Trainer.train` (the loop of `hpcpar train`, no files) on a dp = n mesh
-(n = the world size, pp = tp = 1, ZeRO 0, float32), one after another in this one launch:
+Every run trains through `Trainer.train` (the loop of `hpcpar train`) on a dp = n mesh (n = the
+world size, pp = tp = 1, ZeRO 0, float32), one after another in this one launch:
 
 1. Loss: the default model (docs/config.md: 4 layers, n_embd 128, T 128), `--steps` steps of the
    default job's schedule and global batch (48 sequences of 128 bytes per step:
    micro_batch_size 48 / (2 n), 2 micro-batches), with `train.grad_compression` = none, fp16,
-   bf16, int8, topk (ratio `--ratio`), powersgd (rank `--rank`), with error feedback where the
-   compressor keeps one; topk and powersgd without it (`train.error_feedback = false`); and topk
-   and powersgd with error feedback after `--warm-up` uncompressed steps
-   (`train.compression_start_step`, as PyTorch's PowerSGD hook advises). The final loss is the
-   mean of the last 10 steps' losses; the curves go to compression.png.
-2. Step time: every compressor for `--time-steps` steps, `--rounds` rounds in alternation (so
-   that load from elsewhere hits all alike), the fastest round kept: the default model, then a
-   wider one (n_embd `--wide-embd`).
+   bf16, int8 from the first step; topk (ratio `--ratio`) and powersgd (rank `--rank`) after
+   `--warm-up` uncompressed steps (`train.compression_start_step`: error feedback needs Adam's
+   second moment settled first, docs/parallelism.md#gradient-compression), with and without error
+   feedback (`train.error_feedback`); and, with error feedback, topk at each `--meet-ratio` and
+   powersgd at each `--meet-rank`: the search for settings that meet the issue's loss criterion
+   (within 3 % of none) in this many steps.
+   `--from-scratch` adds topk and powersgd with and without error feedback from the first step
+   (the configuration in which error feedback hurts). The final loss is the mean of the last 10
+   steps' losses; the curves go to compression.png.
+
+   A run with a warm-up is, for its first `--warm-up` steps, the `none` run (the same
+   uncompressed reductions, up to the order of the float32 sums in buckets laid out for the
+   compressor): so it is not trained twice but resumed from `none`'s checkpoint at that step
+   (bitwise resume, tests/parallel/test_compression.py), and its curve begins with `none`'s.
+2. Step time: every compressor (error feedback on, compressing from the first step) for
+   `--time-steps` steps, `--rounds` rounds in alternation (so that load from elsewhere hits all
+   alike), the fastest round kept: the default model, then a wider one (n_embd `--wide-embd`).
 
 Bytes: the trainer's count of what this rank sent for gradient synchronisation per step
-(`Communicator.sent`, mean over ranks and over the steps after the first), next to each
-compressor's formula (docs/parallelism.md#gradient-compression; N elements in B buckets of
+(`Communicator.sent`, mean over ranks and over the compressed steps after the first), next to
+each compressor's formula (docs/parallelism.md#gradient-compression; N elements in B buckets of
 N_b, s = 4 bytes, n ranks, b = `train.int8_block_size`, k_b = ceil(ratio N_b), for PowerSGD
 r' = min(r, a, c) per [a, c] matrix, V = the elements of vectors):
 
@@ -52,8 +62,11 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpcpar import threads
@@ -78,19 +91,30 @@ def say(*a) -> None:
         print(*a, flush=True)
 
 
-def overrides(args, embd: int, kind: str, error_feedback: bool, steps: int, start: int) -> list[str]:
-    return [f"train.compression_start_step={start}", f"model.n_embd={embd}", "model.dtype=float32",
+@dataclass(frozen=True)
+class Setting:
+    """One run's compression settings."""
+
+    kind: str
+    error_feedback: bool = True
+    start: int = 0           # train.compression_start_step
+    ratio: float = 0.01      # top-k
+    rank: int = 4            # PowerSGD
+
+
+def overrides(embd: int, s: Setting, steps: int) -> list[str]:
+    return [f"train.compression_start_step={s.start}", f"model.n_embd={embd}", "model.dtype=float32",
             f"mesh.dp={SIZE}", "mesh.tp=1", "mesh.pp=1",
             f"train.micro_batch_size={GLOBAL_SEQUENCES // (2 * SIZE)}", "train.microbatches=2",
-            f"train.steps={steps}", f"train.grad_compression={kind}", f"train.compression_ratio={args.ratio}",
-            f"train.powersgd_rank={args.rank}", f"train.error_feedback={str(error_feedback).lower()}",
+            f"train.steps={steps}", f"train.grad_compression={s.kind}", f"train.compression_ratio={s.ratio}",
+            f"train.powersgd_rank={s.rank}", f"train.error_feedback={str(s.error_feedback).lower()}",
             "run.eval_every=0", "run.progress=false"]
 
 
-def formula_bytes(trainer: Trainer, kind: str, args) -> float:
+def formula_bytes(trainer: Trainer, setting: Setting) -> float:
     """Bytes one rank sends per step by the compressor's formula (module docstring), from the
     model's parameters and the bucket plan (top-k's per-bucket k)."""
-    n, s = SIZE, 4
+    kind, n, s = setting.kind, SIZE, 4
     params = [p for _, p in trainer.named_parameters if not getattr(p, "tied_to", None)]
     numel = sum(int(p.data.size) for p in params)
     ring = 2 * (n - 1) / n
@@ -102,8 +126,8 @@ def formula_bytes(trainer: Trainer, kind: str, args) -> float:
         return ring * numel * (1 + 4 / trainer.cfg.train.int8_block_size)
     if kind == "topk":
         used = [sum(sl.numel for sl in b.plan.slots) for b in trainer.dp.buckets]
-        return (n - 1) * sum(math.ceil(args.ratio * u) for u in used) * (4 + s)
-    factors = sum(min(args.rank, p.shape[0], math.prod(p.shape[1:])) * (p.shape[0] + math.prod(p.shape[1:]))
+        return (n - 1) * sum(math.ceil(setting.ratio * u) for u in used) * (4 + s)
+    factors = sum(min(setting.rank, p.shape[0], math.prod(p.shape[1:])) * (p.shape[0] + math.prod(p.shape[1:]))
                   if len(p.shape) >= 2 else int(p.data.size) for p in params)
     return ring * s * factors
 
@@ -119,9 +143,15 @@ def messages(trainer: Trainer, kind: str) -> int:
     return total
 
 
-def run(args, embd: int, kind: str, error_feedback: bool, steps: int, start: int = 0) -> dict:
-    cfg = config.load_config(None, overrides(args, embd, kind, error_feedback, steps, start))
+def run(embd: int, s: Setting, steps: int, resume: str | None = None, before: list[float] | None = None,
+        save_at: int = 0) -> tuple[dict, str | None]:
+    """Train `steps` steps with setting `s` (from the checkpoint `resume`, whose run's losses up to
+    it are `before`); with `save_at`, checkpoint at that step into a temporary directory. Returns
+    the result row and the checkpoint's path (or None)."""
+    cfg = config.load_config(None, overrides(embd, s, steps))
     trainer = Trainer(cfg, WORLD)
+    if resume:
+        trainer.load(resume)
     records = []
 
     def on_step(record: dict) -> None:
@@ -130,26 +160,31 @@ def run(args, embd: int, kind: str, error_feedback: bool, steps: int, start: int
                         "grad_bytes": record["grad_bytes_sent"], "plain_bytes": record["grad_bytes_uncompressed"]})
 
     started = time.perf_counter()
+    saved = None
+    if save_at:
+        trainer.train(steps=save_at, files=False, progress=False, on_step=on_step, peak_flops=0.0)
+        directory = WORLD.bcast(tempfile.mkdtemp(prefix="hpcpar-bench-compression-") if RANK == 0 else None)
+        saved = trainer.save(directory, keep=1)
     trainer.train(files=False, progress=False, on_step=on_step, peak_flops=0.0)
-    # The first step warms up allocators and connections; bytes count the compressed steps only
-    # (after the warm-up of `start` uncompressed steps).
-    later = [r for r in records[1:] if r["compressed"] or kind == "none"] or records
+    # The first step (after a load too) warms up allocators and connections; bytes and times count
+    # the compressed steps only (after the warm-up of `start` uncompressed steps).
+    later = [r for r in records[1:] if r["compressed"] or s.kind == "none"] or records
     measured = statistics.fmean(r["grad_bytes"] for r in later)
-    formula = formula_bytes(trainer, kind, args)
-    row = {"kind": kind, "error_feedback": error_feedback, "start_step": start, "embd": embd, "steps": steps,
+    formula = formula_bytes(trainer, s)
+    losses = list(before or []) + [r["loss"] for r in records]
+    row = {"kind": s.kind, "error_feedback": s.error_feedback, "start_step": s.start, "ratio": s.ratio,
+           "rank": s.rank, "embd": embd, "steps": steps, "resumed_at": trainer.step - len(records),
            "params": sum(int(p.data.size) for _, p in trainer.named_parameters if not getattr(p, "tied_to", None)),
            "buckets": len(trainer.dp.buckets), "bytes_per_step": measured, "formula_bytes": formula,
            "formula_error": measured / formula - 1,
            "uncompressed_bytes": statistics.fmean(r["plain_bytes"] for r in later),
-           "step_s": statistics.median(r["step_s"] for r in later), "messages": messages(trainer, kind),
-           "losses": [r["loss"] for r in records], "final_loss": statistics.fmean(r["loss"] for r in records[-10:]),
-           "wall_s": time.perf_counter() - started}
+           "step_s": statistics.median(r["step_s"] for r in later), "messages": messages(trainer, s.kind),
+           "losses": losses, "final_loss": statistics.fmean(losses[-10:]), "wall_s": time.perf_counter() - started}
     trainer.mesh.free()
-    say(f"  {kind:<9} ef={str(error_feedback).lower():<5} start={start:<3} C={embd:<4} {steps:>4} steps: "
-        f"{measured / 2**20:8.3f} MiB/step "
+    say(f"  {name_of(row):<32} C={embd:<4} {steps:>4} steps: {measured / 2**20:8.3f} MiB/step "
         f"(formula {formula / 2**20:.3f}, {row['formula_error']:+.1%}), {1e3 * row['step_s']:7.1f} ms/step, "
         f"final loss {row['final_loss']:.4f}, {row['wall_s']:.0f} s")
-    return row
+    return row, saved
 
 
 def timed(args, embd: int) -> list[dict]:
@@ -159,7 +194,7 @@ def timed(args, embd: int) -> list[dict]:
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
         for kind in KINDS:
-            row = run(args, embd, kind, True, args.time_steps)
+            row, _ = run(embd, Setting(kind, ratio=args.ratio, rank=args.rank), args.time_steps)
             if kind not in best or row["step_s"] < best[kind]["step_s"]:
                 best[kind] = row
     return [best[k] for k in KINDS]
@@ -197,7 +232,8 @@ def where_it_pays(rows: list[dict], alpha_s: float) -> list[dict]:
 
 
 def name_of(r: dict) -> str:
-    return (r["kind"] + ("" if r["error_feedback"] or r["kind"] in ("none", "fp16", "bf16") else " (no EF)")
+    knob = {"topk": f" {r['ratio']:g}", "powersgd": f" r{r['rank']}"}.get(r["kind"], "")
+    return (r["kind"] + knob + ("" if r["error_feedback"] or r["kind"] in ("none", "fp16", "bf16") else " (no EF)")
             + (f" (warm-up {r['start_step']})" if r.get("start_step") else ""))
 
 
@@ -213,7 +249,8 @@ def plot(rows: list[dict], path: Path) -> None:
     for r in rows:
         k = 10  # a running mean over 10 steps: the curves are noisy step to step
         smooth = np.convolve(r["losses"], np.ones(k) / k, mode="valid")
-        style = "--" if not r["error_feedback"] else ":" if r["start_step"] else "-"
+        scratch = r["kind"] in ("topk", "powersgd") and not r["start_step"]
+        style = "--" if not r["error_feedback"] else ":" if scratch else "-"
         ax.plot(np.arange(k - 1, len(r["losses"])), smooth, style, label=name_of(r))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats / byte), running mean of 10")
@@ -228,19 +265,27 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="steps of the loss runs (default model)")
-    parser.add_argument("--time-steps", type=int, default=6, help="steps of each timing run (the first warms up)")
+    parser.add_argument("--time-steps", type=int, default=4, help="steps of each timing run (the first warms up)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the timing runs")
     parser.add_argument("--wide-embd", type=int, default=384, help="n_embd of the wider model")
     parser.add_argument("--ratio", type=float, default=0.01, help="top-k: fraction of entries sent")
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
     parser.add_argument("--warm-up", type=int, default=100,
-                        help="train.compression_start_step of the top-k and PowerSGD warm-up loss runs")
+                        help="train.compression_start_step of the top-k and PowerSGD loss runs")
+    parser.add_argument("--meet-ratio", type=float, nargs="*", default=[0.1],
+                        help="top-k: larger ratios tried against the loss criterion (within 3%% of none)")
+    parser.add_argument("--meet-rank", type=int, nargs="*", default=[8, 16],
+                        help="PowerSGD: larger ranks tried against the loss criterion (within 3%% of none)")
+    parser.add_argument("--from-scratch", action="store_true",
+                        help="also run top-k and PowerSGD with and without error feedback from the first step")
     parser.add_argument("--alpha-us", type=float, default=10.0, help="link latency per message (µs)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 20 loss steps, 1 round of 3 timed steps")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compression.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.time_steps, args.rounds, args.warm_up = 20, 3, 1, 5
+    if not 0 < args.warm_up < args.steps:
+        parser.error(f"--warm-up {args.warm_up} must be in (0, --steps {args.steps})")
     if GLOBAL_SEQUENCES % (2 * SIZE):
         parser.error(f"the global batch of {GLOBAL_SEQUENCES} sequences does not split over {SIZE} ranks")
     started = time.perf_counter()
@@ -248,9 +293,21 @@ def main(argv: list[str] | None = None) -> int:
     say(f"gradient compression on {SIZE} ranks (dp={SIZE}), float32, global batch {GLOBAL_SEQUENCES}x"
         f"{config.Config().model.block_size} tokens")
     say(f"1. loss: default model (n_embd {default_embd}), {args.steps} steps each")
-    loss_runs = [(k, True, 0) for k in ("none", "fp16", "bf16", "int8", "topk", "powersgd")] + [
-        ("topk", False, 0), ("powersgd", False, 0), ("topk", True, args.warm_up), ("powersgd", True, args.warm_up)]
-    losses = [run(args, default_embd, k, ef, args.steps, start) for k, ef, start in loss_runs]
+    w, ratio, rank = args.warm_up, args.ratio, args.rank
+    sparse = [Setting("topk", ef, w, ratio=ratio) for ef in (True, False)] + [
+        Setting("powersgd", ef, w, rank=rank) for ef in (True, False)] + [
+        Setting("topk", True, w, ratio=r) for r in args.meet_ratio] + [
+        Setting("powersgd", True, w, rank=r) for r in args.meet_rank]
+    if args.from_scratch:
+        sparse += [Setting(k, ef, 0, ratio=ratio, rank=rank) for k in ("topk", "powersgd") for ef in (True, False)]
+    none, warmed = run(default_embd, Setting("none"), args.steps, save_at=w)
+    losses = [none] + [run(default_embd, Setting(k, ratio=ratio, rank=rank), args.steps)[0]
+                       for k in ("fp16", "bf16", "int8")]
+    for s in sparse:
+        resume = warmed if s.start == w else None
+        losses.append(run(default_embd, s, args.steps, resume, none["losses"][:w] if resume else None)[0])
+    if RANK == 0:
+        shutil.rmtree(os.path.dirname(warmed), ignore_errors=True)
     say(f"2. step time: default model, {args.rounds} alternating rounds of {args.time_steps} steps")
     default = timed(args, default_embd)
     say(f"3. step time: wider model (n_embd {args.wide_embd}), {args.rounds} alternating rounds of "
@@ -262,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     alpha = args.alpha_us * 1e-6
     for rows in (losses, default, wide):
-        base = next(r for r in rows if r["kind"] == "none")
+        base = rows[0]  # none
         for r in rows:
             r["ratio_to_none"] = r["bytes_per_step"] / base["bytes_per_step"]
             r["step_time_vs_none"] = r["step_s"] / base["step_s"]
@@ -271,18 +328,18 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n# 1. loss after {args.steps} steps (mean of the last 10), default model, "
           f"{losses[0]['params'] / 1e6:.2f}M parameters")
-    print(f"{'compressor':<28} {'MiB/step/rank':>13} {'formula':>9} {'error':>7} {'vs none':>8} {'final loss':>10} "
+    print(f"{'compressor':<32} {'MiB/step/rank':>13} {'formula':>9} {'error':>7} {'vs none':>8} {'final loss':>10} "
           f"{'loss vs none':>12}")
     for r in losses:
-        print(f"{name_of(r):<28} {r['bytes_per_step'] / 2**20:>13.3f} {r['formula_bytes'] / 2**20:>9.3f} "
+        print(f"{name_of(r):<32} {r['bytes_per_step'] / 2**20:>13.3f} {r['formula_bytes'] / 2**20:>9.3f} "
               f"{r['formula_error']:>+7.1%} {r['ratio_to_none']:>7.3f}x {r['final_loss']:>10.4f} "
               f"{r['loss_vs_none']:>+12.2%}")
     for title, rows in (("2. default model", default), (f"3. wider model (n_embd {args.wide_embd})", wide)):
         print(f"\n# {title}: {rows[0]['params'] / 1e6:.2f}M parameters, best of {args.rounds} alternating rounds")
-        print(f"{'compressor':<18} {'MiB/step/rank':>13} {'formula':>9} {'error':>7} {'vs none':>8} {'step ms':>8} "
+        print(f"{'compressor':<32} {'MiB/step/rank':>13} {'formula':>9} {'error':>7} {'vs none':>8} {'step ms':>8} "
               f"{'time vs none':>12}")
         for r in rows:
-            print(f"{name_of(r):<18} {r['bytes_per_step'] / 2**20:>13.3f} {r['formula_bytes'] / 2**20:>9.3f} "
+            print(f"{name_of(r):<32} {r['bytes_per_step'] / 2**20:>13.3f} {r['formula_bytes'] / 2**20:>9.3f} "
                   f"{r['formula_error']:>+7.1%} {r['ratio_to_none']:>7.3f}x {1e3 * r['step_s']:>8.1f} "
                   f"{r['step_time_vs_none']:>11.2f}x")
     print(f"\n# where compression pays: predicted step time (ms) = measured here + bytes / link + "
@@ -305,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["crossover_gbps"] = "any"
     meta = {"ranks": SIZE, "steps": args.steps, "time_steps": args.time_steps, "rounds": args.rounds,
             "wide_embd": args.wide_embd, "ratio": args.ratio, "rank": args.rank, "alpha_us": args.alpha_us,
+            "warm_up": w, "meet_ratio": args.meet_ratio, "meet_rank": args.meet_rank,
             "quick": args.quick, "global_sequences": GLOBAL_SEQUENCES, "shared_memory_gbps": wire_gbps,
             "cores": os.cpu_count(), "load_average": list(os.getloadavg()), "wall_s": time.perf_counter() - started}
     for rows in (default, wide):

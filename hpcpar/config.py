@@ -120,7 +120,9 @@ class TrainConfig:
     powersgd_rank: int = _field(4, "PowerSGD: rank of the factors P [a, r] and Q [b, r] of each [a, b] "
                                    "gradient matrix (>= 1; min(rank, a, b) per matrix)")
     compression_start_step: int = _field(0, "steps before this one reduce gradients uncompressed (warm-up), "
-                                            "as PyTorch's PowerSGD hook does")
+                                            "as PyTorch's PowerSGD hook does; topk and powersgd with error "
+                                            "feedback need one (about a third of a short run): from step 0 the "
+                                            "residual pays the first steps' large gradients back late")
     error_feedback: bool = _field(True, "int8, topk, powersgd: add what compression dropped (the residual, "
                                         "kept per bucket and saved in checkpoints) to the next step's gradient; "
                                         "the 16-bit wires keep none")

@@ -41,6 +41,7 @@ def compression_row(kind: str, ef: bool, nbytes: float, formula: float, loss: fl
     none_bytes, none_loss, none_s = 4.8 * MiB, 2.0, 0.5
     return {"kind": kind, "error_feedback": ef, "params": 840_000, "bytes_per_step": nbytes, "formula_bytes": formula,
             "formula_error": nbytes / formula - 1, "ratio_to_none": nbytes / none_bytes, "final_loss": loss,
+            "ratio": 0.01, "rank": 4,
             "loss_vs_none": loss / none_loss - 1, "step_s": step_s, "step_time_vs_none": step_s / none_s}
 
 
@@ -133,7 +134,8 @@ SAMPLES = {
                             "published_tflops": 137, "predicted_tflops": 150.7, "ratio": 1.1}]},
     "compression": {
         "meta": {"ranks": 4, "steps": 300, "time_steps": 6, "rounds": 2, "wide_embd": 384, "ratio": 0.01, "rank": 4,
-                 "alpha_us": 10.0, "global_sequences": 48, "shared_memory_gbps": 3.4},
+                 "alpha_us": 10.0, "global_sequences": 48, "shared_memory_gbps": 3.4, "warm_up": 100,
+                 "meet_ratio": [0.1], "meet_rank": [8, 16]},
         "loss": [compression_row(k, ef, nbytes, formula, loss) for k, ef, nbytes, formula, loss in (
             ("none", True, 4.8 * MiB, 4.8 * MiB, 2.0), ("int8", True, 1.22 * MiB, 1.2 * MiB, 2.01),
             ("topk", False, 0.2 * MiB, 0.2 * MiB, 2.2))] + [
@@ -215,8 +217,8 @@ def test_key_figures_computed_from_the_json(run_all):
     compression = run_all.key_figures("compression", SAMPLES["compression"])
     assert compression[0] == ("bytes/step/rank vs none, default model, dp=4: int8 0.250x; every measurement within "
                               "1.7% of its formula")
-    assert compression[1] == ("final loss vs none after 300 steps: int8 +0.5%, topk (no EF) +10.0%, "
-                              "topk (warm-up 100) +5.0%")
+    assert compression[1] == ("final loss vs none after 300 steps: int8 +0.5%, topk 0.01 (no EF) +10.0%, "
+                              "topk 0.01 (warm-up 100) +5.0%")
     assert compression[2] == ("link speed below which each wins (Gb/s): int8 0.29; this machine's shared memory: "
                               "3.4 Gb/s")
     zero = run_all.key_figures("zero", SAMPLES["zero"])
@@ -253,7 +255,9 @@ def test_markdown_table(run_all, summary):
     assert "## Plan" in text and "| dp=1 tp=4 pp=1 | 1700.0 | 1500.0 | 13% |" in text
     assert "| 1.7B | 32 | 1 | 1 | 32 | 512 | 137 | 150.7 | 1.10 |" in text
     assert "## Gradient compression" in text
-    assert "| topk (no EF) | 0.200 | 0.200 | +0.0% | 0.042x | 2.2000 | +10.00% |" in text
+    assert "| topk 0.01 (no EF) | 0.200 | 0.200 | +0.0% | 0.042x | 2.2000 | +10.00% |" in text
+    assert "top-k ratio 0.1, PowerSGD rank 8, 16." in text
+    assert "Within 3 % of none with error feedback (the loss criterion): int8; not: topk 0.01 (warm-up 100)." in text
     assert "| wide | int8 | 610 | 601 | 600 | any |" in text
 
 
