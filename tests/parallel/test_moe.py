@@ -120,6 +120,37 @@ def test_all_to_all_v_is_adjoint_to_its_backward():
                       f"<Ax, y> = {total[0]!r} but <x, A^T y> = {total[1]!r}")
 
 
+@pytest.mark.skipif(SIZE < 2, reason="needs 2 ranks")
+def test_dispatch_reaches_the_experts_ranks_and_combine_is_its_adjoint():
+    """MoE._dispatch over ep = world: every row arrives at the rank holding its expert, grouped by
+    local expert; combine (`undo`) brings the rows home in their order; and the dispatch's
+    backward is its adjoint (<D x, y> = <x, D^T y> summed over ranks)."""
+    from hpcpar.nn.gpt import GPTConfig
+    from hpcpar.nn.moe import MoE
+
+    comm = Communicator(WORLD, "ep")
+    experts = 2 * SIZE
+    cfg = GPTConfig(n_embd=4, n_head=1, dtype="float64", moe_experts=experts, moe_top_k=1)
+    moe = MoE(cfg, comm)
+    rng = np.random.default_rng(20 + comm.rank)
+    kept = rng.integers(0, 4, experts)                      # rows this rank sends to each expert
+    owner = np.repeat(np.arange(experts), kept)              # rows sorted by expert
+    data = rng.standard_normal((owner.size, 4))
+    data[:, 0] = owner                                       # column 0 names the row's expert
+    sent = Tensor(data, requires_grad=True)
+    grouped, counts, undo = moe._dispatch(sent, kept)
+    local = np.arange(comm.rank * 2, comm.rank * 2 + 2)
+    expected = np.repeat(local, counts)
+    back = undo(Tensor(grouped.data))
+    y = rng.standard_normal(grouped.shape)
+    grouped.backward(y)
+    total = comm.all_reduce(np.array([float((grouped.data * y).sum()), float((sent.data * sent.grad).sum()),
+                                      float(counts.sum()), float(kept.sum())]))
+    collective_assert(np.array_equal(grouped.data[:, 0], expected) and np.array_equal(back.data, sent.data)
+                      and total[2] == total[3] and abs(total[0] - total[1]) <= 1e-12 * abs(total[0]),
+                      f"arrived experts {grouped.data[:, 0]} vs {expected}; adjoint {total[:2]}")
+
+
 @pytest.mark.skipif(SIZE != 4, reason="needs 4 ranks")
 def test_checkpoint_reshards_experts_ep4_to_ep1_and_back_bitwise(shared_dir):
     """ep = 4 saves [E, ...] expert tensors (each rank its E/4 experts); ep = 1 (dp = 4) loads and
