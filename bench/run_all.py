@@ -443,7 +443,8 @@ def _moe_table(d: dict) -> list[str]:
     lines = [f"dp={n}, float32; step time: slowest rank's median step, the faster of two alternating runs; bytes: "
              "`Communicator.sent` of the ep group per step, mean over ranks "
              "([parallelism.md](parallelism.md#mixture-of-experts-and-expert-parallelism)).", "",
-             "| model | tokens/s | step ms | parameters per rank | active parameters | all-to-all-v MiB/step | formula |",
+             "| model | tokens/s | step ms | parameters per rank | active parameters | all-to-all-v MiB/step "
+             "| formula |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, key in (("dense", "dense"), (f"MoE, ep={n}", "moe"), ("MoE, ep=1", "moe_ep1")):
         r = t[key]

@@ -96,8 +96,8 @@ class MpiTransport:
     """
 
     _CALLS = {"all_reduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "all_gather": "Allgather",
-              "all_to_all": "Alltoall", "all_to_all_v": "Alltoallv", "broadcast": "Bcast", "send": "Send", "recv": "Recv",
-              "barrier": "Barrier"}
+              "all_to_all": "Alltoall", "all_to_all_v": "Alltoallv", "broadcast": "Bcast", "send": "Send",
+              "recv": "Recv", "barrier": "Barrier"}
     _REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}  # avg: sum, divided when finished
 
     def __init__(self, mpi_comm: MPI.Comm):

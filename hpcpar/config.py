@@ -845,7 +845,8 @@ def _check_experts(cfg: Config, dp: int, tp: int, cp: int) -> None:
                           + "; expert parallelism borrows data-parallel ranks); choose ep in "
                           f"{{{', '.join(str(d) for d in divisors(shard) if m.moe_experts % d == 0)}}}")
     unsupported = [(cp > 1, f"mesh.cp={cp}", "mesh.cp=1"),
-                   (cfg.mesh.sequence_parallel and tp > 1, "mesh.sequence_parallel=true", "mesh.sequence_parallel=false"),
+                   (cfg.mesh.sequence_parallel and tp > 1, "mesh.sequence_parallel=true",
+                    "mesh.sequence_parallel=false"),
                    (t.zero == 3, "train.zero=3", "train.zero <= 2"),
                    (t.grad_compression != "none", f"train.grad_compression={_toml_value(t.grad_compression)}",
                     "train.grad_compression=\"none\"")]

@@ -77,7 +77,7 @@ def test_comm_imports_no_autograd():
 
 
 DP_PIECES = ("parallel.buckets", "parallel.compression", "parallel.powersgd", "parallel.compression_state",
-             "parallel.zero", "parallel.fsdp", "parallel.clipping", "parallel.data_parallel")
+             "parallel.zero", "parallel.fsdp", "parallel.clipping", "parallel.data_parallel", "parallel.experts")
 
 
 @pytest.mark.parametrize("module", DP_PIECES)
