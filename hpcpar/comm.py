@@ -246,6 +246,7 @@ def bytes_sent(op: str, nbytes: int, size: int) -> float:
         reduce_scatter     (n-1)/n · S     (S = the whole input, n parts)
         all_gather         (n-1)   · S     (S = this rank's piece: it reaches n-1 others)
         all_to_all         (n-1)/n · S     (S = the whole input: all parts but its own leave)
+        all_to_all_v       the rows that leave the rank (counted by the op itself, not here)
         broadcast          S on the root, 0 elsewhere (the data that leaves the root)
         send               S;  recv, barrier: 0
     """
@@ -289,7 +290,8 @@ class Communicator:
     `a.shape[dim]` by `size` (rank r keeps part r of the sum); `all_gather(a, dim)`
     multiplies it by `size` (rank r's `a` becomes part r); `all_to_all(a, dim)` keeps
     the shape and sends part j of `a` along `dim` to rank j, whose result holds the
-    parts it received in rank order.
+    parts it received in rank order; `all_to_all_v(a, send_counts, recv_counts)` sends rows of
+    different counts to every rank ([n, ...] -> [sum(recv_counts), ...]).
     """
 
     def __init__(self, mpi_comm: MPI.Comm, name: str):

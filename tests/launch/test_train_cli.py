@@ -121,8 +121,8 @@ def test_mixture_of_experts_run(mpirun, tmp_path):
     """`hpcpar train` with experts divided over ep=2 of dp=4 ranks, a capacity factor that drops
     tokens and dropout: losses, gradient norms, validation losses and the routing metrics
     (aux loss, load, dropped fraction) equal one rank running the same 8 micro-batches; the
-    progress log and the summary report the experts; `hpcpar plot` draws the expert load and
-    `hpcpar sample` reads the ep=2 checkpoint on one rank."""
+    progress log and the summary report the experts; `hpcpar plot` draws the expert load,
+    `hpcpar sample` reads the ep=2 checkpoint on one rank and `ckpt export` (HF GPT-2) refuses it."""
     moe = ["--set", "model.moe_experts=4", "--set", "model.moe_capacity_factor=1.0", "--set", "model.dropout=0.1",
            "--set", "model.moe_z_loss=0.001", "--set", "run.log_every=1"]
     reference, _ = train(mpirun, 1, tmp_path / "one", *moe, "--set", "train.microbatches=8")
@@ -142,6 +142,9 @@ def test_mixture_of_experts_run(mpirun, tmp_path):
                      "--prompt", "def ", "--tokens", "20"], timeout=120)
     assert job.returncode == 0, job.output
     assert job.stdout.startswith("def ") and len(job.stdout.strip()) > len("def ")
+    job = mpirun(1, [sys.executable, "-m", "hpcpar", "ckpt", "export", str(tmp_path / "many" / "checkpoints"),
+                     "--format", "safetensors", "--out", str(tmp_path / "hf")], timeout=120)
+    assert job.returncode == 2 and "is a mixture-of-experts model" in job.stderr and "Traceback" not in job.stderr
     pytest.importorskip("matplotlib")
     out = tmp_path / "load.png"
     job = mpirun(1, [sys.executable, "-m", "hpcpar", "plot", str(tmp_path / "many"), "--out", str(out)], timeout=120)

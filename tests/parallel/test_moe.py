@@ -74,11 +74,10 @@ def make(overrides, comm=WORLD, microbatches=2) -> Trainer:
 
 @functools.lru_cache(maxsize=None)
 def reference(model: tuple, microbatches: int):
-    """One process, the same micro-batches: (losses, norms, dropped fractions, global parameters)."""
+    """One process, the same micro-batches: (losses, norms, routing figures, global parameters)."""
     t = make(list(model) + ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1"], MPI.COMM_SELF, microbatches)
     results = [t.train_step(step) for step in range(STEPS)]
-    out = ([(r.loss, r.grad_norm) for r in results], [r.moe["moe_dropped_fraction"] for r in results],
-           t.global_parameters())
+    out = ([(r.loss, r.grad_norm) for r in results], [r.moe for r in results], t.global_parameters())
     t.mesh.free()
     return out
 
@@ -91,10 +90,14 @@ def test_expert_parallel_matches_single_process(overrides):
     dp = t.mesh.size("dp")
     t.mesh.free()
     model = tuple(o for o in overrides if o.startswith("model."))
-    steps, dropped, ref_params = reference(model, 2 * dp)
+    steps, routing, ref_params = reference(model, 2 * dp)
     problems = training_problems(results, steps, params, ref_params, 1e-10)
-    if [r.moe["moe_dropped_fraction"] for r in results] != pytest.approx(dropped, rel=1e-12):
-        problems.append(f"dropped {[r.moe['moe_dropped_fraction'] for r in results]} vs {dropped}")
+    # The routing figures too (recomputation must not count a re-run's routing twice).
+    for key in ("moe_dropped_fraction", "moe_aux_loss", "moe_load_imbalance", "moe_layer_imbalance"):
+        got, want = [r.moe[key] for r in results], [r[key] for r in routing]
+        if np.asarray(got) != pytest.approx(np.asarray(want), rel=1e-10):
+            problems.append(f"{key} {got} vs {want}")
+    dropped = [r["moe_dropped_fraction"] for r in routing]
     # The finite capacity factor really drops assignments; unlimited capacity none.
     if (max(dropped) > 0) != (DROP in overrides):
         problems.append(f"dropped fractions {dropped} with {overrides}")
