@@ -167,7 +167,7 @@ def _axes_key(axes: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     unknown = [a for a in names if a not in AXES and a not in CART_AXES]
     if unknown or not names or len(set(expanded)) != len(expanded):
         raise MeshError(f"unknown or repeated mesh axes {list(names)}; the axes are pp, dp, cp and tp "
-                        "(dp = dp_replicate x dp_shard)")
+                        "(dp = dp_replicate x dp_shard), the expert groups ep, edp and edp_shard (alone)")
     return tuple(a for a in CART_AXES if a in expanded)
 
 
