@@ -12,6 +12,7 @@ no temporary outlives the op that needs it.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from hpcpar import kernels
@@ -226,7 +227,7 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts) -> Te
     """
     xd, wd = x.data, weight.data
     xp = array_module(xd)
-    ends = [int(e) for e in _cumsum(counts)]
+    ends = list(itertools.accumulate(int(c) for c in counts))
     bounds = list(zip([0] + ends[:-1], ends))
     out = xp.empty((xd.shape[0], wd.shape[1]), dtype=xd.dtype)
     for g, (a, e) in enumerate(bounds):
@@ -258,14 +259,6 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts) -> Te
         gb = weight_grad(db) if bias is not None and bias.requires_grad else None
         return gx, gw, gb
     return Tensor.from_op(out, (x, weight, bias), backward)
-
-
-def _cumsum(counts) -> list:
-    total, out = 0, []
-    for c in counts:
-        total += int(c)
-        out.append(total)
-    return out
 
 
 # ----------------------------------------------------------------------------------------

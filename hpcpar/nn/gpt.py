@@ -134,8 +134,13 @@ class GPTConfig:
         communicator of size `tp` and an expert-parallel one of size `ep`; `n_blocks`: the blocks'
         global indices (a range), or their number (blocks 0 .. n-1)."""
         blocks = range(n_blocks) if isinstance(n_blocks, int) else n_blocks
-        return (sum(self.block_params(tp, i, ep) for i in blocks) + (self.embedding_params(tp) if embed else 0)
-                + (self.head_params(tp, tied=embed) if head else 0))
+        moe = self._moe_blocks(blocks)
+        return ((len(blocks) - moe) * self.block_params(tp) + moe * self.block_params(tp, 0, ep)
+                + (self.embedding_params(tp) if embed else 0) + (self.head_params(tp, tied=embed) if head else 0))
+
+    def _moe_blocks(self, blocks) -> int:
+        """How many of `blocks` (global indices) have an MoE layer (block 0 has one when any does)."""
+        return sum(1 for i in blocks if self.is_moe(i)) if self.moe_experts else 0
 
     def num_params(self, tp: int = 1, ep: int = 1) -> int:
         """The whole model (tied head), on one tp rank of `tp` (and ep rank of `ep`); tp = 1: nanoGPT's
@@ -145,7 +150,9 @@ class GPTConfig:
     def non_embedding_params(self) -> int:
         """The N of MFU's 6 N: every parameter outside wte/wpe (the tied head adds none) that a
         token uses: of an MoE layer, the router and top_k experts."""
-        return sum(self.block_params(1, i, active=True) for i in range(self.n_layer)) + self.head_params()
+        moe = self._moe_blocks(range(self.n_layer))
+        return ((self.n_layer - moe) * self.block_params() + moe * self.block_params(1, 0, active=True)
+                + self.head_params())
 
 
 class CausalSelfAttention(Module):

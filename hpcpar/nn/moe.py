@@ -190,7 +190,7 @@ class MoE(Module):
         # Group by expert (then source): a permutation of rows and its inverse for the way back.
         starts = np.concatenate([[0], np.cumsum(incoming.reshape(-1))[:-1]]).reshape(comm.size, local)
         perm = np.concatenate([np.arange(starts[s, j], starts[s, j] + incoming[s, j])
-                               for j in range(local) for s in range(comm.size)] or [np.zeros(0, np.int64)])
+                               for j in range(local) for s in range(comm.size)])
         inverse = np.empty_like(perm)
         inverse[perm] = np.arange(perm.size)
         grouped = ops.getitem(arrived, xp.asarray(perm))

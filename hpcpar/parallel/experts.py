@@ -48,8 +48,7 @@ class ExpertDataParallel:
         self.experts = DataParallel(experts, mesh, **{**kwargs, "local_tied": True}, groups=(
             mesh.comm(Axis.EDP), mesh.comm(Axis.EDP_SHARD), mesh.comm(Axis.DP_REPLICATE))) if experts else None
         self.parts = [self.dense] + ([self.experts] if self.experts is not None else [])
-        self.unit_hooks = None
-        self.zero = self.dense.zero
+        self.unit_hooks = None  # no ZeRO-3 with experts
 
     # -- the step -------------------------------------------------------------------------------
     def begin_step(self, microbatches: int = 1, step: int | None = None) -> None:
