@@ -59,13 +59,6 @@ def layouts(world: int) -> list:
     return out
 
 
-def _value(overrides, key, default):
-    for o in overrides:
-        if o.startswith(key + "="):
-            return type(default)(o.split("=", 1)[1])
-    return default
-
-
 def make(overrides, comm=WORLD, microbatches=2) -> Trainer:
     cfg = config.load_config(None, TINY + [f"train.micro_batch_size={MBS}", f"train.microbatches={microbatches}"]
                              + overrides)

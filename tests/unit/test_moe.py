@@ -19,18 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from hpcpar import backend, ops
+from hpcpar import ops
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.nn.moe import MoE, capacity, plan_dispatch, top_k
 from hpcpar.tensor import Tensor, WeightGrads
 
 
-@pytest.fixture(autouse=True)
-def numpy_backend():
-    previous = backend.name()
-    backend.use("numpy")
-    yield
-    backend.use(previous)
+pytestmark = pytest.mark.usefixtures("numpy_backend")
 
 
 def config(**kw) -> GPTConfig:
