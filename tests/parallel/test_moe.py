@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert, host, stored, training_problems
+from collective import collective_assert, host, run_and_free, stored, training_problems
 
 from hpcpar import config
 from hpcpar.comm import Communicator
@@ -77,11 +77,7 @@ def reference(model: tuple, microbatches: int):
 
 @pytest.mark.parametrize("overrides", [o for _, o in layouts(SIZE)], ids=[i for i, _ in layouts(SIZE)])
 def test_expert_parallel_matches_single_process(overrides):
-    t = make(overrides)
-    results = [t.train_step(step) for step in range(STEPS)]
-    params = t.global_parameters()
-    dp = t.mesh.size("dp")
-    t.mesh.free()
+    results, params, dp = run_and_free(make(overrides), STEPS)
     model = tuple(o for o in overrides if o.startswith("model."))
     steps, routing, ref_params = reference(model, 2 * dp)
     problems = training_problems(results, steps, params, ref_params, 1e-10)
