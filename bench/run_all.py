@@ -102,6 +102,10 @@ BENCHMARKS = (
               "gradient compression (fp16, bf16, int8, top-k, PowerSGD) side by side with none on dp=4: bytes per "
               "step vs each formula, step time, loss after 300 steps with and without error feedback, where it pays",
               quick_args=("--quick",), timeout_s=7200.0),
+    Benchmark("moe", "bench/moe.py", 4,
+              "mixture of experts, ep=4 on 4 ranks: tokens/s vs the dense GPT of the same active parameters, "
+              "all-to-all bytes per step vs the formula, expert load after N steps with and without the aux loss",
+              quick_args=("--steps", "1", "--balance-steps", "12", "--layers", "2", "--embd", "64", "--block", "64")),
     Benchmark("vs_torch", "bench/vs_torch.py", None,
               "one process, hpcpar vs PyTorch eager on the same GPT and batches (1 thread)",
               args=("--steps", "5"), quick_args=("--steps", "1", "--rounds", "1", "--n-embd", "128"),
@@ -441,6 +445,42 @@ def _precision(d: dict) -> list[str]:
             + f"; fp16 skipped steps {next(r['skipped_steps'] for r in rows if r['precision'] == 'fp16')}"]
 
 
+def _moe(d: dict) -> list[str]:
+    t, n = d["throughput"], d["ranks"]
+    balance = {b["alpha"]: b for b in d["balance"]}
+    with_aux, without = max(balance), min(balance)
+    return [f"MoE (E=4, top_k=1) / dense of the same active parameters, tokens/s: {t['ratio_moe_over_dense']:.2f}x "
+            f"with ep={n} ({t['moe']['tokens_per_s']:,.0f} vs {t['dense']['tokens_per_s']:,.0f}), "
+            f"{t['ratio_moe_ep1_over_dense']:.2f}x with ep=1",
+            f"all-to-all-v {t['moe']['all_to_all_v_bytes'] / MiB:.2f} MiB/step/rank vs "
+            f"{t['formula_all_to_all_v_bytes'] / MiB:.2f} MiB formula (balanced routing)",
+            f"max/mean tokens per expert after {balance[with_aux]['steps']} steps: "
+            f"{balance[with_aux]['imbalance_last10']:.2f} with aux loss (alpha={with_aux}), "
+            f"{balance[without]['imbalance_last10']:.2f} without"]
+
+
+def _moe_table(d: dict) -> list[str]:
+    t, n = d["throughput"], d["ranks"]
+    lines = [f"dp={n}, float32; step time: slowest rank's median step, the faster of two alternating runs; bytes: "
+             "`Communicator.sent` of the ep group per step, mean over ranks "
+             "([parallelism.md](parallelism.md#mixture-of-experts-and-expert-parallelism)).", "",
+             "| model | tokens/s | step ms | parameters per rank | active parameters | all-to-all-v MiB/step "
+             "| formula |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, key in (("dense", "dense"), (f"MoE, ep={n}", "moe"), ("MoE, ep=1", "moe_ep1")):
+        r = t[key]
+        formula = f"{t['formula_all_to_all_v_bytes'] / MiB:.3f}" if key == "moe" else "–"
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {1e3 * r['step_s']:.0f} | {r['params_per_rank']:,} | "
+                     f"{r['active_params']:,} | {r['all_to_all_v_bytes'] / MiB:.3f} | {formula} |")
+    lines += ["", "Load balance (E=8, top_k=2, ep=4): max / mean tokens per expert of the worst MoE layer.", "",
+              "| aux loss alpha | step 0 | mean of the last 10 steps | steps | loss (last 10) |",
+              "|---:|---:|---:|---:|---:|"]
+    for b in d["balance"]:
+        lines.append(f"| {b['alpha']} | {b['imbalance_first']:.2f} | {b['imbalance_last10']:.2f} | {b['steps']} | "
+                     f"{b['loss_last10']:.3f} |")
+    return lines
+
+
 def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
     """The headline figures of benchmark `name` from its JSON `data`, one string per line."""
     try:
@@ -451,7 +491,7 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
         return {"allreduce": _allreduce, "pipeline": _pipeline, "pipeline_gpt": _pipeline_gpt, "scaling": _scaling,
                 "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory, "zero": _zero,
                 "compression": _compression, "precision": _precision, "vs_torch": _vs_torch,
-                "plan": _plan}[name](data)
+                "plan": _plan, "moe": _moe}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
 
@@ -611,7 +651,8 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
                                       ("precision", "Mixed precision", _precision_table,
                                        "mixed precision loss curves"),
                                       ("compression", "Gradient compression", _compression_table,
-                                       "gradient compression loss curves")):
+                                       "gradient compression loss curves"),
+                                      ("moe", "Mixture of experts", _moe_table, None)):
         results = details.get(name, {}).get("results")
         if not results:
             continue

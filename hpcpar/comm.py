@@ -83,7 +83,9 @@ class Handle:
 # (or None when a blocking call already completed it). The Communicator prepares the buffers and
 # finishes the result once for every transport; only the call that moves the bytes differs.
 # KINDS: op -> how its buffers are used. "send"/"recv" name a peer; "broadcast" a root (as peer).
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv", "barrier")
+# "all_to_all_v" also takes `counts`: (send, recv) elements per rank.
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_v", "broadcast", "send", "recv",
+         "barrier")
 
 
 class MpiTransport:
@@ -95,18 +97,22 @@ class MpiTransport:
     """
 
     _CALLS = {"all_reduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "all_gather": "Allgather",
-              "all_to_all": "Alltoall", "broadcast": "Bcast", "send": "Send", "recv": "Recv",
-              "barrier": "Barrier"}
+              "all_to_all": "Alltoall", "all_to_all_v": "Alltoallv", "broadcast": "Bcast", "send": "Send",
+              "recv": "Recv", "barrier": "Barrier"}
     _REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}  # avg: sum, divided when finished
 
     def __init__(self, mpi_comm: MPI.Comm):
         self.comm = mpi_comm
 
     def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
-              blocking: bool = False):
+              blocking: bool = False, counts: tuple | None = None):
         name = self._CALLS[kind]
         if kind == "barrier":
             args: tuple = ()
+        elif kind == "all_to_all_v":
+            # [buffer, (counts, displacements), datatype] per side; counts in elements of the datatype.
+            datatype = backend.mpi_buffer(recv)[2]
+            args = tuple([buf, (c, _displacements(c)), datatype] for buf, c in zip((send, recv), counts))
         elif kind == "broadcast":
             args = (backend.mpi_buffer(recv), peer)
         elif kind in ("send", "recv"):
@@ -241,6 +247,7 @@ def bytes_sent(op: str, nbytes: int, size: int) -> float:
         reduce_scatter     (n-1)/n · S     (S = the whole input, n parts)
         all_gather         (n-1)   · S     (S = this rank's piece: it reaches n-1 others)
         all_to_all         (n-1)/n · S     (S = the whole input: all parts but its own leave)
+        all_to_all_v       the rows that leave the rank (counted by the op itself, not here)
         broadcast          S on the root, 0 elsewhere (the data that leaves the root)
         send               S;  recv, barrier: 0
     """
@@ -250,6 +257,11 @@ def bytes_sent(op: str, nbytes: int, size: int) -> float:
     factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1,
               "all_to_all": (n - 1) / n, "send": 1.0, "broadcast": 1.0}.get(op, 0.0)
     return factor * nbytes
+
+
+def _displacements(counts):
+    """Where each rank's part starts in a buffer of parts `counts` long, back to back."""
+    return [0] + list(np.cumsum(counts[:-1], dtype=np.int64).tolist()) if len(counts) else []
 
 
 def _contiguous(a):
@@ -279,7 +291,8 @@ class Communicator:
     `a.shape[dim]` by `size` (rank r keeps part r of the sum); `all_gather(a, dim)`
     multiplies it by `size` (rank r's `a` becomes part r); `all_to_all(a, dim)` keeps
     the shape and sends part j of `a` along `dim` to rank j, whose result holds the
-    parts it received in rank order.
+    parts it received in rank order; `all_to_all_v(a, send_counts, recv_counts)` sends rows of
+    different counts to every rank ([n, ...] -> [sum(recv_counts), ...]).
     """
 
     def __init__(self, mpi_comm: MPI.Comm, name: str):
@@ -330,19 +343,22 @@ class Communicator:
         return self._nccl or None
 
     def _start(self, kind: str, a, send, recv, finish: Callable[[], Any], transport, blocking: bool,
-               op: str | None = None, peer: int | None = None, tag: int = 0) -> Handle:
+               op: str | None = None, peer: int | None = None, tag: int = 0, counts: tuple | None = None,
+               sent: float | None = None) -> Handle:
         """Record the op, start it on `transport` from the prepared buffers, and return a handle
-        that waits for it and then `finish`es. Blocking only on MPI, and only when asked."""
+        that waits for it and then `finish`es. Blocking only on MPI, and only when asked.
+        `counts`: all_to_all_v's (send, recv) elements per rank; `sent`: its bytes leaving this rank."""
         blocking = blocking and transport is self._host
         record = self._begin(kind, a, peer=peer if kind in ("send", "recv") else None, blocking=blocking,
-                             root=peer if kind == "broadcast" else None)
+                             root=peer if kind == "broadcast" else None, sent=sent)
+        extra = {} if counts is None else {"counts": counts}
         if blocking:
             try:
-                transport.start(kind, send, recv, op, peer, tag, blocking=True)
+                transport.start(kind, send, recv, op, peer, tag, blocking=True, **extra)
             finally:  # an MPI error must not leave the op pending for the monitor to time out
                 watchdog.recorder.end(record)
             return Handle(finish)
-        request = transport.start(kind, send, recv, op, peer, tag)
+        request = transport.start(kind, send, recv, op, peer, tag, **extra)
 
         def complete() -> Any:
             self._wait(request, record)
@@ -370,13 +386,17 @@ class Communicator:
     # -- issuing and waiting --------------------------------------------------------------------
 
     def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False,
-               root: int | None = None) -> watchdog.OpRecord:
+               root: int | None = None, sent: float | None = None) -> watchdog.OpRecord:
         """Number and record an op (`blocking`: a blocking MPI call, watched by the monitor) and
-        count the bytes it sends from this rank (a broadcast's on its `root` only)."""
+        count the bytes it sends from this rank (a broadcast's on its `root` only; `sent` when the
+        op knows them better than `bytes_sent`'s formula: all_to_all_v)."""
         if peer is None and watchdog.check_every():
-            self._check_sequence(op, a)
+            # all_to_all_v's shapes differ between ranks by design: the check compares its name only.
+            self._check_sequence(op, a if op != "all_to_all_v" else None)
         seq, self._seq = self._seq, self._seq + 1
-        if a is not None and (op != "broadcast" or root == self.rank):
+        if sent is not None:
+            self.sent[op] = self.sent.get(op, 0.0) + sent
+        elif a is not None and (op != "broadcast" or root == self.rank):
             self.sent[op] = self.sent.get(op, 0.0) + bytes_sent(op, a.nbytes, self.size)
         if a is None:
             return watchdog.recorder.begin(self.name, seq, op, (), "", 0, peer, self._group, blocking)
@@ -625,6 +645,37 @@ class Communicator:
         send = _to_front(a, dim)
         recv = self._result(send.shape, send.dtype, backend.array_module(a))
         return self._start("all_to_all", a, send, recv, lambda: _from_front(recv, dim), transport, blocking)
+
+    def all_to_all_v(self, a, send_counts, recv_counts):
+        """Rows of different lengths to every rank (MPI_Alltoallv): the first `send_counts[0]` rows
+        of `a` [n, ...] go to rank 0, the next `send_counts[1]` to rank 1, and so on; the result
+        [sum(recv_counts), ...] holds the rows from rank 0, then from rank 1, ... Both count lists
+        (rows per rank, `size` long) must agree with the peers' (exchange them first, e.g. with
+        `all_to_all`). Bytes counted as sent: the rows that leave this rank. GPU arrays go
+        through host memory."""
+        return self._iall_to_all_v(a, send_counts, recv_counts, blocking=self._blocking).wait()
+
+    def _iall_to_all_v(self, a, send_counts, recv_counts, blocking: bool = False) -> Handle:
+        send_counts = [int(c) for c in send_counts]
+        recv_counts = [int(c) for c in recv_counts]
+        if len(send_counts) != self.size or len(recv_counts) != self.size or a.ndim < 1 \
+                or sum(send_counts) != a.shape[0] or min(send_counts + recv_counts, default=0) < 0:
+            raise ValueError(f"all_to_all_v on '{self.name}': {self.size} send and receive counts (rows >= 0) "
+                             f"are needed, the send counts summing to the {a.shape[0] if a.ndim else 0} rows "
+                             f"of a {tuple(a.shape)} array; got {send_counts} and {recv_counts}")
+        if self.size == 1:
+            return Handle.ready(a)
+        if backend.is_device_array(a):
+            return self._staged(self._iall_to_all_v, a, send_counts, recv_counts, blocking)
+        send = _contiguous(a)
+        row = math.prod(a.shape[1:])
+        recv = self._result((sum(recv_counts),) + tuple(a.shape[1:]), a.dtype, np)
+        elements = (np.array(send_counts, dtype=np.int64) * row, np.array(recv_counts, dtype=np.int64) * row)
+        if backend.mpi_datatype(a.dtype) is None:  # moved as raw bytes, like mpi_buffer does
+            elements = tuple(e * a.dtype.itemsize for e in elements)
+        sent = float((sum(send_counts) - send_counts[self.rank]) * row * a.dtype.itemsize)
+        return self._start("all_to_all_v", a, send, recv, lambda: recv, self._host, blocking,
+                           counts=elements, sent=sent)
 
     def ibroadcast(self, a, root: int = 0) -> Handle:
         """Start a broadcast of root's `a` into every rank's `a` (in place); `wait()` returns `a`."""

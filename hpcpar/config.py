@@ -69,6 +69,9 @@ class MeshConfig:
     dp_replicate: int = _field(1, "HSDP: dp = dp_replicate x dp_shard; ZeRO (train.zero >= 1) shards model "
                                   "state over dp_shard (x cp), ideally inside a node, and replicates it across "
                                   "dp_replicate (1 = no HSDP: the shard group is dp x cp); divides dp")
+    ep: int = _field(1, "expert parallelism: the MoE experts (model.moe_experts) are divided among ep ranks "
+                        "borrowed from dp_shard; divides dp_shard and moe_experts (1 = every rank holds every "
+                        "expert)")
 
 
 @dataclass(frozen=True)
@@ -484,8 +487,9 @@ def _rank_chunks(cfg: Config, pp: int, rank: int) -> list[tuple[int, range, bool
 
 
 def _stage_parameters(cfg: Config, tp: int, pp: int, stage: int) -> int:
-    """Parameters held by one tp rank of pipeline rank `stage` (all its chunks), counted by the model."""
-    return sum(cfg.model.stage_params(len(blocks), embed=v == 0, head=head, tp=tp)
+    """Parameters held by one tp rank of pipeline rank `stage` (all its chunks), counted by the model
+    (MoE layers: the E / mesh.ep experts of one ep rank)."""
+    return sum(cfg.model.stage_params(blocks, embed=v == 0, head=head, tp=tp, ep=cfg.mesh.ep)
                for v, blocks, head in _rank_chunks(cfg, pp, stage))
 
 
@@ -498,7 +502,7 @@ def _stage_units(cfg: Config, tp: int, pp: int, stage: int) -> list[int]:
     for v, blocks, head in _rank_chunks(cfg, pp, stage):
         if v == 0:
             sizes.append(m.embedding_params(tp))
-        sizes += [m.block_params(tp)] * len(blocks)
+        sizes += [m.block_params(tp, i, cfg.mesh.ep) for i in blocks]
         if head:
             sizes.append(m.head_params(tp, tied=False) + (m.block_size * m.n_embd if v == 0 else 0))
     return sizes
@@ -705,6 +709,13 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("mesh.pp", _ge0, ">= 0 (0 = auto)"),
     ("mesh.cp", _ge0, ">= 0 (0 = auto)"),
     ("mesh.dp_replicate", _ge1, ">= 1 (1 = no HSDP)"),
+    ("mesh.ep", _ge1, ">= 1 (1 = no expert parallelism)"),
+    ("model.moe_experts", _ge0, ">= 0 (0 = dense)"),
+    ("model.moe_top_k", _ge1, ">= 1"),
+    ("model.moe_every", _ge1, ">= 1 (1 = every block)"),
+    ("model.moe_capacity_factor", _ge0, ">= 0 (0 = unlimited)"),
+    ("model.moe_aux_loss", _ge0, ">= 0 (0 = off)"),
+    ("model.moe_z_loss", _ge0, ">= 0 (0 = off)"),
     ("data.val_fraction", _unit, "in [0, 1)"),
     ("train.steps", _ge1, ">= 1"),
     ("train.micro_batch_size", _ge1, ">= 1"),
@@ -849,6 +860,41 @@ def _check_context_parallel(cfg: Config, tp: int, cp: int) -> None:
                           f"or mesh.cp_impl=\"ring\"")
 
 
+def _check_experts(cfg: Config, dp: int, tp: int, cp: int) -> None:
+    """Mixture of experts: top_k <= E, ep divides E and dp_shard, and the combinations not
+    implemented with experts (context parallelism, sequence parallelism, ZeRO-3, gradient
+    compression, 16-bit precision) refused, one line each."""
+    m, ep, t = cfg.model, cfg.mesh.ep, cfg.train
+    if m.moe_experts == 0:
+        if ep > 1:
+            raise ConfigError(f"mesh.ep={ep} divides the experts of a mixture-of-experts model, but "
+                              "model.moe_experts=0 (dense); set model.moe_experts (e.g. 4) or mesh.ep=1")
+        return
+    if m.moe_top_k > m.moe_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} exceeds model.moe_experts={m.moe_experts} (a token is "
+                          f"routed to top_k different experts); choose moe_top_k in 1..{m.moe_experts}")
+    require_divisible("model.moe_experts", m.moe_experts, "mesh.ep", ep, "(each ep rank holds E/ep whole experts)",
+                      alternative="mesh.ep=1")
+    shard = dp // cfg.mesh.dp_replicate
+    if shard % ep:
+        raise ConfigError(f"mesh.ep={ep} does not divide the {shard} dp_shard ranks (dp={dp}"
+                          + (f" / dp_replicate={cfg.mesh.dp_replicate}" if cfg.mesh.dp_replicate > 1 else "")
+                          + "; expert parallelism borrows data-parallel ranks); choose ep in "
+                          f"{{{', '.join(str(d) for d in divisors(shard) if m.moe_experts % d == 0)}}}")
+    unsupported = [(cp > 1, f"mesh.cp={cp}", "mesh.cp=1"),
+                   (cfg.mesh.sequence_parallel and tp > 1, "mesh.sequence_parallel=true",
+                    "mesh.sequence_parallel=false"),
+                   (t.zero == 3, "train.zero=3", "train.zero <= 2"),
+                   (t.grad_compression != "none", f"train.grad_compression={_toml_value(t.grad_compression)}",
+                    "train.grad_compression=\"none\""),
+                   (t.precision != "full", f"train.precision={_toml_value(t.precision)} (16-bit expert GEMMs)",
+                    "train.precision=\"full\"")]
+    for bad, what, fix in unsupported:
+        if bad:
+            raise ConfigError(f"{what} is not implemented with a mixture-of-experts model (model.moe_experts="
+                              f"{m.moe_experts}); use {fix}, or model.moe_experts=0")
+
+
 def _check_pipeline(cfg: Config, pp: int) -> None:
     from hpcpar.parallel import schedule
 
@@ -921,6 +967,7 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     _check_tensor_parallel(cfg, tp)
     _check_context_parallel(cfg, tp, cp)
     _check_pipeline(cfg, pp)
+    _check_experts(cfg, dp, tp, cp)
     if cfg.train.grad_compression != "none" and dp * cp == 1:
         log.warning("train.grad_compression=%s has nothing to compress: dp x cp = 1 (no data-parallel "
                     "gradient averaging)", cfg.train.grad_compression)

@@ -113,7 +113,8 @@ def main(path: str, data_path: str, fmt: str | None = None, split: str = "val", 
         raise DataError(f"{data_path} has no held-out part (data.val_fraction=0 and no val file); use --split all")
     result = evaluate(trainer, tokens, max_tokens)
     if world.rank == 0:
-        mesh = " x ".join(f"{a}={trainer.mesh.size(a)}" for a in Axis)   # every axis the mesh has
+        # Every axis the mesh has (of the expert groups, ep: edp and edp_shard follow from it).
+        mesh = " x ".join(f"{a}={trainer.mesh.size(a)}" for a in Axis if a not in (Axis.EDP, Axis.EDP_SHARD))
         print(f"eval {path} on {trainer.dataset.description} ({split} split, {result['tokens']:,} tokens in "
               f"{result['windows']:,} windows of {cfg.model.block_size}): loss {result['loss']:.6f}, "
               f"perplexity {result['perplexity']:.4f} (mesh {mesh})")

@@ -83,6 +83,9 @@ def export(path: str, out: str, dtype: str | None = None) -> str:
     ckpt = checkpoint.latest(path) or path
     _, meta = checkpoint.load(ckpt, {}, Communicator.local())
     cfg = config.loads(meta["config"], origin=f"config stored in {ckpt}").model
+    if cfg.moe_experts:
+        raise CheckpointError(f"{ckpt} is a mixture-of-experts model (model.moe_experts={cfg.moe_experts}); HF GPT-2 "
+                              "has no experts, so only dense checkpoints export")
     shapes = _model_names(cfg)
     stored = {n: s for n, s in shapes.items() if cfg.bias or not n.endswith(".bias")}
     arrays, _ = checkpoint.load(ckpt, {f"model/{n}": Layout.replicated(s) for n, s in stored.items()},

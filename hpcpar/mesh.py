@@ -49,12 +49,17 @@ class Axis(str, enum.Enum):
     TP = "tp"
     DP_REPLICATE = "dp_replicate"  # HSDP: the replicas of a sharded model (across nodes)
     DP_SHARD = "dp_shard"          # the ranks ZeRO/FSDP shard over (with cp: dp_shard x cp)
+    # Expert parallelism borrows ranks from dp_shard x cp (not Cartesian axes: `Cart.Split`s of them).
+    EP = "ep"                      # ranks that divide the experts among them (all-to-all dispatch)
+    EDP = "edp"                    # expert data parallelism: the ranks holding the same experts
+    EDP_SHARD = "edp_shard"        # those of them inside dp_shard x cp (ZeRO shards expert state over them)
 
     __str__ = str.__str__
     __format__ = str.__format__
 
 
 AXES = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)  # the four degrees, pp outermost, tp innermost
+EXPERT_AXES = (Axis.EP, Axis.EDP, Axis.EDP_SHARD)
 # The Cartesian axes: dp is dp_replicate x dp_shard, dp_shard the inner one.
 CART_AXES = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP)
 
@@ -110,6 +115,14 @@ def check_dp_replicate(dp: int, dp_replicate: int) -> None:
                         f"{{{', '.join(map(str, divisors(dp)))}}}")
 
 
+def check_ep(ep: int, dp_shard: int, cp: int = 1) -> None:
+    """Raise MeshError unless `ep` is a positive divisor of dp_shard x cp (the ranks it borrows)."""
+    if not _positive_int(ep) or (dp_shard * cp) % ep:
+        shard = "dp_shard x cp" if cp > 1 else "dp_shard (dp / dp_replicate)"
+        raise MeshError(f"mesh.ep={ep} does not divide {shard}={dp_shard * cp} (expert parallelism borrows the "
+                        f"data-parallel ranks); choose ep in {{{', '.join(map(str, divisors(dp_shard * cp)))}}}")
+
+
 def resolve_degrees(world: int, dp: int = 0, tp: int = 0, pp: int = 0, cp: int = 0) -> tuple[int, int, int, int]:
     """(dp, tp, pp, cp) for `world` ranks, filling in the degrees given as 0 (auto): the `[mesh]` rule.
 
@@ -154,7 +167,7 @@ def _axes_key(axes: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     unknown = [a for a in names if a not in AXES and a not in CART_AXES]
     if unknown or not names or len(set(expanded)) != len(expanded):
         raise MeshError(f"unknown or repeated mesh axes {list(names)}; the axes are pp, dp, cp and tp "
-                        "(dp = dp_replicate x dp_shard)")
+                        "(dp = dp_replicate x dp_shard), the expert groups ep, edp and edp_shard (alone)")
     return tuple(a for a in CART_AXES if a in expanded)
 
 
@@ -209,12 +222,21 @@ class Mesh:
     reduced on; `(Axis.DP_SHARD, Axis.CP)`, the group ZeRO shards over). `degrees` and `coords`
     hold the four degrees pp, dp, cp, tp (dp's coordinate is replicate * dp_shard + shard);
     `size`/`rank` also answer for `Axis.DP_REPLICATE` and `Axis.DP_SHARD`.
+
+    Expert parallelism (`ep`, dividing dp_shard x cp): of the dp_shard x cp ranks of one (pp,
+    dp_replicate, tp) position, numbered i = shard_coord * cp + cp_coord, rank i has ep coordinate
+    i % ep (consecutive ranks form an ep group, the closest ones, for the all-to-all) and
+    expert-shard coordinate i // ep. `comm(Axis.EP)` is its ep group, `comm(Axis.EDP_SHARD)` the
+    ranks of dp_shard x cp with its ep coordinate, `comm(Axis.EDP)` those over all of dp x cp (the
+    expert-data-parallel group, where expert gradients are averaged). With ep = 1 these are this
+    rank alone, the shard group and the dp x cp group.
     """
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, comm: MPI.Comm | None = None, cp: int = 1,
-                 dp_replicate: int = 1):
+                 dp_replicate: int = 1, ep: int = 1):
         base = MPI.COMM_WORLD if comm is None else comm
         validate_degrees(dp, tp, pp, base.Get_size(), cp, dp_replicate)
+        check_ep(ep, dp // dp_replicate, cp)
         self.degrees = {Axis.PP: int(pp), Axis.DP: int(dp), Axis.CP: int(cp), Axis.TP: int(tp)}
         replicate = int(dp_replicate)
         self._cart_degrees = {Axis.PP: int(pp), Axis.DP_REPLICATE: replicate, Axis.DP_SHARD: int(dp) // replicate,
@@ -237,6 +259,7 @@ class Mesh:
                 sub = self.cart.Sub([a in key for a in CART_AXES])
                 self._comms[key] = Communicator(sub, self._name(key))
         self._comms[()] = Communicator(self.cart.Sub([False] * len(CART_AXES)), "dp_replicate")
+        self._make_expert_comms(int(ep))
         stage, stages = self.coords[Axis.PP], self.degrees[Axis.PP]
         self.prev_stage: int | None = stage - 1 if stage > 0 else None
         self.next_stage: int | None = stage + 1 if stage < stages - 1 else None
@@ -256,6 +279,26 @@ class Mesh:
             else:
                 names.append(a)
         return "+".join(names)
+
+    def _make_expert_comms(self, ep: int) -> None:
+        """The ep, edp_shard and edp groups (see the class doc): `Cart.Split`s, collective."""
+        c = self._cart_coords
+        if ep == 1:
+            self._comms[(Axis.EP,)] = Communicator(self.cart.Sub([False] * len(CART_AXES)), "ep")
+            self._comms[(Axis.EDP_SHARD,)] = self.comm((Axis.DP_SHARD, Axis.CP))
+            self._comms[(Axis.EDP,)] = self.comm((Axis.DP, Axis.CP))
+            return
+        inner = c[Axis.DP_SHARD] * self._cart_degrees[Axis.CP] + c[Axis.CP]
+        position = (c[Axis.PP] * self._cart_degrees[Axis.DP_REPLICATE] + c[Axis.DP_REPLICATE]) \
+            * self._cart_degrees[Axis.TP] + c[Axis.TP]
+        n_inner = self._cart_degrees[Axis.DP_SHARD] * self._cart_degrees[Axis.CP]
+        # (color, key) per group: the ranks sharing the color form it, ordered by the key.
+        groups = {(Axis.EP,): (position * (n_inner // ep) + inner // ep, inner % ep),
+                  (Axis.EDP_SHARD,): (position * ep + inner % ep, inner // ep),
+                  (Axis.EDP,): ((c[Axis.PP] * self._cart_degrees[Axis.TP] + c[Axis.TP]) * ep + inner % ep,
+                                c[Axis.DP_REPLICATE] * (n_inner // ep) + inner // ep)}
+        for key, (color, order) in groups.items():
+            self._comms[key] = Communicator(self.cart.Split(color, key=order), key[0])
 
     def _make_embedding_comm(self) -> Communicator | None:
         """The first and last stage of this rank's (dp, cp, tp) position (tied embedding gradients)."""
@@ -303,7 +346,10 @@ class Mesh:
         return Placement(hostnames, nodes, tp_groups, inside(tp_groups), shard_groups, inside(shard_groups))
 
     def size(self, axis: str) -> int:
-        """Degree of `axis` ("pp", "dp", "cp", "tp", "dp_replicate" or "dp_shard"), or of a set of axes."""
+        """Degree of `axis` ("pp", "dp", "cp", "tp", "dp_replicate", "dp_shard", "ep", "edp" or
+        "edp_shard"), or of a set of axes."""
+        if axis in EXPERT_AXES:
+            return self.comm(axis).size
         if not isinstance(axis, str):
             return self.comm(axis).size
         key = _axes_key(axis)
@@ -312,13 +358,18 @@ class Mesh:
     def rank(self, axis: str) -> int:
         """This rank's coordinate along `axis` (its rank in that axis's communicator); along "dp"
         it is replicate * dp_shard + shard."""
+        if axis in EXPERT_AXES:
+            return self.comm(axis).rank
         if not isinstance(axis, str):
             return self.comm(axis).rank
         key = _axes_key(axis)
         return self.coords[Axis.DP] if axis == Axis.DP else self._cart_coords[key[0]]
 
     def comm(self, axes: str | tuple[str, ...]) -> Communicator:
-        """The Communicator along one axis ("tp") or several (("dp", "tp") -> named "dp+tp")."""
+        """The Communicator along one axis ("tp") or several (("dp", "tp") -> named "dp+tp"); the
+        expert groups by their own names ("ep", "edp", "edp_shard")."""
+        if axes in EXPERT_AXES:
+            return self._comms[(Axis(axes),)]
         return self._comms[tuple(a for a in _axes_key(axes) if a in self._used)]
 
     def placement(self) -> Placement:
@@ -366,9 +417,11 @@ class Mesh:
 
     def free(self) -> None:
         """Release every communicator this mesh created (collective)."""
+        freed: list = []
         for key, c in self._comms.items():
-            if key != self._used:
+            if key != self._used and all(c is not o for o in freed):  # ep = 1: expert groups are aliases
                 c.free()
+                freed.append(c)
         for c in (self.embedding_comm, self.node_comm):
             if c is not None:
                 c.free()

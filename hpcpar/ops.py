@@ -17,6 +17,7 @@ backward; weight gradients stay float32. In full precision every helper is the i
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -274,6 +275,50 @@ def add_bias(y: Tensor, bias: Tensor | None, dtype) -> Tensor:
     c = out.shape[-1]
     return Tensor.from_op(down(out, dtype), (y, bias),
                           lambda g: (up(g), _leaf_or_now(bias, lambda: _sum_rows(up(g).reshape(-1, c)))))
+
+
+def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts) -> Tensor:
+    """One linear map per group of rows (a mixture-of-experts layer's experts, one GEMM each).
+
+    x [M, in] holds the groups back to back, group g being `counts[g]` consecutive rows;
+    weight [G, out, in], bias [G, out] -> [M, out], rows of group g mapped by weight[g], bias[g].
+    Split backward (B/W) as `linear`: dX in B; dW[g] = g_g^T x_g and db[g] = sum(g_g) are weight
+    work (`weight_grad`). The backward reads `weight.data` when it runs.
+    """
+    xd, wd = x.data, weight.data
+    xp = array_module(xd)
+    ends = list(itertools.accumulate(int(c) for c in counts))
+    bounds = list(zip([0] + ends[:-1], ends))
+    out = xp.empty((xd.shape[0], wd.shape[1]), dtype=xd.dtype)
+    for g, (a, e) in enumerate(bounds):
+        out[a:e] = xd[a:e] @ wd[g].T
+        if bias is not None:
+            out[a:e] += bias.data[g]
+    del wd
+
+    def backward(gy):
+        gx = None
+        if x.requires_grad:
+            w = weight.data
+            gx = xp.empty_like(xd)
+            for g, (a, e) in enumerate(bounds):
+                gx[a:e] = gy[a:e] @ w[g]
+
+        def dw():
+            gw = xp.zeros(weight.shape, dtype=weight.dtype)
+            for g, (a, e) in enumerate(bounds):
+                gw[g] = gy[a:e].T @ xd[a:e]
+            return gw
+
+        def db():
+            gb = xp.zeros(bias.shape, dtype=bias.dtype)
+            for g, (a, e) in enumerate(bounds):
+                gb[g] = gy[a:e].sum(axis=0)
+            return gb
+        gw = weight_grad(dw) if weight.requires_grad else None
+        gb = weight_grad(db) if bias is not None and bias.requires_grad else None
+        return gx, gw, gb
+    return Tensor.from_op(out, (x, weight, bias), backward)
 
 
 # ----------------------------------------------------------------------------------------
@@ -757,6 +802,19 @@ def dropout(x: Tensor, p: float, mask_rng_keys=None, training: bool = True, rows
     mask = kept.astype(x.dtype)
     mask *= 1.0 / keep
     return Tensor.from_op(x.data * mask, (x,), lambda g: (g * mask,))
+
+
+def with_loss(y: Tensor, loss: Tensor, scale: float) -> Tensor:
+    """y itself, with a side loss joined to the graph: backward passes y's gradient through and
+    gives `loss` (a scalar) the gradient `scale`, as if `scale * loss` had been added to the loss
+    being differentiated (Megatron's MoEAuxLossAutoScaler). A layer's auxiliary loss (mixture of
+    experts: load balancing) thus reaches its parameters wherever the main loss is computed, on
+    this pipeline stage or a later one; `scale` is the main loss's own scale (1/micro-batches)."""
+    xp = array_module(loss.data)
+
+    def backward(g):
+        return g, xp.full(loss.shape, scale, dtype=loss.dtype)
+    return Tensor.from_op(y.data, (y, loss), backward)
 
 
 # ----------------------------------------------------------------------------------------

@@ -29,6 +29,11 @@ The step time of a layout (`predict`) is built from the same pieces the engine r
                last micro-batch's backward is exposed (`Hardware.overlap`)
     optimizer  the update of the rank's (sharded) parameters, plus three small world all-reduces
 
+A mixture-of-experts model (`model.moe_experts > 0`) is planned with the configured `mesh.ep`
+kept fixed (layouts whose dp_shard it does not divide fail validation and drop out); its MoE
+layers are costed as dense MLPs of the active parameters (top_k experts), without the
+dispatch all-to-alls. Planning ep itself is future work.
+
 Collectives follow the alpha-beta model of a ring over n ranks: all-reduce 2(n-1)(alpha +
 bytes/(n beta)), all-gather and reduce-scatter half that, a message alpha + bytes/beta; a group
 that spans nodes runs at the inter-node link's figures. The simulator sees one representative
@@ -181,8 +186,9 @@ class Prediction:
         m, t, p = self.cfg.mesh, self.cfg.train, self.cfg.pipeline
         dp = f"dp={m.dp}" + (f" ({m.dp_replicate}x{m.dp // m.dp_replicate})" if m.dp_replicate > 1 else "")
         sched = p.schedule + (f"/{p.chunks}" if p.chunks > 1 else "")
-        return (f"{dp} tp={m.tp} pp={m.pp} cp={m.cp}{' sp' if m.sequence_parallel else ''} {sched} zero={t.zero} "
-                f"recompute={t.recompute} b={t.micro_batch_size} m={t.microbatches}")
+        ep = f" ep={m.ep}" if self.cfg.model.moe_experts else ""
+        return (f"{dp} tp={m.tp} pp={m.pp} cp={m.cp}{' sp' if m.sequence_parallel else ''}{ep} {sched} "
+                f"zero={t.zero} recompute={t.recompute} b={t.micro_batch_size} m={t.microbatches}")
 
 
 def layer_flops(cfg: Config, tokens: int, tp: int) -> tuple[float, float]:

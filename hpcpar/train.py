@@ -38,6 +38,7 @@ from hpcpar.parallel import pipeline, schedule
 from hpcpar.parallel.compression import Compression
 from hpcpar.parallel.context import ContextParallel
 from hpcpar.parallel.data_parallel import DataParallel
+from hpcpar.parallel.experts import ExpertDataParallel
 from hpcpar.tensor import no_grad
 
 log = logging.getLogger("hpcpar")
@@ -55,6 +56,7 @@ class StepResult:
     bad_parameter: str   # first parameter with a non-finite gradient ("" if none)
     overflow: bool = False   # fp16: skipped because the loss scale overflowed (the scaler backed off)
     loss_scale: float = 1.0  # the loss scale this step's backward used
+    moe: dict = field(default_factory=dict)  # mixture of experts: the step's routing figures (`Trainer.moe_stats`)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class _RunState:
     last_loss: float | None = None
     val_loss: float | None = None
     traffic: list = field(default_factory=list)         # each step's bytes (Trainer._step_traffic)
+    moe: dict = field(default_factory=dict)             # the last step's routing figures (MoE models)
 
 
 class Trainer:
@@ -94,7 +97,7 @@ class Trainer:
         if cfg.run.backend != "auto":  # auto: what HPCPAR_BACKEND chose at import (default numpy)
             backend.use(cfg.run.backend)
         self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=comm, cp=cfg.mesh.cp,
-                         dp_replicate=cfg.mesh.dp_replicate)
+                         dp_replicate=cfg.mesh.dp_replicate, ep=cfg.mesh.ep)
         backend.select_device(self.mesh.node_comm.rank)
         self.tracer = pipeline.Tracer(enabled=cfg.pipeline.trace, rank=self.mesh.world.rank)
         # Context parallelism: this rank holds the tokens at `positions` of every sample (None: all).
@@ -123,10 +126,12 @@ class Trainer:
         compression = Compression(t.grad_compression, ratio=t.compression_ratio, rank=t.powersgd_rank,
                                   start_step=t.compression_start_step, error_feedback=t.error_feedback,
                                   block_size=t.int8_block_size, seed=t.seed)
-        self.dp = DataParallel(self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
-                               compression=compression, zero=t.zero, make_optimizer=make_optimizer,
-                               units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward,
-                               local_tied=self.placement.holder(0)[0] == self.placement.holder(n_virtual - 1)[0])
+        # With experts: dense weights averaged over dp, experts over the expert-data-parallel group.
+        self.dp = (ExpertDataParallel if cfg.model.moe_experts else DataParallel)(
+            self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
+            compression=compression, zero=t.zero, make_optimizer=make_optimizer,
+            units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward,
+            local_tied=self.placement.holder(0)[0] == self.placement.holder(n_virtual - 1)[0])
         for stage in self.stages:
             stage.unit_hooks = self.dp.unit_hooks
         every_rank = schedule.build(cfg.pipeline.schedule, cfg.mesh.pp, t.microbatches, cfg.pipeline.chunks)
@@ -155,8 +160,9 @@ class Trainer:
         replicate = self.mesh.size(Axis.DP_REPLICATE)
         hsdp = f" ({replicate} replicate x {self.mesh.size(Axis.DP_SHARD)} shard)" if replicate > 1 else ""
         zero = f", zero={self.cfg.train.zero}" if self.cfg.train.zero else ""
+        ep = f", ep={self.mesh.size(Axis.EP)}" if self.cfg.model.moe_experts else ""
         return (f"dp={self.mesh.size(Axis.DP)}{hsdp}{cp} x tp={self.mesh.size(Axis.TP)} "
-                f"x pp={self.mesh.size(Axis.PP)}{zero}")
+                f"x pp={self.mesh.size(Axis.PP)}{zero}{ep}")
 
     # -- data ------------------------------------------------------------------------------
     def sample_ids(self) -> list[range]:
@@ -199,6 +205,9 @@ class Trainer:
             self.executor.rng_contexts = [(t.seed, step, list(ids)) for ids in self.sample_ids()]
         scale = self.scaler.scale if self.scaler is not None else 1.0
         self.executor.loss_scale = scale
+        for stage in self.stages:  # aux losses get the main loss's gradient: the executor's scale / m
+            for moe in stage.moe_layers():
+                moe.loss_scale = scale / t.microbatches
         self.dp.begin_step(microbatches=t.microbatches, step=step)
         losses = self.executor.run(batches)
         self.dp.finish_backward()
@@ -208,16 +217,45 @@ class Trainer:
         lr = lr_at(step, t.lr, t.warmup, t.steps, t.min_lr)
         self.step = step + 1
         finite = math.isfinite(loss) and math.isfinite(norm)
+        moe = self.moe_stats() if self.cfg.model.moe_experts else {}
         if self.scaler is not None:
             # An overflow the scale can still back off from is the scaler's business, not a bad step.
             overflow = math.isfinite(loss) and not finite and not self.scaler.at_minimum
             self.scaler.update(not finite)
             if overflow:
-                return StepResult(loss, norm, lr, True, "", overflow=True, loss_scale=scale)
+                return StepResult(loss, norm, lr, True, "", overflow=True, loss_scale=scale, moe=moe)
         if not finite:
-            return StepResult(loss, norm, lr, True, self._first_bad_parameter(), loss_scale=scale)
+            return StepResult(loss, norm, lr, True, self._first_bad_parameter(), loss_scale=scale, moe=moe)
         self.dp.step(lr)
-        return StepResult(loss, norm, lr, False, "", loss_scale=scale)
+        return StepResult(loss, norm, lr, False, "", loss_scale=scale, moe=moe)
+
+    def moe_stats(self) -> dict:
+        """The routing figures of the step just run, the same on every rank (one world all-reduce
+        of a small array; collective): `moe_aux_loss`, the aux (+ z) losses of all MoE layers
+        summed, mean over the global batch's micro-batches; `moe_load_imbalance`, max over mean
+        tokens per expert (counted before dropping, over the global batch) of the worst MoE layer,
+        `moe_layer_imbalance` the same per MoE layer; `moe_dropped_fraction`, the share of
+        (token, expert) assignments dropped by the capacity limit."""
+        m = self.cfg.model
+        layers = [i for i in range(m.n_layer) if m.is_moe(i)]
+        table = np.zeros((len(layers), m.moe_experts + 3))   # routed per expert, dropped, assignments, aux
+        for stage in self.stages:
+            for moe in stage.moe_layers():
+                row = table[layers.index(moe.index)]
+                for routed, dropped, assignments, aux in moe.stats:
+                    row += np.concatenate([routed, [dropped, assignments, float(backend.to_host(aux))]])
+                moe.stats.clear()
+        if self.mesh.rank(Axis.TP) != 0:   # tp ranks route identically: tp rank 0 counts
+            table[...] = 0
+        table = self.mesh.world.all_reduce(table, op="sum")
+        routed = table[:, :m.moe_experts]
+        imbalance = routed.max(axis=1) / np.maximum(routed.mean(axis=1), 1e-300)
+        batches = self.mesh.size(Axis.DP) * self.cfg.train.microbatches
+        e = m.moe_experts
+        return {"moe_aux_loss": float(table[:, e + 2].sum() / batches),
+                "moe_load_imbalance": float(imbalance.max()),
+                "moe_layer_imbalance": [float(v) for v in imbalance],
+                "moe_dropped_fraction": float(table[:, e].sum() / max(table[:, e + 1].sum(), 1.0))}
 
     def _first_bad_parameter(self) -> str:
         """Name of the first parameter (in model order) whose gradient is not finite, on any rank
@@ -306,7 +344,7 @@ class Trainer:
                 mfu = tok_s * model_flops / peak if peak else 0.0
                 record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                           "tokens_per_s": tok_s, "mfu": mfu, "step_time_s": elapsed, "skipped": result.skipped,
-                          **traffic}
+                          **traffic, **result.moe}
                 if self.scaler is not None:
                     record.update(loss_scale=result.loss_scale, overflow=result.overflow)
                 if run.eval_every and (self.step % run.eval_every == 0 or self.step == end):
@@ -316,11 +354,12 @@ class Trainer:
                 if on_step:
                     on_step({**record, "cpu_time_s": cpu})
                 scale = f" | scale {result.loss_scale:g}" if self.scaler is not None else ""
-                bar.update(f"loss {result.loss:.3f} | {tok_s:,.0f} tok/s | MFU {mfu:.1%}{scale}")
+                extra = scale + _moe_text(result.moe)
+                bar.update(f"loss {result.loss:.3f} | {tok_s:,.0f} tok/s | MFU {mfu:.1%}{extra}")
                 if rank0 and not draw and (step % run.log_every == 0 or self.step == end):
                     log.info("step %5d | loss %.4f | lr %.2e | %8.0f tok/s | MFU %.1f%%%s%s", step, result.loss,
                              result.lr, tok_s, 100 * mfu,
-                             f" | val {record['val_loss']:.4f}" if "val_loss" in record else "", scale)
+                             f" | val {record['val_loss']:.4f}" if "val_loss" in record else "", extra)
                 if files and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < end:
                     self._checkpoint()
                 if preemption.agreed(self.mesh.world):
@@ -364,6 +403,8 @@ class Trainer:
         first bad parameter) and counted; `train.max_bad_steps` in a row raise HpcparError."""
         if traffic:
             state.traffic.append(traffic)
+        if result.moe:
+            state.moe = result.moe
         if result.overflow:
             log.info("step %d: fp16 gradients overflowed at loss scale %g; step skipped, scale now %g",
                      step, result.loss_scale, self.scaler.scale)
@@ -423,7 +464,7 @@ class Trainer:
             "loss_scale": self.scaler.scale if self.scaler is not None else None,
             "overflow_steps": self.scaler.overflows if self.scaler is not None else 0,
             "peak_memory_bytes_per_rank": peak_rss, "estimated_memory_bytes_per_rank": estimate,
-            "run_dir": cfg.run.dir,
+            "run_dir": cfg.run.dir, "ep": mesh.size(Axis.EP), **state.moe,
         }
 
     @staticmethod
@@ -443,7 +484,10 @@ class Trainer:
 
     # -- global views (tests, checkpoints) -------------------------------------------------
     def _owns_blocks(self, p) -> bool:
-        """Whether this rank contributes `p`'s blocks to a global sum: one holder per element."""
+        """Whether this rank contributes `p`'s blocks to a global sum: one holder per element (an
+        expert's: edp rank 0 of its ep rank, tp rank 0)."""
+        if p.expert:
+            return self.mesh.rank(Axis.EDP) == 0 and self.mesh.rank(Axis.TP) == 0
         if p.tied_to or self.mesh.rank(Axis.DP) != 0 or self.mesh.rank(Axis.CP) != 0:
             return False
         return p.layout.split_dim is not None or self.mesh.rank(Axis.TP) == 0
@@ -755,6 +799,14 @@ def _traffic_line(s: dict) -> str:
             + f"; {s['bytes_sent_per_step'] / mib:.2f} MiB in all")
 
 
+def _moe_text(moe: dict) -> str:
+    """" | aux 0.0102 | load 1.31 | dropped 2.1%" for a mixture-of-experts step ("" without experts)."""
+    if not moe:
+        return ""
+    return (f" | aux {moe['moe_aux_loss']:.4f} | load {moe['moe_load_imbalance']:.2f}"
+            f" | dropped {moe['moe_dropped_fraction']:.1%}")
+
+
 def _format_summary(s: dict) -> str:
     """The summary as printed at the end of `hpcpar train`."""
     mem = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
@@ -779,6 +831,9 @@ def _format_summary(s: dict) -> str:
            "in model.dtype"
            + (f"; loss scale {s['loss_scale']:g}, {s['overflow_steps']} overflow step(s) skipped"
               if s.get("loss_scale") is not None else "")] if s.get("precision", "full") != "full" else []),
+        *([f"experts          ep={s.get('ep', 1)}; last step: aux loss {s['moe_aux_loss']:.4f}, max/mean tokens "
+           f"per expert {s['moe_load_imbalance']:.2f}, dropped {s['moe_dropped_fraction']:.1%} of assignments"]
+          if "moe_aux_loss" in s else []),
         f"pipeline bubble  {s['pipeline_bubble_predicted']:.1%} predicted"
         + (f", {measured:.1%} measured" if measured is not None else ""),
         f"peak memory      {mem} MiB per rank (RSS)"

@@ -29,6 +29,7 @@ from hpcpar.nn import init
 from hpcpar.nn.layers import Embedding, LayerNorm, Linear
 from hpcpar.nn.context_parallel import ContextParallelPlan
 from hpcpar.nn.module import Module, Parameter
+from hpcpar.nn.moe import MoE
 from hpcpar.nn.tensor_parallel import TensorParallelPlan
 from hpcpar.precision import PRECISIONS, activation_dtype
 from hpcpar.schema import field
@@ -79,6 +80,16 @@ class GPTConfig:
     dtype: str = field("float32", "parameter dtype: the master weights, optimizer state and checkpoints, and "
                                   "the activations in full precision (16-bit training: train.precision)",
                        tuple(DTYPES))
+    moe_experts: int = field(0, "mixture of experts: experts per MoE layer, E (0 = dense MLPs everywhere); "
+                                "divisible by mesh.ep")
+    moe_top_k: int = field(2, "experts each token is routed to, 1 <= moe_top_k <= moe_experts")
+    moe_every: int = field(1, "block i's MLP is an MoE layer when i % moe_every == 0 (1 = every block)")
+    moe_capacity_factor: float = field(0.0, "assignments an expert takes per rank's micro-batch: "
+                                            "ceil(factor * tokens * top_k / experts), the rest dropped (the "
+                                            "token keeps its residual); 0 = unlimited")
+    moe_aux_loss: float = field(0.01, "load-balancing loss weight alpha: alpha * E * sum_i f_i P_i (Switch), f_i "
+                                      "counted before dropping; 0 = off")
+    moe_z_loss: float = field(0.0, "router z-loss weight beta: beta * mean(logsumexp(router logits)^2); 0 = off")
     preset: str = field("", "named architecture whose shape keys (vocab_size, block_size, n_layer, n_head, "
                             "n_embd, bias) apply unless given explicitly: \"gpt2\" = GPT-2 small, 124M "
                             "(50257, 1024, 12, 12, 768, true); \"\" = none", ("", *PRESETS))
@@ -93,11 +104,22 @@ class GPTConfig:
             raise ConfigError(f"model.dtype=\"{self.dtype}\" is not one of "
                               + ", ".join(f'"{d}"' for d in MASTER_DTYPES))
 
+    def is_moe(self, index: int) -> bool:
+        """Whether block `index` (global layer index) has an MoE layer in its MLP's place."""
+        return self.moe_experts > 0 and index % self.moe_every == 0
+
     # -- parameter counts (elements on one tp rank of `tp`; tp = 1: the global count) ----------
-    def block_params(self, tp: int = 1) -> int:
-        """One transformer block: 2C(1+b) + 2Cb replicated + (12C^2 + 7Cb) / tp split."""
+    def block_params(self, tp: int = 1, index: int = -1, ep: int = 1, active: bool = False) -> int:
+        """One transformer block: 2C(1+b) + 2Cb replicated + (12C^2 + 7Cb) / tp split. Block
+        `index` with an MoE layer: the attention's (4C^2 + 3Cb) / tp + 2C(1+b) + Cb, the router
+        E C, and E / ep experts of 8C^2 + 5Cb each (whole, replicated over tp); `active`: the k
+        experts a token uses instead of those held (for MFU's 6N)."""
         c, b = self.n_embd, int(self.bias)
-        return 2 * c * (1 + b) + 2 * c * b + (12 * c * c + 7 * c * b) // tp
+        if index < 0 or not self.is_moe(index):
+            return 2 * c * (1 + b) + 2 * c * b + (12 * c * c + 7 * c * b) // tp
+        experts = self.moe_top_k if active else self.moe_experts // ep
+        return (2 * c * (1 + b) + c * b + (4 * c * c + 3 * c * b) // tp + self.moe_experts * c
+                + experts * (8 * c * c + 5 * c * b))
 
     def vocab_rows(self, tp: int = 1) -> int:
         """Rows of wte on one tp rank: ceil(V / tp), padding included (tp = 1: V)."""
@@ -112,20 +134,30 @@ class GPTConfig:
         of the same module (a pipeline stage with the head but not the embedding holds the copy)."""
         return self.n_embd * (1 + int(self.bias)) + (0 if tied else self.vocab_rows(tp) * self.n_embd)
 
-    def stage_params(self, n_blocks: int, embed: bool = True, head: bool = True, tp: int = 1) -> int:
-        """One rank's parameters of `GPT(self, layers=<n_blocks blocks>, embed=embed, head=head)`
-        with a tp communicator of size `tp`."""
-        return (n_blocks * self.block_params(tp) + (self.embedding_params(tp) if embed else 0)
-                + (self.head_params(tp, tied=embed) if head else 0))
+    def stage_params(self, n_blocks, embed: bool = True, head: bool = True, tp: int = 1, ep: int = 1) -> int:
+        """One rank's parameters of `GPT(self, layers=<blocks>, embed=embed, head=head)` with a tp
+        communicator of size `tp` and an expert-parallel one of size `ep`; `n_blocks`: the blocks'
+        global indices (a range), or their number (blocks 0 .. n-1)."""
+        blocks = range(n_blocks) if isinstance(n_blocks, int) else n_blocks
+        moe = self._moe_blocks(blocks)
+        return ((len(blocks) - moe) * self.block_params(tp) + moe * self.block_params(tp, 0, ep)
+                + (self.embedding_params(tp) if embed else 0) + (self.head_params(tp, tied=embed) if head else 0))
 
-    def num_params(self, tp: int = 1) -> int:
-        """The whole model (tied head), on one tp rank of `tp`; tp = 1: nanoGPT's
+    def _moe_blocks(self, blocks) -> int:
+        """How many of `blocks` (global indices) have an MoE layer (block 0 has one when any does)."""
+        return sum(1 for i in blocks if self.is_moe(i)) if self.moe_experts else 0
+
+    def num_params(self, tp: int = 1, ep: int = 1) -> int:
+        """The whole model (tied head), on one tp rank of `tp` (and ep rank of `ep`); tp = 1: nanoGPT's
         12 L C^2 + 13 L C + V C + T C + 2 C with bias."""
-        return self.stage_params(self.n_layer, tp=tp)
+        return self.stage_params(self.n_layer, tp=tp, ep=ep)
 
     def non_embedding_params(self) -> int:
-        """The N of MFU's 6 N: every parameter outside wte/wpe (the tied head adds none)."""
-        return self.n_layer * self.block_params() + self.head_params()
+        """The N of MFU's 6 N: every parameter outside wte/wpe (the tied head adds none) that a
+        token uses: of an MoE layer, the router and top_k experts."""
+        moe = self._moe_blocks(range(self.n_layer))
+        return ((self.n_layer - moe) * self.block_params() + moe * self.block_params(1, 0, active=True)
+                + self.head_params())
 
 
 class CausalSelfAttention(Module):
@@ -267,10 +299,12 @@ class GPT(Module):
             rank's tokens only, [B, T/cp(, C)] (`cp.positions(T)`).
         precision: train.precision: "full", or "bf16"/"fp16" (activations in 16 bits from the
             embedding sum on, parameters in config.dtype; see `precision.py`).
+        ep_comm: the expert-parallel group of the MoE layers (`moe.MoE`; None or size 1: every
+            expert here). Experts are whole and replicated over tp (docs/parallelism.md).
     """
 
     def __init__(self, config: GPTConfig, tp_comm=None, layers=None, embed: bool = True,
-                 head: bool = True, sequence_parallel: bool = False, seed: int = 0, cp=None,
+                 head: bool = True, sequence_parallel: bool = False, seed: int = 0, cp=None, ep_comm=None,
                  precision: str = "full"):
         super().__init__()
         config.check_dtype()
@@ -298,7 +332,8 @@ class GPT(Module):
             self.transformer.wte = plan.wte(cfg)
             self.transformer.wpe = Embedding(cfg.block_size, cfg.n_embd, cfg.dtype)
         self.transformer.h = Blocks([
-            Block(i, plan.norm(cfg), plan.attn(cfg), plan.norm(cfg), plan.mlp(cfg), self._dropout)
+            Block(i, plan.norm(cfg), plan.attn(cfg), plan.norm(cfg),
+                  MoE(cfg, ep_comm, i) if cfg.is_moe(i) else plan.mlp(cfg), self._dropout)
             for i in self.layer_ids])
         if head:
             self.transformer.ln_f = plan.norm(cfg)
@@ -330,6 +365,10 @@ class GPT(Module):
         for block in self.transformer.h.items:
             block.recompute = mode if recomputed(block.index, every) else "none"
             block.attn.recompute_scores = block.recompute == "selective"
+
+    def moe_layers(self) -> list[MoE]:
+        """This module's MoE layers, in block order."""
+        return [block.mlp for block in self.transformer.h.items if isinstance(block.mlp, MoE)]
 
     # -- initialisation -----------------------------------------------------------------
     def init_weights(self, seed: int) -> None:
@@ -390,13 +429,20 @@ class GPT(Module):
         """`block(h)` keeping only h (`ops.recompute`). The re-run in backward uses this
         micro-batch's dropout context: by then a pipeline schedule may have set the next one's."""
         context = self.rng_context
+        runs = []
 
         def run(x):
+            # The re-run in backward repeats the routing: its statistics were recorded once already.
+            if isinstance(block.mlp, MoE):
+                block.mlp.record = not runs
+            runs.append(True)
             current, self.rng_context = self.rng_context, context
             try:
                 return block(x)
             finally:
                 self.rng_context = current
+                if isinstance(block.mlp, MoE):
+                    block.mlp.record = True
         return ops.recompute(run, h)
 
     def forward(self, x, targets=None):

@@ -21,12 +21,15 @@ class Parameter(Tensor):
         layout: local shard <-> global tensor map (replicated unless a TP layer says otherwise).
         no_decay: True for biases and LayerNorm weights (AdamW skips their decay).
         tied_to: global name of the weight this one mirrors on another stage, else None.
+        expert: a mixture-of-experts expert weight: split over the expert-parallel group (its
+            layout) and replicated over the ranks holding the same experts, whose average its
+            gradient takes (the expert-data-parallel group), not over dp.
     """
 
-    __slots__ = ("layout", "no_decay", "tied_to")
+    __slots__ = ("layout", "no_decay", "tied_to", "expert")
 
     def __init__(self, data, layout: Layout | None = None, no_decay: bool = False,
-                 tied_to: str | None = None):
+                 tied_to: str | None = None, expert: bool = False):
         super().__init__(data, requires_grad=True)
         self.layout = layout if layout is not None else Layout.replicated(data.shape)
         if tuple(self.layout.local_shape) != tuple(data.shape):
@@ -34,6 +37,7 @@ class Parameter(Tensor):
                              f"{self.layout.local_shape}")
         self.no_decay = no_decay
         self.tied_to = tied_to
+        self.expert = expert
 
     def __repr__(self) -> str:
         return f"Parameter(shape={self.shape}, global={self.layout.global_shape}, dtype={self.dtype})"

@@ -4,8 +4,10 @@ The global norm is that of the single-process model's gradient, so every gradien
 to be counted exactly once across the mesh although many ranks hold copies:
 
 - tensor parallelism: a tp-split parameter's shards are disjoint, so every tp rank counts its
-  own; a tp-replicated one (LayerNorm, `wpe`, row-parallel biases) is identical on all tp ranks
-  and only tp rank 0 counts it;
+  own; a tp-replicated one (LayerNorm, `wpe`, row-parallel biases, experts) is identical on all
+  tp ranks and only tp rank 0 counts it;
+- expert parallelism: the ep ranks hold different experts and all count; the ranks holding the
+  same experts (the expert-data-parallel group) are replicas of the kind below;
 - pipeline parallelism: stages hold different parameters and all count; a tied copy (the LM
   head mirroring the embedding, `tied_to`) is skipped, the embedding counts;
 - data parallelism: replicas are identical after the average, so only dp rank 0 counts,
@@ -30,11 +32,17 @@ from hpcpar.comm import Communicator
 from hpcpar.optim import grad_norm_sq
 
 
+def tp_replicated(p: Any) -> bool:
+    """Whether every tp rank holds the same array of parameter `p`: a replicated layout, or a
+    mixture-of-experts expert (whole on every tp rank; its layout splits it over ep only)."""
+    return p.layout.is_replicated or getattr(p, "expert", False)
+
+
 def counts_toward_norm(p: Any, tp_rank: int) -> bool:
     """Whether parameter `p`'s gradient counts toward the global norm on a rank of `tp_rank`."""
     if getattr(p, "tied_to", None):
         return False
-    return tp_rank == 0 or not p.layout.is_replicated
+    return tp_rank == 0 or not tp_replicated(p)
 
 
 def global_grad_norm(items: Iterable[Any], world: Communicator) -> float:

@@ -53,7 +53,7 @@ from hpcpar.mesh import Axis
 from hpcpar.optim import AdamW
 from hpcpar.parallel.buckets import (AllReduceAvg, BucketManager, CompressedReduction, ReduceScatterAvg,
                                      plan_buckets)
-from hpcpar.parallel.clipping import clip_global_norm, counts_toward_norm
+from hpcpar.parallel.clipping import clip_global_norm, counts_toward_norm, tp_replicated
 from hpcpar.parallel.compression import BucketSpec, Compression, SpecSlot, make_compressor
 from hpcpar.parallel.compression_state import CompressionState
 from hpcpar.parallel.fsdp import ShardedUnits
@@ -92,6 +92,9 @@ class DataParallel:
         local_tied: every tied copy's weight is on this rank too (pipeline placements that put
             the first and last virtual stage on one rank): sum their gradients here, not over
             `mesh.embedding_comm`.
+        groups: (gradient group, shard group, replica group) instead of the mesh's (dp x cp,
+            dp_shard x cp, dp_replicate): mixture-of-experts expert weights are replicated over
+            the expert-data-parallel groups only (`parallel.experts.ExpertDataParallel`).
 
     Per step: `begin_step(microbatches, step)`, backward of every micro-batch, `finish_backward()`,
     `clip_grad_norm(max_norm)`, `step(lr)`.
@@ -112,12 +115,11 @@ class DataParallel:
                  compression: Compression | str = "none", zero: int = 0,
                  make_optimizer: Callable[[list], Any] = AdamW, overlap: bool = True,
                  units: Iterable[tuple[int, str, list]] | None = None, reshard_after_forward: bool = True,
-                 prefetch: bool = True, local_tied: bool = False):
+                 prefetch: bool = True, local_tied: bool = False, groups: tuple | None = None):
         # The gradient group: every rank holding the same weights on other tokens (dp x cp);
         # ZeRO shards over dp_shard x cp and averages the shards over dp_replicate (HSDP).
-        self.dp_comm = mesh.comm((Axis.DP, Axis.CP))
-        self.shard_comm = mesh.comm((Axis.DP_SHARD, Axis.CP))
-        self.replicate_comm = mesh.comm(Axis.DP_REPLICATE)
+        self.dp_comm, self.shard_comm, self.replicate_comm = groups if groups is not None else (
+            mesh.comm((Axis.DP, Axis.CP)), mesh.comm((Axis.DP_SHARD, Axis.CP)), mesh.comm(Axis.DP_REPLICATE))
         if zero not in ZERO_STAGES or isinstance(zero, bool):
             raise ConfigError(f"zero={zero!r} is not a supported ZeRO stage; choose 0, 1, 2 or 3")
         if isinstance(compression, str):
@@ -321,12 +323,17 @@ class DataParallel:
             return [f.grad_shard for f in self.unit_hooks.flats]
         return [b.part for b in self.buckets] if self._zero is not None else [b.grad for b in self.buckets]
 
+    def norm_parts(self) -> tuple[list, list]:
+        """(the items whose gradients this rank counts toward the global norm, the arrays holding
+        its averaged gradients): what `clip_grad_norm` works on."""
+        return self._norm_items, self._grad_buffers()
+
     def clip_grad_norm(self, max_norm: float, loss_scale: float = 1.0) -> float:
         """Global L2 norm of the averaged gradients over the whole mesh (the same float on every
         rank); when `max_norm > 0` and the norm exceeds it, scale every gradient by
         `max_norm / (norm + 1e-6)` (as torch.nn.utils.clip_grad_norm_). Returns the norm before.
         Gradients of a loss scaled by `loss_scale` are unscaled first (`clip_global_norm`)."""
-        return clip_global_norm(self._norm_items, self._grad_buffers(), max_norm, self.mesh.world, loss_scale)
+        return clip_global_norm(*self.norm_parts(), max_norm, self.mesh.world, loss_scale)
 
     def step(self, lr: float | None = None) -> None:
         """Optimizer step with learning rate `lr`. ZeRO 1/2: update this rank's part, all-gather
@@ -473,7 +480,7 @@ class DataParallel:
         if self.replica != 0:
             return []
         return [s for s in self.segments if not getattr(s.param, "tied_to", None)
-                and (self.tp_rank == 0 or not s.param.layout.is_replicated)]
+                and (self.tp_rank == 0 or not tp_replicated(s.param))]
 
     def checkpoint_shards(self) -> dict[str, tuple[Any, Any]]:
         """ZeRO 1-3: {"model/<name>": (piece, layout), "optim/<name>/<state>": (piece, layout)}

@@ -18,6 +18,7 @@ Layouts over the ranks of `comm`:
     reduce_scatter_dim   partial-sum -> sharded(dim)  all-gather(dim)
     split_to             replicated -> sharded(dim)   all-gather(dim)
     gather_from          sharded(dim) -> replicated   keep my part
+    all_to_all_v         rows to ranks by counts      all_to_all_v with the counts swapped
 
 With `comm` None or of size 1 every mapping returns its input itself: no graph node, no cost.
 """
@@ -117,3 +118,16 @@ def gather_from(x: Tensor, comm: Communicator | None, dim: int) -> Tensor:
     if _trivial(comm):
         return x
     return Tensor.from_op(comm.all_gather(x.data, dim), (x,), lambda g: (_part(g, comm, dim),))
+
+
+def all_to_all_v(x: Tensor, comm: Communicator | None, send_counts, recv_counts) -> Tensor:
+    """Rows to ranks (mixture-of-experts dispatch and combine): the first `send_counts[0]` rows of
+    x [n, ...] go to rank 0, the next `send_counts[1]` to rank 1, ...; out [sum(recv_counts), ...]
+    holds the rows from rank 0, then rank 1, ... (`Communicator.all_to_all_v`). The op is a
+    permutation of rows across ranks, so its adjoint is the inverse permutation: backward sends
+    each row's gradient back where the row came from, all_to_all_v with the counts swapped."""
+    if _trivial(comm):
+        return x
+    send, recv = list(send_counts), list(recv_counts)
+    return Tensor.from_op(comm.all_to_all_v(x.data, send, recv), (x,),
+                          lambda g: (comm.all_to_all_v(g, recv, send),))

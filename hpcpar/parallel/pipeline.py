@@ -113,7 +113,8 @@ def build_stages(gpt_config: GPTConfig, mesh, chunks: int, seed: int,
 
     Parameters are initialised from the seed by global name, so they equal the whole model's.
     `cp`: the context-parallel group every chunk's attention uses (default: ring attention over
-    `mesh.comm(Axis.CP)`). `precision`: train.precision (see `GPT`).
+    `mesh.comm(Axis.CP)`). MoE layers divide their experts over `mesh.comm(Axis.EP)`. `precision`:
+    train.precision (see `GPT`).
     """
     if cp is None:
         cp = ContextParallel(mesh.comm(Axis.CP))
@@ -126,7 +127,7 @@ def build_stages(gpt_config: GPTConfig, mesh, chunks: int, seed: int,
         v = place.stage(rank, chunk)
         stages.append(GPT(gpt_config, tp_comm=mesh.comm(Axis.TP), layers=ranges[v], embed=v == 0,
                           head=v == n_virtual - 1, sequence_parallel=sequence_parallel, seed=seed, cp=cp,
-                          precision=precision))
+                          ep_comm=mesh.comm(Axis.EP), precision=precision))
     return stages
 
 

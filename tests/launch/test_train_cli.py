@@ -130,3 +130,38 @@ def test_fp16_run_reports_its_loss_scale_and_samples(mpirun, tmp_path):
     sample = mpirun(1, [sys.executable, "-m", "hpcpar", "sample", str(tmp_path / "run" / "checkpoints"),
                         "--prompt", "import ", "--tokens", "10"], timeout=120)
     assert sample.returncode == 0 and sample.stdout.startswith("import "), sample.output
+
+
+def test_mixture_of_experts_run(mpirun, tmp_path):
+    """`hpcpar train` with experts divided over ep=2 of dp=4 ranks, a capacity factor that drops
+    tokens and dropout: losses, gradient norms, validation losses and the routing metrics
+    (aux loss, load, dropped fraction) equal one rank running the same 8 micro-batches; the
+    progress log and the summary report the experts; `hpcpar plot` draws the expert load,
+    `hpcpar sample` reads the ep=2 checkpoint on one rank and `ckpt export` (HF GPT-2) refuses it."""
+    moe = ["--set", "model.moe_experts=4", "--set", "model.moe_capacity_factor=1.0", "--set", "model.dropout=0.1",
+           "--set", "model.moe_z_loss=0.001", "--set", "run.log_every=1"]
+    reference, _ = train(mpirun, 1, tmp_path / "one", *moe, "--set", "train.microbatches=8")
+    parallel, job = train(mpirun, 4, tmp_path / "many", *moe, "--set", "mesh.dp=4", "--set", "mesh.pp=1",
+                          "--set", "mesh.ep=2", "--set", "train.microbatches=2")
+    for key in ("loss", "grad_norm", "val_loss", "moe_aux_loss", "moe_load_imbalance", "moe_dropped_fraction"):
+        ref = np.array([r.get(key, np.nan) for r in reference])
+        got = np.array([r.get(key, np.nan) for r in parallel])
+        np.testing.assert_allclose(got, ref, rtol=1e-10, equal_nan=True, err_msg=key)
+    assert all(len(r["moe_layer_imbalance"]) == 2 and r["moe_load_imbalance"] >= 1.0 for r in parallel)
+    assert max(r["moe_dropped_fraction"] for r in parallel) > 0
+    assert "| aux " in job.output and "| dropped " in job.output
+    assert "experts          ep=2; last step: aux loss" in job.output
+    summary = json.loads((tmp_path / "many" / "summary.json").read_text())
+    assert summary["ep"] == 2 and summary["moe_dropped_fraction"] == parallel[-1]["moe_dropped_fraction"]
+    job = mpirun(1, [sys.executable, "-m", "hpcpar", "sample", str(tmp_path / "many" / "checkpoints"),
+                     "--prompt", "def ", "--tokens", "20"], timeout=120)
+    assert job.returncode == 0, job.output
+    assert job.stdout.startswith("def ") and len(job.stdout.strip()) > len("def ")
+    job = mpirun(1, [sys.executable, "-m", "hpcpar", "ckpt", "export", str(tmp_path / "many" / "checkpoints"),
+                     "--format", "safetensors", "--out", str(tmp_path / "hf")], timeout=120)
+    assert job.returncode == 2 and "is a mixture-of-experts model" in job.stderr and "Traceback" not in job.stderr
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "load.png"
+    job = mpirun(1, [sys.executable, "-m", "hpcpar", "plot", str(tmp_path / "many"), "--out", str(out)], timeout=120)
+    assert job.returncode == 0, job.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -30,6 +30,16 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
+def run_and_free(trainer, steps: int) -> tuple[list, dict, int]:
+    """`trainer.train_step` for steps 0 .. steps-1, then its global parameters and dp degree;
+    the trainer's mesh is freed. Collective."""
+    results = [trainer.train_step(step) for step in range(steps)]
+    params = trainer.global_parameters()
+    dp = trainer.mesh.size("dp")
+    trainer.mesh.free()
+    return results, params, dp
+
+
 def training_problems(results, reference_steps, params: dict, reference_params: dict, rtol: float) -> list[str]:
     """What differs between a parallel run and the single-process reference: per step the loss and
     gradient norm (`results`: StepResults; `reference_steps`: (loss, grad_norm) pairs), then every

@@ -162,14 +162,44 @@ def test_bad_degrees_raise_mesh_error_on_every_rank(degrees, message):
 
 def test_unknown_axes(make_mesh):
     m = make_mesh(dp=N)
-    for axes in ("ep", ("dp", "sp"), (), ("dp", "dp")):
+    for axes in ("xp", ("dp", "sp"), (), ("dp", "dp"), ("dp", "ep")):
         with pytest.raises(MeshError, match="the axes are pp, dp, cp and tp"):
             m.comm(axes)
-    with pytest.raises(MeshError, match=r"unknown or repeated mesh axes \['ep'\]"):
-        m.size("ep")
+    with pytest.raises(MeshError, match=r"unknown or repeated mesh axes \['xp'\]"):
+        m.size("xp")
     assert m.size("cp") == 1 and m.rank("cp") == 0
     with pytest.raises(MeshError):
         m.rank("x")
+
+
+# Expert groups on 4 ranks: (mesh kwargs) -> {axis: groups of world ranks in sub-communicator order}.
+EXPERT_CASES = [
+    (dict(dp=4, ep=2), {"ep": [[0, 1], [2, 3]], "edp": [[0, 2], [1, 3]], "edp_shard": [[0, 2], [1, 3]]}),
+    (dict(dp=4, ep=4), {"ep": ALL(4), "edp": ONE(4), "edp_shard": ONE(4)}),
+    (dict(dp=4, ep=1), {"ep": ONE(4), "edp": ALL(4), "edp_shard": ALL(4)}),
+    (dict(dp=2, tp=2, ep=2), {"ep": [[0, 2], [1, 3]], "edp": ONE(4), "edp_shard": ONE(4)}),
+    (dict(dp=2, pp=2, ep=2), {"ep": [[0, 1], [2, 3]], "edp": ONE(4), "edp_shard": ONE(4)}),
+    # HSDP: ep inside dp_shard; the edp group spans the replicas, edp_shard does not.
+    (dict(dp=4, dp_replicate=2, ep=2), {"ep": [[0, 1], [2, 3]], "edp": [[0, 2], [1, 3]], "edp_shard": ONE(4)}),
+]
+
+
+@pytest.mark.skipif(N != 4, reason="the expert-group tables are for 4 ranks")
+@pytest.mark.parametrize("case", range(len(EXPERT_CASES)))
+def test_expert_groups(make_mesh, case):
+    kw, expected = EXPERT_CASES[case]
+    m = make_mesh(**kw)
+    rank = MPI.COMM_WORLD.Get_rank()
+    for axis, groups in expected.items():
+        mine = next(g for g in groups if rank in g)
+        comm = m.comm(axis)
+        members = comm.all_gather_object(rank)
+        assert members == mine and m.size(axis) == len(mine) and m.rank(axis) == mine.index(rank), (axis, members)
+
+
+def test_ep_must_divide_dp_shard():
+    with pytest.raises(MeshError, match=rf"mesh.ep={N + 1} does not divide dp_shard \(dp / dp_replicate\)={N}"):
+        Mesh(dp=N, ep=N + 1)
 
 
 def test_info_fills_dp_with_the_config_rule():

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert, host, stored
+from collective import collective_assert, host, run_and_free, stored
 
 from hpcpar import config
 from hpcpar.train import Trainer
@@ -125,11 +125,7 @@ def rel_err(a, b) -> float:
 
 @pytest.mark.parametrize("overrides", [o for _, o in layouts(SIZE)], ids=[i for i, _ in layouts(SIZE)])
 def test_trainer_matches_single_process(overrides):
-    t = make(overrides)
-    results = [t.train_step(step) for step in range(STEPS)]
-    params = t.global_parameters()
-    dp = t.mesh.size("dp")
-    t.mesh.free()
+    results, params, dp = run_and_free(make(overrides), STEPS)
     model = tuple(o for o in overrides if o.startswith("model."))
     ref_losses, ref_norms, ref_params = reference(dp * MBS, model, _value(overrides, "train.microbatches", 3))
     problems = []

@@ -26,10 +26,10 @@ LAYERS = [
     {"comm", "mesh"},
     {"tensor", "ops"},
     {"parallel.mappings", "parallel.context", "nn", "nn.module", "nn.layers", "nn.gpt", "nn.tensor_parallel",
-     "nn.context_parallel"},
+     "nn.context_parallel", "nn.moe"},
     {"parallel", "parallel.schedule", "parallel.pipeline", "parallel.buckets", "parallel.compression",
      "parallel.powersgd", "parallel.compression_state", "parallel.zero", "parallel.fsdp", "parallel.clipping",
-     "parallel.data_parallel", "optim", "loss_scale", "checkpoint"},
+     "parallel.data_parallel", "parallel.experts", "optim", "loss_scale", "checkpoint"},
     {"config", "train", "generate", "evaluate", "huggingface", "plan"},
     {"cli", "__main__"},
 ]
@@ -77,7 +77,7 @@ def test_comm_imports_no_autograd():
 
 
 DP_PIECES = ("parallel.buckets", "parallel.compression", "parallel.powersgd", "parallel.compression_state",
-             "parallel.zero", "parallel.fsdp", "parallel.clipping", "parallel.data_parallel")
+             "parallel.zero", "parallel.fsdp", "parallel.clipping", "parallel.data_parallel", "parallel.experts")
 
 
 @pytest.mark.parametrize("module", DP_PIECES)

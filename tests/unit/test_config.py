@@ -160,6 +160,37 @@ BAD = [
      "virtual stages (each needs a layer); use n_layer >= 4"),
     (["pipeline.schedule=zbv", "mesh.pp=1"], 1, "pipeline.schedule=zbv needs mesh.pp >= 2"),
     (["pipeline.schedule=zbh1", "pipeline.chunks=2"], 4, "pipeline.schedule=zbh1 runs one chunk per rank"),
+    # mixture of experts and expert parallelism
+    (["mesh.ep=0"], 1, "mesh.ep=0 is invalid: must be >= 1 (1 = no expert parallelism)"),
+    (["model.moe_experts=-1"], 1, "model.moe_experts=-1 is invalid: must be >= 0 (0 = dense)"),
+    (["model.moe_top_k=0"], 1, "model.moe_top_k=0 is invalid: must be >= 1"),
+    (["model.moe_every=0"], 1, "model.moe_every=0 is invalid: must be >= 1 (1 = every block)"),
+    (["model.moe_capacity_factor=-1"], 1, "model.moe_capacity_factor=-1.0 is invalid: must be >= 0 (0 = unlimited)"),
+    (["model.moe_aux_loss=-0.1"], 1, "model.moe_aux_loss=-0.1 is invalid: must be >= 0 (0 = off)"),
+    (["model.moe_z_loss=-1"], 1, "model.moe_z_loss=-1.0 is invalid: must be >= 0 (0 = off)"),
+    (["model.moe_experts=4", "model.moe_top_k=5"], 1,
+     "model.moe_top_k=5 exceeds model.moe_experts=4 (a token is routed to top_k different experts); choose "
+     "moe_top_k in 1..4"),
+    (["model.moe_experts=6", "mesh.dp=4", "mesh.pp=1", "mesh.ep=4"], 4,
+     "model.moe_experts=6 is not divisible by mesh.ep=4 (each ep rank holds E/ep whole experts); choose ep in "
+     "{1, 2, 3, 6} or use moe_experts=8, or mesh.ep=1"),
+    (["model.moe_experts=6", "mesh.dp=4", "mesh.pp=1", "mesh.ep=3"], 4,
+     "mesh.ep=3 does not divide the 4 dp_shard ranks (dp=4; expert parallelism borrows data-parallel ranks); "
+     "choose ep in {1, 2}"),
+    (["model.moe_experts=4", "mesh.dp=4", "mesh.pp=1", "mesh.ep=4", "mesh.dp_replicate=2", "train.zero=1"], 4,
+     "mesh.ep=4 does not divide the 2 dp_shard ranks (dp=4 / dp_replicate=2;"),
+    (["mesh.ep=2", "mesh.dp=2", "mesh.pp=1"], 2, "mesh.ep=2 divides the experts of a mixture-of-experts model, but "
+     "model.moe_experts=0 (dense); set model.moe_experts (e.g. 4) or mesh.ep=1"),
+    (["model.moe_experts=4", "mesh.cp=2", "mesh.dp=1", "mesh.pp=1"], 2,
+     "mesh.cp=2 is not implemented with a mixture-of-experts model (model.moe_experts=4); use mesh.cp=1"),
+    (["model.moe_experts=4", "train.zero=3", "mesh.dp=2", "mesh.pp=1"], 2,
+     "train.zero=3 is not implemented with a mixture-of-experts model (model.moe_experts=4); use train.zero <= 2"),
+    (["model.moe_experts=4", "train.grad_compression=int8", "mesh.dp=2", "mesh.pp=1"], 2,
+     "train.grad_compression=\"int8\" is not implemented with a mixture-of-experts model"),
+    (["model.moe_experts=4", "mesh.tp=2", "mesh.sequence_parallel=true", "mesh.dp=1", "mesh.pp=1"], 2,
+     "mesh.sequence_parallel=true is not implemented with a mixture-of-experts model"),
+    (["model.moe_experts=4", "train.precision=bf16"], 1,
+     'train.precision="bf16" (16-bit expert GEMMs) is not implemented with a mixture-of-experts model'),
 ]
 
 MESH_BAD = [

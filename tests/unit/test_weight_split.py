@@ -9,17 +9,12 @@ bookkeeping, the same for every array backend: these tests pin NumPy whatever HP
 import numpy as np
 import pytest
 
-from hpcpar import backend, ops
+from hpcpar import ops
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.tensor import Deferred, Tensor, WeightGrads, weight_grad
 
 
-@pytest.fixture(autouse=True)
-def numpy_backend():
-    previous = backend.name()
-    backend.use("numpy")
-    yield
-    backend.use(previous)
+pytestmark = pytest.mark.usefixtures("numpy_backend")
 
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=3, n_head=2, n_embd=16, dtype="float64", dropout=0.1)

@@ -1,0 +1,157 @@
+"""Mixture of experts with expert parallelism on 4 ranks: throughput, all-to-all bytes, load balance.
+
+    mpiexec -n 4 python bench/moe.py [--steps 4] [--balance-steps 150]
+
+Three measurements, all on dp = 4 with the experts divided over ep = 4 (one expert per rank):
+
+1. tokens/s of an MoE GPT (E = 4 experts per layer, top_k = 1, unlimited capacity) against the
+   dense GPT of the same active parameters (the same model with one 4C-wide MLP per block; the
+   MoE model adds only the router, E C per layer, to what a token uses). Float32, `Trainer.train`
+   without files, a warm-up step and `--steps` timed steps, the runs alternated twice and the
+   faster of each kept; the slowest rank's median step. A third row, the same MoE model with
+   every expert on every rank (ep = 1, no dispatch), separates the routing's own cost from
+   expert parallelism's (the all-to-alls and the wait for the busiest expert's rank).
+2. all-to-all bytes per step and rank, measured (`Communicator.sent` of the ep group: the rows
+   that leave the rank in the dispatch and combine all-to-all-v's, forward and backward, plus the
+   per-expert count exchange) next to the formula for balanced routing:
+       4 L m (N k (ep - 1) / ep) C s  +  L m E 8 (ep - 1) / ep
+   (L MoE layers, m micro-batches, N = B T tokens per micro-batch, k = top_k, s bytes per element;
+   4 = dispatch and combine, each forward and backward; the counts travel once per forward, int64).
+   When every rank routes its tokens alike, 1/ep of them stay home on average whatever the load
+   of the experts, so the mean over ranks meets the formula; imbalance moves bytes between ranks.
+3. load balance: max / mean tokens per expert (the worst MoE layer, over the global batch) after
+   `--balance-steps` steps of a small model with E = 8, top_k = 2, with the load-balancing loss
+   (alpha = 0.05) and without it (alpha = 0), the mean over the last 10 steps.
+
+Results: bench/results/moe.json and a table on stdout. On a machine with fewer cores than ranks,
+wall time measures the scheduler as much as the code; the MoE / dense ratio measured in one run
+is the meaningful figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = "1"  # 1 thread per rank, before NumPy
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scaling import timed_steps, write_result  # noqa: E402
+
+from hpcpar import config  # noqa: E402
+from hpcpar.mesh import Axis  # noqa: E402
+from hpcpar.train import Trainer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = MPI.COMM_WORLD
+TOKENS = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
+
+
+def trainer(args, overrides: list[str]) -> Trainer:
+    n = WORLD.Get_size()
+    cfg = config.load_config(None, [
+        f"model.block_size={args.block}", f"model.n_layer={args.layers}", "model.n_head=4",
+        f"model.n_embd={args.embd}", "model.dtype=float32", f"mesh.dp={n}", "mesh.tp=1", "mesh.pp=1",
+        f"train.micro_batch_size={args.batch}", f"train.microbatches={args.microbatches}", "train.steps=1000",
+        "train.warmup=5", "run.eval_every=0", "run.progress=false"] + overrides)
+    return Trainer(cfg, WORLD, tokens=TOKENS)
+
+
+def throughput(args) -> dict:
+    """Dense vs MoE (ep = world) tokens/s, and the MoE run's all-to-all bytes per step."""
+    n = WORLD.Get_size()
+    moe = ["model.moe_experts=4", "model.moe_top_k=1", f"mesh.ep={n}"]
+    best: dict = {}
+    for _ in range(2):  # alternate, so that load from elsewhere hits both alike
+        for name, overrides in (("dense", []), ("moe", moe), ("moe_ep1", moe[:2] + ["mesh.ep=1"])):
+            t = trainer(args, overrides)
+            ep = t.mesh.comm(Axis.EP)
+            before = ep.sent.copy()
+            step_s, _, cpu_s = timed_steps(t, args.steps, lambda: 0.0)
+            steps = args.steps + 1   # the warm-up step sends too
+            sent = {k: (v - before.get(k, 0.0)) / steps for k, v in ep.sent.items()}
+            row = {"step_s": step_s, "cpu_s": cpu_s, "tokens_per_s": t.tokens_per_step / step_s,
+                   "params_per_rank": sum(p.data.size for _, p in t.named_parameters),
+                   "active_params": t.cfg.model.non_embedding_params(),
+                   "all_to_all_v_bytes": sent.get("all_to_all_v", 0.0), "count_bytes": sent.get("all_to_all", 0.0)}
+            t.mesh.free()
+            if name not in best or row["step_s"] < best[name]["step_s"]:
+                best[name] = row
+    # Mean over ranks of the measured bytes (each rank's share depends on where its tokens go).
+    for key in ("all_to_all_v_bytes", "count_bytes"):
+        best["moe"][key] = float(WORLD.allreduce(best["moe"][key])) / n
+    tokens = args.batch * args.block
+    s, experts, layers = 4, 4, args.layers
+    best["formula_all_to_all_v_bytes"] = 4 * layers * args.microbatches * tokens * 1 * (n - 1) / n * args.embd * s
+    best["formula_count_bytes"] = layers * args.microbatches * experts * 8 * (n - 1) / n
+    best["ratio_moe_over_dense"] = best["moe"]["tokens_per_s"] / best["dense"]["tokens_per_s"]
+    best["ratio_moe_ep1_over_dense"] = best["moe_ep1"]["tokens_per_s"] / best["dense"]["tokens_per_s"]
+    return best
+
+
+def balance(args, alpha: float) -> dict:
+    """max / mean tokens per expert over `--balance-steps` steps of a small model, E = 8, top_k = 2."""
+    n = WORLD.Get_size()
+    t = trainer(argparse.Namespace(**{**vars(args), "layers": 2, "embd": 64, "block": 64, "batch": 4,
+                                      "microbatches": 1}),
+                ["model.moe_experts=8", "model.moe_top_k=2", f"mesh.ep={n}", f"model.moe_aux_loss={alpha}",
+                 "train.lr=0.003"])
+    records: list = []
+    t.train(steps=args.balance_steps, files=False, progress=False, on_step=records.append, peak_flops=0.0)
+    t.mesh.free()
+    last = records[-10:]
+    return {"alpha": alpha, "steps": len(records),
+            "imbalance_first": records[0]["moe_load_imbalance"],
+            "imbalance_last10": statistics.mean(r["moe_load_imbalance"] for r in last),
+            "aux_loss_last10": statistics.mean(r["moe_aux_loss"] for r in last),
+            "loss_last10": statistics.mean(r["loss"] for r in last),
+            "curve": [r["moe_load_imbalance"] for r in records]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe.json"))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--embd", type=int, default=128)
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--balance-steps", type=int, default=150)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    speed = throughput(args)
+    balanced = [balance(args, alpha) for alpha in (0.05, 0.0)]
+    if WORLD.Get_rank() != 0:
+        return 0
+    n = WORLD.Get_size()
+    d, m, m1 = speed["dense"], speed["moe"], speed["moe_ep1"]
+    print(f"\n# MoE (E=4, top_k=1, ep={n}) vs dense GPT of the same active parameters, dp={n}, "
+          f"{args.layers}x{args.embd} float32, micro-batch {args.batch}x{args.block} x {args.microbatches}")
+    print(f"{'model':<10} {'tokens/s':>10} {'step ms':>8} {'params/rank':>12} {'active':>10}")
+    for name, r in (("dense", d), (f"moe ep={n}", m), ("moe ep=1", m1)):
+        print(f"{name:<10} {r['tokens_per_s']:>10.0f} {1e3 * r['step_s']:>8.1f} {r['params_per_rank']:>12,} "
+              f"{r['active_params']:>10,}")
+    print(f"MoE / dense tokens/s: {speed['ratio_moe_over_dense']:.2f}x with ep={n}, "
+          f"{speed['ratio_moe_ep1_over_dense']:.2f}x with ep=1")
+    print(f"all-to-all-v bytes per step and rank: measured {m['all_to_all_v_bytes'] / 2**20:.3f} MiB, formula "
+          f"(balanced routing) {speed['formula_all_to_all_v_bytes'] / 2**20:.3f} MiB; count exchange "
+          f"{m['count_bytes']:.0f} B vs {speed['formula_count_bytes']:.0f} B")
+    for b in balanced:
+        print(f"load balance alpha={b['alpha']}: max/mean tokens per expert {b['imbalance_first']:.2f} at step 0, "
+              f"{b['imbalance_last10']:.2f} over the last 10 of {b['steps']} steps (loss {b['loss_last10']:.3f})")
+    write_result(args.out, started, "slowest rank's median step; bytes: Communicator.sent of the ep group, mean "
+                 "over ranks; load: max/mean tokens per expert of the worst MoE layer over the global batch",
+                 ranks=n, throughput=speed, balance=balanced)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

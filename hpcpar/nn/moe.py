@@ -1,0 +1,200 @@
+"""Mixture of experts (Switch Transformer, arXiv 2101.03961; GShard; Megatron-Core MoE) with
+expert parallelism: the MLP of a block replaced by E expert MLPs and a router.
+
+Per token (N = B*T tokens of a micro-batch on this rank, C = n_embd, E experts, k = top_k):
+
+    router      logits = x W_r^T [N, E], probs = softmax(logits)
+    top-k       the k largest probs per token; ties go to the lower expert index
+    capacity    each expert takes at most ceil(capacity_factor * N * k / E) assignments of this
+                rank's micro-batch (0 = unlimited), first the tokens' first choices in token order,
+                then their second choices, ...; a dropped assignment adds nothing (the token keeps
+                its residual only)
+    experts     expert e: c_fc [4C, C] -> GELU -> c_proj [C, 4C], as the dense MLP
+    combine     y_n = sum_j probs[n, e_j] * expert_{e_j}(x_n) over the kept choices (no renormalisation)
+    aux loss    alpha * E * sum_i f_i P_i, f_i the fraction of the N k assignments routed to expert i
+                (counted before any is dropped), P_i the mean of probs[:, i]; z-loss
+                beta * mean_n logsumexp(logits_n)^2 (ST-MoE). Both join the graph through
+                `ops.with_loss`, scaled like the main loss (`MoE.loss_scale`).
+
+Expert parallelism over `ep_comm` (ep ranks): rank r holds experts [r E/ep, (r+1) E/ep), the
+expert weights being slices of the global tensors [E, 4C, C], [E, 4C], [E, C, 4C], [E, C]
+(`Layout.split` on dim 0). Dispatch: this rank's kept assignments sorted by expert, their
+per-expert counts exchanged with an all-to-all, then the token rows with an all-to-all-v
+(`mappings.all_to_all_v`); the experts run on what arrived (grouped by expert); combine is the
+reverse all-to-all-v, and the rows go back to the original token order. Routing, capacity and
+the aux loss depend only on this rank's micro-batch, so any ep gives the one-process model's
+results. The router, like every dense weight, is replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hpcpar import backend, ops
+from hpcpar.layout import Layout
+from hpcpar.nn.module import Module, Parameter
+from hpcpar.parallel.mappings import all_to_all_v
+from hpcpar.tensor import Tensor
+
+if TYPE_CHECKING:  # annotations only: model code never needs MPI loaded
+    from hpcpar.comm import Communicator
+
+
+def top_k(probs: np.ndarray, k: int) -> np.ndarray:
+    """[N, E] -> int64 [N, k]: each row's k largest entries, largest first; equal values in
+    ascending expert index (a stable sort of -probs), so routing is deterministic."""
+    return np.argsort(-probs, axis=1, kind="stable")[:, :k].astype(np.int64)
+
+
+def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int | None:
+    """Assignments one expert takes from `tokens` tokens: ceil(factor * tokens * top_k / experts);
+    None (unlimited) when factor is 0."""
+    return None if factor == 0 else math.ceil(factor * tokens * top_k / experts)
+
+
+def plan_dispatch(choices: np.ndarray, experts: int, cap: int | None) -> dict:
+    """Which assignments are kept and in which order they travel.
+
+    choices: int [N, k], the experts of each token (`top_k`). Assignment a = j * N + n is token
+    n's j-th choice; that is also their priority for capacity. Returns (NumPy, host):
+        routed [E]: assignments per expert before dropping (the f_i of the aux loss, times N k);
+        order [K]: the kept assignments sorted by expert (stable: in priority order within one);
+        kept [E]: kept assignments per expert (order holds kept[0] of expert 0, then expert 1, ...);
+        row [N k]: for each assignment its row in `order`, or K when dropped.
+    """
+    n, k = choices.shape
+    flat = choices.T.reshape(-1)                               # priority order: choice-major
+    routed = np.bincount(flat, minlength=experts).astype(np.int64)
+    by_expert = np.argsort(flat, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(routed)[:-1]])
+    position = np.empty_like(flat)
+    position[by_expert] = np.arange(flat.size) - starts[flat[by_expert]]
+    keep = np.ones(flat.size, dtype=bool) if cap is None else position < cap
+    order = by_expert[keep[by_expert]]
+    kept = np.bincount(flat[order], minlength=experts).astype(np.int64)
+    row = np.full(flat.size, order.size, dtype=np.int64)
+    row[order] = np.arange(order.size)
+    return {"routed": routed, "order": order, "kept": kept, "row": row}
+
+
+def _expert_param(shape: tuple, comm, dtype, no_decay: bool = False) -> Parameter:
+    rank, size = (0, 1) if comm is None else (comm.rank, comm.size)
+    layout = Layout.split(shape, 0, rank, size)
+    return Parameter(backend.xp.zeros(layout.local_shape, dtype=dtype), layout, no_decay=no_decay, expert=True)
+
+
+class Experts(Module):
+    """This rank's experts: c_fc.weight [E/ep, 4C, C], c_fc.bias [E/ep, 4C], c_proj.weight
+    [E/ep, C, 4C], c_proj.bias [E/ep, C] (slices of the global [E, ...] tensors).
+
+    In: x [M, C], the rows of each local expert back to back (`counts` per expert). Out: [M, C].
+    """
+
+    def __init__(self, cfg, comm):
+        super().__init__()
+        e, c = cfg.moe_experts, cfg.n_embd
+        self.c_fc = Module()
+        self.c_fc.weight = _expert_param((e, 4 * c, c), comm, cfg.dtype)
+        self.c_fc.bias = _expert_param((e, 4 * c), comm, cfg.dtype, True) if cfg.bias else None
+        self.c_proj = Module()
+        self.c_proj.weight = _expert_param((e, c, 4 * c), comm, cfg.dtype)
+        self.c_proj.bias = _expert_param((e, c), comm, cfg.dtype, True) if cfg.bias else None
+
+    def forward(self, x: Tensor, counts) -> Tensor:
+        h = ops.gelu(ops.grouped_linear(x, self.c_fc.weight, self.c_fc.bias, counts))
+        return ops.grouped_linear(h, self.c_proj.weight, self.c_proj.bias, counts)
+
+
+class MoE(Module):
+    """The MoE layer in a block's MLP place: x [B, T, C] -> [B, T, C] (see the module doc).
+
+    Args:
+        cfg: a GPTConfig with moe_experts > 0.
+        ep_comm: the expert-parallel group (None or size 1: every expert on this rank).
+        index: the global index of its block (names its statistics).
+
+    Attributes:
+        loss_scale: the gradient the aux and z losses get, the main loss's scale (the pipeline
+            sets 1/microbatches; 1 for a plain `loss.backward()`).
+        record: append this forward's routing statistics to `stats` (training forwards only; off
+            while a recomputed block re-runs its forward in backward).
+        stats: (routed [E] tokens per expert before dropping, dropped assignments, assignments,
+            aux + z loss value (a 0-d array)) per recorded forward; the trainer drains it.
+    """
+
+    def __init__(self, cfg, ep_comm: Communicator | None = None, index: int = 0):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        self.comm = ep_comm if ep_comm is not None and ep_comm.size > 1 else None
+        self.router = Module()
+        self.router.weight = Parameter(backend.xp.zeros((cfg.moe_experts, cfg.n_embd), dtype=cfg.dtype))
+        self.experts = Experts(cfg, self.comm)
+        self.loss_scale = 1.0
+        self.record = True
+        self.stats: list = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        cfg = self.cfg
+        b, t, c = x.shape
+        n, e, k = b * t, cfg.moe_experts, cfg.moe_top_k
+        xp = backend.array_module(x.data)
+        tokens = ops.reshape(x, (n, c))
+        logits = ops.linear(tokens, self.router.weight)                      # [N, E]
+        probs = ops.softmax(logits, axis=-1)
+        choices = top_k(backend.to_host(probs.data), k)                      # [N, k], host
+        plan = plan_dispatch(choices, e, capacity(n, k, e, cfg.moe_capacity_factor))
+        gates = ops.getitem(probs, (xp.arange(n)[:, None], xp.asarray(choices)))   # [N, k]
+        aux = self._aux_loss(logits, probs, plan["routed"], n * k)
+        if self.training and self.record:
+            self.stats.append((plan["routed"], int(n * k - plan["order"].size), n * k, aux.data))
+
+        # Dispatch: kept assignments sorted by expert -> the ranks holding their experts.
+        sent = ops.getitem(tokens, xp.asarray(plan["order"] % n))          # [K, C]
+        arrived, counts, undo = self._dispatch(sent, plan["kept"])
+        out = self.experts(arrived, counts)
+        back = undo(out)                                                     # [K, C], order of `sent`
+
+        # Combine: each assignment's expert output (zero when dropped) times its gate, summed over k.
+        padded = ops.concat([back, Tensor(xp.zeros((1, c), dtype=back.dtype))], axis=0)
+        per_choice = ops.reshape(ops.getitem(padded, xp.asarray(plan["row"])), (k, n, c))
+        weights = ops.reshape(ops.transpose(gates), (k, n, 1))
+        y = ops.reshape(ops.sum(per_choice * weights, axis=0), (b, t, c))
+        return ops.with_loss(y, aux, self.loss_scale) if aux.requires_grad else y
+
+    def _aux_loss(self, logits: Tensor, probs: Tensor, routed: np.ndarray, assignments: int) -> Tensor:
+        """alpha E sum_i f_i P_i + beta mean(logsumexp(logits)^2), a scalar."""
+        cfg, xp = self.cfg, backend.array_module(probs.data)
+        f = xp.asarray(routed / assignments, dtype=probs.dtype)
+        loss = ops.sum(ops.mean(probs, axis=0) * f) * (cfg.moe_aux_loss * cfg.moe_experts)
+        if cfg.moe_z_loss:
+            shift = logits.data.max(axis=-1, keepdims=True)                 # cancels; guards exp()
+            lse = ops.log(ops.sum(ops.exp(logits - shift), axis=-1)) + shift[:, 0]
+            loss = loss + ops.mean(lse * lse) * cfg.moe_z_loss
+        return loss
+
+    def _dispatch(self, sent: Tensor, kept: np.ndarray):
+        """Rows sorted by expert ([K, C], `kept` per expert) to the experts' ranks. Returns the rows
+        that arrived grouped by local expert, their count per local expert, and `undo(out)`: the
+        experts' outputs back on the rows' home ranks in the order of `sent`."""
+        if self.comm is None:
+            return sent, kept, lambda out: out
+        comm, xp = self.comm, backend.array_module(sent.data)
+        local = kept.size // comm.size
+        # Counts first: what each source sends to each of my experts, [ep, E/ep].
+        incoming = backend.to_host(comm.all_to_all(xp.asarray(kept), 0)).reshape(comm.size, local)
+        send, recv = kept.reshape(comm.size, local).sum(axis=1), incoming.sum(axis=1)
+        arrived = all_to_all_v(sent, comm, send, recv)                      # by source, then expert
+        # Group by expert (then source): a permutation of rows and its inverse for the way back.
+        starts = np.concatenate([[0], np.cumsum(incoming.reshape(-1))[:-1]]).reshape(comm.size, local)
+        perm = np.concatenate([np.arange(starts[s, j], starts[s, j] + incoming[s, j])
+                               for j in range(local) for s in range(comm.size)])
+        inverse = np.empty_like(perm)
+        inverse[perm] = np.arange(perm.size)
+        grouped = ops.getitem(arrived, xp.asarray(perm))
+
+        def undo(out: Tensor) -> Tensor:
+            return all_to_all_v(ops.getitem(out, xp.asarray(inverse)), comm, recv, send)
+        return grouped, incoming.sum(axis=0), undo

@@ -1,0 +1,177 @@
+"""Mixture of experts with expert parallelism, through the Trainer, against the single-process run.
+
+Run: mpiexec -n 4 python -m pytest tests/parallel/test_moe.py (also -n 2; layouts that do not fit
+the world are left out).
+- ep = 2 and 4, alone, with dp left over, with tp (experts whole on every tp rank), with pp (1F1B
+  and the zero-bubble zbh1, whose weight passes hold the experts' dW), with ZeRO-1/2 (expert state
+  sharded over the expert-dp group), dropout and full recomputation: the losses, gradient norms
+  and every global parameter equal the one-process model's to 1e-10 in float64, with unlimited
+  capacity and with a capacity factor that drops tokens (the same dropped fraction as one process).
+  The one-process reference runs the same micro-batches: micro_batch_size B and dp x microbatches
+  of them (routing, capacity and the aux loss are per rank's micro-batch).
+- The all-to-all-v dispatch and combine (`mappings.all_to_all_v`) is the adjoint of its backward.
+- Checkpoints: a run saved with ep = 4 loads with ep = 1 (experts are global [E, ...] tensors) and
+  back, and every stored tensor is bitwise the original after the round trip.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from collective import collective_assert, host, run_and_free, stored, training_problems
+
+from hpcpar import config
+from hpcpar.comm import Communicator
+from hpcpar.parallel.mappings import all_to_all_v
+from hpcpar.tensor import Tensor
+from hpcpar.train import Trainer
+
+WORLD = MPI.COMM_WORLD
+SIZE = WORLD.Get_size()
+TOKENS = np.random.default_rng(3).integers(0, 256, 5000).astype(np.uint8)
+TINY = ["model.n_layer=2", "model.n_embd=16", "model.n_head=2", "model.block_size=8", "model.dtype=float64",
+        "model.moe_experts=4", "model.moe_top_k=2", "model.moe_aux_loss=0.05", "model.moe_z_loss=0.01",
+        "train.steps=4", "train.warmup=1", "train.lr=0.01", "train.grad_clip=0.5", "train.bucket_mb=0.004",
+        "run.eval_every=0", "run.progress=false"]
+MBS, STEPS = 2, 3
+DROP = "model.moe_capacity_factor=0.75"   # each expert takes 3 of a micro-batch's 8 assignments per 4 experts
+
+
+def layouts(world: int) -> list:
+    out = [(f"ep{world}", [f"mesh.dp={world}", "mesh.pp=1", f"mesh.ep={world}"]),
+           (f"ep{world}-drop", [f"mesh.dp={world}", "mesh.pp=1", f"mesh.ep={world}", DROP])]
+    if world == 4:
+        out += [("dp4-ep2", ["mesh.dp=4", "mesh.pp=1", "mesh.ep=2"]),
+                ("dp4-ep2-drop-dropout", ["mesh.dp=4", "mesh.pp=1", "mesh.ep=2", DROP, "model.dropout=0.1"]),
+                ("ep2-tp2", ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "mesh.ep=2"]),
+                ("ep2-pp2-1f1b", ["mesh.dp=2", "mesh.pp=2", "mesh.ep=2", DROP]),
+                ("ep2-pp2-zbh1", ["mesh.dp=2", "mesh.pp=2", "mesh.ep=2", "pipeline.schedule=zbh1"]),
+                ("ep4-zero1", ["mesh.dp=4", "mesh.pp=1", "mesh.ep=4", "train.zero=1"]),
+                ("ep2-zero2-recompute", ["mesh.dp=4", "mesh.pp=1", "mesh.ep=2", "train.zero=2",
+                                         "train.recompute=full"]),
+                ("ep2-hsdp-zero1", ["mesh.dp=4", "mesh.pp=1", "mesh.ep=2", "mesh.dp_replicate=2", "train.zero=1"]),
+                ("ep2-moe-every2", ["mesh.dp=2", "mesh.pp=2", "mesh.ep=2", "model.moe_every=2", "model.n_layer=3"])]
+    return out
+
+
+def make(overrides, comm=WORLD, microbatches=2) -> Trainer:
+    cfg = config.load_config(None, TINY + [f"train.micro_batch_size={MBS}", f"train.microbatches={microbatches}"]
+                             + overrides)
+    return Trainer(cfg, comm=comm, tokens=TOKENS)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model: tuple, microbatches: int):
+    """One process, the same micro-batches: (losses, norms, routing figures, global parameters)."""
+    t = make(list(model) + ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1"], MPI.COMM_SELF, microbatches)
+    results = [t.train_step(step) for step in range(STEPS)]
+    out = ([(r.loss, r.grad_norm) for r in results], [r.moe for r in results], t.global_parameters())
+    t.mesh.free()
+    return out
+
+
+@pytest.mark.parametrize("overrides", [o for _, o in layouts(SIZE)], ids=[i for i, _ in layouts(SIZE)])
+def test_expert_parallel_matches_single_process(overrides):
+    results, params, dp = run_and_free(make(overrides), STEPS)
+    model = tuple(o for o in overrides if o.startswith("model."))
+    steps, routing, ref_params = reference(model, 2 * dp)
+    problems = training_problems(results, steps, params, ref_params, 1e-10)
+    # The routing figures too (recomputation must not count a re-run's routing twice).
+    for key in ("moe_dropped_fraction", "moe_aux_loss", "moe_load_imbalance", "moe_layer_imbalance"):
+        got, want = [r.moe[key] for r in results], [r[key] for r in routing]
+        if np.asarray(got) != pytest.approx(np.asarray(want), rel=1e-10):
+            problems.append(f"{key} {got} vs {want}")
+    dropped = [r["moe_dropped_fraction"] for r in routing]
+    # The finite capacity factor really drops assignments; unlimited capacity none.
+    if (max(dropped) > 0) != (DROP in overrides):
+        problems.append(f"dropped fractions {dropped} with {overrides}")
+    clipped = max(n for _, n in steps) > 0.5
+    collective_assert(not problems and clipped, f"{overrides}: {problems[:4]}")
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs 2 ranks")
+def test_all_to_all_v_is_adjoint_to_its_backward():
+    """<A x, y> = <x, A^T y> for the dispatch (rows to ranks by counts) and its backward."""
+    comm = Communicator(WORLD, "world")
+    rng = np.random.default_rng(10 + comm.rank)
+    # Counts from every rank to every rank, known to all (a fixed pattern with some zeros).
+    counts = np.array([[(3 * s + 2 * d) % 4 for d in range(SIZE)] for s in range(SIZE)])
+    send, recv = counts[comm.rank], counts[:, comm.rank]
+    x = Tensor(rng.standard_normal((int(send.sum()), 3)), requires_grad=True)
+    ax = all_to_all_v(x, comm, send, recv)
+    y = rng.standard_normal((int(recv.sum()), 3))
+    ax.backward(y)
+    local = np.array([float((ax.data * y).sum()), float((x.data * x.grad).sum())])
+    total = comm.all_reduce(local)
+    collective_assert(ax.shape == y.shape and abs(total[0] - total[1]) <= 1e-12 * abs(total[0]),
+                      f"<Ax, y> = {total[0]!r} but <x, A^T y> = {total[1]!r}")
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs 2 ranks")
+def test_dispatch_reaches_the_experts_ranks_and_combine_is_its_adjoint():
+    """MoE._dispatch over ep = world: every row arrives at the rank holding its expert, grouped by
+    local expert; combine (`undo`) brings the rows home in their order; and the dispatch's
+    backward is its adjoint (<D x, y> = <x, D^T y> summed over ranks)."""
+    from hpcpar.nn.gpt import GPTConfig
+    from hpcpar.nn.moe import MoE
+
+    comm = Communicator(WORLD, "ep")
+    experts = 2 * SIZE
+    cfg = GPTConfig(n_embd=4, n_head=1, dtype="float64", moe_experts=experts, moe_top_k=1)
+    moe = MoE(cfg, comm)
+    rng = np.random.default_rng(20 + comm.rank)
+    kept = rng.integers(0, 4, experts)                      # rows this rank sends to each expert
+    owner = np.repeat(np.arange(experts), kept)              # rows sorted by expert
+    data = rng.standard_normal((owner.size, 4))
+    data[:, 0] = owner                                       # column 0 names the row's expert
+    sent = Tensor(data, requires_grad=True)
+    grouped, counts, undo = moe._dispatch(sent, kept)
+    local = np.arange(comm.rank * 2, comm.rank * 2 + 2)
+    expected = np.repeat(local, counts)
+    back = undo(Tensor(grouped.data))
+    y = rng.standard_normal(grouped.shape)
+    grouped.backward(y)
+    total = comm.all_reduce(np.array([float((grouped.data * y).sum()), float((sent.data * sent.grad).sum()),
+                                      float(counts.sum()), float(kept.sum())]))
+    collective_assert(np.array_equal(grouped.data[:, 0], expected) and np.array_equal(back.data, sent.data)
+                      and total[2] == total[3] and abs(total[0] - total[1]) <= 1e-12 * abs(total[0]),
+                      f"arrived experts {grouped.data[:, 0]} vs {expected}; adjoint {total[:2]}")
+
+
+@pytest.mark.skipif(SIZE != 4, reason="needs 4 ranks")
+def test_checkpoint_reshards_experts_ep4_to_ep1_and_back_bitwise(shared_dir):
+    """ep = 4 saves [E, ...] expert tensors (each rank its E/4 experts); ep = 1 (dp = 4) loads and
+    re-saves them; ep = 4 loads that: every stored tensor, optimizer moments included, is the
+    original bitwise, and one more step on each layout gives the same loss."""
+    ep4, ep1 = ["mesh.dp=4", "mesh.pp=1", "mesh.ep=4"], ["mesh.dp=4", "mesh.pp=1", "mesh.ep=1"]
+    old = make(ep4)
+    for step in range(2):
+        old.train_step(step)
+    first = old.save(os.path.join(shared_dir, "ep4"), keep=1)
+    original = stored(first)
+    loss_old = old.train_step(2).loss
+    old.mesh.free()
+
+    middle = make(ep1)
+    middle.load(first)
+    second = middle.save(os.path.join(shared_dir, "ep1"), keep=1)
+    loss_middle = middle.train_step(2).loss
+    middle.mesh.free()
+
+    last = make(ep4)
+    last.load(second)
+    third = stored(last.save(os.path.join(shared_dir, "ep4-again"), keep=1))
+    loss_last = last.train_step(2).loss
+    last.mesh.free()
+    experts = [n for n in original if ".experts." in n]
+    differ = sorted(n for n in original if n not in third or not np.array_equal(host(original[n]), host(third[n])))
+    collective_assert(len(experts) == 2 * 4 * 3 and original["model/transformer.h.0.mlp.experts.c_fc.weight"].shape
+                      == (4, 64, 16) and sorted(third) == sorted(original) and not differ,
+                      f"round trip ep4 -> ep1 -> ep4 differs: {differ[:4]} ({len(experts)} expert tensors)")
+    collective_assert(loss_middle == pytest.approx(loss_old, rel=1e-10) and loss_last == loss_old,
+                      f"continued losses {loss_old!r}, {loss_middle!r}, {loss_last!r}")
