@@ -17,6 +17,8 @@ import subprocess
 import textwrap
 import time
 
+from processes import alive
+
 SBIN = os.pathsep.join(["/usr/sbin", "/sbin", os.environ.get("PATH", "")])
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel")
 
@@ -35,14 +37,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 class SlurmCluster:
@@ -162,12 +156,12 @@ class SlurmCluster:
             self.run("scancel", "--full", "--user", "root", check=False)
         pids = self._pids()
         for name in ("slurmd", "slurmctld", "munged"):
-            if name in pids and _pid_alive(pids[name]):
+            if name in pids and alive(pids[name]):
                 os.kill(pids[name], signal.SIGTERM)
                 deadline = time.monotonic() + 20
-                while _pid_alive(pids[name]) and time.monotonic() < deadline:
+                while alive(pids[name]) and time.monotonic() < deadline:
                     time.sleep(0.1)
-                if _pid_alive(pids[name]):
+                if alive(pids[name]):
                     os.kill(pids[name], signal.SIGKILL)
                     time.sleep(0.5)
-        return [name for name, pid in pids.items() if _pid_alive(pid)]
+        return [name for name, pid in pids.items() if alive(pid)]

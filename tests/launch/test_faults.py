@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from hpcpar import checkpoint as ck
+from processes import alive
 
 PY = sys.executable
 NP = 4
@@ -167,18 +168,9 @@ def test_a_rank_killed_with_sigkill_ends_the_job(train, tmp_path):
     assert all(s < 2 for s in losses(run)), job.output  # step 2 never finished on the pipeline
     assert not (run / "summary.json").exists()
     deadline = time.monotonic() + 10  # a rank being killed may take a moment to exit on a busy machine
-    while (survivors := [r for r, pid in pids.items() if _alive(pid)]) and time.monotonic() < deadline:
+    while (survivors := [r for r, pid in pids.items() if alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not survivors, f"ranks {survivors} outlived the job\n{job.output}"
-
-
-def _alive(pid: int) -> bool:
-    """True if `pid` runs (a zombie counts as gone: it has exited, only its status is left)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_rank_that_skips_a_collective_is_named_by_the_watchdog(train, tmp_path):
