@@ -51,6 +51,12 @@ _SPIN_BYTES_PER_S = 2.5e8
 _FIRST_SLEEP_S = 1e-6
 _MAX_SLEEP_S = 1e-3
 
+# The requests and buffers of ops that timed out, kept until the process ends. MPI may still be
+# working on them (a late peer can arrive after the CommTimeout), and freeing an active collective's
+# request is erroneous in MPI (mpi4py frees a request it garbage-collects): under Open MPI the
+# progress engine later touches freed memory and crashes. The communicator stays broken.
+_ABANDONED: list[tuple[Any, Any, Any]] = []
+
 # Result buffers of at least _POOL_MIN_BYTES are recycled (see Communicator._result);
 # each communicator keeps at most _POOL_BUFFERS of them.
 _POOL_MIN_BYTES = 64 * 1024
@@ -361,7 +367,11 @@ class Communicator:
         request = transport.start(kind, send, recv, op, peer, tag, **extra)
 
         def complete() -> Any:
-            self._wait(request, record)
+            try:
+                self._wait(request, record)
+            except watchdog.CommTimeout:
+                _ABANDONED.append((request, send, recv))
+                raise
             return finish()
         # MPI (or NCCL) reads and writes the buffers until the op completes: the handle keeps them.
         return Handle(complete, keep=(send, recv))

@@ -27,7 +27,8 @@ REQUEUE_STATUS = 75
 
 SCHEDULERS = ("slurm", "pbs")
 VARIANTS = ("cpu", "gpu")
-LAUNCHERS = {"slurm": ("srun", "mpiexec"), "pbs": ("mpiexec",)}
+# mpiexec: MPICH hydra syntax (also Intel MPI); mpiexec-openmpi: Open MPI's mpiexec.
+LAUNCHERS = {"slurm": ("srun", "mpiexec", "mpiexec-openmpi"), "pbs": ("mpiexec", "mpiexec-openmpi")}
 
 _TIME = re.compile(r"^(\d+):([0-5]\d):([0-5]\d)$")
 # Job, partition, queue and account names as schedulers accept them, and safe unquoted.
@@ -187,9 +188,13 @@ def _launcher(scheduler: str, o: JobOptions) -> list[str]:
     if o.launcher == "srun":
         # srun no longer inherits --cpus-per-task from sbatch (Slurm >= 22.05): say it again.
         return ["srun", "--cpu-bind=cores", f"--cpus-per-task={o.cpus_per_task}"]
+    ranks = str(o.nodes * o.ranks_per_node)
+    if o.launcher == "mpiexec-openmpi":
+        # Open MPI: ranks_per_node per node (ppr), PE=cpus cores each, every rank bound to its cores.
+        return ["mpiexec", "-n", ranks, "--map-by", f"ppr:{o.ranks_per_node}:node:PE={o.cpus_per_task}",
+                "--bind-to", "core"]
     # MPICH hydra syntax (also Intel MPI): -ppn ranks per node, each bound to its own cores.
-    return ["mpiexec", "-n", str(o.nodes * o.ranks_per_node), "-ppn", str(o.ranks_per_node),
-            "-bind-to", f"core:{o.cpus_per_task}"]
+    return ["mpiexec", "-n", ranks, "-ppn", str(o.ranks_per_node), "-bind-to", f"core:{o.cpus_per_task}"]
 
 
 def _program(o: JobOptions) -> list[str]:
@@ -257,7 +262,8 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Slurm partition or PBS queue (default: the site's)")
     parser.add_argument("--account", help="account/project to charge (default: the user's)")
     parser.add_argument("--job-name", help=f"job name (default {_DEFAULTS.job_name})")
-    parser.add_argument("--launcher", help="slurm: srun (default) or mpiexec; pbs: mpiexec")
+    parser.add_argument("--launcher", help="slurm: srun (default), mpiexec (MPICH/Intel MPI syntax) or"
+                        " mpiexec-openmpi; pbs: mpiexec (default) or mpiexec-openmpi")
     parser.add_argument("--signal-seconds", type=int,
                         help=f"send USR1 this long before the time limit (default {_DEFAULTS.signal_seconds})")
     parser.add_argument("--config", help=f"TOML config the job trains with (default {_DEFAULTS.config})")

@@ -53,6 +53,16 @@ def run_job(n: int, args: list[str], timeout: float = 60.0, env: dict[str, str] 
     return Job(proc.returncode, out, err, time.monotonic() - start, timed_out)
 
 
+@pytest.fixture(scope="session")
+def mpi_family() -> str:
+    """Whose mpiexec MPIEXEC is: "openmpi" (Open MPI) or "hydra" (MPICH, Intel MPI); skips without one."""
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec found")
+    version = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True, timeout=60)
+    text = version.stdout + version.stderr
+    return "openmpi" if "OpenRTE" in text or "Open MPI" in text else "hydra"  # Open MPI 4 says OpenRTE
+
+
 @pytest.fixture
 def mpirun():
     """`mpirun(n, [cmd, ...], timeout=60, env=None) -> Job`; skips when there is no mpiexec."""

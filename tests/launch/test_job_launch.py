@@ -3,6 +3,8 @@ signal forwarding and requeue logic work end to end under a real mpiexec.
 
 No scheduler here: `srun` and `scontrol` are small fakes on PATH (srun runs `mpiexec -n 2`,
 scontrol records its arguments), and PBS's `$PBS_O_WORKDIR`/`$PBS_JOBID` are set by hand.
+(tests/launch/test_slurm.py runs a script under a real Slurm.) The mpiexec launch lines run in
+the syntax of the MPI at hand: MPICH's hydra or Open MPI's.
 """
 
 from __future__ import annotations
@@ -18,17 +20,22 @@ import sys
 import textwrap
 import time
 
+import shutil
+
 import pytest
 
 from hpcpar import jobs
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
-MPIEXEC = BIN / "mpiexec"
+# The mpiexec of the MPI that mpi4py uses: next to this Python (the `mpich` extra), else on PATH.
+MPIEXEC = shutil.which("mpiexec", path=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
+# The job-script launcher that speaks the syntax of each family of mpiexec (see mpi_family).
+OWN_MPIEXEC = {"hydra": "mpiexec", "openmpi": "mpiexec-openmpi"}
 TINY = ["train.steps=3", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
         "train.warmup=1", "mesh.dp=2", "mesh.tp=1", "mesh.pp=1"]
 
-pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec next to {sys.executable}")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason=f"no mpiexec next to {sys.executable} or on PATH")
 
 # Stands in for `hpcpar`: checks the command line it was given, reports the environment the
 # script set, then waits for USR1/TERM (exit 75, as hpcpar does after its checkpoint) or, in
@@ -36,7 +43,7 @@ pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec next t
 STUB = textwrap.dedent("""\
     import json, os, signal, sys, time
     out, mode = sys.argv[1], sys.argv[2]
-    rank = os.environ.get("PMI_RANK", "0")
+    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK") if v in os.environ), "0")
     got = []
     signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
     signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
@@ -115,13 +122,18 @@ def _run_script(tmp: pathlib.Path, script: str, send_usr1: bool) -> tuple[int, s
     return proc.returncode, err
 
 
-def _stub_script(tmp: pathlib.Path, scheduler: str, mode: str, **options) -> str:
+def _stub_script(tmp: pathlib.Path, scheduler: str, mode: str, family: str, launcher: str | None = None,
+                 **options) -> str:
+    """The script around the stub; launcher "mpiexec" (PBS's, and Slurm's second) is the mpiexec
+    line in the syntax of the MPI at hand (`family`, as the mpi_family fixture names it)."""
     stub = tmp / "stub.py"
     stub.write_text(STUB)
     _fake_scheduler_tools(tmp)
     command = shlex.join([sys.executable, str(stub), str(tmp), mode])
+    launcher = launcher or jobs.LAUNCHERS[scheduler][0]
     return jobs.render(scheduler, "cpu", ranks_per_node=2, cpus_per_task=1, hpcpar=command,
-                       overrides=["train.steps=7"], **options)
+                       overrides=["train.steps=7"], launcher=OWN_MPIEXEC[family] if launcher == "mpiexec" else launcher,
+                       **options)
 
 
 def _check_ranks(tmp: pathlib.Path) -> None:
@@ -132,8 +144,8 @@ def _check_ranks(tmp: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("scheduler,launcher", [("slurm", "srun"), ("slurm", "mpiexec"), ("pbs", "mpiexec")])
-def test_usr1_reaches_ranks_and_requeues(tmp_path, scheduler, launcher):
-    script = _stub_script(tmp_path, scheduler, "wait", launcher=launcher)
+def test_usr1_reaches_ranks_and_requeues(tmp_path, mpi_family, scheduler, launcher):
+    script = _stub_script(tmp_path, scheduler, "wait", mpi_family, launcher=launcher)
     status, err = _run_script(tmp_path, script, send_usr1=True)
     assert status == jobs.REQUEUE_STATUS, err
     _check_ranks(tmp_path)
@@ -144,9 +156,9 @@ def test_usr1_reaches_ranks_and_requeues(tmp_path, scheduler, launcher):
         assert "submit this script again (qsub)" in err and "qrerun 4242.pbs" in err
 
 
-def test_pbs_timer_signals_before_walltime(tmp_path):
+def test_pbs_timer_signals_before_walltime(tmp_path, mpi_family):
     # Walltime 60 s, USR1 50 s before it: the script's own timer stops the ranks after ~10 s.
-    script = _stub_script(tmp_path, "pbs", "wait", time="00:01:00", signal_seconds=50)
+    script = _stub_script(tmp_path, "pbs", "wait", mpi_family, time="00:01:00", signal_seconds=50)
     start = time.monotonic()
     status, err = _run_script(tmp_path, script, send_usr1=False)
     assert status == jobs.REQUEUE_STATUS, err
@@ -156,8 +168,8 @@ def test_pbs_timer_signals_before_walltime(tmp_path):
 
 @pytest.mark.parametrize("scheduler", jobs.SCHEDULERS)
 @pytest.mark.parametrize("mode,expected", [("done", 0), ("fail", 3)])
-def test_exit_status_passes_through_without_requeue(tmp_path, scheduler, mode, expected):
-    status, err = _run_script(tmp_path, _stub_script(tmp_path, scheduler, mode), send_usr1=False)
+def test_exit_status_passes_through_without_requeue(tmp_path, mpi_family, scheduler, mode, expected):
+    status, err = _run_script(tmp_path, _stub_script(tmp_path, scheduler, mode, mpi_family), send_usr1=False)
     assert status == expected, err
     _check_ranks(tmp_path)
     assert not (tmp_path / "scontrol.log").exists()

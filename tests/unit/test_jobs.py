@@ -95,6 +95,13 @@ def test_slurm_mpiexec_launcher():
     assert launcher == ["mpiexec", "-n", "6", "-ppn", "3", "-bind-to", "core:4"]
 
 
+@pytest.mark.parametrize("scheduler", jobs.SCHEDULERS)
+def test_open_mpi_launcher(scheduler):
+    script = jobs.render(scheduler, "cpu", nodes=2, ranks_per_node=3, cpus_per_task=4, launcher="mpiexec-openmpi")
+    launcher, _ = _launch_block(script)
+    assert launcher == ["mpiexec", "-n", "6", "--map-by", "ppr:3:node:PE=4", "--bind-to", "core"]
+
+
 def test_pbs_directives_launcher_and_timer():
     script = jobs.render("pbs", "gpu", nodes=2, gpus_per_node=4, cpus_per_task=6, time="02:00:00",
                          partition="gpuq", account="proj", signal_seconds=120)
@@ -157,8 +164,10 @@ def test_header_command_reproduces_script(capsys, scheduler, variant, options):
     ("slurm", "gpu", {"gpus_per_node": 4, "ranks_per_node": 2},
      "ranks_per_node (2) must equal gpus_per_node (4)"),
     ("pbs", "cpu", {"gpus_per_node": 2}, "job option gpus_per_node applies to the gpu variant only"),
-    ("pbs", "cpu", {"launcher": "srun"}, "launcher 'srun' does not work with pbs: expected one of mpiexec"),
-    ("slurm", "cpu", {"launcher": "aprun"}, "launcher 'aprun' does not work with slurm: expected one of srun, mpiexec"),
+    ("pbs", "cpu", {"launcher": "srun"},
+     "launcher 'srun' does not work with pbs: expected one of mpiexec, mpiexec-openmpi"),
+    ("slurm", "cpu", {"launcher": "aprun"},
+     "launcher 'aprun' does not work with slurm: expected one of srun, mpiexec, mpiexec-openmpi"),
     ("slurm", "cpu", {"job_name": "my job"}, "job option job_name must be letters, digits"),
     ("slurm", "cpu", {"partition": "a;rm"}, "job option partition must be letters, digits"),
     ("pbs", "cpu", {"account": "-x"}, "job option account must be letters, digits"),
