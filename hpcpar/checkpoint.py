@@ -8,6 +8,12 @@ A checkpoint is a directory `step-NNNNNNN/` (format: docs/checkpoint-format.md):
                     global region of every block); root attribute `meta` (JSON)
     manifest.json   format, meta, per-file size, the same tensor table
 
+That is the default storage, `per_rank` (any h5py). With `storage="shared"` (parallel HDF5: h5py
+built with MPI) there are no rank files: `index.h5` holds the global tensors themselves, one
+chunked fletcher32 dataset per tensor, written through the mpio driver, every rank writing its
+blocks into the global datasets with collective writes; the same attributes describe which rank
+wrote which region. Either storage loads into any layout (reading needs no MPI-IO).
+
 Integrity without re-reading the rank files: every chunk carries a fletcher32 checksum and
 the HDF5 metadata HDF5 reads back is checksummed (file format 1.10: superblock v3, object
 header v2), so HDF5 verifies every byte of a block it reads; blocks too small to chunk
@@ -24,6 +30,7 @@ the same `CheckpointError`, never one raising while the others wait.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import errno
 import hashlib
@@ -61,6 +68,8 @@ _CHUNK_BYTES = 1 << 20
 # HDF5 file format 1.10 (readable by HDF5 >= 1.10 tools): checksummed metadata everywhere.
 _LIBVER = ("v110", "v110")
 _CRC_ATTR = "crc32"  # on blocks stored contiguous (scalars, empty arrays): no fletcher32 there
+PER_RANK, SHARED = "per_rank", "shared"
+STORAGES = (PER_RANK, SHARED)  # checkpoint.format
 
 Region = tuple  # tuple[tuple[int, int], ...]: (start, stop) per dim of the global tensor
 
@@ -248,13 +257,7 @@ def _write_rank_file(path: str, items: list[tuple[StoredBlock, str, np.ndarray]]
     The data goes from the caller's arrays straight into HDF5's chunk buffers (no copy of a
     C-contiguous block); fletcher32 is computed per chunk while it is in cache.
     """
-    # HDF5 crashes the process (SIGSEGV at exit) after a write fails on a full disk: check first.
-    need = sum(data.nbytes for _, _, data in items) + 4096 * len(items) + (64 << 10)  # + metadata
-    st = os.statvfs(os.path.dirname(path))
-    if st.f_bavail * st.f_frsize < need:
-        raise CheckpointError(f"no space left on device for {path}: it needs about {need} bytes, "
-                              f"{st.f_bavail * st.f_frsize} are free; free space or set checkpoint.dir "
-                              "to a file system with room")
+    _check_space(path, sum(data.nbytes for _, _, data in items), len(items))
     with h5py.File(path, "w", libver=_LIBVER) as f:
         for block, name, data in items:
             chunks = _chunks(data.shape, data.dtype.itemsize)
@@ -266,6 +269,90 @@ def _write_rank_file(path: str, items: list[tuple[StoredBlock, str, np.ndarray]]
                 ds.attrs[_CRC_ATTR] = _crc32(data)
     _fsync_path(path)
     return {"size": os.path.getsize(path)}
+
+
+def _check_space(path: str, nbytes: int, datasets: int) -> None:
+    """HDF5 crashes the process (SIGSEGV at exit) after a write fails on a full disk: check first."""
+    need = nbytes + 4096 * datasets + (64 << 10)  # + metadata
+    st = os.statvfs(os.path.dirname(path))
+    if st.f_bavail * st.f_frsize < need:
+        raise CheckpointError(f"no space left on device for {path}: it needs about {need} bytes, "
+                              f"{st.f_bavail * st.f_frsize} are free; free space or set checkpoint.dir "
+                              "to a file system with room")
+
+
+def _shared_plan(plan: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
+    """The same plan with every block stored in its global dataset of the shared file."""
+    return {name: StoredTensor(t.shape, t.dtype, tuple(StoredBlock(INDEX, name, b.region, b.rank)
+                                                       for b in t.blocks))
+            for name, t in plan.items()}
+
+
+def _attrs_digest(meta_json: str, tensors: Mapping[str, tuple[str, str]]) -> str:
+    """sha256 of the shared file's JSON attributes (root `meta`; per tensor `dtype`, `sharding`).
+
+    They live in HDF5's unchecksummed global heap; the manifest keeps this digest of them, as it
+    keeps the per-rank index's whole-file sha256 (hashing the shared file would read all the data).
+    """
+    text = json.dumps([meta_json, sorted((name, *v) for name, v in tensors.items())])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_shared(path: str, plan: dict[str, StoredTensor], items: list[tuple[StoredBlock, str, np.ndarray]],
+                  meta_json: str, crcs: Mapping[str, int], mpi_comm) -> str:
+    """Every rank: write the shared file through MPI-IO (collective); returns the attributes' digest.
+
+    Creating datasets and attributes is collective in parallel HDF5 (every rank, same order, same
+    values: the plan, the meta and the crc32s are the same everywhere). Data: per tensor, as many
+    collective writes as the rank writing most of its blocks has; a rank with fewer blocks joins
+    the remaining writes with an empty selection. HDF5 >= 1.10.2 computes fletcher32 in such
+    collective writes, moving each chunk written by several ranks to one of them first.
+    """
+    mine: dict[str, list[tuple[StoredBlock, np.ndarray]]] = {}
+    for b, name, data in items:
+        mine.setdefault(name, []).append((b, np.ascontiguousarray(data)))
+    dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
+    dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
+    attrs = {}
+    with h5py.File(path, "w", driver="mpio", comm=mpi_comm, libver=_LIBVER) as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["storage"] = SHARED
+        f.attrs["meta"] = meta_json
+        for name, t in plan.items():
+            dtype = np.dtype(t.dtype)
+            chunks = _chunks(t.shape, dtype.itemsize)
+            ds = f.create_dataset(name, shape=t.shape, dtype=dtype, chunks=chunks, fletcher32=chunks is not None)
+            attrs[name] = (t.dtype, json.dumps([b.to_json() for b in t.blocks]))
+            ds.attrs["global_shape"] = np.asarray(t.shape, dtype=np.int64)
+            ds.attrs["dtype"], ds.attrs["sharding"] = attrs[name]
+            if chunks is None:
+                ds.attrs[_CRC_ATTR] = crcs[name]
+        for name, t in plan.items():
+            if prod(t.shape) == 0:
+                continue
+            rounds = max(collections.Counter(b.rank for b in t.blocks).values())
+            blocks = mine.get(name, [])
+            for i in range(rounds):
+                _write_selection(f[name].id, *(blocks[i] if i < len(blocks) else (None, None)), dxpl)
+        f.flush()  # MPI_File_sync on every rank: durable before the commit, on any file system
+    return _attrs_digest(meta_json, attrs)
+
+
+def _write_selection(ds, block: StoredBlock | None, data: np.ndarray | None, dxpl) -> None:
+    """One collective write: `data` into `block.region` of `ds`, or (None) an empty selection."""
+    fspace = ds.get_space()
+    if block is None:
+        fspace.select_none()
+        mspace = h5py.h5s.create_simple((1,))
+        mspace.select_none()
+        data = np.zeros(1, dtype=ds.dtype)
+    elif not block.region:  # a scalar
+        mspace = h5py.h5s.create(h5py.h5s.SCALAR)
+    else:
+        fspace.select_hyperslab(tuple(s for s, _ in block.region), tuple(e - s for s, e in block.region))
+        mspace = h5py.h5s.create_simple(data.shape)
+    ds.write(mspace, fspace, data, dxpl=dxpl)
 
 
 def _write_index(path: str, plan: dict[str, StoredTensor], meta: dict) -> None:
@@ -348,7 +435,7 @@ class SaveHandle:
 
 
 def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], meta: dict,
-         comm, keep: int | None = 3, async_save: bool = False):
+         comm, keep: int | None = 3, async_save: bool = False, storage: str = PER_RANK):
     """Save a sharded checkpoint of global tensors (collective over `comm`).
 
     Args:
@@ -364,11 +451,22 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
         keep: committed checkpoints to keep (older ones are deleted); None keeps all.
         async_save: snapshot the arrays to host copies now, write the rank file in a background
             thread and return a `SaveHandle`; `handle.wait()` (collective, main thread) commits.
+        storage: "per_rank" (a file per writing rank + an index of virtual datasets) or "shared"
+            (one file, `index.h5`, written collectively through MPI-IO over `comm`: needs h5py
+            built with MPI; not with `async_save`, since MPI-IO cannot run in a background thread).
     Returns:
         The committed checkpoint's path, or a `SaveHandle` when `async_save`.
     """
     if keep is not None and keep < 1:
         raise CheckpointError(f"keep={keep}: must keep at least 1 checkpoint (or None for all)")
+    if storage not in STORAGES:
+        raise CheckpointError(f"storage={storage!r}: expected one of {', '.join(STORAGES)}")
+    if storage == SHARED and not h5py.get_config().mpi:
+        raise CheckpointError("a shared-file checkpoint needs h5py built with MPI (parallel HDF5); this h5py is "
+                              "not: see README, Parallel HDF5, or save per_rank")
+    if storage == SHARED and async_save:
+        raise CheckpointError("async_save needs per_rank storage: a shared-file save writes through "
+                              "collective MPI-IO, which cannot run in a background thread")
     rank, world = comm.rank, comm.size
     directory = os.path.abspath(directory)
 
@@ -388,6 +486,8 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
     local, held = _collective(comm, snapshot)
     holdings = comm.all_gather_object(held)
     plan = _collective(comm, lambda: assign_writers(holdings))
+    if storage == SHARED:
+        plan = _shared_plan(plan)
 
     def make_tmp():
         if rank != 0:
@@ -412,6 +512,32 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
             src = next(lb for lb in layout.blocks if _region(lb.glob) == b.region)
             items.append((b, name, array[src.local].reshape(tuple(e - s for s, e in b.region))))
 
+    def full_meta() -> dict:
+        return dict(meta, step=step, format_version=FORMAT_VERSION, world_size=world,
+                    hpcpar_version=hpcpar.__version__,
+                    timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat())
+
+    def finish(file_table: dict, index_meta: dict | None) -> str:
+        """Rank 0, collectively checked: the index (per_rank), the manifest, rename, `latest`."""
+        def work():
+            if rank != 0:
+                return None
+            stored_meta = index_meta if index_meta is not None else full_meta()
+            if storage == PER_RANK:
+                index = os.path.join(tmp, INDEX)
+                _write_index(index, plan, stored_meta)
+                file_table[INDEX] = {"size": os.path.getsize(index), "sha256": _sha256_and_sync(index)}
+            _write_json(os.path.join(tmp, MANIFEST),
+                        {"format": FORMAT, "format_version": FORMAT_VERSION, "storage": storage,
+                         "meta": stored_meta, "files": file_table, "tensors": _tensor_table(plan)})
+            _fsync_path(tmp)
+            return _commit_dir(directory, tmp, step, keep)
+
+        return comm.broadcast_object(_collective(comm, work), root=0)
+
+    if storage == SHARED:
+        return _save_shared(os.path.join(tmp, INDEX), plan, items, full_meta, finish, comm)
+
     def write() -> dict | None:
         if not items:
             return None
@@ -421,27 +547,29 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
     def commit(written: Callable[[], dict | None]) -> str:
         files = _collective(comm, written)
         all_files = comm.all_gather_object(files)
-
-        def finish():
-            if rank != 0:
-                return None
-            full_meta = dict(meta, step=step, format_version=FORMAT_VERSION, world_size=world,
-                             hpcpar_version=hpcpar.__version__,
-                             timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat())
-            file_table = {k: v for f in all_files if f for k, v in sorted(f.items())}
-            index = os.path.join(tmp, INDEX)
-            _write_index(index, plan, full_meta)
-            file_table[INDEX] = {"size": os.path.getsize(index), "sha256": _sha256_and_sync(index)}
-            _write_json(os.path.join(tmp, MANIFEST),
-                        {"format": FORMAT, "format_version": FORMAT_VERSION, "meta": full_meta,
-                         "files": file_table, "tensors": _tensor_table(plan)})
-            _fsync_path(tmp)
-            return _commit_dir(directory, tmp, step, keep)
-
-        return comm.broadcast_object(_collective(comm, finish), root=0)
+        return finish({k: v for f in all_files if f for k, v in sorted(f.items())}, None)
 
     handle = SaveHandle(write, commit, background=async_save)
     return handle if async_save else handle.wait()
+
+
+def _save_shared(path: str, plan: dict[str, StoredTensor], items: list, full_meta: Callable[[], dict],
+                 finish: Callable[[dict, dict], str], comm) -> str:
+    """`save` for storage="shared": the index file holds the data, written collectively (MPI-IO)."""
+    # What every rank must write identically: rank 0's meta, the crc32 of every unchunked block.
+    meta = comm.broadcast_object(full_meta() if comm.rank == 0 else None, root=0)
+    crcs: dict[str, int] = {}
+    for part in comm.all_gather_object({name: _crc32(data) for _, name, data in items
+                                        if _chunks(data.shape, data.dtype.itemsize) is None}):
+        crcs.update(part)
+    nbytes = sum(prod(t.shape) * np.dtype(t.dtype).itemsize for t in plan.values())
+    # The free-space check and the write fail together: a rank that raised before a collective
+    # write would leave the others waiting in it.
+    _collective(comm, lambda: _check_space(path, nbytes, len(plan)) if comm.rank == 0 else None)
+    digest = _collective(comm, lambda: _write_shared(path, plan, items, json.dumps(meta), crcs, comm.mpi))
+    if comm.rank == 0:
+        _fsync_path(path)
+    return finish({INDEX: {"size": os.path.getsize(path), "attrs_sha256": digest}}, meta)
 
 
 def _commit_dir(directory: str, tmp: str, step: int, keep: int | None) -> str:
@@ -521,31 +649,55 @@ def _read_manifest(ckpt: str) -> dict:
     return manifest
 
 
+def _storage(manifest: dict) -> str:
+    return manifest.get("storage", PER_RANK)  # checkpoints from before shared storage: per rank
+
+
 def _read_index(ckpt: str, manifest: dict) -> tuple[dict[str, StoredTensor], dict]:
-    """The tensor table and meta from index.h5's attributes, after checking its sha256."""
+    """The tensor table and meta from index.h5's attributes, after checking them against the
+    manifest: the whole file's sha256 (per_rank), or its size and the attributes' digest (shared)."""
     path = os.path.join(ckpt, INDEX)
-    table = {}
-    expected = manifest["files"].get(INDEX, {}).get("sha256")
+    table, attrs = {}, {}
+    entry = manifest["files"].get(INDEX, {})
+    shared = _storage(manifest) == SHARED
     try:
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
+        if shared:
+            size = os.path.getsize(path)
+            if size != entry.get("size"):
+                raise CheckpointError(f"{path}: {size} bytes but the manifest says {entry.get('size')} "
+                                      "(truncated or overwritten)")
+        else:
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+            if digest != entry.get("sha256"):
+                raise CheckpointError(f"{path}: sha256 differs from the manifest (corrupt index)")
     except OSError as err:
         raise CheckpointError(f"{path}: unreadable index ({err.strerror})") from None
-    if digest != expected:
-        raise CheckpointError(f"{path}: sha256 differs from the manifest (corrupt index)")
     try:
         with h5py.File(path, "r", locking=False) as f:
-            meta = json.loads(f.attrs["meta"])
+            meta_json = f.attrs["meta"]
 
             def visit(name, obj):
                 if isinstance(obj, h5py.Dataset):
-                    blocks = tuple(StoredBlock.from_json(b) for b in json.loads(obj.attrs["sharding"]))
+                    attrs[name] = (str(obj.attrs["dtype"]), str(obj.attrs["sharding"]))
+                    blocks = tuple(StoredBlock.from_json(b) for b in json.loads(attrs[name][1]))
                     table[name] = StoredTensor(tuple(int(n) for n in obj.attrs["global_shape"]),
-                                               str(obj.attrs["dtype"]), blocks)
+                                               attrs[name][0], blocks)
             f.visititems(visit)
+            meta = json.loads(meta_json)
     except (OSError, KeyError, ValueError) as err:
         raise CheckpointError(f"{path}: unreadable index ({err})") from None
+    if shared and _attrs_digest(meta_json, attrs) != entry.get("attrs_sha256"):
+        raise CheckpointError(f"{path}: its attributes (meta, sharding) differ from the manifest's digest "
+                              "(corrupt index)")
     return table, meta
+
+
+def _sources(name: str, t: StoredTensor) -> tuple:
+    """The stored blocks to read `name` from: a shared file's global dataset is read as one block."""
+    if t.blocks and t.blocks[0].file == INDEX:
+        return (StoredBlock(INDEX, name, tuple((0, n) for n in t.shape), -1),)
+    return t.blocks
 
 
 class _Shards:
@@ -585,7 +737,7 @@ def _assemble(name: str, t: StoredTensor, layout: Layout, shards: _Shards) -> np
         flat = is_flat(want)
         target = np.empty(tuple(e - s for s, e in want_glob), dtype=out.dtype) if flat else out
         origin = tuple(slice(0, e - s) for s, e in want_glob) if flat else want.local
-        for b in t.blocks:
+        for b in _sources(name, t):
             part = _intersect(want_glob, b.region)
             if part is None:
                 continue
@@ -692,7 +844,7 @@ def info(path: str) -> str:
     lines = [f"checkpoint {ckpt}",
              f"  step {meta.get('step')}  saved by {meta.get('world_size')} rank(s) at "
              f"{meta.get('timestamp')}  hpcpar {meta.get('hpcpar_version')}  format v{meta.get('format_version')}",
-             f"  files: {len(manifest['files'])} ({total / 2**20:.1f} MiB)"]
+             f"  files: {len(manifest['files'])} ({total / 2**20:.1f} MiB), storage {_storage(manifest)}"]
     shown = {k: v for k, v in meta.items()
              if k not in ("step", "world_size", "timestamp", "hpcpar_version", "format_version")}
     for key, value in sorted(shown.items()):
@@ -726,7 +878,7 @@ def verify(path: str) -> list[str]:
             holds.setdefault(b["file"], []).append((name, b["dataset"]))
     problems = []
     for file, entry in sorted(manifest["files"].items()):
-        names = [n for n, _ in holds.get(file, [])] or ["the index"]
+        names = list(dict.fromkeys(n for n, _ in holds.get(file, []))) or ["the index"]
         what = f"{', '.join(names[:3])}{f' +{len(names) - 3} more' if len(names) > 3 else ''}"
         full = os.path.join(ckpt, file)
         if not os.path.exists(full):
@@ -739,6 +891,8 @@ def verify(path: str) -> list[str]:
                 table, _ = _read_index(ckpt, manifest)
                 if sorted(table) != sorted(manifest["tensors"]):
                     problems.append(f"{full}: lists other tensors than the manifest (corrupt index)")
+                elif _storage(manifest) == SHARED:  # the index holds the data: read all of it back
+                    problems.extend(_verify_rank_file(full, [(n, n) for n in sorted(table)]))
             except CheckpointError as err:
                 problems.append(str(err))
         else:

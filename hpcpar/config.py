@@ -177,6 +177,9 @@ class CheckpointConfig:
     resume: str = _field("", "\"\" = start fresh, \"auto\" = newest checkpoint in dir if any, "
                              "or a checkpoint path")
     async_save: bool = _field(False, "write checkpoints in a background thread while training goes on")
+    format: str = _field("per_rank", "per_rank: every writing rank its own HDF5 file (any h5py); shared: one HDF5 "
+                                     "file written collectively through MPI-IO (h5py built with MPI, parallel HDF5)",
+                         ("per_rank", "shared"))
 
 
 @dataclass(frozen=True)
@@ -939,6 +942,22 @@ def _check_precision(cfg: Config) -> None:
                           "hold; on the GPU use train.precision=\"fp16\" (or run.backend=\"numpy\")")
 
 
+def _check_checkpoint(c: CheckpointConfig) -> None:
+    if c.format != "shared":
+        return
+    import h5py
+
+    if not h5py.get_config().mpi:
+        raise ConfigError("checkpoint.format=\"shared\" needs h5py built with MPI (parallel HDF5), and this h5py "
+                          "is not: install parallel HDF5 (e.g. apt-get install libhdf5-openmpi-dev) and build h5py "
+                          "against it (HDF5_MPI=ON CC=mpicc pip install --no-binary=h5py h5py; README: Parallel HDF5), "
+                          "or use checkpoint.format=\"per_rank\"")
+    if c.async_save:
+        raise ConfigError("checkpoint.async_save=true needs checkpoint.format=\"per_rank\": a shared-file save "
+                          "writes through collective MPI-IO, which cannot run in a background thread while training "
+                          "communicates")
+
+
 def _resolved_chunks(p: PipelineConfig) -> int:
     from hpcpar.parallel import schedule
 
@@ -968,6 +987,7 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     _check_context_parallel(cfg, tp, cp)
     _check_pipeline(cfg, pp)
     _check_experts(cfg, dp, tp, cp)
+    _check_checkpoint(cfg.checkpoint)
     if cfg.train.grad_compression != "none" and dp * cp == 1:
         log.warning("train.grad_compression=%s has nothing to compress: dp x cp = 1 (no data-parallel "
                     "gradient averaging)", cfg.train.grad_compression)

@@ -556,7 +556,7 @@ class Trainer:
             names = self.mesh.world.all_gather_object(sorted(n for n in tensors if n.startswith("compress/")))
             meta["compression"] = {**compression, "names": sorted(set().union(*names))}
         result = checkpoint.save(directory, self.step, tensors, meta, self.mesh.world,
-                                 keep=keep, async_save=async_save)
+                                 keep=keep, async_save=async_save, storage=self.cfg.checkpoint.format)
         self.save_in_flight = result if async_save else None
         return result
 
