@@ -6,7 +6,9 @@
 loaded with `hpcpar.checkpoint` (HDF5 rank files with 1 MiB fletcher32 chunks and checksummed
 metadata, index + manifest, one fsync per file, atomic commit; every load verifies every chunk
 it reads) and, as the reference, with `np.save`/`np.load` of the same local arrays into one file
-per rank (+ fsync; np.load verifies nothing). Throughput is global bytes / wall time of the
+per rank (+ fsync; np.load verifies nothing). When h5py is built with MPI (parallel HDF5) the
+shared storage (`checkpoint.format = "shared"`: one file written collectively through MPI-IO)
+is measured too, side by side ("hpcpar ... shared" rows). Throughput is global bytes / wall time of the
 slowest rank (barrier to barrier); best of `--repeats` (the machine may be shared: noisy).
 Reads are mostly served from the page cache for both. Results are printed and merged into
 bench/results/checkpoint.json under "ranks=N".
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import time
 
+import h5py
 import numpy as np
 from mpi4py import MPI
 
@@ -87,9 +90,13 @@ def main() -> None:
         times["hpcpar async: call returns"].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
         handle.wait()
 
+    shared = h5py.get_config().mpi
+    shared_dir = os.path.join(base, "ckpt-shared")
     times: dict[str, list[float]] = {k: [] for k in
                                      ("numpy save", "hpcpar save", "hpcpar save async", "hpcpar async: call returns",
                                       "numpy load", "hpcpar load", "hpcpar load resharded")}
+    if shared:
+        times.update({k: [] for k in ("hpcpar save shared", "hpcpar load shared", "hpcpar load shared resharded")})
     for step in range(args.repeats):
         times["numpy save"].append(timed(comm, np_save))
         times["hpcpar save"].append(timed(comm, lambda: ck.save(ckpt_dir, step, tensors, {}, world, keep=1)))
@@ -97,6 +104,11 @@ def main() -> None:
         times["numpy load"].append(timed(comm, np_load))
         times["hpcpar load"].append(timed(comm, lambda: ck.load(ckpt_dir, wanted, world)))
         times["hpcpar load resharded"].append(timed(comm, lambda: ck.load(ckpt_dir, resharded, world)))
+        if shared:
+            times["hpcpar save shared"].append(timed(comm, lambda: ck.save(shared_dir, step, tensors, {}, world,
+                                                                           keep=1, storage="shared")))
+            times["hpcpar load shared"].append(timed(comm, lambda: ck.load(shared_dir, wanted, world)))
+            times["hpcpar load shared resharded"].append(timed(comm, lambda: ck.load(shared_dir, resharded, world)))
 
     comm.Barrier()
     if rank == 0:
@@ -106,13 +118,20 @@ def main() -> None:
         ratio = {"save": gbs["hpcpar save"] / gbs["numpy save"],
                  "load": gbs["hpcpar load"] / gbs["numpy load"],
                  "load resharded": gbs["hpcpar load resharded"] / gbs["numpy load"]}
+        if shared:
+            ratio.update({"save shared": gbs["hpcpar save shared"] / gbs["numpy save"],
+                          "load shared": gbs["hpcpar load shared"] / gbs["numpy load"],
+                          "load shared resharded": gbs["hpcpar load shared resharded"] / gbs["numpy load"]})
         print(f"checkpoint throughput: {nbytes / 2**20:.0f} MiB float32 in {N_TENSORS} tensors, "
               f"{size} rank(s), best of {args.repeats}")
         print(f"{'method':<28}{'seconds':>10}{'GB/s':>10}{'vs numpy':>10}")
         for k in times:
             ref = gbs["numpy load" if "load" in k else "numpy save"]
             print(f"{k:<28}{best[k]:>10.3f}{gbs[k]:>10.2f}{gbs[k] / ref:>10.2f}")
-        result = {"ranks": size, "bytes": nbytes, "tensors": N_TENSORS, "repeats": args.repeats,
+        if not shared:
+            print("shared storage not measured: h5py is not built with MPI (parallel HDF5)")
+        result = {"ranks": size, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+                  "shared_storage": shared, "bytes": nbytes, "tensors": N_TENSORS, "repeats": args.repeats,
                   "seconds_best": best, "gb_per_s": gbs, "ratio_vs_numpy": ratio,
                   "seconds_all": times}
         os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -272,7 +272,11 @@ def _checkpoint(d: dict, ranks: int) -> list[str]:
     return [f"{run['bytes'] / MiB:.0f} MiB float32 on {run['ranks']} ranks, best of {run['repeats']}",
             f"save {g['hpcpar save']:.2f} GB/s vs numpy {g['numpy save']:.2f} GB/s ({r['save']:.2f}x); "
             f"load {g['hpcpar load']:.2f} vs {g['numpy load']:.2f} GB/s ({r['load']:.2f}x); "
-            f"resharded load {r['load resharded']:.2f}x"]
+            f"resharded load {r['load resharded']:.2f}x"] + (
+        [f"shared file (parallel HDF5, {run.get('mpi', 'MPI')}): save {g['hpcpar save shared']:.2f} GB/s "
+         f"({r['save shared']:.2f}x); load {g['hpcpar load shared']:.2f} GB/s ({r['load shared']:.2f}x); "
+         f"resharded load {r['load shared resharded']:.2f}x"] if run.get("shared_storage")
+        else ["shared file: not measured (h5py without MPI)"])
 
 
 def _scaling(d: dict) -> list[str]:

@@ -945,17 +945,17 @@ def _check_precision(cfg: Config) -> None:
 def _check_checkpoint(c: CheckpointConfig) -> None:
     if c.format != "shared":
         return
+    if c.async_save:
+        raise ConfigError("checkpoint.async_save=true needs checkpoint.format=\"per_rank\": a shared-file save "
+                          "writes through collective MPI-IO, which cannot run in a background thread while training "
+                          "communicates")
     import h5py
 
     if not h5py.get_config().mpi:
         raise ConfigError("checkpoint.format=\"shared\" needs h5py built with MPI (parallel HDF5), and this h5py "
                           "is not: install parallel HDF5 (e.g. apt-get install libhdf5-openmpi-dev) and build h5py "
-                          "against it (HDF5_MPI=ON CC=mpicc pip install --no-binary=h5py h5py; README: Parallel HDF5), "
-                          "or use checkpoint.format=\"per_rank\"")
-    if c.async_save:
-        raise ConfigError("checkpoint.async_save=true needs checkpoint.format=\"per_rank\": a shared-file save "
-                          "writes through collective MPI-IO, which cannot run in a background thread while training "
-                          "communicates")
+                          "against it (HDF5_MPI=ON CC=mpicc pip install --no-binary=h5py h5py; README, Parallel "
+                          "HDF5), or use checkpoint.format=\"per_rank\"")
 
 
 def _resolved_chunks(p: PipelineConfig) -> int:

@@ -258,7 +258,7 @@ class Mesh:
             for key in itertools.combinations(self._used, r):
                 sub = self.cart.Sub([a in key for a in CART_AXES])
                 self._comms[key] = Communicator(sub, self._name(key))
-        self._comms[()] = Communicator(self.cart.Sub([False] * len(CART_AXES)), "dp_replicate")
+        self._comms[()] = Communicator(self._alone(), "dp_replicate")
         self._make_expert_comms(int(ep))
         stage, stages = self.coords[Axis.PP], self.degrees[Axis.PP]
         self.prev_stage: int | None = stage - 1 if stage > 0 else None
@@ -267,6 +267,12 @@ class Mesh:
         self.node_comm = Communicator(self.cart.Split_type(MPI.COMM_TYPE_SHARED, key=self.cart.Get_rank()),
                                       "node")
         self._placement = self._gather_placement()
+
+    def _alone(self) -> MPI.Comm:
+        """A communicator of this rank alone (collective over the mesh). `Cart.Sub` keeping no
+        dimension would be the textbook way, but Debian's MPICH 4.0.2 returns MPI_COMM_NULL from
+        it on every rank but one, and the one left then hangs: a split by rank is the same group."""
+        return self.cart.Split(self.cart.Get_rank(), 0)
 
     def _name(self, key: tuple[str, ...]) -> str:
         """"dp+cp" for (dp_replicate, dp_shard, cp), or for (dp_shard, cp) when dp_replicate is 1."""
@@ -284,7 +290,7 @@ class Mesh:
         """The ep, edp_shard and edp groups (see the class doc): `Cart.Split`s, collective."""
         c = self._cart_coords
         if ep == 1:
-            self._comms[(Axis.EP,)] = Communicator(self.cart.Sub([False] * len(CART_AXES)), "ep")
+            self._comms[(Axis.EP,)] = Communicator(self._alone(), "ep")
             self._comms[(Axis.EDP_SHARD,)] = self.comm((Axis.DP_SHARD, Axis.CP))
             self._comms[(Axis.EDP,)] = self.comm((Axis.DP, Axis.CP))
             return

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import pytest
 
@@ -168,7 +169,12 @@ CASES = [
     ("import-not-safetensors", ["ckpt", "import", "{afile}", "--out", "{tmp}/imp"], 1, "not a safetensors file"),
     ("export-safetensors-no-out", ["ckpt", "export", "{ckpt}", "--format", "safetensors"], 1,
      "ckpt export needs --out FILE.safetensors or DIR"),
+    ("shared-checkpoint-async", train("checkpoint.format=shared", "checkpoint.async_save=true"), 4,
+     'checkpoint.async_save=true needs checkpoint.format="per_rank"'),
 ]
+if not h5py.get_config().mpi:  # the pip wheel: a shared-file checkpoint is refused before training
+    CASES.append(("shared-checkpoint-without-parallel-h5py", train("checkpoint.format=shared"), 4,
+                  'checkpoint.format="shared" needs h5py built with MPI (parallel HDF5)'))
 
 
 def _mount_tmpfs(path: str, options: str) -> bool:

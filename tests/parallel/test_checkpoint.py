@@ -6,6 +6,9 @@ The save layout is tp x dp with tp = 2 when the world is even (tp innermost: ran
 
 import json
 import os
+import re
+import shutil
+import subprocess
 
 import h5py
 import numpy as np
@@ -168,3 +171,108 @@ def test_wrong_shape_on_one_rank_raises_everywhere(shared_dir):
     wanted = {"model/ln.bias": Layout.replicated((13,) if RANK == SIZE - 1 else (12,))}
     with pytest.raises(CheckpointError, match=r"model/ln\.bias.*\[12\].*\[13\].*another model"):
         ck.load(shared_dir, wanted, COMM)
+
+
+# ----------------------------------------------------------------------------------------
+# Shared storage: one HDF5 file written collectively (parallel h5py; the Open MPI lane of .ci/run).
+
+needs_parallel_h5py = pytest.mark.skipif(
+    not h5py.get_config().mpi, reason="h5py is not built with MPI (the pip wheel): storage=\"shared\" needs "
+    "parallel HDF5 (README, Parallel HDF5; built in the Open MPI lane of .ci/run)")
+
+
+def globals_of(path: str) -> dict[str, np.ndarray]:
+    """Every global tensor of a checkpoint, read by hpcpar on one process."""
+    stored = json.load(open(os.path.join(path, ck.MANIFEST)))["tensors"]
+    got, _ = ck.load(path, {n: Layout.replicated(t["shape"]) for n, t in stored.items()}, Communicator.local())
+    return got
+
+
+@needs_parallel_h5py
+def test_shared_and_per_rank_load_into_each_other_bitwise(shared_dir):
+    g = reference()
+    # shared, saved on (dp, tp): loads into every other layout
+    shared = save_reference(os.path.join(shared_dir, "a"), storage="shared")
+    for kind in ("replicated", "split_all", "other_dim"):
+        got, meta = ck.load(shared, load_layouts(kind), COMM)
+        ok = all(got[n].dtype == g[n].dtype and np.array_equal(got[n], lay.take(g[n]))
+                 for n, lay in load_layouts(kind).items())
+        collective_assert(ok and meta["mesh"] == {"dp": DP, "tp": TP}, f"shared -> {kind} differs")
+    # -> per-rank files from another layout -> shared again from a third: the same global tensors
+    other = load_layouts("other_dim")
+    got, _ = ck.load(shared, other, COMM)
+    per_rank = ck.save(os.path.join(shared_dir, "b"), 2, {n: (got[n], other[n]) for n in other}, {}, COMM)
+    split = load_layouts("split_all")
+    got, _ = ck.load(per_rank, split, COMM)
+    again = ck.save(os.path.join(shared_dir, "c"), 3, {n: (got[n], split[n]) for n in split}, {}, COMM,
+                    storage="shared")
+    ok, why = True, ""
+    if RANK == 0:
+        a, b, c = globals_of(shared), globals_of(per_rank), globals_of(again)
+        for name, ref in g.items():
+            if not all(x[name].dtype == ref.dtype and np.array_equal(x[name], ref) for x in (a, b, c)):
+                ok, why = False, f"{name} differs after shared -> per_rank -> shared"
+        if sorted(os.listdir(shared)) != [ck.INDEX, ck.MANIFEST] or not any(
+                f.startswith("rank-") for f in os.listdir(per_rank)):
+            ok, why = False, f"files: {os.listdir(shared)} / {os.listdir(per_rank)}"
+    collective_assert(ok, why)
+
+
+@needs_parallel_h5py
+def test_shared_file_reads_as_globals_with_plain_h5py_and_h5dump(shared_dir):
+    path = save_reference(shared_dir, storage="shared")
+    ok, why = True, ""
+    if RANK == 0:
+        g = reference()
+        index = os.path.join(path, ck.INDEX)
+        with h5py.File(index, "r") as f:  # real datasets, not virtual: the data is in this one file
+            for name, a in g.items():
+                if f[name].is_virtual or not np.array_equal(f[name][()], a):
+                    ok, why = False, f"plain h5py: {name} differs from the global tensor"
+            sharding = json.loads(f["model/ln.bias"].attrs["sharding"])
+            if [b["rank"] for b in sharding] != [0]:  # replicated: written once, by rank 0
+                ok, why = False, f"model/ln.bias written by {sharding}"
+            written = sum(_volume(b["region"]) for b in json.loads(f["optim/a/exp_avg"].attrs["sharding"]))
+            if written != g["optim/a/exp_avg"].size:
+                ok, why = False, f"optim/a/exp_avg: {written} elements written"
+        if shutil.which("h5dump"):
+            out = subprocess.run(["h5dump", "-d", "/model/ln.bias", "-m", "%.17g", index],
+                                 capture_output=True, text=True, timeout=60)
+            values = [float(v) for v in re.findall(r"-?\d[\d.e+-]*", out.stdout.split("DATA {")[-1])[1:]]
+            if out.returncode != 0 or not np.array_equal(values, g["model/ln.bias"]):
+                ok, why = False, f"h5dump: {out.returncode} {out.stderr[-300:]} {values[:3]}"
+    collective_assert(ok, why)
+
+
+def _volume(region) -> int:
+    return int(np.prod([e - s for s, e in region]))
+
+
+@needs_parallel_h5py
+def test_shared_corrupt_chunk_seen_by_one_rank_raises_everywhere(shared_dir):
+    path = save_reference(shared_dir, storage="shared")
+    index = os.path.join(path, ck.INDEX)
+    if RANK == 0:  # flip a byte inside the stored data of model/a
+        with h5py.File(index, "r") as f:
+            offset = f["model/a"].id.get_chunk_info(0).byte_offset
+        with open(index, "r+b") as f:
+            f.seek(offset + 3)
+            byte = f.read(1)
+            f.seek(offset + 3)
+            f.write(bytes([byte[0] ^ 0x55]))
+    WORLD.Barrier()
+    g = reference()
+    wanted = ({"model/a": Layout.replicated(g["model/a"].shape)} if RANK == 0
+              else {"model/ln.bias": Layout.replicated(g["model/ln.bias"].shape)})
+    with pytest.raises(CheckpointError) as err:
+        ck.load(path, wanted, COMM)
+    messages = WORLD.allgather(str(err.value))
+    problems = ck.verify(path) if RANK == 0 else ["rank 0 checks"]
+    collective_assert(len(set(messages)) == 1 and index in messages[0] and "model/a" in messages[0]
+                      and problems and "model/a" in problems[0], f"messages: {messages}; verify: {problems}")
+
+
+@needs_parallel_h5py
+def test_shared_refuses_async_save(shared_dir):
+    with pytest.raises(CheckpointError, match="async_save needs per_rank storage"):
+        save_reference(shared_dir, storage="shared", async_save=True)

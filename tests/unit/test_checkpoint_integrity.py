@@ -2,14 +2,16 @@
 
 The save path computes no file digest of the rank files; integrity rests on fletcher32 chunk
 checksums, HDF5's checksummed metadata (format 1.10), crc32 of unchunkable blocks and the
-index's sha256. This flips bytes throughout a rank file and the index (every 31st offset) and
-loads everything: each load must raise CheckpointError or return exactly the saved tensors
+index's sha256 (in a shared-storage checkpoint, where the index holds the data: the sha256 of
+its JSON attributes). This flips bytes throughout a rank file and the index (every 31st offset)
+and loads everything: each load must raise CheckpointError or return exactly the saved tensors
 and meta (a flip in bytes HDF5 never reads changes nothing). `verify` must agree with load
 wherever load fails.
 """
 
 import os
 
+import h5py
 import numpy as np
 import pytest
 
@@ -31,11 +33,14 @@ def tensors():
     }
 
 
-@pytest.mark.parametrize("file", ["rank-00000.h5", ck.INDEX])
-def test_flipped_bytes_are_caught_or_harmless(tmp_path, file):
+@pytest.mark.parametrize("storage,file", [("per_rank", "rank-00000.h5"), ("per_rank", ck.INDEX),
+                                          pytest.param("shared", ck.INDEX, marks=pytest.mark.skipif(
+                                              not h5py.get_config().mpi, reason="h5py is not built with MPI: "
+                                              "no shared-file checkpoints (parallel HDF5)"))])
+def test_flipped_bytes_are_caught_or_harmless(tmp_path, storage, file):
     glob = tensors()
     path = ck.save(str(tmp_path), 4, {n: (a, Layout.replicated(a.shape)) for n, a in glob.items()},
-                   {"note": "integrity", "count": 12345}, COMM)
+                   {"note": "integrity", "count": 12345}, COMM, storage=storage)
     wanted = {n: Layout.replicated(a.shape) for n, a in glob.items()}
     target = os.path.join(path, file)
     with open(target, "rb") as f:
