@@ -685,7 +685,7 @@ def _read_index(ckpt: str, manifest: dict) -> tuple[dict[str, StoredTensor], dic
                                                attrs[name][0], blocks)
             f.visititems(visit)
             meta = json.loads(meta_json)
-    except (OSError, KeyError, ValueError) as err:
+    except (OSError, KeyError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"{path}: unreadable index ({err})") from None
     if shared and _attrs_digest(meta_json, attrs) != entry.get("attrs_sha256"):
         raise CheckpointError(f"{path}: its attributes (meta, sharding) differ from the manifest's digest "
@@ -752,7 +752,7 @@ def _assemble(name: str, t: StoredTensor, layout: Layout, shards: _Shards) -> np
                     target[dst] = block[src]
                 else:  # fletcher32: HDF5 verifies every chunk it reads
                     ds.read_direct(target, source_sel=src, dest_sel=dst)
-            except (OSError, KeyError, ValueError, TypeError) as err:
+            except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
                 raise CheckpointError(f"{os.path.join(shards.ckpt, b.file)}: cannot read tensor {name} "
                                       f"(dataset {b.dataset}): corrupt data ({err}); run `hpcpar ckpt verify` "
                                       "on the checkpoint") from None
@@ -907,7 +907,7 @@ def _verify_rank_file(full: str, blocks: list[tuple[str, str]]) -> list[str]:
         with h5py.File(full, "r", locking=False) as f:
             for tensor, dataset in blocks:
                 _read_checked(f[dataset])
-    except (OSError, KeyError, ValueError, TypeError) as err:
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
         return [f"{full}: corrupt: checksum or structure error reading tensor {tensor} ({err})"]
     return []
 
