@@ -288,6 +288,20 @@ def _shared_plan(plan: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
             for name, t in plan.items()}
 
 
+def _fixed(text: str) -> np.bytes_:
+    """`text` as a fixed-length string attribute. Variable-length strings live in HDF5's global
+    heap, which has no checksum, and HDF5 (1.10) crashes on some corrupt heap entries (a flipped
+    length): the shared file's attributes are read before anything can check them, so they are
+    stored fixed-length, in the checksummed object header (or, past 64 KiB, in dense attribute
+    storage, whose heap blocks are checksummed too). JSON text here is ASCII (json.dumps escapes)."""
+    return np.bytes_(text.encode("ascii"))
+
+
+def _text(value) -> str:
+    """An attribute written by `_fixed` (bytes) or as a variable-length string (str) as str."""
+    return value.decode("ascii") if isinstance(value, bytes) else str(value)
+
+
 def _attrs_digest(meta_json: str, tensors: Mapping[str, tuple[str, str]]) -> str:
     """sha256 of the shared file's JSON attributes (root `meta`; per tensor `dtype`, `sharding`).
 
@@ -315,17 +329,17 @@ def _write_shared(path: str, plan: dict[str, StoredTensor], items: list[tuple[St
     dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
     attrs = {}
     with h5py.File(path, "w", driver="mpio", comm=mpi_comm, libver=_LIBVER) as f:
-        f.attrs["format"] = FORMAT
+        f.attrs["format"] = _fixed(FORMAT)
         f.attrs["format_version"] = FORMAT_VERSION
-        f.attrs["storage"] = SHARED
-        f.attrs["meta"] = meta_json
+        f.attrs["storage"] = _fixed(SHARED)
+        f.attrs["meta"] = _fixed(meta_json)
         for name, t in plan.items():
             dtype = np.dtype(t.dtype)
             chunks = _chunks(t.shape, dtype.itemsize)
             ds = f.create_dataset(name, shape=t.shape, dtype=dtype, chunks=chunks, fletcher32=chunks is not None)
             attrs[name] = (t.dtype, json.dumps([b.to_json() for b in t.blocks]))
             ds.attrs["global_shape"] = np.asarray(t.shape, dtype=np.int64)
-            ds.attrs["dtype"], ds.attrs["sharding"] = attrs[name]
+            ds.attrs["dtype"], ds.attrs["sharding"] = (_fixed(v) for v in attrs[name])
             if chunks is None:
                 ds.attrs[_CRC_ATTR] = crcs[name]
         for name, t in plan.items():
@@ -675,11 +689,11 @@ def _read_index(ckpt: str, manifest: dict) -> tuple[dict[str, StoredTensor], dic
         raise CheckpointError(f"{path}: unreadable index ({err.strerror})") from None
     try:
         with h5py.File(path, "r", locking=False) as f:
-            meta_json = f.attrs["meta"]
+            meta_json = _text(f.attrs["meta"])
 
             def visit(name, obj):
                 if isinstance(obj, h5py.Dataset):
-                    attrs[name] = (str(obj.attrs["dtype"]), str(obj.attrs["sharding"]))
+                    attrs[name] = (_text(obj.attrs["dtype"]), _text(obj.attrs["sharding"]))
                     blocks = tuple(StoredBlock.from_json(b) for b in json.loads(attrs[name][1]))
                     table[name] = StoredTensor(tuple(int(n) for n in obj.attrs["global_shape"]),
                                                attrs[name][0], blocks)
