@@ -169,11 +169,13 @@ CASES = [
     ("import-not-safetensors", ["ckpt", "import", "{afile}", "--out", "{tmp}/imp"], 1, "not a safetensors file"),
     ("export-safetensors-no-out", ["ckpt", "export", "{ckpt}", "--format", "safetensors"], 1,
      "ckpt export needs --out FILE.safetensors or DIR"),
-    ("shared-checkpoint-async", train("checkpoint.format=shared", "checkpoint.async_save=true"), 4,
+    ("shared-checkpoint-async", train("mesh.dp=4", "mesh.pp=1", "checkpoint.format=shared",
+                                      "checkpoint.async_save=true"), 4,
      'checkpoint.async_save=true needs checkpoint.format="per_rank"'),
 ]
 if not h5py.get_config().mpi:  # the pip wheel: a shared-file checkpoint is refused before training
-    CASES.append(("shared-checkpoint-without-parallel-h5py", train("checkpoint.format=shared"), 4,
+    CASES.append(("shared-checkpoint-without-parallel-h5py",
+                  train("mesh.dp=4", "mesh.pp=1", "checkpoint.format=shared"), 4,
                   'checkpoint.format="shared" needs h5py built with MPI (parallel HDF5)'))
 
 
