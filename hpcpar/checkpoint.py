@@ -305,8 +305,9 @@ def _text(value) -> str:
 def _attrs_digest(meta_json: str, tensors: Mapping[str, tuple[str, str]]) -> str:
     """sha256 of the shared file's JSON attributes (root `meta`; per tensor `dtype`, `sharding`).
 
-    They live in HDF5's unchecksummed global heap; the manifest keeps this digest of them, as it
-    keeps the per-rank index's whole-file sha256 (hashing the shared file would read all the data).
+    The manifest keeps it where it keeps the per-rank index's whole-file sha256 (hashing the shared
+    file would read all its data back): the tensor table and meta that load trusts must be the ones
+    the manifest was written with, beyond HDF5's own checksums of the headers that hold them.
     """
     text = json.dumps([meta_json, sorted((name, *v) for name, v in tensors.items())])
     return hashlib.sha256(text.encode()).hexdigest()
