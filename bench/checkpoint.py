@@ -130,7 +130,7 @@ def main() -> None:
             print(f"{k:<28}{best[k]:>10.3f}{gbs[k]:>10.2f}{gbs[k] / ref:>10.2f}")
         if not shared:
             print("shared storage not measured: h5py is not built with MPI (parallel HDF5)")
-        result = {"ranks": size, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        result = {"ranks": size, "mpi": MPI.Get_library_version().split(",")[0].strip(),
                   "shared_storage": shared, "bytes": nbytes, "tensors": N_TENSORS, "repeats": args.repeats,
                   "seconds_best": best, "gb_per_s": gbs, "ratio_vs_numpy": ratio,
                   "seconds_all": times}
