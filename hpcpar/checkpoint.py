@@ -585,7 +585,7 @@ def _save_shared(path: str, plan: dict[str, StoredTensor], items: list, full_met
     # The free-space check and the write fail together: a rank that raised before a collective
     # write would leave the others waiting in it.
     _collective(comm, lambda: _check_space(path, nbytes, len(plan)) if comm.rank == 0 else None)
-    digest = _collective(comm, lambda: _write_shared(path, plan, items, json.dumps(meta), crcs, comm.mpi))
+    digest = _collective(comm, lambda: _write_shared(path, plan, items, json.dumps(meta), crcs, comm.io_comm()))
     if comm.rank == 0:
         _fsync_path(path)
     return finish({INDEX: {"size": os.path.getsize(path), "attrs_sha256": digest}}, meta)

@@ -332,6 +332,12 @@ class Communicator:
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size})"
 
+    def io_comm(self) -> MPI.Comm:
+        """The MPI communicator itself, for collective file I/O that a library does over it
+        (parallel HDF5's mpio driver: shared-file checkpoints). Use it for that only, from the
+        thread that does this communicator's ops, with every rank taking part."""
+        return self.mpi
+
     def free(self) -> None:
         """Release the MPI communicator (not COMM_WORLD/COMM_SELF, which MPI owns)."""
         if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:

@@ -92,7 +92,8 @@ def test_data_parallel_pieces_know_no_model_or_run(module):
 def test_only_comm_and_mesh_touch_the_raw_mpi_communicator():
     offenders = [f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
                  for name, path in _modules().items() if name not in ("comm", "mesh")
-                 for i, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\.mpi\b", line)]
+                 for i, line in enumerate(path.read_text().splitlines(), 1)
+                 if re.search(r"\.mpi\b", line.replace("get_config().mpi", ""))]  # h5py's build flag is fine
     assert not offenders, "use the Communicator's methods instead:\n" + "\n".join(offenders)
 
 
