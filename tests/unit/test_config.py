@@ -706,3 +706,20 @@ def test_the_memory_estimate_counts_16_bit_activations_and_full_model_state():
         assert state_low == state_full
         # Halved, except for the float32 working sets (attention in backward, the loss's probabilities).
         assert 0.5 * act_full < act_low < 0.7 * act_full
+
+
+@pytest.mark.parametrize("mpi", [False, True])
+def test_shared_checkpoints_need_parallel_h5py(monkeypatch, mpi):
+    import types
+
+    import h5py
+    monkeypatch.setattr(h5py, "get_config", lambda: types.SimpleNamespace(mpi=mpi))
+    if mpi:
+        assert _validate(["checkpoint.format=shared"]).checkpoint.format == "shared"
+    else:
+        with pytest.raises(ConfigError, match=r'checkpoint.format="shared" needs h5py built with MPI .*'
+                                              r'libhdf5-openmpi-dev.*checkpoint.format="per_rank"'):
+            _validate(["checkpoint.format=shared"])
+    with pytest.raises(ConfigError, match='checkpoint.async_save=true needs checkpoint.format="per_rank"'):
+        _validate(["checkpoint.format=shared", "checkpoint.async_save=true"])
+    assert _validate([]).checkpoint.format == "per_rank"  # the default needs nothing
