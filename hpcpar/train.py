@@ -199,7 +199,7 @@ class Trainer:
         zero = f", zero={self.cfg.train.zero}" if self.cfg.train.zero else ""
         ep = f", ep={self.mesh.size(Axis.EP)}" if self.cfg.model.moe_experts else ""
         return (f"dp={self.mesh.size(Axis.DP)}{hsdp}{cp} x tp={self.mesh.size(Axis.TP)} "
-                f"x pp={self.mesh.size(Axis.PP)}{zero}{ep}")
+                f"x pp={self.mesh.size(Axis.PP)}{zero}{ep}{_ps_text(self.cfg)}")
 
     # -- data ------------------------------------------------------------------------------
     def sample_ids(self) -> list[range]:
@@ -927,14 +927,20 @@ def _prepare_run_dir(cfg: config.Config, world: Communicator) -> None:
 
 
 def _log_ranks(cfg: config.Config, world: Communicator) -> None:
-    """Write <run.dir>/ranks.json (rank -> host, pid) and log it for small jobs: a launcher that
-    reports a dead process by its PID (MPICH's hydra after a SIGKILL) then tells which rank died."""
+    """Write <run.dir>/ranks.json (rank -> host, pid, role: worker or parameter server) and log it
+    for small jobs: a launcher that reports a dead process by its PID (MPICH's hydra after a
+    SIGKILL) then tells which rank died, and what it was."""
     where = world.all_gather_object((socket.gethostname(), os.getpid()))  # once, at startup
+    first_server = len(where) - cfg.ps.servers
+
+    def role(r: int) -> str:
+        return "server" if r >= first_server else "worker"
     if world.rank == 0:
         with open(os.path.join(cfg.run.dir, "ranks.json"), "w") as f:
-            json.dump({str(r): {"host": h, "pid": p} for r, (h, p) in enumerate(where)}, f, indent=1)
+            json.dump({str(r): {"host": h, "pid": p, "role": role(r)} for r, (h, p) in enumerate(where)}, f, indent=1)
         if 1 < len(where) <= 16:
-            log.info("ranks (rank:pid@host): %s", ", ".join(f"{r}:{p}@{h}" for r, (h, p) in enumerate(where)))
+            log.info("ranks (rank:pid@host%s): %s", ", s = parameter server" if cfg.ps.servers else "",
+                     ", ".join(f"{r}:{p}@{h}{'(s)' if role(r) == 'server' else ''}" for r, (h, p) in enumerate(where)))
 
 
 def _resume(trainer: Trainer) -> None:
@@ -1013,6 +1019,27 @@ def _moe_text(moe: dict) -> str:
             f" | dropped {moe['moe_dropped_fraction']:.1%}")
 
 
+def _ps_text(cfg: config.Config) -> str:
+    """", parameter server: 2 servers, synchronous" (or "SSP k=2", "async"); "" without servers."""
+    ps = cfg.ps
+    if not ps.servers:
+        return ""
+    mode = "async" if ps.mode == "async" else f"SSP k={ps.staleness}" if ps.staleness else "synchronous"
+    return f", parameter server: {ps.servers} server(s), {mode}"
+
+
+def _ps_line(s: dict) -> list[str]:
+    """The summary's parameter-server line ([] without servers)."""
+    ps = s.get("ps")
+    if not ps:
+        return []
+    mib = 2 ** 20
+    per = "; ".join(f"rank {v['rank']} [{v['range'][0]}, {v['range'][1]}) in {v['bytes_in_per_step'] / mib:.2f} / "
+                    f"out {v['bytes_out_per_step'] / mib:.2f} MiB per step" for v in ps["servers"])
+    return [f"parameter server {per}; staleness max {ps['staleness_max']}, mean {ps['staleness_mean']:.2f} "
+            f"over {ps['pushes_applied']} pushes"]
+
+
 def _format_summary(s: dict) -> str:
     """The summary as printed at the end of `hpcpar train`."""
     mem = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
@@ -1033,6 +1060,7 @@ def _format_summary(s: dict) -> str:
         + (f", zero={s['zero']}" if s.get("zero") else "")
         + f", schedule {s['schedule']}, {s['microbatches']} micro-batches",
         _traffic_line(s),
+        *_ps_line(s),
         *([f"precision        {s['precision']}: activations {s['activation_dtype']}, masters and optimizer state "
            "in model.dtype"
            + (f"; loss scale {s['loss_scale']:g}, {s['overflow_steps']} overflow step(s) skipped"
