@@ -190,7 +190,8 @@ class RunConfig:
                                   "environment variable, else numpy", ("auto", "numpy", "cupy"))
     progress: bool = _field(True, "progress bar on rank 0")
     debug_slow_ranks: str = _field("", "debug (stragglers for study): comma-separated world ranks whose steps are "
-                                   "slowed by run.debug_slow_factor (a sleep after their forward/backward)")
+                                   "slowed by run.debug_slow_factor (a sleep after their forward/backward), or "
+                                   "\"random\": at every step one worker rank drawn from (seed, step)")
     debug_slow_factor: float = _field(1.0, "debug: the slowed ranks' forward/backward takes this many times as "
                                       "long (>= 1; 1 = off)")
     debug_check_every: int = _field(0, "every this many ops, check that all ranks issued the same "
@@ -958,20 +959,24 @@ def _check_precision(cfg: Config) -> None:
                           "hold; on the GPU use train.precision=\"fp16\" (or run.backend=\"numpy\")")
 
 
-def slow_ranks(cfg: Config) -> tuple[int, ...]:
-    """run.debug_slow_ranks as ranks ("" = none); ConfigError when it is not a comma-separated list."""
+def slow_ranks(cfg: Config) -> tuple[int, ...] | str:
+    """run.debug_slow_ranks as ranks ("" = none), or "random"; ConfigError when it is neither a
+    comma-separated list nor "random"."""
     text = cfg.run.debug_slow_ranks.strip()
+    if text == "random":
+        return text
     try:
         return tuple(sorted({int(r) for r in text.split(",")})) if text else ()
     except ValueError:
         raise ConfigError(f"run.debug_slow_ranks={_toml_value(cfg.run.debug_slow_ranks)} is not a comma-separated "
-                          "list of ranks; write e.g. \"1\" or \"1,3\"") from None
+                          "list of ranks or \"random\"; write e.g. \"1\", \"1,3\" or \"random\"") from None
 
 
 def _check_parameter_server(cfg: Config, world_size: int) -> int:
     """The workers' share of the world (the mesh's ranks) and the combinations a parameter server does
     not support, refused one line each; also run.debug_slow_ranks against the world."""
-    bad = [r for r in slow_ranks(cfg) if not 0 <= r < world_size]
+    ranks = slow_ranks(cfg)
+    bad = [r for r in ranks if not 0 <= r < world_size] if ranks != "random" else []
     if bad:
         raise ConfigError(f"run.debug_slow_ranks names rank {bad[0]}, outside the world of {world_size} ranks; "
                           f"use ranks 0..{world_size - 1}")

@@ -125,7 +125,7 @@ class Trainer:
                          dp_replicate=cfg.mesh.dp_replicate, ep=cfg.mesh.ep)
         # Every rank of the job (workers and servers): checkpoints and parameter-server messages.
         self.job = Communicator(comm, "job") if servers else self.mesh.world
-        self.slow_factor = cfg.run.debug_slow_factor if comm.Get_rank() in config.slow_ranks(cfg) else 1.0
+        self.slow_ranks, self.rank_in_job, self.workers = config.slow_ranks(cfg), comm.Get_rank(), workers
         backend.select_device(self.mesh.node_comm.rank)
         self.tracer = pipeline.Tracer(enabled=cfg.pipeline.trace, rank=self.mesh.world.rank)
         # Context parallelism: this rank holds the tokens at `positions` of every sample (None: all).
@@ -248,8 +248,8 @@ class Trainer:
         self.dp.begin_step(microbatches=t.microbatches, step=step)
         started = time.perf_counter()
         losses = self.executor.run(batches)
-        if self.slow_factor > 1:  # run.debug_slow_ranks: a straggler for study
-            time.sleep((self.slow_factor - 1) * (time.perf_counter() - started))
+        if self._slowed(step):  # run.debug_slow_ranks: a straggler for study
+            time.sleep((self.cfg.run.debug_slow_factor - 1) * (time.perf_counter() - started))
         self.dp.finish_backward()
         if self.ps is not None:
             return self._exchange(step, losses)
@@ -270,6 +270,16 @@ class Trainer:
             return StepResult(loss, norm, lr, True, self._first_bad_parameter(), loss_scale=scale, moe=moe)
         self.dp.step(lr)
         return StepResult(loss, norm, lr, False, "", loss_scale=scale, moe=moe)
+
+    def _slowed(self, step: int) -> bool:
+        """Whether run.debug_slow_ranks slows this rank at `step` (a listed rank always; "random":
+        the one worker rank drawn from (seed, step), the same draw on every rank)."""
+        if self.cfg.run.debug_slow_factor == 1 or not self.slow_ranks:
+            return False
+        if self.slow_ranks == "random":
+            draw = np.random.default_rng([self.cfg.train.seed, step, 0x510])
+            return int(draw.integers(self.workers)) == self.rank_in_job
+        return self.rank_in_job in self.slow_ranks
 
     def _exchange(self, step: int, losses: list) -> StepResult:
         """Parameter server: push this rank's gradients of `step`, pull the parameters. Under SSP
