@@ -20,7 +20,11 @@ Ranks a run does not use wait asleep.
 2. Bytes per server per step, measured (the server's messages in and out) next to the formula:
    in = s (4 W + R n), out = s (5 W + R n) (s bytes per element, W worker ranks, R replicas,
    n = the server's range; tp = pp = 1 here, so every rank pushes and pulls its replica's range).
-3. Loss: `--loss-steps` steps of the default job with synchronous PS, and with SSP k = 2 and
+3. Transport, between two ranks: a push and a pull of the default model's parameters by
+   point-to-point messages against an MPI one-sided epoch (Lock, Accumulate, Get, Unlock), the
+   latter with the server inside MPI and with it busy in NumPy (why the engine uses messages:
+   docs/parallelism.md#parameter-server).
+4. Loss: `--loss-steps` steps of the default job with synchronous PS, and with SSP k = 2 and
    async under the random straggler: final loss (mean of the last 10 steps) against synchronous,
    the staleness of every applied push (max and mean). The curves go to bench/results/ps.png.
 
@@ -122,6 +126,49 @@ def loss_run(mode: str, straggler: str, steps: int) -> dict:
             "staleness_max": ps.get("staleness_max"), "staleness_mean": ps.get("staleness_mean")}
 
 
+def transport(n: int, repeats: int = 5) -> dict:
+    """The transport choice, measured between ranks 0 (a worker) and 1 (a server) with a push and
+    a pull of `n` float32 elements: point-to-point (Send, then Recv of the reply) against MPI
+    one-sided (a passive-target epoch: Lock, Accumulate of the push, Get of the parameters,
+    Unlock), the second once with the server waiting inside MPI and once with it busy in NumPy for
+    a second (no MPI call: MPI's progress then waits for it)."""
+    def work(comm) -> dict:
+        r = comm.Get_rank()
+        win = MPI.Win.Allocate(2 * n * 4 if r == 1 else 0, 4, comm=comm)
+        push, pull = np.ones(n, np.float32), np.empty(n, np.float32)
+        out: dict = {}
+        for busy in (False, True):
+            comm.Barrier()
+            if r == 1:
+                if busy:
+                    until = time.perf_counter() + 1.0
+                    while time.perf_counter() < until:
+                        np.dot(np.ones(256), np.ones(256))
+                comm.Barrier()
+                continue
+            started = time.perf_counter()
+            win.Lock(1, MPI.LOCK_SHARED)
+            win.Accumulate([push, MPI.FLOAT], 1, target=(0, n, MPI.FLOAT), op=MPI.SUM)
+            win.Get([pull, MPI.FLOAT], 1, target=(n, n, MPI.FLOAT))
+            win.Unlock(1)
+            out["rma_server_busy_s" if busy else "rma_server_in_mpi_s"] = time.perf_counter() - started
+            comm.Barrier()
+        times = []
+        for _ in range(repeats):
+            comm.Barrier()
+            started = time.perf_counter()
+            if r == 0:
+                comm.Send([push, MPI.FLOAT], 1)
+                comm.Recv([pull, MPI.FLOAT], 1)
+            else:
+                comm.Recv([pull, MPI.FLOAT], 0)
+                comm.Send([pull, MPI.FLOAT], 0)
+            times.append(time.perf_counter() - started)
+        win.Free()
+        return {"elements": n, "p2p_round_trip_s": float(np.median(times)), **out} if r == 0 else None
+    return on_ranks(2, work)
+
+
 def bytes_rows(rows: list[dict]) -> list[dict]:
     """Per server of the no-straggler PS runs: measured bytes in/out per step next to the formula."""
     out = []
@@ -169,6 +216,12 @@ def main() -> int:
     if args.quick:
         args.steps, args.loss_steps = 2, 12
     started = time.perf_counter()
+    moved = transport(842_496)   # the default model's parameters
+    if RANK == 0:
+        say(f"transport, {moved['elements']:,} float32 each way: p2p round trip "
+            f"{1e3 * moved['p2p_round_trip_s']:.1f} ms; "
+            f"RMA epoch {1e3 * moved['rma_server_in_mpi_s']:.1f} ms with the server in MPI, "
+            f"{1e3 * moved['rma_server_busy_s']:.0f} ms with it busy in NumPy for 1 s")
     rows = []
     plan = [(m, 1, s) for s in ("none", "random", "fixed") for m in MODES]
     plan += [(m, 2, s) for s in ("none", "random") for m in MODES if m != "allreduce"]
@@ -202,7 +255,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"argv": [str(a) for a in __import__("sys").argv[1:]], "ranks": WORLD.Get_size(),
             "wall_s": time.perf_counter() - started, "load_average": list(__import__("os").getloadavg())}
-    out.write_text(json.dumps({"meta": meta, "throughput": rows, "bytes": traffic, "loss": losses}, indent=1))
+    out.write_text(json.dumps({"meta": meta, "transport": moved, "throughput": rows, "bytes": traffic, "loss": losses},
+                              indent=1))
     plot(losses, out.with_suffix(".png"))
     say(f"wrote {out}")
     return 0

@@ -449,8 +449,9 @@ def _ps(d: dict) -> list[str]:
             + "; fixed 2x straggler: " + ", ".join(f"{m} {ratio[(m, 'fixed')]:.2f}x" for m in ("sync", "ssp2", "async"))
             + "; none: " + ", ".join(f"{m} {ratio[(m, 'none')]:.2f}x" for m in ("sync", "ssp2", "async")),
             f"bytes per server per step within {worst:.2%} of the formula",
-            "final loss vs synchronous: " + ", ".join(f"{r['mode']} {r['loss_vs_sync']:+.2%} (staleness max "
-                                                      f"{r['staleness_max']})" for r in d["loss"] if r["mode"] != "sync")]
+            "final loss vs synchronous: " + ", ".join(
+                f"{r['mode']} {r['loss_vs_sync']:+.2%} (staleness max {r['staleness_max']})"
+                for r in d["loss"] if r["mode"] != "sync")]
 
 
 def _ps_table(d: dict) -> list[str]:
@@ -470,6 +471,12 @@ def _ps_table(d: dict) -> list[str]:
         lines.append(f"| {b['mode']} | {b['servers']} | {b['server_rank']} | [{b['range'][0]:,}, {b['range'][1]:,}) | "
                      f"{b['bytes_in'] / MiB:.3f} | {b['formula_in'] / MiB:.3f} | {b['bytes_out'] / MiB:.3f} | "
                      f"{b['formula_out'] / MiB:.3f} |")
+    t = d.get("transport")
+    if t:
+        lines += ["", f"Transport, a push and a pull of {t['elements']:,} float32 between two ranks: point-to-point "
+                  f"round trip {1e3 * t['p2p_round_trip_s']:.1f} ms; MPI one-sided epoch (Lock, Accumulate, Get, "
+                  f"Unlock) {1e3 * t['rma_server_in_mpi_s']:.1f} ms with the server inside MPI, "
+                  f"{1e3 * t['rma_server_busy_s']:.0f} ms with the server busy in NumPy for one second."]
     lines += ["", "Loss (1 server), mean of the last 10 steps:", "",
               "| mode | straggler | steps | final loss | vs synchronous | staleness max | staleness mean |",
               "|---|---|---:|---:|---:|---:|---:|"]

@@ -983,7 +983,7 @@ def _check_parameter_server(cfg: Config, world_size: int) -> int:
     s = cfg.ps.servers
     if s == 0:
         if cfg.ps.staleness or cfg.ps.mode != "bounded":
-            raise ConfigError(f"ps.staleness / ps.mode configure a parameter server, but ps.servers=0; set "
+            raise ConfigError("ps.staleness / ps.mode configure a parameter server, but ps.servers=0; set "
                               "ps.servers >= 1 or leave ps.staleness=0 and ps.mode=\"bounded\"")
         return world_size
     if s >= world_size:

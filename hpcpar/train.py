@@ -124,7 +124,7 @@ class Trainer:
         self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=mesh_comm, cp=cfg.mesh.cp,
                          dp_replicate=cfg.mesh.dp_replicate, ep=cfg.mesh.ep)
         # Every rank of the job (workers and servers): checkpoints and parameter-server messages.
-        self.job = Communicator(comm, "job") if servers else self.mesh.world
+        self.job = Communicator(comm, "workers+servers") if servers else self.mesh.world
         self.slow_ranks, self.rank_in_job, self.workers = config.slow_ranks(cfg), comm.Get_rank(), workers
         backend.select_device(self.mesh.node_comm.rank)
         self.tracer = pipeline.Tracer(enabled=cfg.pipeline.trace, rank=self.mesh.world.rank)
@@ -725,7 +725,7 @@ class ServerRank:
         t, rank = cfg.train, comm.Get_rank()
         workers = comm.Get_size() - cfg.ps.servers
         self.server_comm = Communicator(comm.Split(1, rank), "servers")  # collective with the workers' Split
-        self.job = Communicator(comm, "job")
+        self.job = Communicator(comm, "workers+servers")
         # The model as one process builds it (decision 5: the same values as any layout's slices).
         alone = Mesh(comm=MPI.COMM_SELF)
         stages = pipeline.build_stages(cfg.model, alone, chunks=1, seed=t.seed)

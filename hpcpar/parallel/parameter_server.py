@@ -107,6 +107,21 @@ class FlatSpace:
         return out
 
 
+def ownership_report(shapes: dict[str, tuple], servers: int, first_rank: int, itemsize: int) -> str:
+    """`hpcpar info --servers`: each server's range of the flat parameter vector, in elements,
+    bytes and the tensors it starts and ends in."""
+    space = FlatSpace(shapes)
+    lines = [f"parameter servers: {servers} (ranks {first_rank}..{first_rank + servers - 1}) over {space.total:,} "
+             f"parameters in {len(space.names)} tensors, laid end to end in name order"]
+    for s, (lo, hi) in enumerate(server_ranges(space.total, servers)):
+        pieces = space.pieces(lo, hi)
+        (first, a, _), (last, _, b) = pieces[0], pieces[-1]
+        lines.append(f"  server {s} (rank {first_rank + s}): [{lo:,}, {hi:,}), {hi - lo:,} elements, "
+                     f"{(hi - lo) * itemsize / 2**20:.2f} MiB of parameters; {first}[{a}:] .. {last}[:{b}] "
+                     f"({len(pieces)} tensor pieces)")
+    return "\n".join(lines) + "\n"
+
+
 def sync_points(start: int, end: int, every: int, eval_every: int) -> set[int]:
     """The steps before which every replica waits (`end`, checkpoint and evaluation steps)."""
     points = {end}
@@ -173,7 +188,8 @@ class ParameterClient:
 
     def exchange(self, clock: int, loss: float, flags: int, norm: float = 0.0) -> Reply:
         """Push this rank's gradients of step `clock` (`.grad` of its owned parameters) with its
-        loss sum, flags and its replica's gradient norm (SSP, async), wait for the pull and write the servers' parameters into `.data`."""
+        loss sum, flags and its replica's gradient norm (SSP, async), wait for the pull and write
+        the servers' parameters into `.data`."""
         pulls = [self.job.irecv(buf, rank, TAG_PULL) for buf, rank in zip(self.pull_bufs, self.servers)]
         pushes = []
         for buf, parts, rank in zip(self.push_bufs, self.push_parts, self.servers):

@@ -10,6 +10,7 @@
 
 import json
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -85,3 +86,51 @@ def test_resume_is_bitwise_and_loads_into_all_reduce(mpirun, tmp_path):
     for key in ("loss", "grad_norm", "val_loss"):
         np.testing.assert_allclose([r.get(key, np.nan) for r in allreduce], [r.get(key, np.nan) for r in whole[3:]],
                                    rtol=1e-10, equal_nan=True, err_msg=key)
+
+
+def test_info_shows_the_servers_and_their_ranges(mpirun):
+    job = mpirun(3, [sys.executable, "-m", "hpcpar", "info", "--servers", "2", "--set", "model.n_layer=2"], timeout=120)
+    assert job.returncode == 0, job.output
+    assert "mesh: pp=1 x dp=1 x tp=1 on ranks 0..0" in job.output
+    assert "parameter servers: 2 (ranks 1..2)" in job.output
+    assert "server 0 (rank 1): [0, " in job.output and "server 1 (rank 2): [" in job.output
+
+
+DRIVER = """
+import os, signal, sys, time
+from mpi4py import MPI
+from hpcpar import cli
+from hpcpar.parallel.parameter_server import ParameterServer
+
+step = ParameterServer._step
+count = {"n": 0}
+
+def faulty(self, grad, lr):
+    count["n"] += 1
+    if count["n"] == 3:
+        if os.environ["FAULT"] == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+    return step(self, grad, lr)
+
+ParameterServer._step = faulty
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "stall"])
+def test_a_dead_or_stalled_server_ends_the_job(mpirun, tmp_path, fault):
+    """The server (rank 3 of 4) dies (SIGKILL) or stalls in its third update: every rank ends within
+    the watchdog timeout; the start-up line and ranks.json say which rank is the server."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    started = time.monotonic()
+    job = mpirun(4, [sys.executable, str(driver), "train", *_sets(TINY), "--set", f"run.dir={tmp_path / 'run'}",
+                     "--set", "ps.servers=1", "--set", "mesh.dp=3", "--set", "run.timeout=10",
+                     "--set", "train.steps=20"], timeout=150, env={"FAULT": fault})
+    assert job.returncode != 0 and time.monotonic() - started < 120, job.output[-2000:]
+    ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
+    assert ranks["3"]["role"] == "server" and ranks["0"]["role"] == "worker"
+    assert "3:" in job.output and "(s)" in job.output   # the start-up line marks the server
+    if fault == "stall":
+        assert "workers+servers" in job.output and "waited" in job.output, job.output[-2000:]

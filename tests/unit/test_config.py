@@ -61,7 +61,8 @@ BAD = [
     (["run.timeout=0"], 1, "run.timeout=0.0 is invalid: must be > 0 seconds"),
     (["run.debug_check_every=-2"], 1, "run.debug_check_every=-2 is invalid"),
     (["run.debug_slow_factor=0.5"], 1, "run.debug_slow_factor=0.5 is invalid: must be >= 1 (1 = off)"),
-    (["run.debug_slow_ranks=\"1;2\""], 4, 'run.debug_slow_ranks="1;2" is not a comma-separated list of ranks or "random"'),
+    (["run.debug_slow_ranks=\"1;2\""], 4,
+     'run.debug_slow_ranks="1;2" is not a comma-separated list of ranks or "random"'),
     (["run.debug_slow_ranks=\"1,4\""], 4, "run.debug_slow_ranks names rank 4, outside the world of 4 ranks"),
     # parameter server
     (["ps.servers=-1"], 1, "ps.servers=-1 is invalid: must be >= 0 (0 = no parameter server)"),
