@@ -33,10 +33,13 @@ Modes (`ps.mode`, `ps.staleness` = k):
   rate of step c and answers everyone. That is all-reduce data parallelism's arithmetic: the same
   losses as one process, in float64 to rounding.
 - bounded, k > 0, stale synchronous parallel: a replica clips its own gradient (norm over its
-  tp x pp ranks) and its push, once all its ranks' parts are in, is one optimizer step of lr / R
-  (R pushes make about one synchronous step's progress). Its pull is answered once the slowest
-  replica has completed clock c + 1 - k, so no replica runs more than k steps ahead.
-- async: the same per-replica steps, every pull answered at once.
+  tp x pp ranks); its push, once all its ranks' parts are in, is added to the server's pending
+  sum as it arrives, and every R pushes, whichever replicas sent them, make one optimizer step
+  with their mean (a global batch's worth, as the synchronous step: for SGD this is the same
+  arithmetic as applying each push at lr / R on arrival; AdamW is not additive, and one step per
+  R pushes keeps the synchronous run's gradient noise per step). Its pull is answered once the
+  slowest replica has completed clock c + 1 - k, so no replica runs more than k steps ahead.
+- async: the same, every pull answered at once.
 
 The *staleness* of an applied push of clock c is c minus the clocks the slowest replica had
 completed when its parameters were sent: 0 when synchronous, at most k under SSP. Every applied
@@ -279,7 +282,8 @@ class ParameterServer:
         self.push_bufs = [np.zeros(PUSH_HEADER + a.size, dtype=dtype) for a in self.push_at]
         self.pull_bufs = [np.zeros(PULL_HEADER + a.size, dtype=dtype) for a in self.pull_at]
         self.grads = [np.zeros(self.hi - self.lo, dtype=dtype) for _ in range(self.replicas)]
-        self.total = np.zeros(self.hi - self.lo, dtype=dtype) if self.synchronous else None
+        self.total = np.zeros(self.hi - self.lo, dtype=dtype)   # the summed pushes of the next step
+        self.pending = 0                                         # SSP, async: pushes summed in `total`
         self.staleness: list[tuple[int, int, int]] = []   # (step, replica, staleness) of every applied push
         self.bytes_in = self.bytes_out = 0.0   # of this `serve`
 
@@ -317,13 +321,24 @@ class ParameterServer:
             self._step(total, self.lr_at(clock))
         return mean_loss, norm, skipped
 
-    def _apply_replica(self, r: int, clock: int, loss: float, norm: float, skip: bool) -> tuple[float, float, bool]:
-        """One replica's push of `clock` is in (SSP, async): one step of lr / R with it."""
+    def _apply_replica(self, r: int, loss: float, norm: float, skip: bool) -> tuple[float, float, bool]:
+        """One replica's push is in (SSP, async): add it to the pending sum; the R-th makes a step."""
         mean_loss = loss / self.microbatches
         skipped = skip or not math.isfinite(mean_loss)
         if not skipped:
-            self._step(self.grads[r], self.lr_at(clock) / self.replicas)
+            self.total += self.grads[r]
+            self.pending += 1
+            if self.pending == self.replicas:
+                self._flush()
         return mean_loss, norm, skipped
+
+    def _flush(self) -> None:
+        """One optimizer step with the mean of the pending pushes (lr of the update's number)."""
+        if self.pending:
+            self.total /= self.pending
+            self._step(self.total, self.lr_at(self.optimizer.step_count))
+            self.total[...] = 0
+            self.pending = 0
 
     # -- the loop -------------------------------------------------------------------------------------
 
@@ -380,7 +395,7 @@ class ParameterServer:
                     self.staleness.append((clock, q, clock - read[q]))
                     self._reset(q, done, arrived, loss, flags)
             else:
-                mean_loss, r_norm, skipped = self._apply_replica(r, clock, loss[r], norm[r], bool(flags[r] & FLAG_SKIP))
+                mean_loss, r_norm, skipped = self._apply_replica(r, loss[r], norm[r], bool(flags[r] & FLAG_SKIP))
                 waiting[r] = (clock, mean_loss, r_norm, skipped, clock - read[r])
                 self.staleness.append((clock, r, clock - read[r]))
                 self._reset(r, done, arrived, loss, flags)
@@ -409,6 +424,8 @@ class ParameterServer:
             nxt = clock + 1
             if self.synchronous or nxt in points or nxt == stop_at:
                 ready = slowest >= nxt
+                if ready:
+                    self._flush()   # SSP, async: pushes short of a step (after skipped ones) count before a sync point
             elif self.mode == "bounded":
                 ready = slowest >= nxt - self.staleness_bound
             else:
