@@ -99,15 +99,24 @@ def test_info_shows_the_servers_and_their_ranges(mpirun):
 DRIVER = """
 import os, signal, sys, time
 from mpi4py import MPI
-from hpcpar import cli
+from hpcpar import cli, train
 from hpcpar.parallel.parameter_server import ParameterServer
+
+train_step = train.Trainer.train_step
+
+def signalled_step(self, step):
+    if os.environ["FAULT"] == "sigterm" and MPI.COMM_WORLD.Get_rank() == 1 and step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)   # the handler sets a flag; the step goes on
+    return train_step(self, step)
+
+train.Trainer.train_step = signalled_step
 
 step = ParameterServer._step
 count = {"n": 0}
 
 def faulty(self, grad, lr):
     count["n"] += 1
-    if count["n"] == 3:
+    if count["n"] == 3 and os.environ["FAULT"] != "sigterm":
         if os.environ["FAULT"] == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(120)
@@ -134,3 +143,22 @@ def test_a_dead_or_stalled_server_ends_the_job(mpirun, tmp_path, fault):
     assert "3:" in job.output and "(s)" in job.output   # the start-up line marks the server
     if fault == "stall":
         assert "workers+servers" in job.output and "waited" in job.output, job.output[-2000:]
+
+
+def test_sigterm_saves_requeues_and_resumes_exactly(mpirun, tmp_path):
+    """A worker signalled during step 2 (synchronous, 1 server): every rank stops after that step with
+    status 75 and a checkpoint of step 3; resumed, the run ends with the uninterrupted run's metrics, bitwise."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    whole, _ = train(mpirun, 4, tmp_path / "whole", "ps.servers=1", "mesh.dp=3")
+    args = [sys.executable, str(driver), "train", *_sets(TINY), "--set", f"run.dir={tmp_path / 'cut'}",
+            "--set", "ps.servers=1", "--set", "mesh.dp=3", "--set", "checkpoint.resume=auto"]
+    job = mpirun(4, args, timeout=180, env={"FAULT": "sigterm"})
+    assert job.returncode == 75, job.output[-2000:]
+    assert (tmp_path / "cut" / "checkpoints" / "step-0000003").is_dir()
+    job = mpirun(4, args, timeout=180, env={"FAULT": "none"})
+    assert job.returncode == 0, job.output[-2000:]
+    with open(tmp_path / "cut" / "metrics.jsonl") as f:
+        cut = [json.loads(line) for line in f]
+    keys = ("step", "loss", "grad_norm", "val_loss")
+    assert [[r.get(k) for k in keys] for r in cut] == [[r.get(k) for k in keys] for r in whole]
