@@ -38,7 +38,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from hpcpar import backend
-from hpcpar.errors import ConfigError
+from hpcpar.errors import ConfigError, MeshError
 from hpcpar.nn.gpt import DTYPES, PRESETS, RECOMPUTE_MODES, GPTConfig, recomputed
 from hpcpar.precision import PRECISIONS
 from hpcpar.schema import divisors, field as _field, require_divisible
@@ -1036,8 +1036,13 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     cfg = _fold_reduce_dtype(cfg)
     from hpcpar.mesh import resolve_degrees  # here, not at the top: mesh.py loads MPI
 
-    world_size = _check_parameter_server(cfg, world_size)  # the mesh is the workers'
-    dp, tp, pp, cp = resolve_degrees(world_size, cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp)
+    world, world_size = world_size, _check_parameter_server(cfg, world_size)  # the mesh is the workers'
+    try:
+        dp, tp, pp, cp = resolve_degrees(world_size, cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp)
+    except MeshError as err:
+        if not cfg.ps.servers:
+            raise
+        raise MeshError(f"{err} (the worker ranks: the world of {world} less ps.servers={cfg.ps.servers})") from None
     _check_data_parallel(cfg, dp)
     _check_tensor_parallel(cfg, tp)
     _check_context_parallel(cfg, tp, cp)

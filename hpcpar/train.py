@@ -22,8 +22,8 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -157,10 +157,11 @@ class Trainer:
             compression=compression, zero=t.zero, make_optimizer=make_optimizer,
             units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward,
             local_tied=self.placement.holder(0)[0] == self.placement.holder(n_virtual - 1)[0], **alone)
-        # A replica's ranks (one dp coordinate): its own norm, and the per-step figures that must
-        # not wait for other replicas when they run apart (SSP, async).
+        # A replica's ranks (one dp coordinate): its own norm, and under SSP and async the per-step
+        # figures, which must not wait for other replicas running apart.
         self.replica_comm = self.mesh.comm((Axis.PP, Axis.TP)) if servers else None
-        self.step_comm = self.replica_comm if servers else self.mesh.world
+        apart = servers and not (cfg.ps.mode == "bounded" and cfg.ps.staleness == 0)
+        self.step_comm = self.replica_comm if apart else self.mesh.world
         self.ps = None
         if servers:
             tp_rank = self.mesh.rank(Axis.TP)

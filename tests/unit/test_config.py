@@ -215,7 +215,8 @@ BAD = [
 
 MESH_BAD = [
     # a parameter server's ranks are not the mesh's: 3 workers cannot hold dp=4
-    (["ps.servers=1", "mesh.dp=4", "mesh.pp=1"], 4, "3"),
+    (["ps.servers=1", "mesh.dp=4", "mesh.pp=1"], 4, "!= world size 3; choose degrees whose product is 3, or set some "
+     "to 0 (auto) (the worker ranks: the world of 4 less ps.servers=1)"),
     (["mesh.dp=2", "mesh.tp=2", "mesh.pp=2"], 4, "mesh dp=2, tp=2, pp=2: product 8 != world size 4"),
     (["mesh.dp=3"], 4, "mesh dp=3, tp=1 (auto), pp=1 (auto): product 3 != world size 4"),
     (["mesh.tp=3"], 4, "mesh tp=3 x pp=1 = 3 does not divide the world size 4; choose tp * pp in {1, 2, 4}"),
