@@ -37,12 +37,11 @@ from hpcpar.mesh import Axis, Mesh, resolve_degrees
 from hpcpar.optim import SGD, AdamW, lr_at
 from hpcpar.parallel import pipeline, schedule
 from hpcpar.parallel.compression import Compression
-from hpcpar.parallel.clipping import clip_global_norm, tp_replicated
+from hpcpar.parallel.clipping import tp_replicated
 from hpcpar.parallel.context import ContextParallel
 from hpcpar.parallel.data_parallel import DataParallel
 from hpcpar.parallel.experts import ExpertDataParallel
-from hpcpar.parallel.parameter_server import (FLAG_PREEMPT, FLAG_SKIP, FlatSpace, ParameterClient,
-                                              ParameterServer, sync_points)
+from hpcpar.parallel.parameter_server import FLAG_PREEMPT, FlatSpace, ParameterClient, ParameterServer, sync_points
 from hpcpar.tensor import no_grad
 
 log = logging.getLogger("hpcpar")
@@ -157,11 +156,10 @@ class Trainer:
             compression=compression, zero=t.zero, make_optimizer=make_optimizer,
             units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward,
             local_tied=self.placement.holder(0)[0] == self.placement.holder(n_virtual - 1)[0], **alone)
-        # A replica's ranks (one dp coordinate): its own norm, and under SSP and async the per-step
-        # figures, which must not wait for other replicas running apart.
-        self.replica_comm = self.mesh.comm((Axis.PP, Axis.TP)) if servers else None
+        # Under SSP and async the per-step figures stay within a replica (one dp coordinate's
+        # ranks): they must not wait for other replicas running apart.
         apart = servers and not (cfg.ps.mode == "bounded" and cfg.ps.staleness == 0)
-        self.step_comm = self.replica_comm if apart else self.mesh.world
+        self.step_comm = self.mesh.comm((Axis.PP, Axis.TP)) if apart else self.mesh.world
         self.ps = None
         if servers:
             tp_rank = self.mesh.rank(Axis.TP)
@@ -283,17 +281,12 @@ class Trainer:
         return self.rank_in_job in self.slow_ranks
 
     def _exchange(self, step: int, losses: list) -> StepResult:
-        """Parameter server: push this rank's gradients of `step`, pull the parameters. Under SSP
-        and async a replica clips its own gradient first (the norm over its ranks); synchronous
-        servers clip the average. A preemption signal rides on the push."""
+        """Parameter server: push this rank's gradients of `step`, pull the parameters (the
+        servers average, clip and step). A preemption signal rides on the push."""
         t = self.cfg.train
         flags = FLAG_PREEMPT if preemption.requested() else 0
-        norm = 0.0
-        if not (self.cfg.ps.mode == "bounded" and self.cfg.ps.staleness == 0):
-            norm = clip_global_norm(*self.dp.norm_parts(), t.grad_clip, self.replica_comm)
-            flags |= 0 if math.isfinite(norm) else FLAG_SKIP
         local = float(sum(losses)) if self.is_loss_reporter else 0.0
-        reply = self.ps.exchange(step, local, flags, norm)
+        reply = self.ps.exchange(step, local, flags)
         self.step = step + 1
         lr = lr_at(step, t.lr, t.warmup, t.steps, t.min_lr)
         bad = self._first_bad_parameter() if reply.skipped else ""

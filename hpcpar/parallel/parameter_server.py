@@ -10,7 +10,7 @@ name order form one flat vector of P elements; server s owns the contiguous rang
 
 A step (clock c) on a worker rank: forward and backward of its micro-batches, gradients
 accumulated locally (a tied copy's summed into its weight within the replica, as without
-servers), then one *push* to every server: `[clock, loss, flags, norm | the gradient elements it owns
+servers), then one *push* to every server: `[clock, loss, flags | the gradient elements it owns
 in the server's range]`. Every element has one owner per replica: tp-split parameters on every
 tp rank, tp-replicated ones (LayerNorm, biases) on tp rank 0, the embedding on the first stage
 (its tied head copy is not pushed). The server answers with a *pull*: `[loss, norm, flags,
@@ -20,7 +20,7 @@ per step only values travel, by point-to-point messages on the job communicator 
 `irecv`, and `Communicator.wait_any` on the server, which takes pushes in arrival order), seen
 by the watchdog and the flight recorder like every other op.
 
-Per server and step, bytes in = 8 * (4 W + R * P/S) (float64; float32 halves the values), bytes
+Per server and step, bytes in = 8 * (3 W + R * P/S) (float64; float32 halves the values), bytes
 out = 8 * (5 W + sum over worker ranks of the elements each holds in the range): every replica
 pushes the range once, and pulls it once plus what its tp ranks hold twice (tp-replicated
 parameters) and the tied head copy.
@@ -32,14 +32,17 @@ Modes (`ps.mode`, `ps.staleness` = k):
   over the servers with one all-gather among them), takes one optimizer step with the learning
   rate of step c and answers everyone. That is all-reduce data parallelism's arithmetic: the same
   losses as one process, in float64 to rounding.
-- bounded, k > 0, stale synchronous parallel: a replica clips its own gradient (norm over its
-  tp x pp ranks); its push, once all its ranks' parts are in, is added to the server's pending
-  sum as it arrives, and every R pushes, whichever replicas sent them, make one optimizer step
-  with their mean (a global batch's worth, as the synchronous step: for SGD this is the same
-  arithmetic as applying each push at lr / R on arrival; AdamW is not additive, and one step per
-  R pushes keeps the synchronous run's gradient noise per step). Its pull is answered once the
+- bounded, k > 0, stale synchronous parallel: a replica's push (once all its ranks' parts are
+  in) joins the *open step*, the server's sum for the lowest step not yet taken; a push of an
+  earlier step (a straggler's) joins it late. Once R - 1 replicas have pushed the open step's
+  clock (one backup replica, as in synchronous SGD with backup workers), the server takes the
+  step: the mean of the pushes in it, clipped by its global norm (one all-gather among the
+  servers), one optimizer step. A pull of step c is answered once step c is taken and the
   slowest replica has completed clock c + 1 - k, so no replica runs more than k steps ahead.
-- async: the same, every pull answered at once.
+  Only the backup's gradient is late (by a step); a global batch's worth of gradient per
+  AdamW step keeps the synchronous run's noise (AdamW is not additive: a step per push, tried
+  first, cost more).
+- async: the same steps, every pull answered once its step is taken, without a bound.
 
 The *staleness* of an applied push of clock c is c minus the clocks the slowest replica had
 completed when its parameters were sent: 0 when synchronous, at most k under SSP. Every applied
@@ -64,9 +67,9 @@ from hpcpar.comm import Communicator
 from hpcpar.layout import Layout
 
 TAG_SETUP, TAG_PUSH, TAG_PULL = 7601, 7602, 7603
-PUSH_HEADER = 4   # clock, loss (sum over the rank's micro-batches; 0 off the loss ranks), flags, replica's norm
+PUSH_HEADER = 3   # clock, loss (sum over the rank's micro-batches; 0 off the loss ranks), flags
 PULL_HEADER = 5   # loss, norm, flags, staleness, stop_at
-FLAG_SKIP = 1     # push: the replica's gradient is not finite (do not apply); pull: the step was skipped
+FLAG_SKIP = 1     # pull: the step was skipped (a non-finite gradient norm or loss)
 FLAG_PREEMPT = 2  # push: this rank was signalled to stop
 BYE = -1          # push clock: this worker's run has ended
 
@@ -189,14 +192,13 @@ class ParameterClient:
             self.push_bufs.append(np.zeros(PUSH_HEADER + push.size, dtype=dtype))
             self.pull_bufs.append(np.zeros(PULL_HEADER + pull.size, dtype=dtype))
 
-    def exchange(self, clock: int, loss: float, flags: int, norm: float = 0.0) -> Reply:
+    def exchange(self, clock: int, loss: float, flags: int) -> Reply:
         """Push this rank's gradients of step `clock` (`.grad` of its owned parameters) with its
-        loss sum, flags and its replica's gradient norm (SSP, async), wait for the pull and write
-        the servers' parameters into `.data`."""
+        loss sum and flags, wait for the pull and write the servers' parameters into `.data`."""
         pulls = [self.job.irecv(buf, rank, TAG_PULL) for buf, rank in zip(self.pull_bufs, self.servers)]
         pushes = []
         for buf, parts, rank in zip(self.push_bufs, self.push_parts, self.servers):
-            buf[:PUSH_HEADER] = (clock, loss, flags, norm)
+            buf[:PUSH_HEADER] = (clock, loss, flags)
             at = PUSH_HEADER
             for p, sel in parts:
                 np.take(p.grad.reshape(-1), sel, out=buf[at:at + sel.size])
@@ -216,7 +218,7 @@ class ParameterClient:
 
     def bye(self) -> None:
         """Tell every server this rank's run has ended (a header-only push)."""
-        msg = np.array([BYE, 0.0, 0.0, 0.0], dtype=self.push_bufs[0].dtype)
+        msg = np.array([BYE, 0.0, 0.0], dtype=self.push_bufs[0].dtype)
         for rank in self.servers:
             self.job.send(msg, rank, TAG_PUSH)
 
@@ -283,62 +285,80 @@ class ParameterServer:
         self.pull_bufs = [np.zeros(PULL_HEADER + a.size, dtype=dtype) for a in self.pull_at]
         self.grads = [np.zeros(self.hi - self.lo, dtype=dtype) for _ in range(self.replicas)]
         self.total = np.zeros(self.hi - self.lo, dtype=dtype)   # the summed pushes of the next step
-        self.pending = 0                                         # SSP, async: pushes summed in `total`
+        # SSP, async: the open step (its clock, replicas that pushed that clock, pushes summed in
+        # `total`); it is taken once `quorum` replicas have pushed its clock (one backup).
+        self.open = self.fresh = self.pending = 0
+        self.quorum = max(1, self.replicas - 1)
+        self.last_norm, self.last_skipped = 0.0, False           # SSP, async: the latest step's
         self.staleness: list[tuple[int, int, int]] = []   # (step, replica, staleness) of every applied push
         self.bytes_in = self.bytes_out = 0.0   # of this `serve`
 
     # -- one replica's push ------------------------------------------------------------------------
 
-    def _take(self, w: int) -> tuple[int, float, int, float]:
-        """Add worker `w`'s pushed gradient into its replica's buffer; (clock, loss, flags, norm)."""
+    def _take(self, w: int) -> tuple[int, float, int]:
+        """Add worker `w`'s pushed gradient into its replica's buffer; (clock, loss, flags)."""
         buf = self.push_bufs[w]
-        clock, loss, flags, norm = int(buf[0]), float(buf[1]), int(buf[2]), float(buf[3])
+        clock, loss, flags = int(buf[0]), float(buf[1]), int(buf[2])
         if clock != BYE:
             # One owner per element per replica: positions are distinct within a replica.
             self.grads[self.replica_of[w]][self.push_at[w]] += buf[PUSH_HEADER:]
             self.bytes_in += buf.nbytes
-        return clock, loss, flags, norm
+        return clock, loss, flags
 
     def _step(self, grad, lr: float) -> None:
         for seg in self.segments:
             seg.grad = grad[seg.lo:seg.hi]
         self.optimizer.step(lr)
 
-    def _apply_synchronous(self, clock: int, loss: float, skip: bool) -> tuple[float, float, bool]:
+    def _clip_and_step(self, grad, lr: float, skip: bool) -> tuple[float, bool]:
+        """The norm of `grad` over every server's range (one all-gather among the servers), then,
+        unless it or `skip` says no, clip `grad` in place by it and take one optimizer step.
+        Returns (norm, skipped)."""
+        parts = self.server_comm.all_gather(np.array([float(np.dot(grad, grad))], dtype=np.float64))
+        norm = math.sqrt(math.fsum(float(v) for v in parts))
+        skipped = skip or not math.isfinite(norm)
+        if not skipped:
+            if self.max_norm > 0 and self.max_norm / (norm + 1e-6) < 1.0:
+                grad *= self.max_norm / (norm + 1e-6)
+            self._step(grad, lr)
+        return norm, skipped
+
+    def _apply_synchronous(self, clock: int, loss: float) -> tuple[float, float, bool]:
         """Every replica's push of `clock` is in: average (replica order), clip, one step."""
         total = self.total
         total[...] = self.grads[0]
         for g in self.grads[1:]:
             total += g
         total /= self.replicas
-        parts = self.server_comm.all_gather(np.array([float(np.dot(total, total))], dtype=np.float64))
-        norm = math.sqrt(math.fsum(float(v) for v in parts))
         mean_loss = loss / (self.replicas * self.microbatches)
-        skipped = skip or not (math.isfinite(norm) and math.isfinite(mean_loss))
-        if not skipped:
-            if self.max_norm > 0 and self.max_norm / (norm + 1e-6) < 1.0:
-                total *= self.max_norm / (norm + 1e-6)
-            self._step(total, self.lr_at(clock))
+        norm, skipped = self._clip_and_step(total, self.lr_at(clock), not math.isfinite(mean_loss))
         return mean_loss, norm, skipped
 
-    def _apply_replica(self, r: int, loss: float, norm: float, skip: bool) -> tuple[float, float, bool]:
-        """One replica's push is in (SSP, async): add it to the pending sum; the R-th makes a step."""
+    def _apply_replica(self, r: int, clock: int, loss: float) -> tuple[float, float, bool]:
+        """One replica's push of `clock` is in (SSP, async): add it to the open step's sum; once
+        `quorum` replicas have pushed the open step's clock, take the step. Returns the replica's
+        loss, and the norm and verdict of the latest step (a push whose loss is not finite is left
+        out, and says so)."""
         mean_loss = loss / self.microbatches
-        skipped = skip or not math.isfinite(mean_loss)
-        if not skipped:
-            self.total += self.grads[r]
-            self.pending += 1
-            if self.pending == self.replicas:
-                self._flush()
-        return mean_loss, norm, skipped
+        if not math.isfinite(mean_loss):
+            return mean_loss, self.last_norm, True
+        self.total += self.grads[r]
+        self.pending += 1
+        self.fresh += clock == self.open    # late pushes (clock < open) join the open step
+        if self.fresh >= self.quorum:
+            self._flush()
+        return mean_loss, self.last_norm, self.last_skipped
 
     def _flush(self) -> None:
-        """One optimizer step with the mean of the pending pushes (lr of the update's number)."""
-        if self.pending:
-            self.total /= self.pending
-            self._step(self.total, self.lr_at(self.optimizer.step_count))
-            self.total[...] = 0
-            self.pending = 0
+        """The open step: one optimizer step with the mean of its pushes, clipped by its global
+        norm as the synchronous step is (the learning rate of the step's number). Collective
+        among the servers: each takes its u-th step from the same pushes' clocks."""
+        self.total /= self.pending
+        self.last_norm, self.last_skipped = self._clip_and_step(self.total, self.lr_at(self.optimizer.step_count),
+                                                                False)
+        self.total[...] = 0
+        self.pending = self.fresh = 0
+        self.open += 1
 
     # -- the loop -------------------------------------------------------------------------------------
 
@@ -348,11 +368,12 @@ class ParameterServer:
         completed the steps before a sync point and been answered. Returns (the step the run
         ended at, whether a preemption stop ended it before `end`)."""
         self.staleness, self.bytes_in, self.bytes_out = [], 0.0, 0.0
+        self.open, self.fresh, self.pending = start, 0, 0   # SSP, async: the open step
+        self.total[...] = 0
         done = [start] * self.replicas           # steps each replica has completed (applied)
         arrived = [0] * self.replicas            # ranks of the replica whose current push is in
         loss = [0.0] * self.replicas
         flags = [0] * self.replicas
-        norm = [0.0] * self.replicas
         read = [start] * self.replicas           # the slowest replica's done when r was last answered
         waiting: dict[int, tuple] = {}            # replica -> (clock, loss, norm, skipped, staleness) to answer
         sends: list = [None] * self.workers
@@ -368,7 +389,7 @@ class ParameterServer:
                 continue
             w = self.job.wait_any(recvs)
             recvs[w] = None
-            clock, w_loss, w_flags, w_norm = self._take(w)
+            clock, w_loss, w_flags = self._take(w)
             if clock == BYE:
                 byes += 1
                 continue
@@ -376,7 +397,6 @@ class ParameterServer:
             arrived[r] += 1
             loss[r] += w_loss
             flags[r] |= w_flags
-            norm[r] = w_norm   # the same on every rank of the replica
             if w_flags & FLAG_PREEMPT and stop_at < 0 and self.index == 0:
                 # The first step every replica can still stop at: a replica waiting for its pull
                 # stops when it has it; one computing (or pushing) its step done[q] stops after it.
@@ -388,14 +408,13 @@ class ParameterServer:
             if self.synchronous:
                 if any(a < len(m) for a, m in zip(arrived, self.members)):
                     continue
-                mean_loss, g_norm, skipped = self._apply_synchronous(clock, sum(loss), any(f & FLAG_SKIP
-                                                                                           for f in flags))
+                mean_loss, g_norm, skipped = self._apply_synchronous(clock, sum(loss))
                 for q in range(self.replicas):
                     waiting[q] = (clock, mean_loss, g_norm, skipped, clock - read[q])
                     self.staleness.append((clock, q, clock - read[q]))
                     self._reset(q, done, arrived, loss, flags)
             else:
-                mean_loss, r_norm, skipped = self._apply_replica(r, loss[r], norm[r], bool(flags[r] & FLAG_SKIP))
+                mean_loss, r_norm, skipped = self._apply_replica(r, clock, loss[r])
                 waiting[r] = (clock, mean_loss, r_norm, skipped, clock - read[r])
                 self.staleness.append((clock, r, clock - read[r]))
                 self._reset(r, done, arrived, loss, flags)
@@ -423,13 +442,11 @@ class ParameterServer:
             clock, mean_loss, norm, skipped, staleness = waiting[r]
             nxt = clock + 1
             if self.synchronous or nxt in points or nxt == stop_at:
-                ready = slowest >= nxt
-                if ready:
-                    self._flush()   # SSP, async: pushes short of a step (after skipped ones) count before a sync point
+                ready = slowest >= nxt and (self.synchronous or self.open >= nxt)
             elif self.mode == "bounded":
-                ready = slowest >= nxt - self.staleness_bound
+                ready = self.open >= nxt and slowest >= nxt - self.staleness_bound
             else:
-                ready = True
+                ready = self.open >= nxt
             if not ready:
                 continue
             del waiting[r]
