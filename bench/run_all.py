@@ -106,6 +106,10 @@ BENCHMARKS = (
               "mixture of experts, ep=4 on 4 ranks: tokens/s vs the dense GPT of the same active parameters, "
               "all-to-all bytes per step vs the formula, expert load after N steps with and without the aux loss",
               quick_args=("--steps", "1", "--balance-steps", "12", "--layers", "2", "--embd", "64", "--block", "64")),
+    Benchmark("ps", "bench/ps.py", 6,
+              "parameter server (1 and 2 servers) vs all-reduce on 4 workers: tokens/s of synchronous, SSP k=2 and "
+              "async with no straggler, a random and a fixed 2x straggler; bytes per server vs the formula; loss "
+              "after 300 steps of SSP and async vs synchronous", quick_args=("--quick",), timeout_s=7200.0),
     Benchmark("vs_torch", "bench/vs_torch.py", None,
               "one process, hpcpar vs PyTorch eager on the same GPT and batches (1 thread)",
               args=("--steps", "5"), quick_args=("--steps", "1", "--rounds", "1", "--n-embd", "128"),
@@ -439,6 +443,53 @@ def _compression(d: dict) -> list[str]:
             f"{m['shared_memory_gbps']:.1f} Gb/s"]
 
 
+def _ps(d: dict) -> list[str]:
+    rows = [r for r in d["throughput"] if r["servers"] in (0, 1)]
+    ratio = {(r["mode"], r["straggler"]): r["vs_allreduce"] for r in rows}
+    worst = max(max(abs(b["bytes_in"] / b["formula_in"] - 1), abs(b["bytes_out"] / b["formula_out"] - 1))
+                for b in d["bytes"])
+    return ["tokens/s vs all-reduce (1 server), random 2x straggler: "
+            + ", ".join(f"{m} {ratio[(m, 'random')]:.2f}x" for m in ("sync", "ssp2", "async"))
+            + "; fixed 2x straggler: " + ", ".join(f"{m} {ratio[(m, 'fixed')]:.2f}x" for m in ("sync", "ssp2", "async"))
+            + "; none: " + ", ".join(f"{m} {ratio[(m, 'none')]:.2f}x" for m in ("sync", "ssp2", "async")),
+            f"bytes per server per step within {worst:.2%} of the formula",
+            "final loss vs synchronous: " + ", ".join(
+                f"{r['mode']} {r['loss_vs_sync']:+.2%} (staleness max {r['staleness_max']})"
+                for r in d["loss"] if r["mode"] != "sync")]
+
+
+def _ps_table(d: dict) -> list[str]:
+    lines = ["4 worker replicas (dp=4, the default job's model and global batch of 48 sequences), float32; "
+             "tokens/s = timed steps x tokens per step / wall time of the slowest rank, after a warm-up step. "
+             "Random straggler: at every step one worker, drawn from (seed, step), runs 2x slower; fixed: worker "
+             "rank 1 always 2x slower ([parallelism.md](parallelism.md#parameter-server)).", "",
+             "| mode | servers | straggler | tokens/s | vs all-reduce |", "|---|---:|---|---:|---:|"]
+    for r in d["throughput"]:
+        lines.append(f"| {r['mode']} | {r['servers']} | {r['straggler']} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['vs_allreduce']:.2f}x |")
+    lines += ["", "Bytes per server per step (no straggler), measured and by the formula in = s (4 W + R n), "
+              "out = s (5 W + R n):", "",
+              "| mode | servers | server rank | range | in MiB | formula | out MiB | formula |",
+              "|---|---:|---:|---|---:|---:|---:|---:|"]
+    for b in d["bytes"]:
+        lines.append(f"| {b['mode']} | {b['servers']} | {b['server_rank']} | [{b['range'][0]:,}, {b['range'][1]:,}) | "
+                     f"{b['bytes_in'] / MiB:.3f} | {b['formula_in'] / MiB:.3f} | {b['bytes_out'] / MiB:.3f} | "
+                     f"{b['formula_out'] / MiB:.3f} |")
+    t = d.get("transport")
+    if t:
+        lines += ["", f"Transport, a push and a pull of {t['elements']:,} float32 between two ranks: point-to-point "
+                  f"round trip {1e3 * t['p2p_round_trip_s']:.1f} ms; MPI one-sided epoch (Lock, Accumulate, Get, "
+                  f"Unlock) {1e3 * t['rma_server_in_mpi_s']:.1f} ms with the server inside MPI, "
+                  f"{1e3 * t['rma_server_busy_s']:.0f} ms with the server busy in NumPy for one second."]
+    lines += ["", "Loss (1 server), mean of the last 10 steps:", "",
+              "| mode | straggler | steps | final loss | vs synchronous | staleness max | staleness mean |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for r in d["loss"]:
+        lines.append(f"| {r['mode']} | {r['straggler']} | {r['steps']} | {r['final_loss']:.4f} | "
+                     f"{r['loss_vs_sync']:+.2%} | {r['staleness_max']} | {r['staleness_mean']:.2f} |")
+    return lines
+
+
 def _precision(d: dict) -> list[str]:
     m, rows = d["meta"], d["rows"]
     return [f"final loss vs full after {m['steps']} steps: " + ", ".join(
@@ -495,7 +546,7 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
         return {"allreduce": _allreduce, "pipeline": _pipeline, "pipeline_gpt": _pipeline_gpt, "scaling": _scaling,
                 "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory, "zero": _zero,
                 "compression": _compression, "precision": _precision, "vs_torch": _vs_torch,
-                "plan": _plan, "moe": _moe}[name](data)
+                "plan": _plan, "moe": _moe, "ps": _ps}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
 
@@ -656,7 +707,8 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
                                        "mixed precision loss curves"),
                                       ("compression", "Gradient compression", _compression_table,
                                        "gradient compression loss curves"),
-                                      ("moe", "Mixture of experts", _moe_table, None)):
+                                      ("moe", "Mixture of experts", _moe_table, None),
+                                      ("ps", "Parameter server", _ps_table, "parameter server loss curves")):
         results = details.get(name, {}).get("results")
         if not results:
             continue

@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=None, help="context-parallel degree")
     p.add_argument("--dp-replicate", type=int, default=None,
                    help="HSDP: dp = dp_replicate x dp_shard (shard groups are reported inside a node or not)")
+    p.add_argument("--servers", type=int, default=0,
+                   help="parameter-server ranks (the last ones): the mesh is the others, and the parameter range each "
+                        "server owns is shown for the model of the --set overrides (built once on rank 0)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="model config for --servers (e.g. model.n_layer=8)")
 
     p = verbs.add_parser("ckpt", help="inspect, verify, export or import a checkpoint")
     p.add_argument("action", choices=["info", "verify", "export", "import"])
@@ -131,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
     if args.verb == "info":
         from hpcpar import mesh
         print(mesh.info_report(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
-                                     dp_replicate=args.dp_replicate), end="")
+                                     dp_replicate=args.dp_replicate, servers=args.servers), end="")
+        if args.servers:
+            print(_server_ranges(args.servers, args.overrides), end="")
         return 0
     if args.verb == "ckpt":
         if args.action == "import" or (args.action == "export" and args.format == "safetensors"):
@@ -156,6 +163,27 @@ def run(args: argparse.Namespace) -> int:
         return evaluate.main(args.checkpoint, args.data, fmt=args.format, split=args.split,
                              max_tokens=args.max_tokens, overrides=args.overrides, json_out=args.json_out)
     raise AssertionError(args.verb)
+
+
+def _server_ranges(servers: int, overrides: list[str]) -> str:
+    """`hpcpar info --servers S`: which range of the model's flat parameters each server owns
+    (rank 0 builds the model of `overrides` once, as the servers do; "" elsewhere)."""
+    from mpi4py import MPI
+
+    from hpcpar import backend, config
+    from hpcpar.mesh import Mesh
+    from hpcpar.parallel import pipeline
+    from hpcpar.parallel.parameter_server import ownership_report
+
+    world = MPI.COMM_WORLD
+    if world.Get_rank() != 0:
+        return ""
+    cfg = config.load_config(None, overrides)
+    alone = Mesh(comm=MPI.COMM_SELF)
+    shapes = {n: tuple(p.layout.global_shape) for s in pipeline.build_stages(cfg.model, alone, chunks=1, seed=0)
+              for n, p in s.named_parameters() if not p.tied_to}
+    alone.free()
+    return ownership_report(shapes, servers, world.Get_size() - servers, backend.xp.dtype(cfg.model.dtype).itemsize)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,10 +66,11 @@ _POOL_BUFFERS = 8
 class Handle:
     """A started operation. `wait()` completes it and returns its result (idempotent)."""
 
-    def __init__(self, complete: Callable[[], Any], keep: Any = None):
+    def __init__(self, complete: Callable[[], Any], keep: Any = None, request: Any = None, record: Any = None):
         self._complete: Callable[[], Any] | None = complete
         self._keep = keep  # a buffer MPI uses until the op completes
         self._result: Any = None
+        self._request, self._record = request, record  # MPI ops: what `Communicator.wait_any` polls
 
     @classmethod
     def ready(cls, value: Any) -> "Handle":
@@ -380,7 +381,7 @@ class Communicator:
                 raise
             return finish()
         # MPI (or NCCL) reads and writes the buffers until the op completes: the handle keeps them.
-        return Handle(complete, keep=(send, recv))
+        return Handle(complete, keep=(send, recv), request=request, record=record)
 
     def _staged(self, start: Callable[..., Handle], a, *args, into=None) -> Handle:
         """Run the host form of an op on a host copy of GPU array `a` (same transport, MPI); the
@@ -447,6 +448,50 @@ class Communicator:
                 time.sleep(delay)
                 delay = min(2 * delay, _MAX_SLEEP_S)
         watchdog.recorder.end(record)
+
+    def wait_any(self, handles: list) -> int:
+        """Complete whichever of `handles` (this communicator's non-blocking host ops; None entries
+        are skipped) finishes first and return its index: a server's loop over its clients' messages.
+        Polls as `_wait` does and raises `watchdog.CommTimeout` on the oldest op when none finishes
+        within the timeout (the monitor sees them all as waiting meanwhile)."""
+        live = [(i, h) for i, h in enumerate(handles) if h is not None]
+        if not live:
+            raise ValueError("wait_any needs at least one handle")
+        for i, h in live:
+            if h._request is None:   # done already (or nothing to poll): complete it
+                h.wait()
+                return i
+        since = time.monotonic()
+        records = [h._record for _, h in live]
+        delay, polls = _FIRST_SLEEP_S, 0
+        try:
+            while True:
+                for i, h in live:
+                    if h._request.Test():
+                        h.wait()
+                        return i
+                polls += 1
+                if polls == 1:
+                    for r in records:
+                        watchdog.recorder.waiting(r)
+                if polls % _POLLS_PER_YIELD:
+                    continue
+                now = time.monotonic()
+                if now < since + _SPIN_S:
+                    os.sched_yield()
+                    continue
+                reported = next((r for r in records if r.report is not None), None)
+                if reported is not None or now - since > watchdog.timeout():
+                    record = reported or min(records, key=lambda r: r.start)
+                    error = watchdog.CommTimeout(record, now - since, record.report)
+                    record.report = str(error)
+                    raise error
+                time.sleep(delay)
+                delay = min(2 * delay, _MAX_SLEEP_S)
+        finally:
+            for r in records:   # the ones still pending are not waited for any more
+                if r.end is None:
+                    r.waiting = None
 
     def progress(self) -> None:
         """Let MPI advance this communicator's non-blocking ops (MPI moves data only inside MPI

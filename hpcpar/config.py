@@ -1,6 +1,6 @@
 """Run configuration: one TOML file plus `--set section.key=value` overrides.
 
-A `Config` is seven frozen sections: model, mesh, data, train, pipeline, checkpoint, run. The
+A `Config` is eight frozen sections: model, mesh, data, train, pipeline, checkpoint, run, ps. The
 `[model]` section is the model's own config, `nn.gpt.GPTConfig`, so `GPT(cfg.model)` needs no
 translation. Every field carries its documentation in `metadata["doc"]` (and its allowed values in
 `metadata["choices"]` where there is a fixed set; see `schema.field`); `to_toml` writes those as
@@ -38,7 +38,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from hpcpar import backend
-from hpcpar.errors import ConfigError
+from hpcpar.errors import ConfigError, MeshError
 from hpcpar.nn.gpt import DTYPES, PRESETS, RECOMPUTE_MODES, GPTConfig, recomputed
 from hpcpar.precision import PRECISIONS
 from hpcpar.schema import divisors, field as _field, require_divisible
@@ -192,8 +192,24 @@ class RunConfig:
     backend: str = _field("auto", "array backend: numpy (CPU), cupy (GPU), or auto = the HPCPAR_BACKEND "
                                   "environment variable, else numpy", ("auto", "numpy", "cupy"))
     progress: bool = _field(True, "progress bar on rank 0")
+    debug_slow_ranks: str = _field("", "debug (stragglers for study): comma-separated world ranks whose steps are "
+                                   "slowed by run.debug_slow_factor (a sleep after their forward/backward), or "
+                                   "\"random\": at every step one worker rank drawn from (seed, step)")
+    debug_slow_factor: float = _field(1.0, "debug: the slowed ranks' forward/backward takes this many times as "
+                                      "long (>= 1; 1 = off)")
     debug_check_every: int = _field(0, "every this many ops, check that all ranks issued the same "
                                        "collectives (0 = off)")
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    servers: int = _field(0, "parameter-server ranks: the last `servers` ranks of the world own the parameters and "
+                          "the optimizer; the others train (0 = off: all-reduce data parallelism)")
+    staleness: int = _field(0, "parameter server, mode = \"bounded\": a worker replica may run at most this many "
+                            "steps ahead of the slowest (0 = synchronous: each step averages every replica's gradient)")
+    mode: str = _field("bounded", "parameter server: bounded = staleness-bounded (0: synchronous; k > 0: stale "
+                       "synchronous parallel); async = no bound, each replica's push is applied as it arrives",
+                       ("bounded", "async"))
 
 
 @dataclass(frozen=True)
@@ -207,6 +223,7 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -756,6 +773,9 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("run.eval_batches", _ge1, ">= 1"),
     ("run.timeout", _gt0, "> 0 seconds"),
     ("run.debug_check_every", _ge0, ">= 0 (0 = off)"),
+    ("run.debug_slow_factor", _ge1, ">= 1 (1 = off)"),
+    ("ps.servers", _ge0, ">= 0 (0 = no parameter server)"),
+    ("ps.staleness", _ge0, ">= 0 (0 = synchronous)"),
 )
 
 
@@ -958,6 +978,60 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
                           "HDF5), or use checkpoint.format=\"per_rank\"")
 
 
+def slow_ranks(cfg: Config) -> tuple[int, ...] | str:
+    """run.debug_slow_ranks as ranks ("" = none), or "random"; ConfigError when it is neither a
+    comma-separated list nor "random"."""
+    text = cfg.run.debug_slow_ranks.strip()
+    if text == "random":
+        return text
+    try:
+        return tuple(sorted({int(r) for r in text.split(",")})) if text else ()
+    except ValueError:
+        raise ConfigError(f"run.debug_slow_ranks={_toml_value(cfg.run.debug_slow_ranks)} is not a comma-separated "
+                          "list of ranks or \"random\"; write e.g. \"1\", \"1,3\" or \"random\"") from None
+
+
+def _check_parameter_server(cfg: Config, world_size: int) -> int:
+    """The workers' share of the world (the mesh's ranks) and the combinations a parameter server does
+    not support, refused one line each; also run.debug_slow_ranks against the world."""
+    ranks = slow_ranks(cfg)
+    bad = [r for r in ranks if not 0 <= r < world_size] if ranks != "random" else []
+    if bad:
+        raise ConfigError(f"run.debug_slow_ranks names rank {bad[0]}, outside the world of {world_size} ranks; "
+                          f"use ranks 0..{world_size - 1}")
+    s = cfg.ps.servers
+    if s == 0:
+        if cfg.ps.staleness or cfg.ps.mode != "bounded":
+            raise ConfigError("ps.staleness / ps.mode configure a parameter server, but ps.servers=0; set "
+                              "ps.servers >= 1 or leave ps.staleness=0 and ps.mode=\"bounded\"")
+        return world_size
+    if s >= world_size:
+        raise ConfigError(f"ps.servers={s} leaves no worker: the world has {world_size} ranks and the last {s} would "
+                          f"all be servers; use ps.servers <= {world_size - 1} or launch more ranks")
+    if cfg.ps.mode == "async" and cfg.ps.staleness:
+        raise ConfigError(f"ps.staleness={cfg.ps.staleness} bounds ps.mode=\"bounded\"; ps.mode=\"async\" has no "
+                          "bound: set ps.staleness=0 with it, or ps.mode=\"bounded\"")
+    m, t = cfg.mesh, cfg.train
+    unsupported = [
+        (t.zero > 0, f"train.zero={t.zero}", "the servers already hold the only optimizer state", "train.zero=0"),
+        (t.grad_compression != "none", f"train.grad_compression={_toml_value(t.grad_compression)}",
+         "pushes are whole gradients", "train.grad_compression=\"none\""),
+        (m.cp not in (0, 1), f"mesh.cp={m.cp}", "a replica's cp ranks push partial gradients a per-push norm "
+         "cannot see", "mesh.cp=1"),
+        (m.dp_replicate > 1, f"mesh.dp_replicate={m.dp_replicate}", "HSDP shards over dp, which servers replace",
+         "mesh.dp_replicate=1"),
+        (cfg.model.moe_experts > 0, f"model.moe_experts={cfg.model.moe_experts}",
+         "expert weights are averaged over their own groups", "model.moe_experts=0"),
+        (t.precision != "full", f"train.precision={_toml_value(t.precision)}",
+         "the servers keep no loss scale or 16-bit rounding", "train.precision=\"full\""),
+    ]
+    for refused, what, why, fix in unsupported:
+        if refused:
+            raise ConfigError(f"{what} is not supported with a parameter server (ps.servers={s}): {why}; use {fix} "
+                              "or ps.servers=0")
+    return world_size - s
+
+
 def _resolved_chunks(p: PipelineConfig) -> int:
     from hpcpar.parallel import schedule
 
@@ -981,7 +1055,13 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     cfg = _fold_reduce_dtype(cfg)
     from hpcpar.mesh import resolve_degrees  # here, not at the top: mesh.py loads MPI
 
-    dp, tp, pp, cp = resolve_degrees(world_size, cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp)
+    world, world_size = world_size, _check_parameter_server(cfg, world_size)  # the mesh is the workers'
+    try:
+        dp, tp, pp, cp = resolve_degrees(world_size, cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp)
+    except MeshError as err:
+        if not cfg.ps.servers:
+            raise
+        raise MeshError(f"{err} (the worker ranks: the world of {world} less ps.servers={cfg.ps.servers})") from None
     _check_data_parallel(cfg, dp)
     _check_tensor_parallel(cfg, tp)
     _check_context_parallel(cfg, tp, cp)

@@ -438,14 +438,14 @@ class Mesh:
 
 
 def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = None,
-                cp: int | None = None, dp_replicate: int | None = None) -> str:
+                cp: int | None = None, dp_replicate: int | None = None, servers: int = 0) -> str:
     """The text of `hpcpar info` (collective). Rank 0 gets it; other ranks get "".
 
     Always: MPI library, mpi4py, backend, world size, threads per rank. With any
     degree given: the mesh shape, each rank's coordinates and the placement report (tp groups
     and dp_shard groups: inside one node or not); tp, pp, cp and dp_replicate left out are 1, and
-    dp left out fills the world. Degrees that do not fit raise MeshError
-    on every rank.
+    dp left out fills the world (with `servers` parameter-server ranks, the world less them: the
+    mesh is its first ranks). Degrees that do not fit raise MeshError on every rank.
     """
     import mpi4py
 
@@ -453,6 +453,11 @@ def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = N
 
     world = MPI.COMM_WORLD
     mesh = None
+    workers = world.Get_size() - servers
+    if not 0 <= servers < world.Get_size():
+        raise MeshError(f"--servers {servers} must leave at least one worker among the {world.Get_size()} ranks")
+    if servers and (dp, tp, pp, cp, dp_replicate) == (None, None, None, None, None):
+        dp = workers
     if (dp, tp, pp, cp, dp_replicate) != (None, None, None, None, None):
         tp, pp, cp = (1 if tp is None else tp), (1 if pp is None else pp), (1 if cp is None else cp)
         if dp is None:  # dp fills the world, by the [mesh] rule for dp = 0 (auto)
@@ -460,8 +465,11 @@ def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = N
                 if not _positive_int(value):
                     raise MeshError(f"mesh {name}={value}: {name} must be a positive integer (dp fills the "
                                     f"rest of the {world.Get_size()} ranks)")
-            dp = resolve_degrees(world.Get_size(), 0, tp, pp, cp)[0]
-        mesh = Mesh(dp, tp, pp, comm=world, cp=cp, dp_replicate=1 if dp_replicate is None else dp_replicate)
+            dp = resolve_degrees(workers, 0, tp, pp, cp)[0]
+        validate_degrees(dp, tp, pp, workers, cp, 1 if dp_replicate is None else dp_replicate)
+        comm = world.Split(0 if world.Get_rank() < workers else MPI.UNDEFINED, world.Get_rank()) if servers else world
+        if comm != MPI.COMM_NULL:
+            mesh = Mesh(dp, tp, pp, comm=comm, cp=cp, dp_replicate=1 if dp_replicate is None else dp_replicate)
     lines = [
         f"MPI library: {MPI.Get_library_version().splitlines()[0].strip()} "
         f"(MPI {'.'.join(map(str, MPI.Get_version()))})",
@@ -471,6 +479,7 @@ def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = N
         f"threads per rank: {os.environ.get('OMP_NUM_THREADS', 'unset')} (OMP_NUM_THREADS)",
     ]
     if mesh is not None:
-        lines += [f"mesh: {mesh.shape_str()}", mesh.rank_table(), mesh.placement().report()]
+        lines += [f"mesh: {mesh.shape_str()}" + (f" on ranks 0..{workers - 1}" if servers else ""), mesh.rank_table(),
+                  mesh.placement().report()]
         mesh.free()
     return "\n".join(lines) + "\n" if world.Get_rank() == 0 else ""

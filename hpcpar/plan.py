@@ -803,6 +803,9 @@ def cli(args) -> int:
             raise ConfigError(f"--preset={args.preset!r} is not one of {', '.join(MODEL_PRESETS)}")
         overrides += [f"model.{k}={v}" for k, v in MODEL_PRESETS[args.preset].items()]
     cfg = config.load_config(args.config, overrides)
+    if cfg.ps.servers:
+        raise ConfigError(f"ps.servers={cfg.ps.servers}: hpcpar plan models all-reduce data parallelism, not parameter "
+                          "servers; plan the workers' mesh with ps.servers=0 and --ranks set to the worker count")
     if args.calibrate:
         from mpi4py import MPI
         hw = calibrate(cfg, MPI.COMM_WORLD)

@@ -23,6 +23,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -36,9 +37,11 @@ from hpcpar.mesh import Axis, Mesh, resolve_degrees
 from hpcpar.optim import SGD, AdamW, lr_at
 from hpcpar.parallel import pipeline, schedule
 from hpcpar.parallel.compression import Compression
+from hpcpar.parallel.clipping import tp_replicated
 from hpcpar.parallel.context import ContextParallel
 from hpcpar.parallel.data_parallel import DataParallel
 from hpcpar.parallel.experts import ExpertDataParallel
+from hpcpar.parallel.parameter_server import FLAG_PREEMPT, FlatSpace, ParameterClient, ParameterServer, sync_points
 from hpcpar.tensor import no_grad
 
 log = logging.getLogger("hpcpar")
@@ -57,6 +60,8 @@ class StepResult:
     overflow: bool = False   # fp16: skipped because the loss scale overflowed (the scaler backed off)
     loss_scale: float = 1.0  # the loss scale this step's backward used
     moe: dict = field(default_factory=dict)  # mixture of experts: the step's routing figures (`Trainer.moe_stats`)
+    stop: bool = False       # parameter server: a preemption signal stops the run after this step
+    staleness: int | None = None  # parameter server: the staleness of this replica's push (None without)
 
 
 @dataclass
@@ -80,12 +85,25 @@ class _RunState:
     moe: dict = field(default_factory=dict)             # the last step's routing figures (MoE models)
 
 
+def build(cfg: config.Config, comm=None, tokens: np.ndarray | None = None,
+          available_memory_bytes: int | None = None) -> "Trainer | ServerRank":
+    """This rank's part of a run: a `Trainer`, or with `ps.servers = S` on the last S ranks of
+    `comm` a `ServerRank` (same `train`, `save`, `load`). Collective; arguments as `Trainer`'s."""
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    cfg = config.validate(cfg, comm.Get_size(), available_memory_bytes)
+    if cfg.ps.servers and comm.Get_rank() >= comm.Get_size() - cfg.ps.servers:
+        return ServerRank(cfg, comm)
+    return Trainer(cfg, comm, tokens, available_memory_bytes)
+
+
 class Trainer:
     """One rank's part of a training run on a (dp, tp, pp) mesh.
 
     Args:
         cfg: configuration (validated here for `comm`'s size).
-        comm: mpi4py communicator spanning the run (default COMM_WORLD).
+        comm: mpi4py communicator spanning the run (default COMM_WORLD). With a parameter server
+            (`ps.servers` = S, see `build`) the mesh is its first size - S ranks, and this rank
+            pushes its gradients to the servers (`self.ps`) instead of averaging them over dp.
         tokens: the corpus as uint8 tokens (default: open `cfg.data`, see `datasets.load`).
         available_memory_bytes: memory per rank to check the model against (None: no check).
     """
@@ -96,8 +114,17 @@ class Trainer:
         self.cfg = cfg = config.validate(cfg, comm.Get_size(), available_memory_bytes)
         if cfg.run.backend != "auto":  # auto: what HPCPAR_BACKEND chose at import (default numpy)
             backend.use(cfg.run.backend)
-        self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=comm, cp=cfg.mesh.cp,
+        servers = cfg.ps.servers
+        workers = comm.Get_size() - servers
+        if servers and comm.Get_rank() >= workers:
+            raise ConfigError(f"rank {comm.Get_rank()} is a parameter server (ps.servers={servers}); build it "
+                              "with hpcpar.train.build")
+        mesh_comm = comm.Split(0, comm.Get_rank()) if servers else comm   # collective with ServerRank's
+        self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=mesh_comm, cp=cfg.mesh.cp,
                          dp_replicate=cfg.mesh.dp_replicate, ep=cfg.mesh.ep)
+        # Every rank of the job (workers and servers): checkpoints and parameter-server messages.
+        self.job = Communicator(comm, "workers+servers") if servers else self.mesh.world
+        self.slow_ranks, self.rank_in_job, self.workers = config.slow_ranks(cfg), comm.Get_rank(), workers
         backend.select_device(self.mesh.node_comm.rank)
         self.tracer = pipeline.Tracer(enabled=cfg.pipeline.trace, rank=self.mesh.world.rank)
         # Context parallelism: this rank holds the tokens at `positions` of every sample (None: all).
@@ -113,12 +140,7 @@ class Trainer:
             stage.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
         self.named_parameters = [(n, p) for s in self.stages for n, p in s.named_parameters()]
         t = cfg.train
-        if t.optimizer == "adamw":
-            def make_optimizer(params):
-                return AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
-        else:
-            def make_optimizer(params):
-                return SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        make_optimizer = _optimizer_factory(t)
         # ZeRO-3 gathers the model unit by unit: the embedding, each block, the head of every chunk.
         # Under ZB-V the first and the last virtual stage (wte and the head's copy) share a rank.
         n_virtual = self.placement.stages
@@ -127,11 +149,25 @@ class Trainer:
                                   start_step=t.compression_start_step, error_feedback=t.error_feedback,
                                   block_size=t.int8_block_size, seed=t.seed)
         # With experts: dense weights averaged over dp, experts over the expert-data-parallel group.
+        # With servers a replica keeps its gradients to itself (groups of one rank): they are pushed.
+        alone = {"groups": (Communicator.local(),) * 3} if servers else {}
         self.dp = (ExpertDataParallel if cfg.model.moe_experts else DataParallel)(
             self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
             compression=compression, zero=t.zero, make_optimizer=make_optimizer,
             units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward,
-            local_tied=self.placement.holder(0)[0] == self.placement.holder(n_virtual - 1)[0])
+            local_tied=self.placement.holder(0)[0] == self.placement.holder(n_virtual - 1)[0], **alone)
+        # Under SSP and async the per-step figures stay within a replica (one dp coordinate's
+        # ranks): they must not wait for other replicas running apart.
+        apart = servers and not (cfg.ps.mode == "bounded" and cfg.ps.staleness == 0)
+        self.step_comm = self.mesh.comm((Axis.PP, Axis.TP)) if apart else self.mesh.world
+        self.ps = None
+        if servers:
+            tp_rank = self.mesh.rank(Axis.TP)
+            self.ps = ParameterClient(
+                self.named_parameters, FlatSpace(_global_shapes(self.named_parameters, self.mesh.world)), self.job,
+                list(range(workers, comm.Get_size())), self.mesh.rank(Axis.DP),
+                owns=lambda p: not p.tied_to and (tp_rank == 0 or not tp_replicated(p)),
+                dtype=np.dtype(cfg.model.dtype))
         for stage in self.stages:
             stage.unit_hooks = self.dp.unit_hooks
         every_rank = schedule.build(cfg.pipeline.schedule, cfg.mesh.pp, t.microbatches, cfg.pipeline.chunks)
@@ -162,7 +198,7 @@ class Trainer:
         zero = f", zero={self.cfg.train.zero}" if self.cfg.train.zero else ""
         ep = f", ep={self.mesh.size(Axis.EP)}" if self.cfg.model.moe_experts else ""
         return (f"dp={self.mesh.size(Axis.DP)}{hsdp}{cp} x tp={self.mesh.size(Axis.TP)} "
-                f"x pp={self.mesh.size(Axis.PP)}{zero}{ep}")
+                f"x pp={self.mesh.size(Axis.PP)}{zero}{ep}{_ps_text(self.cfg)}")
 
     # -- data ------------------------------------------------------------------------------
     def sample_ids(self) -> list[range]:
@@ -209,8 +245,13 @@ class Trainer:
             for moe in stage.moe_layers():
                 moe.loss_scale = scale / t.microbatches
         self.dp.begin_step(microbatches=t.microbatches, step=step)
+        started = time.perf_counter()
         losses = self.executor.run(batches)
+        if self._slowed(step):  # run.debug_slow_ranks: a straggler for study
+            time.sleep((self.cfg.run.debug_slow_factor - 1) * (time.perf_counter() - started))
         self.dp.finish_backward()
+        if self.ps is not None:
+            return self._exchange(step, losses)
         loss = self._global_mean_loss(losses, t.microbatches)
         # The norm is the world's agreed figure: a non-finite one on any rank is an overflow everywhere.
         norm = self.dp.clip_grad_norm(t.grad_clip, loss_scale=scale)
@@ -228,6 +269,29 @@ class Trainer:
             return StepResult(loss, norm, lr, True, self._first_bad_parameter(), loss_scale=scale, moe=moe)
         self.dp.step(lr)
         return StepResult(loss, norm, lr, False, "", loss_scale=scale, moe=moe)
+
+    def _slowed(self, step: int) -> bool:
+        """Whether run.debug_slow_ranks slows this rank at `step` (a listed rank always; "random":
+        the one worker rank drawn from (seed, step), the same draw on every rank)."""
+        if self.cfg.run.debug_slow_factor == 1 or not self.slow_ranks:
+            return False
+        if self.slow_ranks == "random":
+            draw = np.random.default_rng([self.cfg.train.seed, step, 0x510])
+            return int(draw.integers(self.workers)) == self.rank_in_job
+        return self.rank_in_job in self.slow_ranks
+
+    def _exchange(self, step: int, losses: list) -> StepResult:
+        """Parameter server: push this rank's gradients of `step`, pull the parameters (the
+        servers average, clip and step). A preemption signal rides on the push."""
+        t = self.cfg.train
+        flags = FLAG_PREEMPT if preemption.requested() else 0
+        local = float(sum(losses)) if self.is_loss_reporter else 0.0
+        reply = self.ps.exchange(step, local, flags)
+        self.step = step + 1
+        lr = lr_at(step, t.lr, t.warmup, t.steps, t.min_lr)
+        bad = self._first_bad_parameter() if reply.skipped else ""
+        return StepResult(reply.loss, reply.norm, lr, reply.skipped, bad, stop=reply.stop_at == self.step,
+                          staleness=reply.staleness)
 
     def moe_stats(self) -> dict:
         """The routing figures of the step just run, the same on every rank (one world all-reduce
@@ -262,7 +326,7 @@ class Trainer:
         (under ZeRO: in any rank's part)."""
         bad = self.dp.nonfinite_gradients()
         local = bad[0] if bad else ""
-        names = [n for n in self.mesh.world.all_gather_object(local) if n]
+        names = [n for n in self.step_comm.all_gather_object(local) if n]
         return names[0] if names else "(loss only)"
 
     # -- evaluation ---------------------------------------------------------------------
@@ -319,6 +383,7 @@ class Trainer:
         """
         cfg, t, run = self.cfg, self.cfg.train, self.cfg.run
         end = t.steps if steps is None else self.step + steps
+        first = self.step
         rank0 = self.mesh.world.rank == 0
         model_flops = _model_flops_per_token(cfg)
         peak = _measure_peak(self.mesh, cfg.model.dtype) if peak_flops is None else peak_flops
@@ -347,6 +412,8 @@ class Trainer:
                           **traffic, **result.moe}
                 if self.scaler is not None:
                     record.update(loss_scale=result.loss_scale, overflow=result.overflow)
+                if result.staleness is not None:
+                    record["staleness"] = result.staleness
                 if run.eval_every and (self.step % run.eval_every == 0 or self.step == end):
                     state.val_loss = record["val_loss"] = self.evaluate(run.eval_batches)
                 if writer:
@@ -362,7 +429,7 @@ class Trainer:
                              f" | val {record['val_loss']:.4f}" if "val_loss" in record else "", extra)
                 if files and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < end:
                     self._checkpoint()
-                if preemption.agreed(self.mesh.world):
+                if result.stop if self.ps is not None else preemption.agreed(self.mesh.world):
                     log.warning("preemption signal received: saving a checkpoint at step %d and exiting with "
                                 "status %d (requeue and resume with checkpoint.resume=auto)",
                                 self.step, REQUEUE_STATUS)
@@ -372,13 +439,19 @@ class Trainer:
             bar.close()
             if writer:
                 writer.close()
+        if self.ps is not None:
+            self.ps.bye()
         if files:
             self._checkpoint(final=True)
-        return RunResult(status, self._summary(state, model_flops, peak))
+        summary = self._summary(state, model_flops, peak)
+        if self.ps is not None:
+            summary["ps"] = _server_report(self.job.all_gather_object(None), self.step - first)
+        return RunResult(status, summary)
 
     def _bytes_sent(self) -> tuple[float, float]:
         """(bytes this rank has sent over all its communicators, of which for gradient sync) so far."""
-        return (sum(c.bytes_sent_total() for c in self.mesh.communicators()), self.dp.sync_bytes())
+        pushed = self.job.bytes_sent_total() if self.ps is not None else 0.0   # pushes to the servers
+        return (sum(c.bytes_sent_total() for c in self.mesh.communicators()) + pushed, self.dp.sync_bytes() + pushed)
 
     def _step_traffic(self, before: tuple[float, float]) -> dict:
         """The last step's bytes (collective: one small all-gather over the world): the mean over
@@ -391,7 +464,7 @@ class Trainer:
         total, grad = (now - then for now, then in zip(self._bytes_sent(), before))
         plain = self.dp.uncompressed_bytes() if self.dp.compressing else None
         mine = np.array([total, grad, grad if plain is None else plain], dtype=np.float64)
-        mean = self.mesh.world.all_gather(mine).reshape(-1, 3).mean(axis=0)
+        mean = self.step_comm.all_gather(mine).reshape(-1, 3).mean(axis=0)
         return {"bytes_sent": float(mean[0]), "grad_bytes_sent": float(mean[1]),
                 "grad_bytes_uncompressed": float(mean[2]),
                 "compression_ratio": float(mean[1] / mean[2]) if mean[2] else 1.0,
@@ -518,6 +591,8 @@ class Trainer:
         rank gives its shards of both, flat ranges of the parameters, nothing gathered) and the
         gradient compressor's state (`compress/...`: residuals, PowerSGD's Q)."""
         tensors = self.dp.compression_tensors()
+        if self.ps is not None:   # the servers hold the model and the optimizer state
+            return tensors
         if self.cfg.train.zero:
             return {**self.dp.checkpoint_shards(), **tensors}
         state = self.dp.optimizer_state()
@@ -540,7 +615,9 @@ class Trainer:
         """
         self.finish_save()
         t = self.cfg.train
-        meta = {"step": self.step, "optimizer_step": self.dp.optimizer_step_count(),
+        steps_taken = (self.job.broadcast_object(None, root=self.mesh.world.size) if self.ps is not None
+                       else self.dp.optimizer_step_count())   # parameter server: server 0's optimizer
+        meta = {"step": self.step, "optimizer_step": steps_taken,
                 "config": config.to_toml(self.cfg), "hpcpar_version": hpcpar.__version__,
                 "mesh": {**{str(a): self.mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP, Axis.CP)}, "zero": t.zero,
                          "dp_replicate": self.mesh.size(Axis.DP_REPLICATE)},
@@ -555,8 +632,8 @@ class Trainer:
         if compression is not None:  # what a loader needs to map the compressor state back
             names = self.mesh.world.all_gather_object(sorted(n for n in tensors if n.startswith("compress/")))
             meta["compression"] = {**compression, "names": sorted(set().union(*names))}
-        result = checkpoint.save(directory, self.step, tensors, meta, self.mesh.world,
-                                 keep=keep, async_save=async_save, storage=self.cfg.checkpoint.format)
+        result = checkpoint.save(directory, self.step, tensors, meta, self.job, keep=keep, async_save=async_save,
+                                 storage=self.cfg.checkpoint.format)
         self.save_in_flight = result if async_save else None
         return result
 
@@ -574,9 +651,15 @@ class Trainer:
         compressor state (residuals, PowerSGD's Q) is loaded when this run compresses and the
         checkpoint has it (see parallel/compression_state.py); otherwise it starts afresh / is
         ignored, so a checkpoint loads with and without compression."""
-        _, meta = checkpoint.load(path, {}, self.mesh.world)
-        tokenizer.require_match(meta.get("tokenizer"), self.dataset.tokenizer, f"checkpoint {path}",
-                                f"data {self.cfg.data.corpus or '(default corpus)'}")
+        _, meta = checkpoint.load(path, {}, self.job)
+
+        def check():
+            tokenizer.require_match(meta.get("tokenizer"), self.dataset.tokenizer, f"checkpoint {path}",
+                                    f"data {self.cfg.data.corpus or '(default corpus)'}")
+        if self.ps is not None:
+            _agreed(self.job, check)   # the servers learn the verdict too
+        else:
+            check()
         weights_only = weights_only or bool(meta.get("weights_only"))
         wanted = {}
 
@@ -584,6 +667,8 @@ class Trainer:
             return p.tied_to or name
         if self.cfg.train.zero:  # this rank's shards (ZeRO 1/2: whole parameters, sharded state)
             wanted = self.dp.checkpoint_wanted(key_of, weights_only=weights_only)
+        elif self.ps is not None:  # the weights; the servers load the optimizer state
+            wanted = {f"model/{key_of(p, name)}": p.layout for name, p in self.named_parameters}
         else:
             for name, p in self.named_parameters:
                 key = key_of(p, name)
@@ -593,10 +678,10 @@ class Trainer:
         stored = meta.get("compression")
         if not weights_only:
             wanted.update(self.dp.compression_wanted(stored))
-        all_names = set().union(*self.mesh.world.all_gather_object(set(wanted)))  # every stage's tensors
+        all_names = set().union(*self.job.all_gather_object(set(wanted)))  # every stage's (and server's) tensors
         if not weights_only and stored:
             all_names |= set(stored["names"])  # loaded or not, they belong to the checkpoint
-        arrays, meta = checkpoint.load(path, wanted, self.mesh.world, all_names=all_names,
+        arrays, meta = checkpoint.load(path, wanted, self.job, all_names=all_names,
                                        only_prefix="model/" if weights_only else "")
         if not weights_only:
             self.dp.load_compression(arrays, stored)
@@ -608,9 +693,11 @@ class Trainer:
             if not weights_only:
                 self.step = int(meta["step"])
             return meta
-        if weights_only:
+        if weights_only or self.ps is not None:
             for name, p in self.named_parameters:
                 p.data[...] = backend.to_device(arrays[f"model/{p.tied_to or name}"])
+            if self.ps is not None and not weights_only:
+                self.step = int(meta["step"])
             return meta
         state: dict = {}
         for name, p in self.named_parameters:
@@ -623,6 +710,130 @@ class Trainer:
         return meta
 
 
+class ServerRank:
+    """A parameter server's rank of a run (`ps.servers`; see hpcpar/parallel/parameter_server.py):
+    its range of the model and optimizer state, and the same `train`, `save`, `load` and `step` as
+    a `Trainer`, so that the job's code treats every rank alike. Build it with `build`."""
+
+    def __init__(self, cfg: config.Config, comm):
+        self.cfg = cfg
+        t, rank = cfg.train, comm.Get_rank()
+        workers = comm.Get_size() - cfg.ps.servers
+        self.server_comm = Communicator(comm.Split(1, rank), "servers")  # collective with the workers' Split
+        self.job = Communicator(comm, "workers+servers")
+        # The model as one process builds it (decision 5: the same values as any layout's slices).
+        alone = Mesh(comm=MPI.COMM_SELF)
+        stages = pipeline.build_stages(cfg.model, alone, chunks=1, seed=t.seed)
+        init = {n: (backend.to_host(p.data), p.no_decay) for s in stages for n, p in s.named_parameters()
+                if not p.tied_to}
+        del stages
+        alone.free()
+        self.server = ParameterServer(init, self.job, self.server_comm, workers, _optimizer_factory(t),
+                                      cfg.ps.mode, cfg.ps.staleness,
+                                      lambda step: lr_at(step, t.lr, t.warmup, t.steps, t.min_lr), t.grad_clip,
+                                      t.microbatches)
+        self.step = 0
+        self.save_in_flight = None
+
+    def train(self, steps: int | None = None, *, files: bool = True, progress: bool | None = None,
+              on_step: Callable[[dict], None] | None = None, peak_flops: float | None = None) -> RunResult:
+        """Serve the workers' steps from `self.step` (collective with their `Trainer.train`, same arguments)."""
+        c, first = self.cfg, self.step
+        end = c.train.steps if steps is None else self.step + steps
+        every = c.checkpoint.every if files else 0
+
+        def at_point(step: int) -> None:
+            self.step = step
+            if every and step % every == 0:
+                self._checkpoint()
+        self.step, stopped = self.server.serve(first, end, sync_points(first, end, every, c.run.eval_every), at_point)
+        if files:
+            self._checkpoint(final=True)
+        self.job.all_gather_object(self.server.report(self.step - first))
+        return RunResult(REQUEUE_STATUS if stopped else 0, {})
+
+    def _checkpoint(self, final: bool = False) -> None:
+        self.finish_save()
+        ck = self.cfg.checkpoint
+        self.save(self.cfg.checkpoint_dir, keep=ck.keep, async_save=ck.async_save and not final)
+
+    def save(self, directory: str, keep: int, async_save: bool = False):
+        """This server's part of a checkpoint (collective with the workers' `Trainer.save`)."""
+        self.finish_save()
+        self.job.broadcast_object(self.server.optimizer.step_count, root=self.job.size - self.cfg.ps.servers)
+        result = checkpoint.save(directory, self.step, self.server.checkpoint_tensors(), {"step": self.step},
+                                 self.job, keep=keep, async_save=async_save, storage=self.cfg.checkpoint.format)
+        self.save_in_flight = result if async_save else None
+        return result
+
+    def finish_save(self) -> str | None:
+        handle, self.save_in_flight = self.save_in_flight, None
+        return handle.wait() if handle is not None else None
+
+    def load(self, path: str, weights_only: bool = False) -> dict:
+        """This server's range of a checkpoint of any layout (collective with `Trainer.load`)."""
+        _, meta = checkpoint.load(path, {}, self.job)
+        _agreed(self.job, None)
+        weights_only = weights_only or bool(meta.get("weights_only"))
+        wanted = self.server.checkpoint_wanted(weights_only)
+        all_names = set().union(*self.job.all_gather_object(set(wanted)))
+        stored = meta.get("compression")
+        if not weights_only and stored:
+            all_names |= set(stored["names"])
+        arrays, meta = checkpoint.load(path, wanted, self.job, all_names=all_names,
+                                       only_prefix="model/" if weights_only else "")
+        self.server.load_checkpoint(arrays, None if weights_only else int(meta["optimizer_step"]))
+        if not weights_only:
+            self.step = int(meta["step"])
+        return meta
+
+
+def _optimizer_factory(t: config.TrainConfig) -> Callable[[list], Any]:
+    """train.optimizer's constructor over a list of objects with `.data`, `.grad`, `.no_decay`."""
+    if t.optimizer == "adamw":
+        return lambda params: AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                    weight_decay=t.weight_decay)
+    return lambda params: SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+
+def _global_shapes(named_parameters: list, world: Communicator) -> dict[str, tuple]:
+    """{global name: global shape} of every parameter of the model, gathered over the mesh."""
+    mine = {n: tuple(p.layout.global_shape) for n, p in named_parameters if not p.tied_to}
+    shapes: dict[str, tuple] = {}
+    for part in world.all_gather_object(mine):
+        shapes.update(part)
+    return shapes
+
+
+def _agreed(job: Communicator, check: Callable[[], None] | None) -> None:
+    """Run `check` (None: nothing to check on this rank) and raise its error on every rank of
+    `job` when it failed on any: ranks that cannot check themselves (parameter servers) learn the verdict."""
+    error = None
+    if check is not None:
+        try:
+            check()
+        except HpcparError as err:
+            error = err
+    errors = [e for e in job.all_gather_object(error) if e is not None]
+    if errors:
+        raise errors[0]
+
+
+def _server_report(reports: list, steps: int) -> dict:
+    """The summary's "ps" entry from every rank's report (workers give None): per server its range,
+    bytes in and out per step, and the staleness of every applied push, summarised."""
+    servers = [r for r in reports if r is not None]
+    stale = [s for r in servers[:1] for s in r["staleness"]]   # server 0 saw every push
+    per_step = max(steps, 1)
+    hist: dict[str, int] = {}
+    for s in stale:
+        hist[str(s)] = hist.get(str(s), 0) + 1
+    return {"servers": [{"rank": r["rank"], "range": r["range"], "bytes_in_per_step": r["bytes_in"] / per_step,
+                         "bytes_out_per_step": r["bytes_out"] / per_step} for r in servers],
+            "staleness_max": max(stale, default=0), "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+            "staleness_histogram": hist, "pushes_applied": len(stale)}
+
+
 # ----------------------------------------------------------------------------------------
 # hpcpar train
 # ----------------------------------------------------------------------------------------
@@ -633,18 +844,18 @@ def main(config_path: str | None, overrides: list) -> int:
     _setup_logging(world.rank)
     cfg = elastic_batch(config.load_config(config_path, overrides), world.Get_size(),
                         config.given_keys(config_path, overrides))
-    trainer = Trainer(cfg, world, available_memory_bytes=_agreed_memory_per_rank(world))
-    cfg, mesh = trainer.cfg, trainer.mesh  # cfg: validated, mesh resolved
+    trainer = build(cfg, world, available_memory_bytes=_agreed_memory_per_rank(world))
+    cfg, job = trainer.cfg, trainer.job  # cfg: validated, mesh resolved; job: every rank
     watchdog.set_timeout(cfg.run.timeout)
     watchdog.set_check_every(cfg.run.debug_check_every)
     preemption.install()
-    _prepare_run_dir(cfg, mesh.world)
-    _log_ranks(cfg, mesh.world)
+    _prepare_run_dir(cfg, job)
+    _log_ranks(cfg, job)
     _resume(trainer)
     result = trainer.train()
-    if cfg.pipeline.trace:
-        trainer.tracer.write_chrome_trace(os.path.join(cfg.run.dir, "trace.json"), mesh.world)
-    if mesh.world.rank == 0:
+    if cfg.pipeline.trace and isinstance(trainer, Trainer):   # the workers' pipeline timeline
+        trainer.tracer.write_chrome_trace(os.path.join(cfg.run.dir, "trace.json"), trainer.mesh.world)
+    if job.rank == 0:
         with open(os.path.join(cfg.run.dir, "summary.json"), "w") as f:
             json.dump(result.summary, f, indent=2, sort_keys=True)
         log.info("%s", _format_summary(result.summary))
@@ -672,7 +883,7 @@ def elastic_batch(cfg: config.Config, world_size: int, given: set[str]) -> confi
     _, meta = checkpoint.load(path, {}, Communicator.local())
     saved = config.loads(meta["config"], origin=f"config stored in {path}")
     batch = saved.mesh.dp * saved.train.micro_batch_size * saved.train.microbatches
-    dp = resolve_degrees(world_size, m.dp, m.tp, m.pp, m.cp)[0]
+    dp = resolve_degrees(world_size - cfg.ps.servers, m.dp, m.tp, m.pp, m.cp)[0]
     if dp * t.micro_batch_size * t.microbatches == batch:
         return cfg
     if batch % dp:
@@ -721,14 +932,20 @@ def _prepare_run_dir(cfg: config.Config, world: Communicator) -> None:
 
 
 def _log_ranks(cfg: config.Config, world: Communicator) -> None:
-    """Write <run.dir>/ranks.json (rank -> host, pid) and log it for small jobs: a launcher that
-    reports a dead process by its PID (MPICH's hydra after a SIGKILL) then tells which rank died."""
+    """Write <run.dir>/ranks.json (rank -> host, pid, role: worker or parameter server) and log it
+    for small jobs: a launcher that reports a dead process by its PID (MPICH's hydra after a
+    SIGKILL) then tells which rank died, and what it was."""
     where = world.all_gather_object((socket.gethostname(), os.getpid()))  # once, at startup
+    first_server = len(where) - cfg.ps.servers
+
+    def role(r: int) -> str:
+        return "server" if r >= first_server else "worker"
     if world.rank == 0:
         with open(os.path.join(cfg.run.dir, "ranks.json"), "w") as f:
-            json.dump({str(r): {"host": h, "pid": p} for r, (h, p) in enumerate(where)}, f, indent=1)
+            json.dump({str(r): {"host": h, "pid": p, "role": role(r)} for r, (h, p) in enumerate(where)}, f, indent=1)
         if 1 < len(where) <= 16:
-            log.info("ranks (rank:pid@host): %s", ", ".join(f"{r}:{p}@{h}" for r, (h, p) in enumerate(where)))
+            log.info("ranks (rank:pid@host%s): %s", ", s = parameter server" if cfg.ps.servers else "",
+                     ", ".join(f"{r}:{p}@{h}{'(s)' if role(r) == 'server' else ''}" for r, (h, p) in enumerate(where)))
 
 
 def _resume(trainer: Trainer) -> None:
@@ -807,6 +1024,27 @@ def _moe_text(moe: dict) -> str:
             f" | dropped {moe['moe_dropped_fraction']:.1%}")
 
 
+def _ps_text(cfg: config.Config) -> str:
+    """", parameter server: 2 servers, synchronous" (or "SSP k=2", "async"); "" without servers."""
+    ps = cfg.ps
+    if not ps.servers:
+        return ""
+    mode = "async" if ps.mode == "async" else f"SSP k={ps.staleness}" if ps.staleness else "synchronous"
+    return f", parameter server: {ps.servers} server(s), {mode}"
+
+
+def _ps_line(s: dict) -> list[str]:
+    """The summary's parameter-server line ([] without servers)."""
+    ps = s.get("ps")
+    if not ps:
+        return []
+    mib = 2 ** 20
+    per = "; ".join(f"rank {v['rank']} [{v['range'][0]}, {v['range'][1]}) in {v['bytes_in_per_step'] / mib:.2f} / "
+                    f"out {v['bytes_out_per_step'] / mib:.2f} MiB per step" for v in ps["servers"])
+    return [f"parameter server {per}; staleness max {ps['staleness_max']}, mean {ps['staleness_mean']:.2f} "
+            f"over {ps['pushes_applied']} pushes"]
+
+
 def _format_summary(s: dict) -> str:
     """The summary as printed at the end of `hpcpar train`."""
     mem = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
@@ -827,6 +1065,7 @@ def _format_summary(s: dict) -> str:
         + (f", zero={s['zero']}" if s.get("zero") else "")
         + f", schedule {s['schedule']}, {s['microbatches']} micro-batches",
         _traffic_line(s),
+        *_ps_line(s),
         *([f"precision        {s['precision']}: activations {s['activation_dtype']}, masters and optimizer state "
            "in model.dtype"
            + (f"; loss scale {s['loss_scale']:g}, {s['overflow_steps']} overflow step(s) skipped"

@@ -29,7 +29,7 @@ LAYERS = [
      "nn.context_parallel", "nn.moe"},
     {"parallel", "parallel.schedule", "parallel.pipeline", "parallel.buckets", "parallel.compression",
      "parallel.powersgd", "parallel.compression_state", "parallel.zero", "parallel.fsdp", "parallel.clipping",
-     "parallel.data_parallel", "parallel.experts", "optim", "loss_scale", "checkpoint"},
+     "parallel.data_parallel", "parallel.experts", "parallel.parameter_server", "optim", "loss_scale", "checkpoint"},
     {"config", "train", "generate", "evaluate", "huggingface", "plan"},
     {"cli", "__main__"},
 ]

@@ -60,6 +60,26 @@ BAD = [
     (["run.eval_batches=0"], 1, "run.eval_batches=0 is invalid: must be >= 1"),
     (["run.timeout=0"], 1, "run.timeout=0.0 is invalid: must be > 0 seconds"),
     (["run.debug_check_every=-2"], 1, "run.debug_check_every=-2 is invalid"),
+    (["run.debug_slow_factor=0.5"], 1, "run.debug_slow_factor=0.5 is invalid: must be >= 1 (1 = off)"),
+    (["run.debug_slow_ranks=\"1;2\""], 4,
+     'run.debug_slow_ranks="1;2" is not a comma-separated list of ranks or "random"'),
+    (["run.debug_slow_ranks=\"1,4\""], 4, "run.debug_slow_ranks names rank 4, outside the world of 4 ranks"),
+    # parameter server
+    (["ps.servers=-1"], 1, "ps.servers=-1 is invalid: must be >= 0 (0 = no parameter server)"),
+    (["ps.staleness=-1", "ps.servers=1"], 4, "ps.staleness=-1 is invalid: must be >= 0 (0 = synchronous)"),
+    (["ps.servers=4"], 4, "ps.servers=4 leaves no worker: the world has 4 ranks and the last 4 would all be "
+     "servers; use ps.servers <= 3 or launch more ranks"),
+    (["ps.staleness=2"], 4, "ps.staleness / ps.mode configure a parameter server, but ps.servers=0"),
+    (["ps.mode=sync"], 1, 'ps.mode="sync" is not one of "bounded", "async"'),
+    (["ps.servers=1", "ps.mode=async", "ps.staleness=2"], 4, 'ps.staleness=2 bounds ps.mode="bounded"'),
+    (["ps.servers=1", "mesh.dp=3", "train.zero=1"], 4, "train.zero=1 is not supported with a parameter server "
+     "(ps.servers=1): the servers already hold the only optimizer state; use train.zero=0 or ps.servers=0"),
+    (["ps.servers=1", "mesh.dp=3", "train.grad_compression=int8"], 4, 'train.grad_compression="int8" is not '
+     "supported with a parameter server"),
+    (["ps.servers=1", "mesh.cp=3"], 4, "mesh.cp=3 is not supported with a parameter server"),
+    (["ps.servers=1", "mesh.dp=3", "train.precision=bf16"], 4, 'train.precision="bf16" is not supported with a '
+     "parameter server"),
+    (["ps.servers=2", "mesh.dp=2", "mesh.dp_replicate=2", "train.zero=1"], 4, "not supported with a parameter server"),
     (["train.lr=nan"], 1, "train.lr=nan is invalid: must be a finite number"),
     (["run.timeout=inf"], 1, "run.timeout=inf is invalid: must be a finite number"),
     # fixed choices
@@ -194,6 +214,9 @@ BAD = [
 ]
 
 MESH_BAD = [
+    # a parameter server's ranks are not the mesh's: 3 workers cannot hold dp=4
+    (["ps.servers=1", "mesh.dp=4", "mesh.pp=1"], 4, "!= world size 3; choose degrees whose product is 3, or set some "
+     "to 0 (auto) (the worker ranks: the world of 4 less ps.servers=1)"),
     (["mesh.dp=2", "mesh.tp=2", "mesh.pp=2"], 4, "mesh dp=2, tp=2, pp=2: product 8 != world size 4"),
     (["mesh.dp=3"], 4, "mesh dp=3, tp=1 (auto), pp=1 (auto): product 3 != world size 4"),
     (["mesh.tp=3"], 4, "mesh tp=3 x pp=1 = 3 does not divide the world size 4; choose tp * pp in {1, 2, 4}"),

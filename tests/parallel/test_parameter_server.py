@@ -1,0 +1,88 @@
+"""Parameter-server modes on 4 ranks (3 workers, dp=3, and 1 server), driven through `Trainer.train`.
+
+Run: mpiexec -n 4 python -m pytest tests/parallel/test_parameter_server.py (skips at other sizes).
+- With a straggler (rank 1 three times slower), stale synchronous parallel keeps every applied
+  push's staleness within k (what each worker is told, and what the server recorded), async
+  applies every push, and synchronous stays at staleness 0 with the one-process losses.
+- A preemption signal on one worker stops every rank at the same step with REQUEUE_STATUS,
+  in every mode.
+(The synchronous equivalence matrix and resume run through `hpcpar train`:
+tests/launch/test_parameter_server.py.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from collective import collective_assert
+
+from hpcpar import preemption
+from hpcpar.config import load_config
+from hpcpar.train import REQUEUE_STATUS, Trainer, build
+
+WORLD = MPI.COMM_WORLD
+TINY = ["model.n_layer=2", "model.n_embd=16", "model.n_head=2", "model.block_size=8", "model.dtype=float64",
+        "train.micro_batch_size=2", "train.microbatches=2", "train.steps=8", "train.warmup=1", "train.lr=0.01",
+        "run.eval_every=0", "model.dropout=0.1", "train.grad_clip=0.5", "ps.servers=1", "mesh.dp=3",
+        "mesh.tp=1", "mesh.pp=1"]
+TOKENS = np.random.default_rng(5).integers(32, 127, 20_000).astype(np.uint8)
+
+pytestmark = pytest.mark.skipif(WORLD.size != 4, reason="3 workers and 1 server: 4 ranks")
+
+
+def run(*overrides: str, steps: int = 8, on_step=None) -> tuple[object, list]:
+    rank = build(load_config(None, TINY + list(overrides)), WORLD, tokens=TOKENS)
+    records: list = []
+
+    def record(r):
+        records.append(r)
+        if on_step:
+            on_step(r)
+    result = rank.train(steps=steps, files=False, progress=False, on_step=record, peak_flops=0.0)
+    return result, records
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", [("ps.staleness=2",), ("ps.mode=async",), ()], ids=["ssp2", "async", "sync"])
+def test_staleness_with_a_straggler(mode):
+    result, records = run(*mode, "run.debug_slow_ranks=1", "run.debug_slow_factor=3")
+    bound = 2 if mode == ("ps.staleness=2",) else 0 if not mode else None
+    problems = []
+    if WORLD.rank < 3:
+        seen = [r["staleness"] for r in records]
+        if len(seen) != 8 or (bound is not None and max(seen) > bound) or min(seen) < 0:
+            problems.append(f"rank {WORLD.rank}: staleness {seen}")
+        if WORLD.rank == 0:
+            ps = result.summary["ps"]
+            if ps["pushes_applied"] != 24 or (bound is not None and ps["staleness_max"] > bound):
+                problems.append(f"server report {ps}")
+            if not all(np.isfinite(r["loss"]) for r in records):
+                problems.append("non-finite loss")
+    if not mode and WORLD.rank == 0:
+        # Synchronous: the one-process losses (the same global batch: 3 x 2 micro-batches).
+        ref = Trainer(load_config(None, TINY + ["ps.servers=0", "mesh.dp=1", "train.microbatches=6"]),
+                      MPI.COMM_SELF, tokens=TOKENS)
+        want = [ref.train_step(s).loss for s in range(8)]
+        got = [r["loss"] for r in records]
+        if not np.allclose(got, want, rtol=1e-10, atol=0):
+            problems.append(f"synchronous losses {got} vs one process {want}")
+    collective_assert(not problems, "; ".join(problems))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", [("ps.staleness=2",), ("ps.mode=async",), ()], ids=["ssp2", "async", "sync"])
+def test_preemption_stops_every_rank_at_one_step(mode):
+    def signal_at_step_2(record):
+        if WORLD.rank == 1 and record["step"] == 2:
+            preemption._requested = True
+    try:
+        result, records = run(*mode, on_step=signal_at_step_2)
+    finally:
+        preemption._requested = False
+    stopped = WORLD.allgather((result.status, records[-1]["step"] + 1 if records else None))
+    statuses = {s for s, _ in stopped}
+    ends = {e for r, (_, e) in enumerate(stopped) if r < 3}
+    collective_assert(statuses == {REQUEUE_STATUS} and len(ends) == 1 and 3 <= ends.pop() < 8,
+                      f"(status, stop step) per rank: {stopped}")
