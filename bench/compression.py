@@ -272,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
     parser.add_argument("--warm-up", type=int, default=100,
                         help="train.compression_start_step of the top-k and PowerSGD loss runs")
-    parser.add_argument("--meet-ratio", type=float, nargs="*", default=[0.1],
+    parser.add_argument("--meet-ratio", type=float, nargs="*", default=[0.1, 0.2],
                         help="top-k: larger ratios tried against the loss criterion (within 3%% of none)")
-    parser.add_argument("--meet-rank", type=int, nargs="*", default=[8, 16],
+    parser.add_argument("--meet-rank", type=int, nargs="*", default=[8, 12, 16],
                         help="PowerSGD: larger ranks tried against the loss criterion (within 3%% of none)")
     parser.add_argument("--from-scratch", action="store_true",
                         help="also run top-k and PowerSGD with and without error feedback from the first step")
