@@ -1,13 +1,13 @@
 """Parameter-server modes on 4 ranks (3 workers, dp=3, and 1 server), driven through `Trainer.train`.
 
-Run: mpiexec -n 4 python -m pytest tests/parallel/test_parameter_server.py (skips at other sizes).
+Run: mpiexec -n 4 python -m pytest tests/parallel/test_parameter_server_modes.py (skips at other sizes).
 - With a straggler (rank 1 three times slower), stale synchronous parallel keeps every applied
   push's staleness within k (what each worker is told, and what the server recorded), async
   applies every push, and synchronous stays at staleness 0 with the one-process losses.
 - A preemption signal on one worker stops every rank at the same step with REQUEUE_STATUS,
   in every mode.
 (The synchronous equivalence matrix and resume run through `hpcpar train`:
-tests/launch/test_parameter_server.py.)
+tests/launch/test_parameter_server_cli.py.)
 """
 
 from __future__ import annotations
