@@ -99,6 +99,7 @@ def throughput(mode: str, servers: int, straggler: str, steps: int) -> dict:
         result = rank.train(steps=steps, files=False, progress=False, peak_flops=0.0)
         wall = float(job.all_reduce(np.array([time.perf_counter() - started]), op="max")[0])
         report = job.all_gather_object(result.summary.get("ps") if comm.Get_rank() == 0 else None)[0]
+        rank.free()
         tokens = WORKERS * rank.cfg.train.micro_batch_size * rank.cfg.model.block_size * steps
         return {"mode": mode, "servers": servers if mode != "allreduce" else 0, "straggler": straggler,
                 "ranks": n, "steps": steps, "wall_s": wall, "tokens_per_s": tokens / wall,
@@ -115,6 +116,7 @@ def loss_run(mode: str, straggler: str, steps: int) -> dict:
         result = rank.train(steps=steps, files=False, progress=False, peak_flops=0.0,
                             on_step=lambda r: losses.append(r["loss"]))
         job = Communicator(comm, "bench")
+        rank.free()
         return job.all_gather_object({"losses": losses, "ps": result.summary.get("ps")}
                                      if comm.Get_rank() == 0 else None)[0]
     row = on_ranks(n, work)

@@ -120,6 +120,7 @@ class Trainer:
             raise ConfigError(f"rank {comm.Get_rank()} is a parameter server (ps.servers={servers}); build it "
                               "with hpcpar.train.build")
         mesh_comm = comm.Split(0, comm.Get_rank()) if servers else comm   # collective with ServerRank's
+        self._workers_comm = mesh_comm if servers else None
         self.mesh = Mesh(dp=cfg.mesh.dp, tp=cfg.mesh.tp, pp=cfg.mesh.pp, comm=mesh_comm, cp=cfg.mesh.cp,
                          dp_replicate=cfg.mesh.dp_replicate, ep=cfg.mesh.ep)
         # Every rank of the job (workers and servers): checkpoints and parameter-server messages.
@@ -188,6 +189,12 @@ class Trainer:
                                   min_scale=t.min_loss_scale)
                        if t.precision == "fp16" else None)
         self.save_in_flight = None  # checkpoint.SaveHandle of an asynchronous save not yet committed
+
+    def free(self) -> None:
+        """Release the communicators this rank's part of the run created (collective)."""
+        self.mesh.free()
+        if self._workers_comm is not None:
+            self._workers_comm.Free()
 
     def _mesh_text(self) -> str:
         """"dp=2 x tp=1 x pp=2" (with "cp=.. (ring)" after dp under context parallelism, the dp
@@ -734,6 +741,10 @@ class ServerRank:
                                       t.microbatches)
         self.step = 0
         self.save_in_flight = None
+
+    def free(self) -> None:
+        """Release the servers' communicator (collective with the other servers)."""
+        self.server_comm.free()
 
     def train(self, steps: int | None = None, *, files: bool = True, progress: bool | None = None,
               on_step: Callable[[dict], None] | None = None, peak_flops: float | None = None) -> RunResult:
