@@ -136,6 +136,32 @@ def nccl_buffer(a) -> tuple[int, int, int]:
     return a.data.ptr, a.size, getattr(nccl, key)
 
 
+# glibc mallopt parameters (malloc.h): the mmap threshold, and the free space at the heap's top
+# that is handed back to the system.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_KEEP_BYTES = 1 << 30
+
+
+def reuse_freed_host_memory() -> bool:
+    """Ask the C allocator to keep freed host memory for the next arrays of the same size.
+
+    A training step allocates and frees the same activation arrays (megabytes each) every micro-batch.
+    By default glibc maps every allocation above 128 KiB (its adaptive threshold stops at 32 MiB)
+    with mmap and unmaps it on free, so each new array starts with page faults and zero-filling by
+    the kernel: about a fifth of a CPU step on the default model. Raising the mmap threshold and the
+    trim threshold to 1 GiB keeps those pages in the heap, where the next step's arrays reuse them
+    (resident memory stays at the step's high-water mark instead of dropping between steps). Only
+    glibc is asked (elsewhere this does nothing); returns whether it took the settings."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+
+
 def select_device(node_local_rank: int) -> None:
     """Under cupy, use GPU `node_local_rank % GPUs on this node` (one rank per GPU when they match)."""
     if _name == "cupy":

@@ -24,17 +24,19 @@ def flops_per_token(n_params_non_embedding: int, n_layer: int, n_embd: int, bloc
 
 
 def measure_gemm_flops(dtype: str = "float32", n: int = 1024, seconds: float = 0.5, xp=np,
-                       sync=lambda: None) -> float:
+                       sync=lambda: None, matmul=None) -> float:
     """This process's dense matmul rate in FLOP/s for `dtype` ([n, n] @ [n, n]) with array module
-    `xp` (NumPy; CuPy with `sync` waiting for the device, so the clock sees finished products)."""
+    `xp` (NumPy; CuPy with `sync` waiting for the device, so the clock sees finished products) and
+    `matmul` (default `a @ b`; on the CPU the engine passes the GEMM its ops use, `blas.matmul`)."""
+    matmul = matmul or (lambda x, y: x @ y)
     rng = np.random.default_rng(0)
     a = xp.asarray(rng.standard_normal((n, n)).astype(dtype))
     b = xp.asarray(rng.standard_normal((n, n)).astype(dtype))
-    a @ b  # warm-up (thread pool, caches, GPU handles)
+    matmul(a, b)  # warm-up (thread pool, caches, GPU handles)
     sync()
     reps, start = 0, time.perf_counter()
     while True:
-        a @ b
+        matmul(a, b)
         reps += 1
         sync()
         elapsed = time.perf_counter() - start

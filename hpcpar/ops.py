@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from hpcpar import kernels
+from hpcpar import blas, cpu_kernels, kernels
 from hpcpar.backend import array_module, is_device_array
 from hpcpar.precision import down, is_low, rounded, up
 from hpcpar.tensor import Tensor, enable_grad, is_grad_enabled, no_grad, weight_grad
@@ -148,53 +148,22 @@ def tanh(x: Tensor) -> Tensor:
     return Tensor.from_op(out, (x,), lambda g: (g * (1 - out * out),))
 
 
-_GELU_C = math.sqrt(2.0 / math.pi)
-
-
-def _gelu_tanh(xp, xd):
-    """t = tanh(sqrt(2/pi) (x + 0.044715 x^3)), a new array."""
-    t = xd * xd
-    t *= 0.044715
-    t += 1.0
-    t *= xd
-    t *= _GELU_C
-    xp.tanh(t, out=t)
-    return t
-
-
 def gelu(x: Tensor) -> Tensor:
     """GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Keeps t = tanh(..) for
-    backward; with 16-bit x only x itself (backward recomputes t in float32)."""
-    xp = array_module(x.data)
-    stored = x.data
-    if _fused(stored):
-        out, tanh_u = kernels.gelu_forward(stored)
-        return Tensor.from_op(out, (x,), lambda g: (kernels.gelu_backward(stored, tanh_u, g),))
-    xd = up(stored)
-    t = _gelu_tanh(xp, xd)
-    out = t + 1.0
-    out *= xd
-    out *= 0.5
-    kept = None if is_low(stored.dtype) else t
-    del t, xd
+    backward; with 16-bit x only x itself (backward recomputes t in float32). One fused kernel
+    each way: `kernels` on the GPU, `cpu_kernels` (cache-blocked NumPy) on the CPU."""
+    stored, dt = x.data, x.data.dtype
+    if is_device_array(stored):
+        out, tanh_u = kernels.gelu_forward(up(stored))
+        kept = None if is_low(dt) else tanh_u
 
-    def backward(g):
-        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2)
-        xd = up(stored)
-        t = kept if kept is not None else _gelu_tanh(xp, xd)
-        x2 = xd * xd
-        x2 *= 3 * 0.044715
-        x2 += 1.0
-        x2 *= _GELU_C
-        sech2 = 1.0 - t * t
-        sech2 *= xd
-        sech2 *= x2
-        sech2 += t
-        sech2 += 1.0
-        sech2 *= 0.5
-        sech2 *= up(g)
-        return (down(sech2, stored.dtype),)
-    return Tensor.from_op(down(out, stored.dtype), (x,), backward)
+        def backward(g):
+            xs = up(stored)
+            t = kept if kept is not None else kernels.gelu_forward(xs)[1]
+            return (down(kernels.gelu_backward(xs, t, up(g)), dt),)
+        return Tensor.from_op(down(out, dt), (x,), backward)
+    out, kept = cpu_kernels.gelu_forward(stored, keep_tanh=not is_low(dt))
+    return Tensor.from_op(out, (x,), lambda g: (cpu_kernels.gelu_backward(stored, kept, g),))
 
 
 def cast(x: Tensor, dtype) -> Tensor:
@@ -233,7 +202,9 @@ def _gemm(a, b, dt):
     the full-precision dtype without 16 bits): a 16-bit GEMM where `_gemm_in_16_bits`, else float32."""
     if _gemm_in_16_bits(a, dt):
         return (a.astype(dt, copy=False) @ b.astype(dt, copy=False)).astype(np.float32)
-    return up(a) @ up(b)
+    if is_device_array(a):
+        return up(a) @ up(b)
+    return blas.matmul(up(a), up(b))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype=None) -> Tensor:
@@ -489,55 +460,53 @@ def softmax(x: Tensor, axis: int = -1) -> Tensor:
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
     """LayerNorm over the last dim. x [..., C], weight/bias [C]. Split backward (B/W): dx in B,
     dweight = sum(g xhat) and dbias = sum(g) in W (`weight_grad`). Keeps xhat; with 16-bit x the
-    per-row mean and 1/std instead (xhat is recomputed from x in float32)."""
-    xp = array_module(x.data)
+    per-row mean and 1/std instead (xhat is recomputed from x in float32). On the CPU each pass is
+    one cache-blocked kernel (`cpu_kernels`)."""
     stored, dt = x.data, x.data.dtype
-    if _fused(stored):
+    if is_device_array(stored):
         return _layer_norm_fused(x, weight, bias, eps)
-    xd = up(stored)
-    mu = xd.mean(axis=-1, keepdims=True)
-    xhat = xd - mu
-    var = (xhat * xhat).mean(axis=-1, keepdims=True)
-    rstd = 1.0 / xp.sqrt(var + eps)
-    xhat *= rstd
-    out = xhat * rounded(weight.data, dt)
-    if bias is not None:
-        out += rounded(bias.data, dt)
-    c = stored.shape[-1]
-    kept = None if is_low(dt) else xhat
-    del xhat, xd
+    w = rounded(weight.data, dt)
+    b = rounded(bias.data, dt) if bias is not None else None
+    out, mu, rstd, kept = cpu_kernels.layer_norm_forward(stored, w, b, eps, keep_xhat=not is_low(dt))
+    del w, b
 
     def backward(g):
-        g = up(g)
-        xhat = kept if kept is not None else (up(stored) - mu) * rstd
-        g2 = g.reshape(-1, c)
-        xh2 = xhat.reshape(-1, c)
-        gw = weight_grad(lambda: (g2 * xh2).sum(axis=0)) if weight.requires_grad else None
-        gb = weight_grad(lambda: g2.sum(axis=0)) if bias is not None and bias.requires_grad else None
+        def dweight_dbias():
+            return cpu_kernels.layer_norm_backward_weight(stored, mu, rstd, kept, g, bias is not None)
+        both = [None]  # dweight and dbias come from one pass over g; the first of the two asks
+
+        def part(i):
+            if both[0] is None:
+                both[0] = dweight_dbias()
+            return both[0][i]
+        gw = weight_grad(lambda: part(0)) if weight.requires_grad else None
+        gb = weight_grad(lambda: part(1)) if bias is not None and bias.requires_grad else None
         gx = None
         if x.requires_grad:
-            gxhat = g * rounded(weight.data, dt)
-            gx = gxhat - gxhat.mean(axis=-1, keepdims=True)
-            gx -= xhat * (gxhat * xhat).mean(axis=-1, keepdims=True)
-            gx *= rstd
-            gx = down(gx, dt)
+            gx = cpu_kernels.layer_norm_backward_input(stored, rounded(weight.data, dt), mu, rstd, kept, g)
         return gx, gw, gb
-    return Tensor.from_op(down(out, dt), (x, weight, bias), backward)
+    return Tensor.from_op(out, (x, weight, bias), backward)
 
 
 def _layer_norm_fused(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
-    """layer_norm on the GPU: one kernel per pass; saves per-row mean and 1/std, not xhat."""
+    """layer_norm on the GPU: one kernel per pass; saves per-row mean and 1/std, not xhat. 16-bit x
+    goes through the kernels in float32 (taken up again in backward) and comes out rounded once."""
     xp = array_module(x.data)
-    xd = xp.ascontiguousarray(x.data)
-    out, mu, rstd = kernels.layer_norm_forward(xd, weight.data, None if bias is None else bias.data, eps)
-    c = xd.shape[-1]
+    stored, dt = x.data, x.data.dtype
+
+    def rows():
+        return xp.ascontiguousarray(up(stored))
+    out, mu, rstd = kernels.layer_norm_forward(rows(), rounded(weight.data, dt),
+                                               None if bias is None else rounded(bias.data, dt), eps)
+    c = stored.shape[-1]
 
     def backward(g):
-        gx, g_xhat = kernels.layer_norm_backward(xd, weight.data, mu, rstd, xp.ascontiguousarray(g))
+        g = xp.ascontiguousarray(up(g))
+        gx, g_xhat = kernels.layer_norm_backward(rows(), rounded(weight.data, dt), mu, rstd, g)
         gw = weight_grad(lambda: _sum_rows(g_xhat)) if weight.requires_grad else None
         gb = weight_grad(lambda: _sum_rows(g.reshape(-1, c))) if bias is not None and bias.requires_grad else None
-        return (gx if x.requires_grad else None), gw, gb
-    return Tensor.from_op(out, (x, weight, bias), backward)
+        return (down(gx, dt) if x.requires_grad else None), gw, gb
+    return Tensor.from_op(down(out, dt), (x, weight, bias), backward)
 
 
 def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
@@ -555,20 +524,14 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
     if _fused(ld):
         return _cross_entropy_fused(logits, xp.ascontiguousarray(z), t.astype(xp.int64), valid, ignore_index)
     safe_t = xp.where(valid, t, 0)
-    rows = xp.arange(z.shape[0])
-    probs = z - z.max(axis=1, keepdims=True)
-    picked = probs[rows, safe_t]
-    xp.exp(probs, out=probs)
-    total = probs.sum(axis=1)
+    nll, probs, total = cpu_kernels.cross_entropy_forward(z, safe_t, valid)
     # Kept as an array (no device-to-host sync on GPU).
     count = xp.maximum(valid.sum(), 1).astype(ld.dtype)
-    nll = (xp.log(total) - picked) * valid
     loss = nll.sum() / count
 
     def backward(g):
-        grad = probs / total[:, None]
-        grad[rows, safe_t] -= 1.0
-        grad *= (valid * (g / count))[:, None].astype(grad.dtype)
+        coef = (valid * (g / count)).astype(probs.dtype)
+        grad = cpu_kernels.cross_entropy_backward(probs, total, safe_t, coef)
         return (down(grad.reshape(ld.shape), logits.dtype),)
     return Tensor.from_op(loss.astype(ld.dtype), (logits,), backward)
 
@@ -587,76 +550,27 @@ def _cross_entropy_fused(logits: Tensor, z, t, valid, ignore_index: int) -> Tens
     return Tensor.from_op((nll.sum() / count).astype(z.dtype), (logits,), backward)
 
 
-_causal_bias_cache: dict = {}
-
-
-def _causal_bias(xp, t: int, dtype):
-    """[T, T] additive mask: 0 on and below the diagonal, -inf above (cached)."""
-    key = (xp.__name__, t, str(dtype))
-    bias = _causal_bias_cache.get(key)
-    if bias is None:
-        bias = xp.triu(xp.full((t, t), -xp.inf, dtype=dtype), k=1)
-        _causal_bias_cache[key] = bias
-    return bias
-
-
 def causal_attention(qkv: Tensor, n_head: int, recompute: bool = False) -> Tensor:
     """Fused causal self-attention.
 
     qkv [B, T, 3*H*D] holds q, k, v side by side (the c_attn output, rows [q; k; v]);
     returns [B, T, H*D] with heads merged. Scores, mask, softmax and the weighted sum
-    happen inside; only the [B, H, T, T] probabilities are kept for backward (on a GPU only
-    their causal part, see `_causal_attention_fused`).
+    happen inside, by blocks of queries whose keys stop at the block's causal edge (on the CPU
+    `cpu_kernels.causal_attention_forward`, on a GPU `_causal_attention_fused`); only the causal
+    blocks of the [B, H, T, T] probabilities are kept for backward.
 
     `recompute` (selective activation recomputation, Korthikanti et al. 2022): keep no
     probabilities; backward recomputes them from q and k (views of the saved qkv) with the same
     operations in the same order, so the gradients are bitwise those of `recompute=False`. This
     model has no dropout on the probabilities, so nothing else is redrawn.
     """
-    b, t, three_c = qkv.shape
-    d = three_c // 3 // n_head
-    stored, dt = qkv.data, qkv.data.dtype
-
-    def split_heads():
-        return up(stored.reshape(b, t, 3, n_head, d).transpose(2, 0, 3, 1, 4))  # [3, B, H, T, D]
-    heads = split_heads()
-    if _fused(heads):
+    stored = qkv.data
+    if is_device_array(stored):
+        b, t, three_c = qkv.shape
+        heads = up(stored.reshape(b, t, 3, n_head, three_c // 3 // n_head).transpose(2, 0, 3, 1, 4))
         return _causal_attention_fused(qkv, heads, recompute)
-    xp = array_module(stored)
-    scale = 1.0 / math.sqrt(d)
-    low = is_low(dt)
-
-    def probabilities(q, k):
-        probs = q @ k.swapaxes(-1, -2)                                     # [B, H, T, T]
-        probs *= scale
-        probs += _causal_bias(xp, t, probs.dtype)
-        probs -= probs.max(axis=-1, keepdims=True)
-        xp.exp(probs, out=probs)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        # 16-bit: P is stored (and multiplies V) rounded to 16 bits, as a 16-bit model keeps it.
-        return up(down(probs, dt)) if low else probs
-
-    probs = probabilities(heads[0], heads[1])
-    y = probs @ heads[2]                                                   # [B, H, T, D]
-    out = down(y.transpose(0, 2, 1, 3).reshape(b, t, three_c // 3), dt)
-    kept = None if recompute else down(probs, dt)
-    held = None if low else heads  # 16-bit: q, k, v are taken from the stored qkv again
-    del probs, y, heads
-
-    def backward(g):
-        q, k, v = held if held is not None else split_heads()
-        probs = up(kept) if kept is not None else probabilities(q, k)
-        gy = up(g).reshape(b, t, n_head, d).transpose(0, 2, 1, 3)          # [B, H, T, D]
-        gqkv = xp.empty((3, b, n_head, t, d), dtype=gy.dtype)
-        xp.matmul(probs.swapaxes(-1, -2), gy, out=gqkv[2])                 # dV = P^T dY
-        gs = gy @ v.swapaxes(-1, -2)                                       # dP = dY V^T
-        gs -= (gs * probs).sum(axis=-1, keepdims=True)
-        gs *= probs                                                        # dS = P (dP - rowsum(dP P))
-        gs *= scale
-        xp.matmul(gs, k, out=gqkv[0])                                      # dQ = dS K
-        xp.matmul(gs.swapaxes(-1, -2), q, out=gqkv[1])                     # dK = dS^T Q
-        return (down(gqkv.transpose(1, 3, 0, 2, 4).reshape(b, t, three_c), dt),)
-    return Tensor.from_op(out, (qkv,), backward)
+    out, saved = cpu_kernels.causal_attention_forward(stored, n_head, keep_probs=not recompute)
+    return Tensor.from_op(out, (qkv,), lambda g: (cpu_kernels.causal_attention_backward(stored, n_head, saved, g),))
 
 
 _QUERY_CHUNK = 256  # GPU attention: queries per chunk (a chunk's scores stop at its causal edge)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcpar import kernels
+from hpcpar import cpu_kernels, kernels
 from hpcpar.backend import array_module as _array_module
 from hpcpar.backend import is_device_array
 from hpcpar.errors import CheckpointError, ConfigError
@@ -121,27 +121,11 @@ class AdamW(_Optimizer):
             g = p.grad
             if g is None:
                 continue
-            xp = _array_module(p.data)
             m, v = state["exp_avg"], state["exp_avg_sq"]
             decay = 1.0 - lr * self.weight_decay if self.weight_decay and not getattr(p, "no_decay", False) else 1.0
-            if is_device_array(p.data) and kernels.supported(p.data):  # one fused kernel on the GPU
-                kernels.adamw_update(p.data, g, m, v, decay, b1, b2, self.eps, step_size, inv_bias2_sqrt)
-                continue
-            if decay != 1.0:
-                p.data *= decay
-            tmp = xp.multiply(g, g)  # the one temporary, reused below
-            tmp *= 1.0 - b2
-            v *= b2
-            v += tmp
-            xp.multiply(g, 1.0 - b1, out=tmp)
-            m *= b1
-            m += tmp
-            xp.sqrt(v, out=tmp)
-            tmp *= inv_bias2_sqrt
-            tmp += self.eps
-            xp.divide(m, tmp, out=tmp)
-            tmp *= -step_size
-            p.data += tmp
+            # One fused kernel on the GPU, a cache-blocked one on the CPU: the same arithmetic.
+            update = kernels.adamw_update if is_device_array(p.data) else cpu_kernels.adamw_update
+            update(p.data, g, m, v, decay, b1, b2, self.eps, step_size, inv_bias2_sqrt)
 
     def _hyper(self) -> dict[str, Any]:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}

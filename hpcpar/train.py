@@ -29,7 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hpcpar
-from hpcpar import backend, checkpoint, config, data, datasets, metrics, preemption, threads, tokenizer, watchdog
+from hpcpar import backend, blas, checkpoint, config, data, datasets, metrics, preemption, threads, tokenizer, watchdog
 from hpcpar.comm import Communicator
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.loss_scale import LossScaler
@@ -127,6 +127,7 @@ class Trainer:
         self.job = Communicator(comm, "workers+servers") if servers else self.mesh.world
         self.slow_ranks, self.rank_in_job, self.workers = config.slow_ranks(cfg), comm.Get_rank(), workers
         backend.select_device(self.mesh.node_comm.rank)
+        backend.reuse_freed_host_memory()  # activations are host arrays on the CPU, and staging buffers on GPUs
         self.tracer = pipeline.Tracer(enabled=cfg.pipeline.trace, rank=self.mesh.world.rank)
         # Context parallelism: this rank holds the tokens at `positions` of every sample (None: all).
         self.cp = ContextParallel(self.mesh.comm(Axis.CP), cfg.mesh.cp_impl, tracer=self.tracer)
@@ -1010,7 +1011,7 @@ def _measure_peak(mesh: Mesh, dtype: str) -> float:
             rate = gpus * metrics.measure_gemm_flops(dtype, n=4096, seconds=0.3, xp=xp, sync=backend.synchronize)
         else:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            rate = metrics.measure_gemm_flops(dtype) * cores / min(threads.blas_threads(), cores)
+            rate = metrics.measure_gemm_flops(dtype, matmul=blas.matmul) * cores / min(threads.blas_threads(), cores)
     mesh.world.ibarrier().wait()
     return float(mesh.world.all_reduce(np.array([rate]), op="sum")[0])
 

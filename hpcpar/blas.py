@@ -1,0 +1,163 @@
+"""Matrix products on the CPU: Intel MKL's GEMM through ctypes when the `mkl` package is installed,
+NumPy's matmul (OpenBLAS in NumPy's wheels) otherwise.
+
+A GPT training step on the CPU is mostly GEMMs, and at a transformer's shapes MKL's sgemm runs
+10-15 % faster than OpenBLAS's on the x86 CPUs this engine was measured on (bench/vs_torch.py;
+PyTorch's CPU wheels use MKL too). `pip install hpcpar[mkl]` brings it (a large download, hence
+optional); HPCPAR_BLAS=numpy turns it off. Both compute the same products; they add up each dot
+product in a different order, so results agree to rounding, and every rank of a job uses the same.
+
+    matmul(a, b, out=None)        a [m, k] @ b [k, n]: float32/float64 matrices, each C-ordered, a
+                                  transposed view of one, or a view with strided rows (a column block)
+    single_threaded()             called on a thread that runs GEMMs of its own (the kernel pool):
+                                  MKL gives that thread's calls one thread, not the process's count
+
+Threads: MKL takes the rank's BLAS threads (MKL_NUM_THREADS, which `threads.py` sets like
+OMP_NUM_THREADS); one thread runs MKL's sequential layer, which starts no OpenMP runtime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import math
+import os
+import sys
+
+import numpy as np
+
+from hpcpar import threads as _threads
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_MKL_THREADING_SEQUENTIAL, _MKL_THREADING_INTEL = 1, 0
+
+_lib = None            # the loaded libmkl_rt, or None
+_gemm = {}             # numpy dtype -> cblas ?gemm
+_gemm_batch = {}       # numpy dtype -> cblas ?gemm_batch_strided
+_loaded = False
+
+
+def _candidates() -> list[str]:
+    """Where pip's `mkl` wheel puts libmkl_rt (the environment's lib/), then the loader's paths."""
+    found = []
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix, os.environ.get("CONDA_PREFIX", ""))):
+        if prefix:
+            found += sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*")), reverse=True)
+    return found + ["libmkl_rt.so.2", "libmkl_rt.so"]
+
+
+def _load():
+    """libmkl_rt set up for this process (threading layer, threads), or None."""
+    global _lib, _loaded
+    if _loaded:
+        return _lib
+    _loaded = True
+    if os.environ.get("HPCPAR_BLAS", "").strip().lower() == "numpy":
+        return None
+    # Intel OpenMP's threads spin for 200 ms after each parallel GEMM by default, on the cores the
+    # elementwise kernels' threads (cpu_kernels) need next: sleep at once instead.
+    os.environ.setdefault("KMP_BLOCKTIME", "0")
+    for path in _candidates():
+        try:
+            lib = ctypes.CDLL(path)
+            lib.cblas_sgemm, lib.cblas_dgemm  # noqa: B018 - both must be there
+        except (OSError, AttributeError):
+            continue
+        n = _threads.blas_threads()
+        lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL if n == 1 else _MKL_THREADING_INTEL)
+        lib.MKL_Set_Num_Threads(ctypes.c_int(n))
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        for dtype, fn, batched, scalar in (
+                (np.float32, lib.cblas_sgemm, lib.cblas_sgemm_batch_strided, ctypes.c_float),
+                (np.float64, lib.cblas_dgemm, lib.cblas_dgemm_batch_strided, ctypes.c_double)):
+            fn.restype = batched.restype = None
+            fn.argtypes = [i, i, i, i, i, i, scalar, vp, i, vp, i, scalar, vp, i]
+            batched.argtypes = [i, i, i, i, i, i, scalar, vp, i, i, vp, i, i, scalar, vp, i, i, i]
+            _gemm[np.dtype(dtype)] = fn
+            _gemm_batch[np.dtype(dtype)] = batched
+        lib.MKL_Set_Num_Threads_Local.argtypes = [i]
+        _lib = lib
+        break
+    return _lib
+
+
+def name() -> str:
+    """The GEMM in use: "mkl" or "numpy"."""
+    return "mkl" if _load() is not None else "numpy"
+
+
+def single_threaded() -> None:
+    """This thread's GEMMs run on it alone (MKL's per-thread setting; OpenBLAS runs the small GEMMs
+    such threads issue on the caller anyway)."""
+    lib = _load()
+    if lib is not None:
+        lib.MKL_Set_Num_Threads_Local(1)
+
+
+def _operand(a) -> tuple[int, int] | None:
+    """(transpose flag, leading dimension) of a matrix (the last two dims) for a row-major GEMM,
+    or None when neither its rows nor its columns are contiguous."""
+    item = a.itemsize
+    s0, s1 = a.strides[-2:]
+    rows, cols = a.shape[-2:]
+    if (s1 == item or cols == 1) and s0 % item == 0 and s0 >= cols * item:
+        return _NO_TRANS, max(s0 // item, cols, 1)
+    if (s0 == item or rows == 1) and s1 % item == 0 and s1 >= rows * item:
+        return _TRANS, max(s1 // item, rows, 1)
+    return None
+
+
+def _batch_stride(a) -> int | None:
+    """The element stride between consecutive matrices of a stack `a` [..., m, n], its batch dims
+    flattened in C order (0 for a single matrix), or None when they do not collapse into one stride."""
+    dims = [(n, st) for n, st in zip(a.shape[:-2], a.strides[:-2]) if n != 1]
+    if not dims:
+        return 0
+    for (_, st0), (n1, st1) in zip(dims, dims[1:]):
+        if st0 != st1 * n1:
+            return None
+    step = dims[-1][1]
+    return step // a.itemsize if step >= 0 and step % a.itemsize == 0 else None
+
+
+def matmul(a, b, out=None):
+    """a @ b as np.matmul: matrices [m, k] @ [k, n], or stacks of them [..., m, k] @ [..., k, n]
+    (batch dims equal, or one operand's absent), float32/float64, each matrix C-ordered, a
+    transposed view of one, or with strided rows (a column block); `out` (optional) with unit
+    column stride. Through MKL where it is loaded, and where the batch dims do not collapse to one
+    stride, one MKL call per index of the first batch dim."""
+    dtype = a.dtype
+    fn = _gemm.get(dtype) if _load() is not None else None
+    if (fn is None or a.ndim < 2 or b.ndim < 2 or b.dtype != dtype or 0 in a.shape or 0 in b.shape
+            or a.shape[-1] != b.shape[-2] or (out is not None and out.dtype != dtype)):
+        return np.matmul(a, b, out=out)
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if batch and (a.shape[:-2] not in (batch, ()) or b.shape[:-2] not in (batch, ())):
+        return np.matmul(a, b, out=out)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    if out is None:
+        out = np.empty(batch + (m, n), dtype=dtype)
+    elif out.shape != batch + (m, n):
+        return np.matmul(a, b, out=out)
+    oa, ob, oc = _operand(a), _operand(b), _operand(out)
+    if oa is None:
+        a = np.ascontiguousarray(a)
+        oa = _operand(a)
+    if ob is None:
+        b = np.ascontiguousarray(b)
+        ob = _operand(b)
+    if oc is None or oc[0] != _NO_TRANS:
+        return np.matmul(a, b, out=out)
+    count = math.prod(batch)
+    if count == 1:
+        fn(_ROW_MAJOR, oa[0], ob[0], m, n, k, 1.0, a.ctypes.data, oa[1], b.ctypes.data, ob[1],
+           0.0, out.ctypes.data, oc[1])
+        return out
+    sa, sb, sc = _batch_stride(a), _batch_stride(b), _batch_stride(out)
+    if sa is None or sb is None or sc is None or sc == 0:
+        for i in range(batch[0]):  # (strides that do not collapse: e.g. heads of a [B, T, 3, H, D] block)
+            matmul(a[i] if a.ndim > 2 else a, b[i] if b.ndim > 2 else b, out=out[i])
+        return out
+    _gemm_batch[dtype](_ROW_MAJOR, oa[0], ob[0], m, n, k, 1.0, a.ctypes.data, oa[1], sa, b.ctypes.data, ob[1], sb,
+                       0.0, out.ctypes.data, oc[1], sc, count)
+    return out

@@ -1,0 +1,599 @@
+"""Cache-blocked NumPy kernels: the CPU twins of `kernels.py`.
+
+A chain of NumPy calls over a whole activation ([B T, 4C] floats, megabytes) streams the array
+through main memory once per call, and every call allocates a result as large. Here each chain
+runs over blocks small enough (`BLOCK_BYTES`) that all its intermediates stay in a core's L2
+cache, in scratch arrays reused from block to block and step to step, so memory sees each input
+and output about once. With more than one thread per rank (`threads.blas_threads()`, or
+`set_threads`) the blocks are shared out to a small pool of threads: NumPy releases the GIL
+inside every call, so the threads compute at once.
+
+    gelu_forward / gelu_backward            elementwise, tanh form
+    layer_norm_forward / _backward_input    rows of [N, C]; _weight: dweight, dbias
+    causal_attention_forward / _backward    per (batch group, query block), causal blocks skipped
+    cross_entropy_forward / _backward       rows of logits [N, V]
+    adamw_update                            one parameter in place, blockwise
+
+Each computes what the plain NumPy composition computes (the same operations on each element in
+the same order; tests/unit/test_cpu_kernels.py holds them to it), with 16-bit inputs (bf16/fp16
+activations, `precision.py`) taken up to float32 block by block and the results rounded once.
+Results do not depend on the thread count: blocks are cut from the shape alone, each element's
+(each row's) arithmetic is the same in whichever block it lands, and the one reduction across
+rows (LayerNorm's weight gradient) adds per-block partial sums in block order.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from hpcpar import blas
+from hpcpar import threads as _threads
+from hpcpar.precision import down, is_low, up, up_dtype
+
+# Bytes of one block's main array: several such arrays of a chain fit a 2 MiB L2 cache together
+# (measured on the default model's GELU and LayerNorm: 1.6x faster than unblocked at 128-256 KiB,
+# slower again from 1 MiB).
+BLOCK_BYTES = 192 * 1024
+# Attention: bytes of one work unit's [nb, H, T, T] scores (a group of batch rows, all heads), and
+# query rows per block. A block's keys stop at its last query (the causal edge), so the scores above
+# the diagonal blocks are never computed: 1/4 of them for T = 128, 3/8 for T = 256.
+ATTENTION_BYTES = 512 * 1024
+QUERY_BLOCK = 64
+
+_GELU_A = 0.044715
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+# -- blocks and threads ------------------------------------------------------------------------
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_threads_set: int | None = None
+_local = threading.local()
+
+
+def set_threads(n: int | None) -> None:
+    """Threads the kernels use (None: this rank's BLAS threads, `threads.blas_threads()`)."""
+    global _threads_set
+    if n is not None and n < 1:
+        raise ValueError(f"kernel threads must be >= 1, got {n}")
+    _threads_set = n
+
+
+def num_threads() -> int:
+    """The threads the kernels use now."""
+    return _threads_set if _threads_set is not None else _threads.blas_threads()
+
+
+def _run(fn, blocks: list) -> None:
+    """fn(a, e) for every (a, e) in `blocks`: on this thread, or, with several threads, each
+    thread taking a contiguous run of blocks (which block a result lands in never depends on it)."""
+    n = min(num_threads(), len(blocks))
+    if n <= 1:
+        for a, e in blocks:
+            fn(a, e)
+        return
+    global _pool, _pool_size
+    if _pool is None or _pool_size < n:
+        if _pool is not None:
+            _pool.shutdown(wait=False)
+        _pool, _pool_size = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hpcpar-kernel",
+                                               initializer=blas.single_threaded), n
+    per = -(-len(blocks) // n)
+
+    def run_part(part):
+        for a, e in part:
+            fn(a, e)
+    for future in [_pool.submit(run_part, blocks[i:i + per]) for i in range(0, len(blocks), per)]:
+        future.result()  # re-raises a block's exception here
+
+
+def _blocks(n: int, item_bytes: int, block_bytes: int = 0) -> list:
+    """[(a, e), ...] covering range(n) in pieces of about `block_bytes` (default BLOCK_BYTES) of
+    `item_bytes` each (at least one item a piece)."""
+    step = max(1, (block_bytes or BLOCK_BYTES) // max(1, item_bytes))
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def _scratch(slot: str, shape: tuple, dtype) -> np.ndarray:
+    """A per-thread scratch array for `slot`, reused while the shape and dtype stay the same."""
+    cache = getattr(_local, "cache", None)
+    if cache is None:
+        cache = _local.cache = {}
+    key = (slot, dtype)
+    buf = cache.get(key)
+    size = math.prod(shape)
+    if buf is None or buf.size < size:
+        buf = cache[key] = np.empty(max(size, 1), dtype=dtype)
+    return buf[:size].reshape(shape)
+
+
+def _flat(a) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1)
+
+
+# -- GELU ------------------------------------------------------------------------------------------
+
+def _tanh_u(xs, t) -> None:
+    """t = tanh(sqrt(2/pi) (x + 0.044715 x^3)) as ((x x 0.044715 + 1) x) sqrt(2/pi), in place in t."""
+    np.multiply(xs, xs, out=t)
+    t *= _GELU_A
+    t += 1.0
+    t *= xs
+    t *= _GELU_C
+    np.tanh(t, out=t)
+
+
+def gelu_forward(x, keep_tanh: bool = True):
+    """GELU (tanh form) of x (any shape, C-contiguous or not): (y, t) with y = 0.5 x (1 + t) in
+    x's dtype and t = tanh(..) in the compute dtype (float32 for 16-bit x) when `keep_tanh`, else None."""
+    xf = _flat(x)
+    cd = up_dtype(xf.dtype)
+    out = np.empty_like(xf)
+    kept = np.empty(xf.shape, dtype=cd) if keep_tanh else None
+    low = is_low(xf.dtype)
+
+    def block(a, e):
+        xs = up(xf[a:e])
+        t = kept[a:e] if kept is not None else _scratch("gelu_t", (e - a,), cd)
+        _tanh_u(xs, t)
+        o = _scratch("gelu_o", (e - a,), cd) if low else out[a:e]
+        np.add(t, 1.0, out=o)
+        o *= xs
+        o *= 0.5
+        if low:
+            out[a:e] = o
+    _run(block, _blocks(xf.size, cd.itemsize))
+    return out.reshape(x.shape), (kept.reshape(x.shape) if kept is not None else None)
+
+
+def gelu_backward(x, t, g):
+    """dx of gelu_forward's y: g (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 0.044715 x^2)), in x's
+    dtype; `t` the kept tanh (None: recomputed from x, as for 16-bit x)."""
+    xf, gf = _flat(x), _flat(g)
+    tf = _flat(t) if t is not None else None
+    cd = up_dtype(xf.dtype)
+    out = np.empty_like(xf)
+    low = is_low(xf.dtype)
+
+    def block(a, e):
+        n = e - a
+        xs = up(xf[a:e])
+        if tf is not None:
+            tt = tf[a:e]
+        else:
+            tt = _scratch("gelu_t", (n,), cd)
+            _tanh_u(xs, tt)
+        x2 = _scratch("gelu_x2", (n,), cd)
+        np.multiply(xs, xs, out=x2)
+        x2 *= 3 * _GELU_A
+        x2 += 1.0
+        x2 *= _GELU_C
+        s = _scratch("gelu_o", (n,), cd) if low else out[a:e]
+        np.multiply(tt, tt, out=s)
+        np.subtract(1.0, s, out=s)
+        s *= xs
+        s *= x2
+        s += tt
+        s += 1.0
+        s *= 0.5
+        s *= up(gf[a:e])
+        if low:
+            out[a:e] = s
+    _run(block, _blocks(xf.size, cd.itemsize))
+    return out.reshape(x.shape)
+
+
+# -- LayerNorm -------------------------------------------------------------------------------------
+
+def _row_mean(a, out) -> None:
+    """out [n, 1] = the mean of each row of a [n, c] (einsum's row sums: a third of the time of
+    NumPy's reduction over short rows, and each row's sum the same bits wherever the row is)."""
+    np.einsum("ij->i", a, out=out[:, 0])
+    out /= a.shape[1]
+
+
+def _row_dot_mean(a, b, out) -> None:
+    """out [n, 1] = the mean over each row of a * b (one pass, no product array)."""
+    np.einsum("ij,ij->i", a, b, out=out[:, 0])
+    out /= a.shape[1]
+
+
+def layer_norm_forward(x, w, b, eps: float, keep_xhat: bool = True):
+    """LayerNorm over the last dim of x [..., C] with weight w [C] (and bias b [C] or None), both
+    already in the compute dtype: xhat = (x - mean) / sqrt(var + eps), y = xhat w + b. Returns
+    (y in x's dtype, mean [N, 1], rstd [N, 1], xhat [N, C]): the normalised rows when `keep_xhat`
+    (mean None), else the mean (xhat None), from which backward rebuilds them."""
+    c = x.shape[-1]
+    x2 = np.ascontiguousarray(x).reshape(-1, c)
+    n = x2.shape[0]
+    cd = up_dtype(x2.dtype)
+    low = is_low(x2.dtype)
+    out = np.empty_like(x2)
+    mean = None if keep_xhat else np.empty((n, 1), dtype=cd)
+    rstd = np.empty((n, 1), dtype=cd)
+    kept = np.empty((n, c), dtype=cd) if keep_xhat else None
+
+    def block(a, e):
+        xs = up(x2[a:e])
+        mu = mean[a:e] if mean is not None else _scratch("ln_mean", (e - a, 1), cd)
+        _row_mean(xs, mu)
+        xh = kept[a:e] if kept is not None else _scratch("ln_xhat", (e - a, c), cd)
+        np.subtract(xs, mu, out=xh)
+        rs = rstd[a:e]
+        _row_dot_mean(xh, xh, rs)
+        rs += eps
+        np.sqrt(rs, out=rs)
+        np.divide(1.0, rs, out=rs)
+        xh *= rs
+        o = _scratch("ln_out", (e - a, c), cd) if low else out[a:e]
+        np.multiply(xh, w, out=o)
+        if b is not None:
+            o += b
+        if low:
+            out[a:e] = o
+    _run(block, _blocks(n, c * cd.itemsize))
+    return out.reshape(x.shape), mean, rstd, kept
+
+
+def _xhat_rows(x2, mean, rstd, kept, a, e, cd):
+    """Rows a..e of xhat: kept, or rebuilt from x as (x - mean) rstd."""
+    if kept is not None:
+        return kept[a:e]
+    xh = _scratch("ln_xhat", (e - a, x2.shape[1]), cd)
+    np.subtract(up(x2[a:e]), mean[a:e], out=xh)
+    xh *= rstd[a:e]
+    return xh
+
+
+def layer_norm_backward_input(x, w, mean, rstd, kept, g):
+    """dx of layer_norm_forward for output gradient g (x's shape): with gxhat = g w,
+    dx = (gxhat - mean(gxhat) - xhat mean(gxhat xhat)) rstd per row, in x's dtype."""
+    c = x.shape[-1]
+    x2 = np.ascontiguousarray(x).reshape(-1, c)
+    g2 = np.ascontiguousarray(g).reshape(-1, c)
+    n = x2.shape[0]
+    cd = up_dtype(x2.dtype)
+    low = is_low(x2.dtype)
+    out = np.empty((n, c), dtype=x2.dtype)
+
+    def block(a, e):
+        xh = _xhat_rows(x2, mean, rstd, kept, a, e, cd)
+        gxhat = _scratch("ln_gxhat", (e - a, c), cd)
+        np.multiply(up(g2[a:e]), w, out=gxhat)
+        m1 = _scratch("ln_m1", (e - a, 1), cd)
+        m2 = _scratch("ln_m2", (e - a, 1), cd)
+        _row_mean(gxhat, m1)
+        _row_dot_mean(gxhat, xh, m2)
+        gx = _scratch("ln_gx", (e - a, c), cd) if low else out[a:e]
+        np.subtract(gxhat, m1, out=gx)
+        np.multiply(xh, m2, out=gxhat)
+        gx -= gxhat
+        gx *= rstd[a:e]
+        if low:
+            out[a:e] = gx
+    _run(block, _blocks(n, c * cd.itemsize))
+    return out.reshape(x.shape)
+
+
+def layer_norm_backward_weight(x, mean, rstd, kept, g, bias: bool):
+    """(dweight [C], dbias [C] or None) = (sum over rows of g xhat, of g), in the compute dtype:
+    per-block column sums added in block order."""
+    c = x.shape[-1]
+    x2 = np.ascontiguousarray(x).reshape(-1, c)
+    g2 = np.ascontiguousarray(g).reshape(-1, c)
+    cd = up_dtype(x2.dtype)
+    blocks = _blocks(x2.shape[0], c * cd.itemsize)
+    dw = np.empty((len(blocks), c), dtype=cd)
+    db = np.empty((len(blocks), c), dtype=cd) if bias else None
+    index = {blk: i for i, blk in enumerate(blocks)}
+
+    def block(a, e):
+        i = index[(a, e)]
+        gs = up(g2[a:e])
+        np.einsum("ij,ij->j", gs, _xhat_rows(x2, mean, rstd, kept, a, e, cd), out=dw[i])
+        if db is not None:
+            np.einsum("ij->j", gs, out=db[i])
+    _run(block, blocks)
+    return _sum_partials(dw), (_sum_partials(db) if db is not None else None)
+
+
+def _sum_partials(parts):
+    """parts[0] + parts[1] + ... in order (a left fold, the same on every thread count)."""
+    total = parts[0].copy()
+    for p in parts[1:]:
+        total += p
+    return total
+
+
+# -- causal attention ------------------------------------------------------------------------------
+
+_causal_bias_cache: dict = {}
+
+
+def _diagonal_bias(q: int, dtype) -> np.ndarray:
+    """[q, q] additive mask of a diagonal block: 0 on and below the diagonal, -inf above."""
+    key = (q, np.dtype(dtype).str)
+    bias = _causal_bias_cache.get(key)
+    if bias is None:
+        bias = _causal_bias_cache[key] = np.triu(np.full((q, q), -np.inf, dtype=dtype), k=1)
+    return bias
+
+
+def _query_blocks(t: int) -> list:
+    return [(a, min(a + QUERY_BLOCK, t)) for a in range(0, t, QUERY_BLOCK)]
+
+
+def kept_probabilities(t: int) -> int:
+    """Elements of one head's probabilities that causal_attention_forward keeps for a sequence of
+    `t`: each query block's rows against the keys up to its causal edge (3/4 of T^2 at T = 128,
+    5/8 at 256, about half for long sequences)."""
+    return sum((e - a) * e for a, e in _query_blocks(t))
+
+
+def _heads(qkv, n_head: int):
+    """q, k, v views [B, H, T, D] of qkv [B, T, 3 H D] (rows [q; k; v] of c_attn)."""
+    b, t, three_c = qkv.shape
+    d = three_c // 3 // n_head
+    five = qkv.reshape(b, t, 3, n_head, d)
+    return tuple(five[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+
+def _batch_groups(b: int, per_batch_bytes: int) -> list:
+    """Batch rows per attention work unit: a group's [nb, H, T, T] scores about ATTENTION_BYTES."""
+    return _blocks(b, per_batch_bytes, ATTENTION_BYTES)
+
+
+class AttentionSaved:
+    """What causal_attention_forward keeps for backward.
+
+    probs: per (batch group, query block), in the order of the loops (group-major), the block's
+        exponentiated scores E = exp(S - rowmax) [nb, H, q, keys] (full precision), or its
+        probabilities P rounded to 16 bits (bf16/fp16); None when backward recomputes them.
+    rowsum: l = the row sums of E [B, H, T, 1] (full precision; None in 16 bits, where P = E / l).
+    """
+
+    __slots__ = ("probs", "rowsum")
+
+    def __init__(self, blocks: int, keep: bool):
+        self.probs: list | None = [None] * blocks if keep else None
+        self.rowsum = None
+
+
+def _exp_scores(qs, k, a: int, e: int, dt, out):
+    """The scores of queries a..e-1 against keys 0..e-1 exponentiated, into `out` [nb, H, e-a, e]:
+    E = exp(S - shift) with S = qs k^T (qs: the queries already scaled by 1/sqrt(D)) and keys past
+    each query masked out (the diagonal block). Returns l = rowsum(E) [nb, H, e-a, 1]; in 16 bits
+    `out` holds P = E / l rounded to `dt` (and back, as the GEMMs read it) and l is None.
+
+    The shift is each query's score against itself, not the row maximum: softmax is the same for
+    any shift, this one is in every row (so l >= 1: nothing underflows to an empty row), and it
+    costs no pass over the block (NumPy's row maximum over short rows is the slowest op here, 3x a
+    sum). A row whose E overflows (a score above the diagonal one by more than log(float max):
+    88 in float32) is computed again with its true maximum; each row's result depends on that
+    row alone, whichever block it is in."""
+    s = out
+    blas.matmul(qs[:, :, a:e], k[:, :, :e].swapaxes(-1, -2), out=s)
+    diagonal = s[..., a:e]
+    shift = _scratch("attn_shift", s.shape[:-1] + (1,), s.dtype)
+    shift[..., 0] = np.diagonal(diagonal, axis1=-2, axis2=-1)
+    diagonal += _diagonal_bias(e - a, s.dtype)
+    s -= shift
+    np.exp(s, out=s)
+    total = np.einsum("...j->...", s)[..., None]
+    if not np.isfinite(total).all():
+        _rescore_overflowed_rows(qs, k, a, e, s, total)
+    if not is_low(dt):
+        return total
+    s /= total
+    s[...] = up(down(s, dt))
+    return None
+
+
+def _rescore_overflowed_rows(qs, k, a: int, e: int, s, total) -> None:
+    """The rows of `s` whose row sum overflowed, again with the row maximum as the shift (in place)."""
+    bias = _diagonal_bias(e - a, s.dtype)
+    for i, h, r in zip(*np.nonzero(~np.isfinite(total[..., 0]))):
+        row = k[i, h, :e] @ qs[i, h, a + r]
+        row[a:e] += bias[r]
+        row -= row.max()
+        np.exp(row, out=row)
+        s[i, h, r] = row
+        total[i, h, r, 0] = np.einsum("j->", row)
+
+
+def _scaled_queries(q, scale: float, cd):
+    """q [nb, H, T, D] (a strided view) times 1/sqrt(D), in a scratch array of the compute dtype."""
+    qs = _scratch("attn_qs", q.shape, cd)
+    np.multiply(q, scale, out=qs)
+    return qs
+
+
+def causal_attention_forward(qkv, n_head: int, keep_probs: bool = True):
+    """Causal self-attention of qkv [B, T, 3 H D] -> (y [B, T, H D] in qkv's dtype, saved).
+
+    Per batch group and query block [a, e): E = exp(S - shift) against keys [0, e) only (the
+    diagonal block masked), y = (E V) / rowsum(E): the normalisation divides the [q, D] product,
+    never the [q, e] block, and backward needs no normalised P either (`causal_attention_backward`).
+    In 16 bits P = E / l is formed and rounded to 16 bits first, as a 16-bit model stores it.
+    `keep_probs`: keep each block's E (P) for backward; else backward recomputes them with the same
+    operations (selective recomputation: the same bits)."""
+    b, t, three_c = qkv.shape
+    c = three_c // 3
+    d = c // n_head
+    dt = qkv.dtype
+    cd = up_dtype(dt)
+    low = is_low(dt)
+    scale = 1.0 / math.sqrt(d)
+    q, k, v = _heads(qkv, n_head)
+    out = np.empty((b, t, c), dtype=dt)
+    out_heads = out.reshape(b, t, n_head, d).transpose(0, 2, 1, 3)               # [B, H, T, D] view
+    qblocks = _query_blocks(t)
+    groups = _batch_groups(b, n_head * t * t * cd.itemsize)
+    saved = AttentionSaved(len(groups) * len(qblocks), keep_probs)
+    if not low:
+        saved.rowsum = np.empty((b, n_head, t, 1), dtype=cd)
+    first = {b0: i * len(qblocks) for i, (b0, _) in enumerate(groups)}
+
+    def group(b0, b1):
+        qs, kg, vg = _scaled_queries(q[b0:b1], scale, cd), up(k[b0:b1]), up(v[b0:b1])
+        for j, (a, e) in enumerate(qblocks):
+            shape = (b1 - b0, n_head, e - a, e)
+            p = np.empty(shape, dtype=cd) if keep_probs else _scratch("attn_p", shape, cd)
+            total = _exp_scores(qs, kg, a, e, dt, p)
+            y = _scratch("attn_y", (b1 - b0, n_head, e - a, d), cd)
+            blas.matmul(p, vg[:, :, :e], out=y)
+            if total is None:                                                  # 16 bits: P is normalised
+                out_heads[b0:b1, :, a:e] = y
+            else:
+                np.divide(y, total, out=out_heads[b0:b1, :, a:e])
+                saved.rowsum[b0:b1, :, a:e] = total
+            if keep_probs:
+                saved.probs[first[b0] + j] = down(p, dt)
+    _run(group, groups)
+    return out, saved
+
+
+def causal_attention_backward(qkv, n_head: int, saved: AttentionSaved, g):
+    """dqkv [B, T, 3 H D] (qkv's dtype) of causal_attention_forward for dy = g [B, T, H D].
+
+    With P = E / l, dP = dY V^T and delta = rowsum(dP P): dS = P (dP - delta) = E (dP' - delta')
+    for dY' = dY / l, dP' = dY' V^T and delta' = rowsum(dP' E) / l, so per block dV += E^T dY', dS
+    as above, dQ = dS K / sqrt(D), dK += dS^T Q / sqrt(D); no [q, e] division anywhere. In 16 bits
+    (l = 1, E = the rounded P) these are the textbook formulas.
+    The query blocks run last to first: the last one sees every key, so it writes the dK and dV
+    accumulators of its group whole and the others add to their leading rows."""
+    b, t, three_c = qkv.shape
+    c = three_c // 3
+    d = c // n_head
+    dt = qkv.dtype
+    cd = up_dtype(dt)
+    scale = 1.0 / math.sqrt(d)
+    q, k, v = _heads(qkv, n_head)
+    grad = np.empty((b, t, 3 * c), dtype=dt)
+    gq, gk, gv = _heads(grad, n_head)
+    g_heads = g.reshape(b, t, n_head, d).transpose(0, 2, 1, 3)                    # [B, H, T, D] view
+    qblocks = list(enumerate(_query_blocks(t)))[::-1]
+    groups = _batch_groups(b, n_head * t * t * cd.itemsize)
+    first = {b0: i * len(qblocks) for i, (b0, _) in enumerate(groups)}
+
+    def group(b0, b1):
+        nb = b1 - b0
+        qg, kg, vg = up(q[b0:b1]), up(k[b0:b1]), up(v[b0:b1])
+        qs = _scaled_queries(q[b0:b1], scale, cd) if saved.probs is None else None
+        gy = _scratch("attn_gy", (nb, n_head, t, d), cd)                        # dY' = dY / l
+        dk, dv = _scratch("attn_dk", gy.shape, cd), _scratch("attn_dv", gy.shape, cd)
+        rowsum = saved.rowsum[b0:b1] if saved.rowsum is not None else None
+        if rowsum is not None:
+            np.divide(up(g_heads[b0:b1]), rowsum, out=gy)
+        else:
+            gy[...] = up(g_heads[b0:b1])
+        for j, (a, e) in qblocks:
+            if saved.probs is not None:
+                p = up(saved.probs[first[b0] + j])
+            else:
+                p = _scratch("attn_p", (nb, n_head, e - a, e), cd)
+                _exp_scores(qs, kg, a, e, dt, p)
+            gya = gy[:, :, a:e]
+            whole = e == t                                                     # the first block here
+            part = dv if whole else _scratch("attn_part", (nb, n_head, e, d), cd)
+            blas.matmul(p.swapaxes(-1, -2), gya, out=part)                       # dV[:e] += E^T dY'
+            if not whole:
+                dv[:, :, :e] += part
+            gs = _scratch("attn_gs", (nb, n_head, e - a, e), cd)
+            blas.matmul(gya, vg[:, :, :e].swapaxes(-1, -2), out=gs)              # dY' V^T
+            # delta' = rowsum(dP' E) / l, taken from the block itself (not as rowsum(dY y)): the
+            # row sums of dS then cancel to rounding, as they must (softmax ignores a shift; the
+            # key bias's gradient is zero).
+            delta = np.einsum("...j,...j->...", gs, p)[..., None]
+            if rowsum is not None:
+                delta /= rowsum[:, :, a:e]
+            gs -= delta
+            gs *= p                                                            # dS (unscaled)
+            dq = _scratch("attn_dq", (nb, n_head, e - a, d), cd)
+            blas.matmul(gs, kg[:, :, :e], out=dq)
+            dq *= scale
+            gq[b0:b1, :, a:e] = dq                                             # dQ = dS K / sqrt(D)
+            part = dk if whole else part
+            blas.matmul(gs.swapaxes(-1, -2), qg[:, :, a:e], out=part)            # dK[:e] += dS^T Q
+            if not whole:
+                dk[:, :, :e] += part
+        dk *= scale
+        gk[b0:b1] = dk                                                         # (rounded once in 16 bits)
+        gv[b0:b1] = dv
+    _run(group, groups)
+    return grad
+
+
+# -- cross-entropy ---------------------------------------------------------------------------------
+
+def cross_entropy_forward(z, t, valid):
+    """Logits z [N, V] (compute dtype), targets t int [N] (ignored rows already 0), valid bool [N]
+    -> (nll [N] (0 on ignored rows), probs [N, V] = exp(z - rowmax), total [N] = their row sums)."""
+    n, vocab = z.shape
+    probs = np.empty_like(z)
+    total = np.empty(n, dtype=z.dtype)
+    picked = np.empty(n, dtype=z.dtype)
+
+    def block(a, e):
+        p = probs[a:e]
+        np.subtract(z[a:e], z[a:e].max(axis=1, keepdims=True), out=p)
+        picked[a:e] = p[np.arange(e - a), t[a:e]]
+        np.exp(p, out=p)
+        np.sum(p, axis=1, out=total[a:e])
+    _run(block, _blocks(n, vocab * z.itemsize))
+    nll = np.log(total)
+    nll -= picked
+    nll *= valid
+    return nll, probs, total
+
+
+def cross_entropy_backward(probs, total, t, coef):
+    """dz = (probs / total - onehot(t)) coef[:, None], computed in place in `probs` (which the
+    forward's graph no longer needs); coef [N] = valid * g / count."""
+    n, vocab = probs.shape
+
+    def block(a, e):
+        p = probs[a:e]
+        p /= total[a:e, None]
+        p[np.arange(e - a), t[a:e]] -= 1.0
+        p *= coef[a:e, None]
+    _run(block, _blocks(n, vocab * probs.itemsize))
+    return probs
+
+
+# -- AdamW -----------------------------------------------------------------------------------------
+
+def adamw_update(p, g, m, v, decay: float, b1: float, b2: float, eps: float, step_size: float,
+                 inv_bias2_sqrt: float) -> None:
+    """One AdamW step of one parameter in place (p, m, v; C-contiguous, same shape), in the order of
+    `optim.AdamW.step`: decay, the moments, then p -= step_size m / (sqrt(v) inv_bias2_sqrt + eps)."""
+    arrays = (p, g, m, v)
+    if not all(a.flags.c_contiguous for a in arrays):  # (a strided view: one block, in place as it is)
+        _adamw_block(*arrays, decay, b1, b2, eps, step_size, inv_bias2_sqrt)
+        return
+    pf, gf, mf, vf = (a.reshape(-1) for a in arrays)
+    _run(lambda a, e: _adamw_block(pf[a:e], gf[a:e], mf[a:e], vf[a:e], decay, b1, b2, eps, step_size,
+                                   inv_bias2_sqrt), _blocks(pf.size, 4 * pf.itemsize))
+
+
+def _adamw_block(pp, gg, mm, vv, decay, b1, b2, eps, step_size, inv_bias2_sqrt) -> None:
+    if decay != 1.0:
+        pp *= decay
+    tmp = _scratch("adam_tmp", gg.shape, pp.dtype)
+    np.multiply(gg, gg, out=tmp)
+    tmp *= 1.0 - b2
+    vv *= b2
+    vv += tmp
+    np.multiply(gg, 1.0 - b1, out=tmp)
+    mm *= b1
+    mm += tmp
+    np.sqrt(vv, out=tmp)
+    tmp *= inv_bias2_sqrt
+    tmp += eps
+    np.divide(mm, tmp, out=tmp)
+    tmp *= -step_size
+    pp += tmp

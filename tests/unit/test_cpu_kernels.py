@@ -1,0 +1,278 @@
+"""The cache-blocked CPU kernels (hpcpar/cpu_kernels.py) against the plain NumPy formulas.
+
+Elementwise and row-wise results must be bitwise those of the unblocked composition (same
+operations on each element in the same order), whatever the block size and the thread count; the
+attention against a dense [T, T] softmax reference (1e-12 in float64: its sums run over fewer
+keys); and a row's result must not depend on which other rows, heads or samples share the call
+(what lets every mesh reproduce the single-process model).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hpcpar import cpu_kernels as ck
+from hpcpar.precision import down, up
+
+RNG = np.random.default_rng(7)
+
+
+@pytest.fixture(params=[(1, None), (3, 4096)], ids=["1-thread", "3-threads-small-blocks"])
+def blocking(request, monkeypatch):
+    """Run each test with one thread and default blocks, and with three threads and tiny blocks."""
+    threads, block = request.param
+    ck.set_threads(threads)
+    if block:
+        monkeypatch.setattr(ck, "BLOCK_BYTES", block)
+        monkeypatch.setattr(ck, "ATTENTION_BYTES", block)
+    yield threads
+    ck.set_threads(None)
+
+
+C_GELU = math.sqrt(2.0 / math.pi)
+
+
+def gelu_reference(x):
+    t = x * x
+    t *= 0.044715
+    t += 1.0
+    t *= x
+    t *= C_GELU
+    np.tanh(t, out=t)
+    y = t + 1.0
+    y *= x
+    y *= 0.5
+    return y, t
+
+
+def gelu_grad_reference(x, t, g):
+    x2 = x * x
+    x2 *= 3 * 0.044715
+    x2 += 1.0
+    x2 *= C_GELU
+    s = 1.0 - t * t
+    s *= x
+    s *= x2
+    s += t
+    s += 1.0
+    s *= 0.5
+    s *= g
+    return s
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gelu_is_bitwise_the_plain_formula(blocking, dtype):
+    x = RNG.standard_normal((5, 37, 24)).astype(dtype)
+    g = RNG.standard_normal(x.shape).astype(dtype)
+    y, t = ck.gelu_forward(x)
+    ry, rt = gelu_reference(x)
+    assert y.dtype == dtype and np.array_equal(y, ry) and np.array_equal(t, rt)
+    assert np.array_equal(ck.gelu_backward(x, t, g), gelu_grad_reference(x, rt, g))
+    assert np.array_equal(ck.gelu_backward(x, None, g), gelu_grad_reference(x, rt, g))  # t recomputed
+
+
+def test_gelu_in_16_bits_computes_in_float32_and_rounds_once(blocking):
+    x = down(RNG.standard_normal((7, 33)).astype(np.float32), np.dtype("bfloat16"))
+    g = down(RNG.standard_normal(x.shape).astype(np.float32), np.dtype("bfloat16"))
+    y, t = ck.gelu_forward(x, keep_tanh=False)
+    ry, rt = gelu_reference(up(x))
+    assert t is None and y.dtype == x.dtype and np.array_equal(y, down(ry, x.dtype))
+    assert np.array_equal(ck.gelu_backward(x, None, g), down(gelu_grad_reference(up(x), rt, up(g)), x.dtype))
+
+
+def row_mean(a, b=None):
+    """Row means as the kernels take them: einsum's row sums (of a, or of a * b) over the count."""
+    c = a.shape[-1]
+    s = np.einsum("...j->...", a) if b is None else np.einsum("...j,...j->...", a, b)
+    return s[..., None] / c
+
+
+def layer_norm_reference(x, w, b, eps):
+    mu = row_mean(x)
+    xhat = x - mu
+    var = row_mean(xhat, xhat)
+    rstd = 1.0 / np.sqrt(var + eps)
+    xhat *= rstd
+    out = xhat * w
+    out += b
+    return out, xhat, rstd
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_layer_norm_is_bitwise_the_plain_formula(blocking, dtype):
+    x = (RNG.standard_normal((3, 41, 16)) * 3 + 1).astype(dtype)
+    w, b = RNG.standard_normal(16).astype(dtype), RNG.standard_normal(16).astype(dtype)
+    g = RNG.standard_normal(x.shape).astype(dtype)
+    y, mean, rstd, xhat = ck.layer_norm_forward(x, w, b, 1e-5)
+    ry, rxhat, rrstd = layer_norm_reference(x, w, b, 1e-5)
+    assert mean is None and np.array_equal(y, ry) and np.array_equal(xhat.reshape(x.shape), rxhat)
+    assert np.array_equal(rstd.reshape(rrstd.shape), rrstd)
+    gxhat = g * w
+    rgx = gxhat - row_mean(gxhat)
+    rgx -= rxhat * row_mean(gxhat, rxhat)
+    rgx *= rrstd
+    assert np.array_equal(ck.layer_norm_backward_input(x, w, mean, rstd, xhat, g), rgx)
+    dw, db = ck.layer_norm_backward_weight(x, mean, rstd, xhat, g, bias=True)
+    rows = (g * rxhat).reshape(-1, 16)
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    np.testing.assert_allclose(dw, rows.sum(axis=0), rtol=tol, atol=tol)
+    np.testing.assert_allclose(db, g.reshape(-1, 16).sum(axis=0), rtol=tol, atol=tol)
+
+
+def test_layer_norm_rows_do_not_depend_on_their_neighbours():
+    x, g = RNG.standard_normal((37, 24)), RNG.standard_normal((37, 24))
+    w, b = RNG.standard_normal(24), RNG.standard_normal(24)
+    y, mean, rstd, xhat = ck.layer_norm_forward(x, w, b, 1e-5)
+    gx = ck.layer_norm_backward_input(x, w, mean, rstd, xhat, g)
+    for rows in (slice(5, 6), slice(10, 31)):
+        y1, m1, r1, xh1 = ck.layer_norm_forward(x[rows], w, b, 1e-5)
+        assert np.array_equal(y1, y[rows])
+        assert np.array_equal(ck.layer_norm_backward_input(x[rows], w, m1, r1, xh1, g[rows]), gx[rows])
+
+
+def test_layer_norm_weight_gradient_does_not_depend_on_threads(monkeypatch):
+    x, g = RNG.standard_normal((300, 8)), RNG.standard_normal((300, 8))
+    monkeypatch.setattr(ck, "BLOCK_BYTES", 256)
+    results = []
+    for threads in (1, 2, 5):
+        ck.set_threads(threads)
+        _, mean, rstd, xhat = ck.layer_norm_forward(x, np.ones(8), None, 1e-5)
+        results.append(ck.layer_norm_backward_weight(x, mean, rstd, xhat, g, bias=True))
+    ck.set_threads(None)
+    assert all(np.array_equal(r[0], results[0][0]) and np.array_equal(r[1], results[0][1]) for r in results)
+
+
+def test_layer_norm_in_16_bits_keeps_the_statistics_and_rebuilds_xhat(blocking):
+    x = down((RNG.standard_normal((9, 16)) * 2).astype(np.float32), np.dtype("float16"))
+    w, b = RNG.standard_normal(16).astype(np.float32), RNG.standard_normal(16).astype(np.float32)
+    g = down(RNG.standard_normal(x.shape).astype(np.float32), np.dtype("float16"))
+    y, mean, rstd, xhat = ck.layer_norm_forward(x, w, b, 1e-5, keep_xhat=False)
+    ry, rxhat, _ = layer_norm_reference(up(x), w, b, 1e-5)
+    assert xhat is None and mean is not None and np.array_equal(y, down(ry, x.dtype))
+    full = ck.layer_norm_backward_input(up(x), w, None, *ck.layer_norm_forward(up(x), w, b, 1e-5)[2:], up(g))
+    assert np.array_equal(ck.layer_norm_backward_input(x, w, mean, rstd, None, g), down(full, x.dtype))
+
+
+def attention_reference(qkv, n_head):
+    """Dense causal attention in float64 and its gradient function (the textbook formulas)."""
+    b, t, three_c = qkv.shape
+    d = three_c // 3 // n_head
+    q, k, v = qkv.reshape(b, t, 3, n_head, d).transpose(2, 0, 3, 1, 4)
+    s = q @ k.swapaxes(-1, -2) / math.sqrt(d) + np.triu(np.full((t, t), -np.inf), k=1)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    y = p @ v
+
+    def grad(gy):
+        gy = gy.reshape(b, t, n_head, d).transpose(0, 2, 1, 3)
+        dv = p.swapaxes(-1, -2) @ gy
+        dp = gy @ v.swapaxes(-1, -2)
+        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True)) / math.sqrt(d)
+        dq, dk = ds @ k, ds.swapaxes(-1, -2) @ q
+        return np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(b, t, three_c)
+    return y.transpose(0, 2, 1, 3).reshape(b, t, n_head * d), grad
+
+
+@pytest.mark.parametrize("t", [1, 5, 64, 130])
+def test_attention_equals_the_dense_reference(blocking, t):
+    qkv = RNG.standard_normal((3, t, 3 * 4 * 6))
+    g = RNG.standard_normal((3, t, 4 * 6))
+    y, saved = ck.causal_attention_forward(qkv, 4)
+    ry, rgrad = attention_reference(qkv, 4)
+    np.testing.assert_allclose(y, ry, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ck.causal_attention_backward(qkv, 4, saved, g), rgrad(g), rtol=1e-11, atol=1e-12)
+
+
+def test_attention_rows_do_not_depend_on_their_batch_or_heads_or_threads():
+    """A sample's and a head's results are the same bits alone or among others (dp, tp, threads)."""
+    qkv = RNG.standard_normal((5, 130, 3 * 4 * 8))
+    g = RNG.standard_normal((5, 130, 4 * 8))
+    y, saved = ck.causal_attention_forward(qkv, 4)
+    grad = ck.causal_attention_backward(qkv, 4, saved, g)
+    alone = qkv[3:4]
+    y1, saved1 = ck.causal_attention_forward(alone, 4)
+    assert np.array_equal(y1, y[3:4])
+    assert np.array_equal(ck.causal_attention_backward(alone, 4, saved1, g[3:4]), grad[3:4])
+    # Heads 2..3 alone (a tensor-parallel rank's share): c_attn's per-head blocks of q, k and v.
+    heads = qkv.reshape(5, 130, 3, 4, 8)[:, :, :, 2:].reshape(5, 130, 3 * 2 * 8)
+    yh, savedh = ck.causal_attention_forward(heads, 2)
+    assert np.array_equal(yh, y.reshape(5, 130, 4, 8)[:, :, 2:].reshape(5, 130, 16))
+    gh = ck.causal_attention_backward(heads, 2, savedh, g.reshape(5, 130, 4, 8)[:, :, 2:].reshape(5, 130, 16))
+    assert np.array_equal(gh, grad.reshape(5, 130, 3, 4, 8)[:, :, :, 2:].reshape(5, 130, 48))
+    ck.set_threads(3)
+    try:
+        y3, saved3 = ck.causal_attention_forward(qkv, 4)
+        assert np.array_equal(y3, y) and np.array_equal(ck.causal_attention_backward(qkv, 4, saved3, g), grad)
+    finally:
+        ck.set_threads(None)
+
+
+def test_attention_recomputed_probabilities_give_the_same_bits(blocking):
+    qkv = RNG.standard_normal((2, 70, 3 * 2 * 4)).astype(np.float32)
+    g = RNG.standard_normal((2, 70, 8)).astype(np.float32)
+    kept = ck.causal_attention_forward(qkv, 2, keep_probs=True)
+    again = ck.causal_attention_forward(qkv, 2, keep_probs=False)
+    assert np.array_equal(kept[0], again[0]) and again[1].probs is None
+    assert np.array_equal(ck.causal_attention_backward(qkv, 2, kept[1], g),
+                          ck.causal_attention_backward(qkv, 2, again[1], g))
+
+
+def test_attention_in_16_bits_tracks_float32(blocking):
+    qkv32 = RNG.standard_normal((2, 66, 3 * 2 * 8)).astype(np.float32)
+    qkv = down(qkv32, np.dtype("bfloat16"))
+    g = down(RNG.standard_normal((2, 66, 16)).astype(np.float32), np.dtype("bfloat16"))
+    y, saved = ck.causal_attention_forward(qkv, 2)
+    ry, rgrad = attention_reference(up(qkv).astype(np.float64), 2)
+    assert y.dtype == qkv.dtype
+    np.testing.assert_allclose(up(y), ry, atol=3e-2)
+    grad = ck.causal_attention_backward(qkv, 2, saved, g)
+    np.testing.assert_allclose(up(grad), rgrad(up(g).astype(np.float64)), atol=6e-2)
+
+
+def test_cross_entropy_is_the_plain_formula(blocking):
+    z = RNG.standard_normal((50, 11))
+    t = RNG.integers(0, 11, 50)
+    valid = RNG.random(50) > 0.2
+    safe = np.where(valid, t, 0)
+    nll, probs, total = ck.cross_entropy_forward(z, safe, valid)
+    shifted = z - z.max(axis=1, keepdims=True)
+    e = np.exp(shifted)
+    assert np.array_equal(total, e.sum(axis=1))
+    assert np.array_equal(nll, (np.log(e.sum(axis=1)) - shifted[np.arange(50), safe]) * valid)
+    coef = valid * 0.37
+    expected = e / e.sum(axis=1)[:, None]
+    expected[np.arange(50), safe] -= 1.0
+    expected *= coef[:, None]
+    assert np.array_equal(ck.cross_entropy_backward(probs, total, safe, coef), expected)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_adamw_is_the_order_of_the_formula(blocking, contiguous):
+    shape = (40, 30)
+    p, g, m, v = (RNG.standard_normal(shape) for _ in range(4))
+    v = np.abs(v)
+    ref = [a.copy() for a in (p, g, m, v)]
+    if not contiguous:
+        p, g, m, v = (np.asfortranarray(a) for a in (p, g, m, v))
+    ck.adamw_update(p, g, m, v, 0.99, 0.9, 0.95, 1e-8, 0.01, 1.3)
+    rp, rg, rm, rv = ref
+    rp *= 0.99
+    rv *= 0.95
+    rv += rg * rg * (1 - 0.95)
+    rm *= 0.9
+    rm += rg * (1 - 0.9)
+    rp += rm / (np.sqrt(rv) * 1.3 + 1e-8) * -0.01
+    np.testing.assert_array_equal(m, rm)
+    np.testing.assert_array_equal(v, rv)
+    np.testing.assert_allclose(p, rp, rtol=1e-15)
+
+
+def test_kept_probabilities_count_the_causal_blocks():
+    assert ck.kept_probabilities(128) == 64 * 64 + 64 * 128
+    assert ck.kept_probabilities(5) == 25
+    qkv = RNG.standard_normal((2, 130, 3 * 3 * 2))
+    _, saved = ck.causal_attention_forward(qkv, 3)
+    assert sum(p.size for p in saved.probs) == 2 * 3 * ck.kept_probabilities(130)
