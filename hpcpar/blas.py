@@ -124,40 +124,95 @@ def matmul(a, b, out=None):
     """a @ b as np.matmul: matrices [m, k] @ [k, n], or stacks of them [..., m, k] @ [..., k, n]
     (batch dims equal, or one operand's absent), float32/float64, each matrix C-ordered, a
     transposed view of one, or with strided rows (a column block); `out` (optional) with unit
-    column stride. Through MKL where it is loaded, and where the batch dims do not collapse to one
-    stride, one MKL call per index of the first batch dim."""
+    column stride. Through MKL where it is loaded and the matrices are large enough to gain from
+    it (`MIN_MKL_WORK`); NumPy's matmul otherwise. How to call MKL for a given set of shapes and
+    strides is worked out once and kept (`_plans`): a step makes the same calls every time."""
+    if not _loaded:
+        _load()
+    if _lib is None:
+        return np.matmul(a, b, out=out)
+    key = (a.dtype, a.shape, a.strides, b.dtype, b.shape, b.strides,
+           None if out is None else (out.dtype, out.shape, out.strides))
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= 4096:  # (shapes change only with the model or batch: a bound, not a policy)
+            _plans.clear()
+        plan = _plans[key] = _plan(a, b, out)
+    if plan is False:
+        return np.matmul(a, b, out=out)
+    if plan.copy_a:
+        a = np.ascontiguousarray(a)
+    if plan.copy_b:
+        b = np.ascontiguousarray(b)
+    if out is None:
+        out = np.empty(plan.shape, dtype=a.dtype)
+    pa, pb, pc = a.ctypes.data, b.ctypes.data, out.ctypes.data
+    for fn, head, lda, ldb, tail, oa, ob, oc in plan.calls:
+        fn(*head, pa + oa, *lda, pb + ob, *ldb, 0.0, pc + oc, *tail)
+    return out
+
+
+# Work per matrix (m n k) below which NumPy's matmul is used: OpenBLAS is as fast there and a
+# ctypes call costs a few microseconds (attention's per-head products at small head sizes).
+MIN_MKL_WORK = 1 << 20
+_plans: dict = {}
+
+
+class _Plan:
+    __slots__ = ("shape", "copy_a", "copy_b", "calls")
+
+
+def _plan(a, b, out):
+    """How matmul calls MKL for these operands, or False for NumPy."""
     dtype = a.dtype
-    fn = _gemm.get(dtype) if _load() is not None else None
+    fn = _gemm.get(dtype)
     if (fn is None or a.ndim < 2 or b.ndim < 2 or b.dtype != dtype or 0 in a.shape or 0 in b.shape
             or a.shape[-1] != b.shape[-2] or (out is not None and out.dtype != dtype)):
-        return np.matmul(a, b, out=out)
+        return False
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     if batch and (a.shape[:-2] not in (batch, ()) or b.shape[:-2] not in (batch, ())):
-        return np.matmul(a, b, out=out)
+        return False
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    if out is None:
-        out = np.empty(batch + (m, n), dtype=dtype)
-    elif out.shape != batch + (m, n):
-        return np.matmul(a, b, out=out)
-    oa, ob, oc = _operand(a), _operand(b), _operand(out)
-    if oa is None:
+    if m * n * k < MIN_MKL_WORK:
+        return False
+    if out is not None and out.shape != batch + (m, n):
+        return False
+    plan = _Plan()
+    plan.shape = batch + (m, n)
+    oa, ob = _operand(a), _operand(b)
+    plan.copy_a, plan.copy_b = oa is None, ob is None
+    if plan.copy_a:
         a = np.ascontiguousarray(a)
         oa = _operand(a)
-    if ob is None:
+    if plan.copy_b:
         b = np.ascontiguousarray(b)
         ob = _operand(b)
+    c = out if out is not None else np.empty(plan.shape, dtype=dtype)
+    oc = _operand(c)
     if oc is None or oc[0] != _NO_TRANS:
-        return np.matmul(a, b, out=out)
+        return False
+    head = (_ROW_MAJOR, oa[0], ob[0], m, n, k, 1.0)
     count = math.prod(batch)
+    sa, sb, sc = _batch_stride(a), _batch_stride(b), _batch_stride(c)
     if count == 1:
-        fn(_ROW_MAJOR, oa[0], ob[0], m, n, k, 1.0, a.ctypes.data, oa[1], b.ctypes.data, ob[1],
-           0.0, out.ctypes.data, oc[1])
-        return out
-    sa, sb, sc = _batch_stride(a), _batch_stride(b), _batch_stride(out)
-    if sa is None or sb is None or sc is None or sc == 0:
-        for i in range(batch[0]):  # (strides that do not collapse: e.g. heads of a [B, T, 3, H, D] block)
-            matmul(a[i] if a.ndim > 2 else a, b[i] if b.ndim > 2 else b, out=out[i])
-        return out
-    _gemm_batch[dtype](_ROW_MAJOR, oa[0], ob[0], m, n, k, 1.0, a.ctypes.data, oa[1], sa, b.ctypes.data, ob[1], sb,
-                       0.0, out.ctypes.data, oc[1], sc, count)
-    return out
+        plan.calls = [(fn, head, (oa[1],), (ob[1],), (oc[1],), 0, 0, 0)]
+    elif sa is not None and sb is not None and sc:
+        plan.calls = [(_gemm_batch[dtype], head, (oa[1], sa), (ob[1], sb), (oc[1], sc, count), 0, 0, 0)]
+    else:
+        # Batch dims that do not collapse to one stride (the heads of a [B, T, 3, H, D] block): one
+        # call per index of the first batch dim, batched over the rest where those collapse.
+        def inner(x):
+            return x[0] if x.ndim > 2 else x
+        ia, ib, ic = inner(a), inner(b), inner(c)
+        rest = math.prod(batch[1:])
+        sa, sb, sc = _batch_stride(ia), _batch_stride(ib), _batch_stride(ic)
+        if rest > 1 and not (sa is not None and sb is not None and sc):
+            return False
+        step_a = a.strides[0] if a.ndim > 2 else 0
+        step_b = b.strides[0] if b.ndim > 2 else 0
+        if rest == 1:
+            one = (fn, head, (oa[1],), (ob[1],), (oc[1],))
+        else:
+            one = (_gemm_batch[dtype], head, (oa[1], sa), (ob[1], sb), (oc[1], sc, rest))
+        plan.calls = [one + (i * step_a, i * step_b, i * c.strides[0]) for i in range(batch[0])]
+    return plan

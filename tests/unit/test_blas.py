@@ -18,6 +18,13 @@ from hpcpar import blas
 RNG = np.random.default_rng(3)
 
 
+@pytest.fixture(autouse=True)
+def every_size_through_mkl(monkeypatch):
+    """The products here are small: let MKL (when loaded) take them all, with fresh plans."""
+    monkeypatch.setattr(blas, "MIN_MKL_WORK", 0)
+    monkeypatch.setattr(blas, "_plans", {})
+
+
 def heads(b=3, t=20, h=4, d=5):
     """q, k views [B, H, T, D] of a c_attn output [B, T, 3, H, D]: strided rows, heads apart by D."""
     qkv = RNG.standard_normal((b, t, 3, h, d))
@@ -61,6 +68,14 @@ def test_matmul_writes_into_out_views():
     rows = np.zeros((3, 4, 30, 5))[:, :, 5:25]          # a row block of a larger accumulator
     blas.matmul(scores, np.ascontiguousarray(k), out=rows)
     np.testing.assert_allclose(rows, scores @ k, rtol=1e-12)
+
+
+def test_a_cached_plan_serves_new_arrays_of_the_same_layout():
+    q, k = heads()
+    first = blas.matmul(q, k.swapaxes(-1, -2))
+    q2, k2 = heads()
+    np.testing.assert_allclose(blas.matmul(q2, k2.swapaxes(-1, -2)), q2 @ k2.swapaxes(-1, -2), rtol=1e-12)
+    np.testing.assert_allclose(first, q @ k.swapaxes(-1, -2), rtol=1e-12)
 
 
 def test_integer_and_mixed_dtypes_fall_back_to_numpy():

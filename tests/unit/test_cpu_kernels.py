@@ -186,6 +186,23 @@ def test_attention_equals_the_dense_reference(blocking, t):
     np.testing.assert_allclose(ck.causal_attention_backward(qkv, 4, saved, g), rgrad(g), rtol=1e-11, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_attention_rows_whose_exponentials_leave_the_range_are_recomputed_shifted(dtype):
+    """Scores in the thousands overflow exp (and below -1000 underflow it) unshifted: those rows are
+    computed again with their row maximum subtracted and match the reference."""
+    qkv = RNG.standard_normal((2, 70, 3 * 2 * 4))
+    qkv[0, :, :8] *= 3000.0                       # sample 0's queries: scores of +-thousands
+    g = RNG.standard_normal((2, 70, 8))
+    y, saved = ck.causal_attention_forward(qkv.astype(dtype), 2)
+    ry, rgrad = attention_reference(qkv.astype(dtype).astype(np.float64), 2)
+    tol = 1e-10 if dtype == np.float64 else 2e-3
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, ry, rtol=tol, atol=tol)
+    grad = ck.causal_attention_backward(qkv.astype(dtype), 2, saved, g.astype(dtype))
+    scale = np.abs(rgrad(g)).max()
+    np.testing.assert_allclose(grad / scale, rgrad(g) / scale, atol=tol * 10)
+
+
 def test_attention_rows_do_not_depend_on_their_batch_or_heads_or_threads():
     """A sample's and a head's results are the same bits alone or among others (dp, tp, threads)."""
     qkv = RNG.standard_normal((5, 130, 3 * 4 * 8))
