@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_overhead.json"))
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run (after a warm-up step)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best per variant is kept")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; the best per variant is kept")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--embd", type=int, default=64)
     parser.add_argument("--block", type=int, default=64)
