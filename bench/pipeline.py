@@ -182,8 +182,9 @@ def compare(rows: list[dict]) -> list[dict]:
 
 def _time_checks(trainer) -> None:
     """Time what the step's global checks take on this rank (`trainer.check_s`, seconds, reset by the caller):
-    the loss mean over every rank (NaN check) and the global gradient norm (clipping, NaN
-    check), the synchronisation every rank waits for before the optimizer step."""
+    the step's agreement (`Trainer._agree`: the loss mean over every rank, the global gradient norm
+    and the rest in one world all-gather), the synchronisation every rank waits for before the
+    optimizer step."""
     trainer.check_s = 0.0
 
     def timed(fn):
@@ -194,8 +195,7 @@ def _time_checks(trainer) -> None:
             finally:
                 trainer.check_s += time.perf_counter() - start
         return wrapper
-    trainer._global_mean_loss = timed(trainer._global_mean_loss)
-    trainer.dp.clip_grad_norm = timed(trainer.dp.clip_grad_norm)
+    trainer._agree = timed(trainer._agree)
 
 
 GPT_MESHES = {"pp4": (1, 4), "dp2xpp2": (2, 2), "pp2": (1, 2)}  # name -> (dp, pp); dp * pp = ranks

@@ -110,6 +110,10 @@ BENCHMARKS = (
               "parameter server (1 and 2 servers) vs all-reduce on 4 workers: tokens/s of synchronous, SSP k=2 and "
               "async with no straggler, a random and a fixed 2x straggler; bytes per server vs the formula; loss "
               "after 300 steps of SSP and async vs synchronous", quick_args=("--quick",), timeout_s=7200.0),
+    Benchmark("step_overhead", "bench/step_overhead.py", 4,
+              "per-step overhead before / after issue #20 on dp=2 x tp=2 (sequence parallelism) and dp=2 x pp=2: "
+              "step time and collectives per step (world; tp all-reduces of sequence-parallel gradients)",
+              quick_args=("--quick",)),
     Benchmark("vs_torch", "bench/vs_torch.py", None,
               "one process, hpcpar vs PyTorch eager on the same GPT and batches: three model shapes, 1 and 2 "
               "threads (a process each)",
@@ -539,6 +543,40 @@ def _moe_table(d: dict) -> list[str]:
     return lines
 
 
+def _step_overhead(d: dict) -> list[str]:
+    out = []
+    for r in d["rows"]:
+        old, new = r["before"]["ops_per_step"], r["after"]["ops_per_step"]
+        out.append(f"{r['mesh']}: step {1e3 * r['before']['step_s']:.1f} -> {1e3 * r['after']['step_s']:.1f} ms "
+                   f"({r['speedup']:.2f}x); world collectives/step {sum(old['world'].values()):g} -> "
+                   f"{sum(new['world'].values()):g}; tp all-reduces/step {old['tp'].get('all_reduce', 0):g} -> "
+                   f"{new['tp'].get('all_reduce', 0):g}")
+    return out
+
+
+def _step_overhead_table(d: dict) -> list[str]:
+    m = d["model"]
+    lines = [f"`mpiexec -n 4 python bench/step_overhead.py`: GPT n_layer={m['n_layer']} n_embd={m['n_embd']} "
+             f"T={m['block_size']}, micro-batch {m['batch']} x {m['microbatches']}, {m['dtype']}, dropout "
+             f"{m['dropout']}. Before: the step as it was before issue #20, emulated in the same run (four world "
+             "collectives per step; the sequence-parallel gradients all-reduced over tp at every use, "
+             "`DataParallel.tp_sum_per_step = False`); after: one world all-gather and one tp all-reduce of those "
+             "gradients per step ([parallelism.md](parallelism.md#sequence-parallelism)). Step: wall time of a "
+             "loop iteration of the slowest rank, median over the timed steps, best of alternating rounds; ops: "
+             "per rank and step.", "",
+             "| mesh | variant | step ms | world ops | tp all-reduce | tp all-gather | dp ops | loss rel. diff |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        for variant in ("before", "after"):
+            v = r[variant]
+            ops = v["ops_per_step"]
+            lines.append(f"| {r['mesh']} | {variant} | {1e3 * v['step_s']:.2f} | {sum(ops['world'].values()):g} | "
+                         f"{ops['tp'].get('all_reduce', 0):g} | {ops['tp'].get('all_gather', 0):g} | "
+                         f"{sum(ops['dp'].values()):g} | "
+                         + (f"{r['loss_rel_diff']:.1e} |" if variant == "after" else "– |"))
+    return lines
+
+
 def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
     """The headline figures of benchmark `name` from its JSON `data`, one string per line."""
     try:
@@ -549,7 +587,7 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
         return {"allreduce": _allreduce, "pipeline": _pipeline, "pipeline_gpt": _pipeline_gpt, "scaling": _scaling,
                 "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory, "zero": _zero,
                 "compression": _compression, "precision": _precision, "vs_torch": _vs_torch,
-                "plan": _plan, "moe": _moe, "ps": _ps}[name](data)
+                "plan": _plan, "moe": _moe, "ps": _ps, "step_overhead": _step_overhead}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
 
@@ -711,7 +749,8 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
                                       ("compression", "Gradient compression", _compression_table,
                                        "gradient compression loss curves"),
                                       ("moe", "Mixture of experts", _moe_table, None),
-                                      ("ps", "Parameter server", _ps_table, "parameter server loss curves")):
+                                      ("ps", "Parameter server", _ps_table, "parameter server loss curves"),
+                                      ("step_overhead", "Per-step overhead", _step_overhead_table, None)):
         results = details.get(name, {}).get("results")
         if not results:
             continue

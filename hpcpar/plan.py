@@ -27,7 +27,9 @@ The step time of a layout (`predict`) is built from the same pieces the engine r
                all-gather under ZeRO; HSDP: over dp_shard, then dp_replicate), ZeRO-3's parameter
                all-gathers per micro-batch; the part the bucketed reduction cannot hide behind the
                last micro-batch's backward is exposed (`Hardware.overlap`)
-    optimizer  the update of the rank's (sharded) parameters, plus three small world all-reduces
+    optimizer  the update of the rank's (sharded) parameters, plus the step's one small world
+               all-gather (and under sequence parallelism one tp all-reduce of the LayerNorm and
+               bias gradients)
 
 A mixture-of-experts model (`model.moe_experts > 0`) is planned with the configured `mesh.ep`
 kept fixed (layouts whose dp_shard it does not divide fail validation and drop out); its MoE
@@ -347,11 +349,13 @@ def predict(cfg: Config, hw: Hardware, exact: bool = True) -> Prediction:
         b_extra = 0.0
     act_bytes = t.micro_batch_size * m.block_size * m.n_embd * s // cp
     tp_link = hw.link(tp, 1)
+    sp_sum = 0.0
     if mesh.sequence_parallel and tp > 1:
-        # all-gather before, reduce-scatter after attention and MLP; backward the mirror image,
-        # plus the LayerNorm and bias gradients' small all-reduces (6 per block).
-        fwd_tp = 4 * all_gather_time(act_bytes, tp, tp_link)
-        bwd_tp = fwd_tp + 6 * all_reduce_time(m.n_embd * s, tp, tp_link)
+        # all-gather before, reduce-scatter after attention and MLP; backward the mirror image.
+        # The LayerNorm and bias gradients (6 of size C per block, + ln_f) are summed over tp once
+        # per step (DataParallel), after the pipeline.
+        fwd_tp = bwd_tp = 4 * all_gather_time(act_bytes, tp, tp_link)
+        sp_sum = all_reduce_time((6 * blocks + 2) * m.n_embd * s, tp, tp_link) * hw.tp_scale
     else:
         fwd_tp = bwd_tp = 2 * all_reduce_time(act_bytes, tp, tp_link)
     fwd_tp, bwd_tp = fwd_tp * hw.tp_scale, bwd_tp * hw.tp_scale
@@ -391,8 +395,9 @@ def predict(cfg: Config, hw: Hardware, exact: bool = True) -> Prediction:
     hidden = hw.overlap * t_b
     exposed = max(reduce - hidden, (1 - hw.overlap) * reduce)
     optimizer = hw.optimizer_seconds_per_param * params / (shards if t.zero else 1)
-    fixed = 3 * all_reduce_time(8, world, hw.inter if world > hw.ranks_per_node else hw.intra) + hw.step_overhead
-    step = step_pipe + exposed + gathers * (1 - hw.overlap) + optimizer + fixed
+    # The step's one world collective: an all-gather of a few float64 per rank (Trainer._agree).
+    fixed = all_gather_time(64 * world, world, hw.inter if world > hw.ranks_per_node else hw.intra) + hw.step_overhead
+    step = step_pipe + exposed + gathers * (1 - hw.overlap) + optimizer + fixed + sp_sum
     seqs = dp * t.micro_batch_size * t.microbatches
     tokens_per_s = seqs * m.block_size / step
     flops = _flops_per_token(cfg)
@@ -401,7 +406,8 @@ def predict(cfg: Config, hw: Hardware, exact: bool = True) -> Prediction:
     comm = {"tp_in_pipeline": t.microbatches * blocks * (fwd_tp + bwd_tp + recompute_tp),
             "cp_in_pipeline": t.microbatches * blocks * (cp_f + cp_b)}
     parts = {"pipeline": step_pipe, "dp_exposed": exposed, "zero3_gathers": gathers * (1 - hw.overlap),
-             "optimizer": optimizer, "fixed": fixed, "t_forward": t_f, "t_backward": t_b, **comm}
+             "optimizer": optimizer, "fixed": fixed, "sp_grad_sum": sp_sum, "t_forward": t_f, "t_backward": t_b,
+             **comm}
     return Prediction(cfg, step, tokens_per_s, mfu, 0, parts)
 
 

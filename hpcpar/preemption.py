@@ -1,17 +1,15 @@
 """Preemption: SIGTERM or SIGUSR1 (what Slurm/PBS send before the time limit) end the run
 cleanly at the next step boundary.
 
-The handler only sets a flag. At each step boundary every rank contributes its flag to
-one tiny all-reduce (max), so all ranks agree on the same step even when only some of
-them were signalled; the training loop then saves a checkpoint and exits with
-`train.REQUEUE_STATUS` (75).
+The handler only sets a flag. Every step each rank puts its flag into the step's one world
+collective (`train.Trainer._agree`; with a parameter server, into its push), so all ranks
+agree on the same step even when only some of them were signalled; the training loop then
+saves a checkpoint after that step and exits with `train.REQUEUE_STATUS` (75).
 """
 
 from __future__ import annotations
 
 import signal
-
-import numpy as np
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _requested = False
@@ -33,9 +31,3 @@ def install() -> None:
 def requested() -> bool:
     """Whether this rank has been signalled."""
     return _requested
-
-
-def agreed(world) -> bool:
-    """Collective: True on every rank when any rank has been signalled."""
-    flag = np.array([1 if _requested else 0], dtype=np.int32)
-    return bool(world.all_reduce(flag, op="max")[0])

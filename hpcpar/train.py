@@ -34,10 +34,10 @@ from hpcpar.comm import Communicator
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.loss_scale import LossScaler
 from hpcpar.mesh import Axis, Mesh, resolve_degrees
-from hpcpar.optim import SGD, AdamW, lr_at
+from hpcpar.optim import SGD, AdamW, grad_norm_sq, lr_at
 from hpcpar.parallel import pipeline, schedule
 from hpcpar.parallel.compression import Compression
-from hpcpar.parallel.clipping import tp_replicated
+from hpcpar.parallel.clipping import clip_gradients, norm_from_parts, tp_replicated
 from hpcpar.parallel.context import ContextParallel
 from hpcpar.parallel.data_parallel import DataParallel
 from hpcpar.parallel.experts import ExpertDataParallel
@@ -59,9 +59,36 @@ class StepResult:
     bad_parameter: str   # first parameter with a non-finite gradient ("" if none)
     overflow: bool = False   # fp16: skipped because the loss scale overflowed (the scaler backed off)
     loss_scale: float = 1.0  # the loss scale this step's backward used
-    moe: dict = field(default_factory=dict)  # mixture of experts: the step's routing figures (`Trainer.moe_stats`)
-    stop: bool = False       # parameter server: a preemption signal stops the run after this step
+    moe: dict = field(default_factory=dict)  # mixture of experts: the step's routing figures (`Trainer._moe_figures`)
+    stop: bool = False       # a preemption signal (on any rank) stops the run after this step
     staleness: int | None = None  # parameter server: the staleness of this replica's push (None without)
+    traffic: dict = field(default_factory=dict)  # the step's bytes (`Trainer._traffic`)
+
+
+@dataclass
+class _Agreement:
+    """What the step's one world collective settles (`Trainer._agree`), the same on every rank.
+
+    A rank's row holds FIGURES values (its loss sum, its part of the squared gradient norm, its
+    preemption flag, and its bytes: sent so far in the step, of which for gradient sync, that sync
+    uncompressed, what the optimizer step will send), then its MoE routing table, if any."""
+
+    FIGURES = 7
+
+    loss: float        # the mean loss over the global batch: the reporters' sums added with fsum
+    norm: float        # the global gradient norm, of the loss as scaled (`clipping.norm_from_parts`)
+    stop: bool         # a preemption signal reached some rank (`preemption.requested`)
+    means: Any         # [4] bytes, means over the ranks: sent, for gradients, uncompressed, by the optimizer step
+    moe: dict          # the routing figures (`Trainer._moe_figures`); {} without experts
+    compressing: bool  # the step's gradients were compressed (else "uncompressed" is what was sent)
+
+    def bytes(self, stepped: bool) -> tuple[float, float, float]:
+        """(bytes sent, for gradient sync, uncompressed) in the step, per rank: what was sent up to
+        the agreement, plus, when the optimizer step was taken, what it sends (ZeRO's parameter
+        all-gather, `DataParallel.step_bytes`; the uncompressed formula counts it already)."""
+        sent, grad, plain, after = self.means
+        after = after if stepped else 0.0
+        return sent + after, grad + after, plain if self.compressing else grad + after
 
 
 @dataclass
@@ -81,7 +108,7 @@ class _RunState:
     first_loss: float | None = None
     last_loss: float | None = None
     val_loss: float | None = None
-    traffic: list = field(default_factory=list)         # each step's bytes (Trainer._step_traffic)
+    traffic: list = field(default_factory=list)         # each step's bytes (StepResult.traffic)
     moe: dict = field(default_factory=dict)             # the last step's routing figures (MoE models)
 
 
@@ -239,11 +266,13 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
         """Run global step `step`: forward/backward of every micro-batch through the pipeline
-        schedule, gradient sync over dp, clipping and the optimizer update (none when the loss
-        or gradient norm is not finite; under fp16 the loss is scaled by the `LossScaler`, and a
-        non-finite norm is an overflow that backs the scale off). Collective. Afterwards `self.step` is `step + 1`: a
-        skipped step's batch is passed over, not retried."""
+        schedule, gradient sync over dp, the step's agreement (`_agree`: loss, gradient norm,
+        preemption, bytes, one world collective), clipping and the optimizer update (none when
+        the loss or gradient norm is not finite; under fp16 the loss is scaled by the
+        `LossScaler`, and a non-finite norm is an overflow that backs the scale off). Collective.
+        Afterwards `self.step` is `step + 1`: a skipped step's batch is passed over, not retried."""
         t = self.cfg.train
+        before = self._bytes_sent()
         batches = self.microbatches(step)
         if self.cfg.model.dropout:  # masks are keyed by (seed, step, sample id), not by rank
             self.executor.rng_contexts = [(t.seed, step, list(ids)) for ids in self.sample_ids()]
@@ -259,24 +288,57 @@ class Trainer:
             time.sleep((self.cfg.run.debug_slow_factor - 1) * (time.perf_counter() - started))
         self.dp.finish_backward()
         if self.ps is not None:
-            return self._exchange(step, losses)
-        loss = self._global_mean_loss(losses, t.microbatches)
-        # The norm is the world's agreed figure: a non-finite one on any rank is an overflow everywhere.
-        norm = self.dp.clip_grad_norm(t.grad_clip, loss_scale=scale)
+            result = self._exchange(step, losses)
+            result.traffic = self._step_traffic(before)
+            return result
+        items, buffers = self.dp.norm_parts()
+        agreed = self._agree(losses, items, before)
+        loss, norm = agreed.loss, agreed.norm / scale
         lr = lr_at(step, t.lr, t.warmup, t.steps, t.min_lr)
         self.step = step + 1
+        # The norm is the world's agreed figure: a non-finite one on any rank is an overflow everywhere.
         finite = math.isfinite(loss) and math.isfinite(norm)
-        moe = self.moe_stats() if self.cfg.model.moe_experts else {}
+        overflow = False
         if self.scaler is not None:
             # An overflow the scale can still back off from is the scaler's business, not a bad step.
             overflow = math.isfinite(loss) and not finite and not self.scaler.at_minimum
             self.scaler.update(not finite)
-            if overflow:
-                return StepResult(loss, norm, lr, True, "", overflow=True, loss_scale=scale, moe=moe)
-        if not finite:
-            return StepResult(loss, norm, lr, True, self._first_bad_parameter(), loss_scale=scale, moe=moe)
-        self.dp.step(lr)
-        return StepResult(loss, norm, lr, False, "", loss_scale=scale, moe=moe)
+        bad = "" if finite or overflow else self._first_bad_parameter()
+        if finite:
+            clip_gradients(buffers, norm, t.grad_clip, scale)
+            self.dp.step(lr)
+        return StepResult(loss, norm, lr, not finite, bad, overflow=overflow, loss_scale=scale, moe=agreed.moe,
+                          stop=agreed.stop, traffic=self._traffic(*agreed.bytes(stepped=finite)))
+
+    def _agree(self, losses: list, norm_items: list, before: tuple[float, float]) -> "_Agreement":
+        """Everything the world must agree on before the optimizer step, in one all-gather over
+        the world (`_gather_step`) of a small float64 row per rank ([loss, norm², preemption flag,
+        bytes ...] and the MoE routing table); every figure is then derived from the gathered rows
+        in rank order, so every rank reaches bitwise the same verdict (`_Agreement`).
+
+        `losses`: this rank's micro-batch losses (host floats, read once per step; [] off the last
+        stage); `norm_items`: what this rank counts toward the gradient norm
+        (`DataParallel.norm_parts`); `before`: `_bytes_sent()` at the start of the step."""
+        total, grad = (now - then for now, then in zip(self._bytes_sent(), before))
+        compressing = self.dp.compressing
+        row = [float(sum(losses)) if self.is_loss_reporter else 0.0, grad_norm_sq(norm_items),
+               float(preemption.requested()), total, grad, self.dp.uncompressed_bytes() if compressing else 0.0,
+               self.dp.step_bytes()]
+        table = self._moe_table() if self.cfg.model.moe_experts else None
+        if table is not None:
+            row += list(table.reshape(-1))
+        every = self._gather_step(np.array(row, dtype=np.float64))
+        n = _Agreement.FIGURES
+        mesh = self.mesh
+        return _Agreement(
+            loss=math.fsum(every[:, 0]) / (mesh.size(Axis.DP) * mesh.size(Axis.CP) * self.cfg.train.microbatches),
+            norm=norm_from_parts(every[:, 1]), stop=bool(every[:, 2].any()),
+            means=every[:, 3:n].mean(axis=0), compressing=compressing,
+            moe=self._moe_figures(every[:, n:].sum(axis=0).reshape(table.shape)) if table is not None else {})
+
+    def _gather_step(self, row: np.ndarray) -> np.ndarray:
+        """Every rank's `row` [k] as [world, k] in rank order: the step's one world collective."""
+        return self.mesh.world.all_gather(row[None, :])
 
     def _slowed(self, step: int) -> bool:
         """Whether run.debug_slow_ranks slows this rank at `step` (a listed rank always; "random":
@@ -301,25 +363,31 @@ class Trainer:
         return StepResult(reply.loss, reply.norm, lr, reply.skipped, bad, stop=reply.stop_at == self.step,
                           staleness=reply.staleness)
 
-    def moe_stats(self) -> dict:
-        """The routing figures of the step just run, the same on every rank (one world all-reduce
-        of a small array; collective): `moe_aux_loss`, the aux (+ z) losses of all MoE layers
-        summed, mean over the global batch's micro-batches; `moe_load_imbalance`, max over mean
-        tokens per expert (counted before dropping, over the global batch) of the worst MoE layer,
-        `moe_layer_imbalance` the same per MoE layer; `moe_dropped_fraction`, the share of
-        (token, expert) assignments dropped by the capacity limit."""
+    def _moe_table(self) -> np.ndarray:
+        """This rank's routing figures of the step just run, per MoE layer [layers, E + 3]: tokens
+        routed to each expert (before dropping), dropped assignments, assignments, aux (+ z) loss
+        summed over its micro-batches; zeros on tp ranks other than 0 (tp ranks route identically)."""
         m = self.cfg.model
         layers = [i for i in range(m.n_layer) if m.is_moe(i)]
-        table = np.zeros((len(layers), m.moe_experts + 3))   # routed per expert, dropped, assignments, aux
+        table = np.zeros((len(layers), m.moe_experts + 3))
         for stage in self.stages:
             for moe in stage.moe_layers():
                 row = table[layers.index(moe.index)]
-                for routed, dropped, assignments, aux in moe.stats:
-                    row += np.concatenate([routed, [dropped, assignments, float(backend.to_host(aux))]])
+                aux = backend.to_host(backend.xp.stack([a for _, _, _, a in moe.stats])) if moe.stats else []
+                for (routed, dropped, assignments, _), loss in zip(moe.stats, aux):
+                    row += np.concatenate([routed, [dropped, assignments, float(loss)]])
                 moe.stats.clear()
-        if self.mesh.rank(Axis.TP) != 0:   # tp ranks route identically: tp rank 0 counts
+        if self.mesh.rank(Axis.TP) != 0:
             table[...] = 0
-        table = self.mesh.world.all_reduce(table, op="sum")
+        return table
+
+    def _moe_figures(self, table: np.ndarray) -> dict:
+        """The step's routing figures from the `_moe_table`s summed over the world: `moe_aux_loss`,
+        the aux (+ z) losses of all MoE layers summed, mean over the global batch's micro-batches;
+        `moe_load_imbalance`, max over mean tokens per expert (counted before dropping, over the
+        global batch) of the worst MoE layer, `moe_layer_imbalance` the same per MoE layer;
+        `moe_dropped_fraction`, the share of (token, expert) assignments dropped by the capacity limit."""
+        m = self.cfg.model
         routed = table[:, :m.moe_experts]
         imbalance = routed.max(axis=1) / np.maximum(routed.mean(axis=1), 1e-300)
         batches = self.mesh.size(Axis.DP) * self.cfg.train.microbatches
@@ -407,17 +475,15 @@ class Trainer:
         try:
             while self.step < end:
                 step = self.step
-                sent_before = self._bytes_sent()
                 start, cpu_start = time.perf_counter(), time.process_time()
                 result = self.train_step(step)
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-                traffic = self._step_traffic(sent_before)
-                self._account(step, result, elapsed, state, traffic)
+                self._account(step, result, elapsed, state)
                 tok_s = self.tokens_per_step / elapsed
                 mfu = tok_s * model_flops / peak if peak else 0.0
                 record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                           "tokens_per_s": tok_s, "mfu": mfu, "step_time_s": elapsed, "skipped": result.skipped,
-                          **traffic, **result.moe}
+                          **result.traffic, **result.moe}
                 if self.scaler is not None:
                     record.update(loss_scale=result.loss_scale, overflow=result.overflow)
                 if result.staleness is not None:
@@ -437,7 +503,7 @@ class Trainer:
                              f" | val {record['val_loss']:.4f}" if "val_loss" in record else "", extra)
                 if files and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < end:
                     self._checkpoint()
-                if result.stop if self.ps is not None else preemption.agreed(self.mesh.world):
+                if result.stop:
                     log.warning("preemption signal received: saving a checkpoint at step %d and exiting with "
                                 "status %d (requeue and resume with checkpoint.resume=auto)",
                                 self.step, REQUEUE_STATUS)
@@ -461,29 +527,29 @@ class Trainer:
         pushed = self.job.bytes_sent_total() if self.ps is not None else 0.0   # pushes to the servers
         return (sum(c.bytes_sent_total() for c in self.mesh.communicators()) + pushed, self.dp.sync_bytes() + pushed)
 
-    def _step_traffic(self, before: tuple[float, float]) -> dict:
-        """The last step's bytes (collective: one small all-gather over the world): the mean over
-        ranks of the bytes each sent in the step (`bytes_sent`: every collective and pipeline
-        message; `grad_bytes_sent`: the gradient synchronisation, ZeRO's parameter all-gather
-        included), what that synchronisation sends uncompressed (`grad_bytes_uncompressed`:
-        `DataParallel.uncompressed_bytes`'s formula; during `compression_start_step`'s warm-up
-        and without compression the same as sent), their ratio (`compression_ratio`) and whether
-        the step was compressed (`grad_compressed`)."""
-        total, grad = (now - then for now, then in zip(self._bytes_sent(), before))
-        plain = self.dp.uncompressed_bytes() if self.dp.compressing else None
-        mine = np.array([total, grad, grad if plain is None else plain], dtype=np.float64)
-        mean = self.step_comm.all_gather(mine).reshape(-1, 3).mean(axis=0)
-        return {"bytes_sent": float(mean[0]), "grad_bytes_sent": float(mean[1]),
-                "grad_bytes_uncompressed": float(mean[2]),
-                "compression_ratio": float(mean[1] / mean[2]) if mean[2] else 1.0,
-                "grad_compressed": self.dp.compressing}
+    def _traffic(self, sent: float, grad: float, plain: float) -> dict:
+        """A step's bytes, each the mean over ranks of what one rank sent in the step: `bytes_sent`
+        (every collective and pipeline message), `grad_bytes_sent` (of which the gradient
+        synchronisation, ZeRO's parameter all-gather included), what that synchronisation sends
+        uncompressed (`grad_bytes_uncompressed`: `DataParallel.uncompressed_bytes`'s formula;
+        during `compression_start_step`'s warm-up and without compression the same as sent), their
+        ratio (`compression_ratio`) and whether the step was compressed (`grad_compressed`)."""
+        return {"bytes_sent": float(sent), "grad_bytes_sent": float(grad), "grad_bytes_uncompressed": float(plain),
+                "compression_ratio": float(grad / plain) if plain else 1.0, "grad_compressed": self.dp.compressing}
 
-    def _account(self, step: int, result: StepResult, elapsed: float, state: _RunState,
-                 traffic: dict | None = None) -> None:
+    def _step_traffic(self, before: tuple[float, float]) -> dict:
+        """Parameter server: the step's bytes since `before` (`_traffic`), averaged over the replica's
+        ranks (`step_comm`) by one small all-gather there (the servers do the step's agreement)."""
+        total, grad = (now - then for now, then in zip(self._bytes_sent(), before))
+        plain = self.dp.uncompressed_bytes() if self.dp.compressing else grad
+        mean = self.step_comm.all_gather(np.array([total, grad, plain], dtype=np.float64)).reshape(-1, 3).mean(axis=0)
+        return self._traffic(*mean)
+
+    def _account(self, step: int, result: StepResult, elapsed: float, state: _RunState) -> None:
         """The skip policy and the summary's figures: a skipped step is warned about (naming the
         first bad parameter) and counted; `train.max_bad_steps` in a row raise HpcparError."""
-        if traffic:
-            state.traffic.append(traffic)
+        if result.traffic:
+            state.traffic.append(result.traffic)
         if result.moe:
             state.moe = result.moe
         if result.overflow:

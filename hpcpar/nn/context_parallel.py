@@ -64,8 +64,8 @@ class ContextParallelPlan:
                              f"ranks) exceeds block_size {self.block_size}")
         return self.cp.positions(t * self.cp.size)
 
-    def positions(self, pos, t: int):
-        return self.base.positions(pos, t)
+    def positions(self, weight, rows, t: int):
+        return self.base.positions(weight, rows, t)
 
     def dropout(self, x, p: float, keys):
         """x [B, T/cp, ..] (or the base plan's sequence shard of it): my rows of the full mask."""

@@ -257,9 +257,10 @@ class PlainPlan:
         """The rows of wpe that a rank's `t` tokens use: positions 0 .. t-1."""
         return slice(0, t)
 
-    def positions(self, pos: Tensor, t: int) -> Tensor:
-        """The position embeddings [T, C] this rank adds to its activations."""
-        return pos
+    def positions(self, weight: Tensor, rows, t: int) -> Tensor:
+        """The position embeddings [T, C] this rank adds to its activations: `rows` (a slice or
+        positions) of wpe `weight`."""
+        return ops.getitem(weight, rows)
 
     def dropout(self, x: Tensor, p: float, keys, rows=None, length: int | None = None) -> Tensor:
         """Dropout on x [B, T, ..]; `rows` (positions in a sequence of `length`) when x holds
@@ -331,6 +332,8 @@ class GPT(Module):
         if embed:
             self.transformer.wte = plan.wte(cfg)
             self.transformer.wpe = Embedding(cfg.block_size, cfg.n_embd, cfg.dtype)
+            # Under sequence parallelism a tp rank adds only its tokens' rows (`plan.positions`).
+            self.transformer.wpe.weight.sequence_parallel = self.sequence_parallel
         self.transformer.h = Blocks([
             Block(i, plan.norm(cfg), plan.attn(cfg), plan.norm(cfg),
                   MoE(cfg, ep_comm, i) if cfg.is_moe(i) else plan.mlp(cfg), self._dropout)
@@ -474,7 +477,7 @@ class GPT(Module):
         tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
         rows = self.plan.position_ids(t)   # slice(0, t), or my positions under context parallelism
         rows = rows if isinstance(rows, slice) else xp.asarray(rows)
-        pos = self.plan.positions(ops.getitem(self.transformer.wpe.weight, rows), t)
+        pos = self.plan.positions(self.transformer.wpe.weight, rows, t)
         h = tok + pos
         if h.dtype != self.activation_dtype:  # mixed precision: 16 bits from here to the loss
             h = ops.cast(h, self.activation_dtype)

@@ -24,9 +24,15 @@ class Parameter(Tensor):
         expert: a mixture-of-experts expert weight: split over the expert-parallel group (its
             layout) and replicated over the ranks holding the same experts, whose average its
             gradient takes (the expert-data-parallel group), not over dp.
+        sequence_parallel: replicated over tp but applied to the sequence shard (Megatron-SP's
+            LayerNorm weights and biases, row-parallel biases, wpe): a tp rank's backward gives
+            only its tokens' part of the gradient, and the parts add up over tp.
+        tp_partial_grad: (sequence_parallel only) `.grad` stays this tp rank's part, and the
+            training step sums it over tp once per step (`DataParallel`); False: the model sums
+            it at every use (f, `mappings.sequence_parallel_param`).
     """
 
-    __slots__ = ("layout", "no_decay", "tied_to", "expert")
+    __slots__ = ("layout", "no_decay", "tied_to", "expert", "sequence_parallel", "tp_partial_grad")
 
     def __init__(self, data, layout: Layout | None = None, no_decay: bool = False,
                  tied_to: str | None = None, expert: bool = False):
@@ -38,6 +44,8 @@ class Parameter(Tensor):
         self.no_decay = no_decay
         self.tied_to = tied_to
         self.expert = expert
+        self.sequence_parallel = False
+        self.tp_partial_grad = False
 
     def __repr__(self) -> str:
         return f"Parameter(shape={self.shape}, global={self.layout.global_shape}, dtype={self.dtype})"

@@ -16,10 +16,13 @@ Sequence parallelism (`sequence_parallel=True`): between the sharded regions the
 activations are split along the sequence, [B, T/tp, C]; LayerNorm, dropout and the
 residual adds work on that shard. f becomes an all-gather along T (backward:
 reduce-scatter) and g a reduce-scatter along T (backward: all-gather). Replicated
-parameters used on a sequence shard (LayerNorm weights/biases, row-parallel biases)
-receive only this shard's part of their gradient, so they enter the computation
-through `copy_to`: their gradient arrives summed over tp and stays identical on every
-rank, with nothing for data parallelism or clipping to know about.
+parameters used on a sequence shard (LayerNorm weights/biases, row-parallel biases, the
+rows of wpe) receive only this shard's part of their gradient (`Parameter.sequence_parallel`).
+On their own they enter the computation through f (`copy_to`), so the gradient arrives
+summed over tp at every use and `.grad` is whole after any backward. Under the training
+step `DataParallel` sets `tp_partial_grad` on them: each rank then accumulates its part over
+the step's micro-batches, and one all-reduce over tp per step sums them all, before
+clipping (Megatron's sequence-parallel gradient all-reduce; `mappings.sequence_parallel_param`).
 
 The vocabulary is split too: `VocabParallelEmbedding` holds rows [V/tp, C] of wte,
 the tied LM head computes logits [B, T, V/tp] from that shard, and
@@ -38,7 +41,8 @@ from hpcpar import backend, ops
 from hpcpar.layout import Layout
 from hpcpar.nn.layers import LayerNorm
 from hpcpar.nn.module import Module, Parameter
-from hpcpar.parallel.mappings import all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim, split_to
+from hpcpar.parallel.mappings import (all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim,
+                                     sequence_parallel_param, split_to)
 from hpcpar.precision import down, up, up_dtype
 from hpcpar.schema import require_divisible
 from hpcpar.tensor import Tensor
@@ -66,6 +70,13 @@ def check_config(config, tp: int) -> None:
 
 def _zeros(layout: Layout, dtype, no_decay: bool = False) -> Parameter:
     return Parameter(backend.xp.zeros(layout.local_shape, dtype=dtype), layout, no_decay=no_decay)
+
+
+def _on_sequence_shard(p: Parameter | None) -> Parameter | None:
+    """Mark `p` (replicated) as applied to the sequence shard: its gradient is a part per tp rank."""
+    if p is not None:
+        p.sequence_parallel = True
+    return p
 
 
 def vocab_layout(vocab_size: int, n_embd: int, comm: Communicator) -> Layout:
@@ -118,6 +129,8 @@ class RowParallelLinear(Module):
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.weight = _zeros(Layout.split((out_features, in_features), 1, comm.rank, comm.size), dtype)
         self.bias = _zeros(Layout.replicated((out_features,)), dtype, True) if bias else None
+        if sequence_parallel:
+            _on_sequence_shard(self.bias)
 
     def forward(self, x_shard: Tensor) -> Tensor:
         # 16-bit activations: the partial sums stay float32 through the reduction and are rounded
@@ -125,7 +138,8 @@ class RowParallelLinear(Module):
         partial = ops.linear(x_shard, self.weight, out_dtype=up_dtype(x_shard.dtype))
         if self.sequence_parallel:
             y = reduce_scatter_dim(partial, self.comm, SEQ_DIM)
-            bias = copy_to(self.bias, self.comm) if self.bias is not None else None  # grad: sum of shards
+            # Added to my tokens only: the bias gradient is my part of the sum over the sequence.
+            bias = sequence_parallel_param(self.bias, self.comm) if self.bias is not None else None
         else:
             y = reduce_from(partial, self.comm)
             bias = self.bias
@@ -172,17 +186,19 @@ class ParallelMLP(Module):
 class SequenceParallelLayerNorm(LayerNorm):
     """LayerNorm on a sequence shard [B, T/tp, C]; weight and bias replicated.
 
-    Each rank sees only its tokens, so its weight/bias gradient is a partial sum: the
-    parameters enter through f (`copy_to`), whose backward all-reduces that gradient.
+    Each rank sees only its tokens, so its weight/bias gradient is a partial sum over tp
+    (`mappings.sequence_parallel_param`: summed at each use, or once per training step).
     """
 
     def __init__(self, dim: int, comm: Communicator, bias: bool = True, dtype="float32", eps: float = 1e-5):
         super().__init__(dim, bias, dtype, eps)
         self.comm = comm
+        _on_sequence_shard(self.weight)
+        _on_sequence_shard(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        bias = copy_to(self.bias, self.comm) if self.bias is not None else None
-        return ops.layer_norm(x, copy_to(self.weight, self.comm), bias, self.eps)
+        bias = sequence_parallel_param(self.bias, self.comm) if self.bias is not None else None
+        return ops.layer_norm(x, sequence_parallel_param(self.weight, self.comm), bias, self.eps)
 
 
 class VocabParallelEmbedding(Module):
@@ -316,14 +332,23 @@ class TensorParallelPlan:
         """The rows of wpe that the tp group's `t` tokens use: positions 0 .. t-1."""
         return slice(0, t)
 
-    def positions(self, pos: Tensor, t: int) -> Tensor:
-        """Position embeddings [T, C] -> my rows [T/tp, C] under sequence parallelism (gradient
-        all-gathered back), else all of them."""
+    def positions(self, weight: Parameter, rows, t: int) -> Tensor:
+        """The position embeddings of the tp group's `t` tokens (`rows` of wpe `weight`, a slice
+        or positions): all of them [T, C], or under sequence parallelism my part [T/tp, C]. That
+        part is cut from the whole lookup (its gradient all-gathered back: whole on every rank),
+        or, when the training step sums wpe's gradient over tp (`tp_partial_grad`), looked up
+        alone: the gradient reaches my rows only, and the sum over tp fills in the others."""
         if not self.sequence_parallel:
-            return pos
+            return ops.getitem(weight, rows)
         # config checks block_size; a shorter batch is checked here
         require_divisible("sequence length T", t, "tp", self.comm.size, "with sequence parallelism")
-        return split_to(pos, self.comm, 0)
+        if not weight.tp_partial_grad:
+            return split_to(ops.getitem(weight, rows), self.comm, 0)
+        n = t // self.comm.size
+        lo = self.comm.rank * n
+        start = (rows.start or 0) if isinstance(rows, slice) else 0
+        mine = slice(start + lo, start + lo + n) if isinstance(rows, slice) else rows[lo:lo + n]
+        return ops.getitem(weight, mine)
 
     def dropout(self, x: Tensor, p: float, keys, rows=None, length: int | None = None) -> Tensor:
         """As `PlainPlan.dropout`; under sequence parallelism x is my part of the group's tokens."""

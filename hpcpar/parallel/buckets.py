@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Hashable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -323,6 +323,8 @@ class BucketManager:
             the no-overlap baseline for benchmarks).
         release: ZeRO-2: allocate each bucket's full gradient buffer when its first gradient
             arrives and drop it once its (sharding) reduction has completed (module doc).
+        prepare: called with each bucket when it is complete, just before its reduction starts
+            (`DataParallel`: a compressed bucket's sequence-parallel gradients summed over tp).
 
     Per step: `begin_step(microbatches)`, the backwards (hooks call `on_grad`),
     `finish_backward()`.
@@ -336,9 +338,11 @@ class BucketManager:
     MAX_IN_FLIGHT = 2  # ZeRO-2: reductions launched from hooks and not yet waited, at most
 
     def __init__(self, named_params: list[tuple[str, Any]], plans: list[BucketPlan], reduction: Reduction,
-                 tied_comm: Communicator | None = None, overlap: bool = True, release: bool = False):
+                 tied_comm: Communicator | None = None, overlap: bool = True, release: bool = False,
+                 prepare: Callable[[Bucket], None] | None = None):
         params = [p for _, p in named_params]
         self.reduction = reduction
+        self.prepare = prepare
         self.comm = reduction.comm
         replicate = getattr(reduction, "replicate", None)
         self._alone = self.comm.size == 1 and (replicate is None or replicate.size == 1)  # nothing to reduce
@@ -442,6 +446,8 @@ class BucketManager:
         if self.release:
             for p in b.params:  # parameters that got no gradient (or no hook yet) are zeros / adopted
                 self._adopt(b, p)
+        if self.prepare is not None:
+            self.prepare(b)
         if not self._alone:
             b.handle = self.reduction.start(b)
         if self.release:

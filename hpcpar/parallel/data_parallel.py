@@ -148,7 +148,13 @@ class DataParallel:
         self._plain = None  # the uncompressed reduction (warm-up steps before compression.start_step)
         self.dp_size, self.dp_rank = self.dp_comm.size, self.dp_comm.rank
         self.embedding_comm = None if local_tied else mesh.embedding_comm
-        self.tp_rank = tp_rank = mesh.comm(Axis.TP).rank
+        self.tp_comm = mesh.comm(Axis.TP)
+        self.tp_rank = tp_rank = self.tp_comm.rank
+        # Sequence parallelism: replicated parameters applied to sequence shards hold a part of
+        # their gradient per tp rank; this object sums them over tp once per step (`tp_sum_per_step`).
+        self._sequence_parallel = [p for p in self.params if getattr(p, "sequence_parallel", False)
+                                   and self.tp_comm.size > 1]
+        self.tp_sum_per_step = True
         self.replica = self.replicate_comm.rank  # HSDP: replicas > 0 hold copies of replica 0's shards
 
         # Tied weights: copies (tied_to set) and the weights they mirror, here or on the peer stage.
@@ -197,8 +203,11 @@ class DataParallel:
                 self._compressed = reduction = CompressedReduction(
                     compressor, shards=bool(zero), scatter=self.shard_comm if self._compress_replicas else None,
                     part_comm=self.shard_comm if zero else None)
+            # A compressor is not linear: it must see the whole (tp-summed) gradient, so there the
+            # sequence-parallel parts are summed bucket by bucket, before each reduction starts.
+            prepare = self._sum_bucket_over_tp if compressor is not None and self._sequence_parallel else None
             self.reducer = BucketManager(named, plans, reduction, tied_comm=self.embedding_comm, overlap=overlap,
-                                         release=zero == 2)
+                                         release=zero == 2, prepare=prepare)
             self.buckets = self.reducer.buckets
             if self.embedding_comm is not None:
                 tied_buckets = [b for b in self.buckets if b.plan.tied]
@@ -315,7 +324,43 @@ class DataParallel:
             self.reducer.finish_backward()
             if self._zero is not None:
                 self._zero.attach_grads()
+        if self.reducer is None or self.reducer.prepare is None:
+            # The data-parallel average is linear, so averaging each tp rank's part and summing
+            # after is the sum averaged: one all-reduce over tp for every part this rank holds.
+            self._sum_over_tp([s.grad for s in self.segments if getattr(s.param, "tp_partial_grad", False)]
+                              if self.zero else [p.grad for p in self._sequence_parallel if p.tp_partial_grad])
         self.wait_s = time.perf_counter() - t0
+
+    # -- sequence parallelism: the tp sum of the sequence-shard parameters' gradients ---------------
+
+    @property
+    def tp_sum_per_step(self) -> bool:
+        """Whether this object sums the gradients of the sequence-parallel parameters over tp
+        once per step (default): after the data-parallel reduction, or with a compressor bucket
+        by bucket before it. False leaves that to the model, at every use (f): the per-use
+        baseline for benchmarks. Set it between steps."""
+        return all(p.tp_partial_grad for p in self._sequence_parallel)
+
+    @tp_sum_per_step.setter
+    def tp_sum_per_step(self, value: bool) -> None:
+        for p in self._sequence_parallel:
+            p.tp_partial_grad = bool(value)
+
+    def _sum_over_tp(self, grads: list) -> None:
+        """Sum `grads` (this tp rank's parts of sequence-parallel gradients; every tp rank lists
+        the same shapes in the same order) over tp in place: one all-reduce of their concatenation."""
+        if not grads:
+            return
+        xp = backend.array_module(grads[0])
+        total = self.tp_comm.all_reduce(xp.concatenate([g.reshape(-1) for g in grads]))
+        at = 0
+        for g in grads:
+            g[...] = total[at:at + g.size].reshape(g.shape)
+            at += g.size
+
+    def _sum_bucket_over_tp(self, bucket) -> None:
+        """Before bucket `bucket`'s (compressed) reduction: its sequence-parallel gradients summed over tp."""
+        self._sum_over_tp([v for p, v in zip(bucket.params, bucket.views) if getattr(p, "tp_partial_grad", False)])
 
     def _grad_buffers(self) -> list:
         """The arrays that hold this rank's averaged gradients (clipping scales them)."""
@@ -361,6 +406,12 @@ class DataParallel:
     def sync_bytes(self) -> float:
         """Bytes this rank has sent for gradient synchronisation so far (see `sync_comms`)."""
         return sum(c.bytes_sent_total() for c in self.sync_comms())
+
+    def step_bytes(self) -> float:
+        """Bytes `step()` will send from this rank (ZeRO 1/2: the all-gather of the updated parts;
+        nothing otherwise), known before it runs: the step's traffic is agreed on before the
+        optimizer step (`Trainer._agree`)."""
+        return self._zero.step_bytes() if self._zero is not None else 0.0
 
     def uncompressed_bytes(self) -> float | None:
         """Bytes this rank sends per step to synchronise gradients without compression: the

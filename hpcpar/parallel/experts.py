@@ -63,15 +63,19 @@ class ExpertDataParallel:
             for g in self.experts.norm_parts()[1]:
                 g *= 1.0 / self.ep
 
-    def clip_grad_norm(self, max_norm: float, loss_scale: float = 1.0) -> float:
-        """One global norm over dense and expert gradients (collective over the world); gradients of
-        a loss scaled by `loss_scale` are unscaled first (`clip_global_norm`)."""
+    def norm_parts(self) -> tuple[list, list]:
+        """Both parts' (items counted toward the global norm, gradient buffers)."""
         items, buffers = [], []
         for part in self.parts:
             mine, grads = part.norm_parts()
             items += mine
             buffers += grads
-        return clip_global_norm(items, buffers, max_norm, self.mesh.world, loss_scale)
+        return items, buffers
+
+    def clip_grad_norm(self, max_norm: float, loss_scale: float = 1.0) -> float:
+        """One global norm over dense and expert gradients (collective over the world); gradients of
+        a loss scaled by `loss_scale` are unscaled first (`clip_global_norm`)."""
+        return clip_global_norm(*self.norm_parts(), max_norm, self.mesh.world, loss_scale)
 
     def step(self, lr: float | None = None) -> None:
         for part in self.parts:
@@ -89,6 +93,9 @@ class ExpertDataParallel:
 
     def uncompressed_bytes(self) -> float | None:
         return sum(part.uncompressed_bytes() for part in self.parts)
+
+    def step_bytes(self) -> float:
+        return sum(part.step_bytes() for part in self.parts)
 
     # -- parameters, optimizer state, checkpoints -----------------------------------------------
     def full_parameters(self) -> dict[str, Any]:

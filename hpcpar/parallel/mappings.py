@@ -20,6 +20,9 @@ Layouts over the ranks of `comm`:
     gather_from          sharded(dim) -> replicated   keep my part
     all_to_all_v         rows to ranks by counts      all_to_all_v with the counts swapped
 
+`sequence_parallel_param` is how a replicated parameter enters a sequence-sharded region: f,
+or, when the training step sums its gradient over tp once per step instead, the parameter itself.
+
 With `comm` None or of size 1 every mapping returns its input itself: no graph node, no cost.
 """
 
@@ -63,6 +66,17 @@ def copy_to(x: Tensor, comm: Communicator | None) -> Tensor:
     if x.is_leaf:
         return Tensor.view_of_leaf(x, lambda g: (comm.all_reduce(g),))
     return Tensor.from_op(x.data, (x,), lambda g: (comm.all_reduce(g),))
+
+
+def sequence_parallel_param(p: Tensor, comm: Communicator | None) -> Tensor:
+    """A replicated parameter `p` applied to a sequence shard (`Parameter.sequence_parallel`: a
+    LayerNorm weight or bias, a row-parallel bias), whose gradient on each rank is the part of its
+    tokens. By default f (`copy_to`): the parts are summed over `comm` at every use, so `.grad` is
+    whole after any backward. With `p.tp_partial_grad` (the training step owns the sum,
+    `DataParallel`) `p` itself: `.grad` accumulates this rank's part over the step's micro-batches
+    and is summed over tp once, after the last one (Megatron's all-reduce of the sequence-parallel
+    gradients), instead of about six small all-reduces per block and micro-batch."""
+    return p if getattr(p, "tp_partial_grad", False) else copy_to(p, comm)
 
 
 def reduce_from(x: Tensor, comm: Communicator | None) -> Tensor:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from hpcpar import backend
-from hpcpar.comm import Communicator
+from hpcpar.comm import Communicator, bytes_sent
 from hpcpar.parallel.buckets import Bucket
 
 
@@ -126,6 +126,13 @@ class ZeroOptimizer:
         handles = [self.comm.iall_gather(part.data.copy(), dim=0, out=part.flat) for part in self.parts]
         for h in handles:
             h.wait()
+
+    def step_bytes(self) -> float:
+        """Bytes `step` sends from this rank: the all-gather of every updated part, counted by
+        `comm.bytes_sent`'s formula as the communicator counts it (known before the step)."""
+        if self.comm.size == 1:
+            return 0.0
+        return sum(bytes_sent("all_gather", part.data.nbytes, self.comm.size) for part in self.parts)
 
     def gather_parameters(self) -> None:
         """All-gather every bucket's parts into the parameters (after loading parts; collective)."""

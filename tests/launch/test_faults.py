@@ -4,7 +4,7 @@ Each test runs `hpcpar train` (tiny float64 GPT, mesh dp=1 x tp=2 x pp=2) throug
 script that monkeypatches hpcpar from the outside (no fault hooks live in production code):
   raise     rank FAULT_RANK raises at step FAULT_STEP          -> status != 0, its traceback
   sigkill   rank FAULT_RANK SIGKILLs itself at step FAULT_STEP -> every rank ends, no hang
-  skip      rank FAULT_RANK skips the preemption all-reduce    -> watchdog names it
+  skip      rank FAULT_RANK skips the step's world all-gather  -> watchdog names it
   stall     rank FAULT_RANK sleeps in compute at step FAULT_STEP -> watchdog names it as stalled
   sigterm   rank FAULT_RANK gets SIGTERM during step FAULT_STEP -> checkpoint, status 75, exact resume
   killsave  rank FAULT_RANK dies while writing the 2nd checkpoint -> the 1st stays `latest`, intact
@@ -34,7 +34,7 @@ DRIVER = textwrap.dedent("""
     import os, signal, sys, time
     import numpy as np
     from mpi4py import MPI
-    from hpcpar import checkpoint, cli, preemption, train
+    from hpcpar import checkpoint, cli, train
     from hpcpar.parallel.data_parallel import DataParallel
 
     fault = os.environ["FAULT"]
@@ -83,14 +83,14 @@ DRIVER = textwrap.dedent("""
         DataParallel.finish_backward = poisoned_finish_backward
 
     if fault == "skip" and rank == target:
-        agreed, calls = preemption.agreed, {"n": 0}
+        gather, calls = train.Trainer._gather_step, {"n": 0}
 
-        def skipping_agreed(world):
+        def skipping_gather(self, row):
             calls["n"] += 1
-            if calls["n"] == at + 1:  # the end of step `at`: this rank never joins the all-reduce
-                return False
-            return agreed(world)
-        preemption.agreed = skipping_agreed
+            if calls["n"] == at + 1:  # step `at`: this rank never joins the step's all-gather
+                return np.tile(row, (self.mesh.world.size, 1))
+            return gather(self, row)
+        train.Trainer._gather_step = skipping_gather
 
     if fault == "killsave" and rank == target:
         write, saves = checkpoint._write_rank_file, {"n": 0}
@@ -177,7 +177,7 @@ def test_a_rank_that_skips_a_collective_is_named_by_the_watchdog(train, tmp_path
     job = train("skip", tmp_path / "run", "train.steps=6", "run.timeout=3", FAULT_RANK="3", FAULT_STEP="2")
     assert not job.timed_out and job.elapsed < 60, job.output
     assert job.returncode != 0
-    assert job.output.count("CommTimeout: all_reduce on communicator 'world'") == 1, job.output
+    assert job.output.count("CommTimeout: all_gather on communicator 'world'") == 1, job.output
     never = job.stderr.split("Never arrived at world#")[1].split("Last ops of each rank")[0]
     assert "rank 3: waiting in" in never, job.output  # it went on and waits for something else
     assert all(f"rank {r}:" not in never for r in (0, 1, 2))

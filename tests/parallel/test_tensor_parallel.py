@@ -260,9 +260,11 @@ class CountingMPI:
         return getattr(self._real, name)
 
 
-def _counts(n_layer: int, tp_comm: Communicator, sp: bool) -> tuple:
+def _counts(n_layer: int, tp_comm: Communicator, sp: bool, partial: bool = False) -> tuple:
     cfg = GPTConfig(**{**CFG.__dict__, "n_layer": n_layer})
     model = GPT(cfg, tp_comm=tp_comm, sequence_parallel=sp, seed=SEED)
+    for p in model.parameters():   # partial: the training step sums their gradients (DataParallel does this)
+        p.tp_partial_grad = partial and p.sequence_parallel
     transport = tp_comm._host  # the MPI transport every host-array op of tp_comm goes through
     counter = CountingMPI(transport.comm)
     transport.comm = counter
@@ -301,3 +303,17 @@ def test_collectives_per_layer_and_microbatch(groups, sp):
                       f"backward {per_layer_bwd} (want {want_bwd})")
     # mpi4py's lower-case methods pickle; only buffer (upper-case) methods may be used.
     collective_assert(all(n[0].isupper() for n in names), f"pickling mpi4py methods used: {sorted(names)}")
+
+
+@pytest.mark.parametrize("groups", [2, 4], indirect=True)
+def test_sequence_parallel_gradients_left_to_the_step_cost_nothing_per_layer(groups):
+    """When the training step sums the sequence-shard parameters' gradients over tp once per step
+    (`tp_partial_grad`, set by DataParallel; tests/parallel/test_step_collectives.py counts that
+    sum), a layer's backward has no all-reduce left: 2 reduce-scatters + 2 all-gathers."""
+    tp_comm, _ = groups
+    f1, b1 = _counts(1, tp_comm, True, partial=True)
+    f2, b2 = _counts(2, tp_comm, True, partial=True)
+    per_layer = {k.lower().removeprefix("i"): v for k, v in (b2 - b1).items()}
+    want = {"allgather": 2, "reduce_scatter_block": 2}
+    collective_assert(per_layer == want and f2 - f1 == _counts(2, tp_comm, True)[0] - _counts(1, tp_comm, True)[0],
+                      f"per layer backward {per_layer} (want {want})")

@@ -153,6 +153,15 @@ SAMPLES = {
              "best": {"dp": 4, "zero1": {"tokens_per_s": 7000.0, "gather_wait_s": 0.0},
                       "zero3": {"tokens_per_s": 6650.0, "gather_wait_s": 0.07},
                       "zero3_no_prefetch": {"tokens_per_s": 6000.0, "gather_wait_s": 0.1}}},
+    "step_overhead": {"model": {"n_layer": 4, "n_embd": 64, "block_size": 64, "batch": 2, "microbatches": 4,
+                                "dtype": "float32", "dropout": 0.1},
+                      "rows": [{"mesh": "dp2xtp2-sp", "speedup": 1.25, "loss_rel_diff": 1e-8,
+                                "before": {"step_s": 0.05, "ops_per_step": {"world": {"all_reduce": 2, "all_gather": 2},
+                                                                            "tp": {"all_reduce": 112, "all_gather": 84},
+                                                                            "dp": {"all_reduce": 1}}},
+                                "after": {"step_s": 0.04, "ops_per_step": {"world": {"all_gather": 1},
+                                                                           "tp": {"all_reduce": 9, "all_gather": 80},
+                                                                           "dp": {"all_reduce": 1}}}}]},
 }
 
 
@@ -223,6 +232,9 @@ def test_key_figures_computed_from_the_json(run_all):
                               "3.4 Gb/s")
     zero = run_all.key_figures("zero", SAMPLES["zero"])
     assert zero[0].startswith("zero=3 / zero=1 tokens/s on 4 ranks: 0.95x") and "30% hidden" in zero[1]
+    overhead = run_all.key_figures("step_overhead", SAMPLES["step_overhead"])
+    assert overhead == ["dp2xtp2-sp: step 50.0 -> 40.0 ms (1.25x); world collectives/step 4 -> 1; "
+                        "tp all-reduces/step 112 -> 9"]
 
 
 def test_malformed_results_are_reported_not_raised(run_all):
@@ -259,6 +271,7 @@ def test_markdown_table(run_all, summary):
     assert "top-k ratio 0.1, PowerSGD rank 8, 16." in text
     assert "Within 3 % of none with error feedback (the loss criterion): int8; not: topk 0.01 (warm-up 100)." in text
     assert "| wide | int8 | 610 | 601 | 600 | any |" in text
+    assert "## Per-step overhead" in text and "| dp2xtp2-sp | after | 40.00 | 1 | 9 | 80 | 1 | 1.0e-08 |" in text
 
 
 def test_quiet_machine_and_missing_results(run_all, tmp_path):
