@@ -77,6 +77,12 @@ def _load():
             _gemm_batch[np.dtype(dtype)] = batched
         lib.MKL_Set_Num_Threads_Local.argtypes = [i]
         _lib = lib
+        # NumPy's OpenBLAS is left the products below MIN_MKL_WORK: one thread, so its workers do
+        # not spin (as they do after each call) on the cores the kernels' threads need.
+        one = _numpy_openblas("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                              "openblas_set_num_threads")
+        if one is not None:
+            one(1)
         break
     return _lib
 
@@ -87,11 +93,31 @@ def name() -> str:
 
 
 def single_threaded() -> None:
-    """This thread's GEMMs run on it alone (MKL's per-thread setting; OpenBLAS runs the small GEMMs
-    such threads issue on the caller anyway)."""
+    """This thread's GEMMs run on it alone (MKL's and OpenBLAS's per-thread settings)."""
     lib = _load()
     if lib is not None:
         lib.MKL_Set_Num_Threads_Local(1)
+    local = _numpy_openblas("openblas_set_num_threads_local")
+    if local is not None:
+        local(1)
+
+
+def _numpy_openblas(*names: str):
+    """The first of `names` in the OpenBLAS that NumPy's wheel bundles (numpy.libs/), or None (a NumPy
+    built otherwise: conda's MKL, a system BLAS)."""
+    libs = glob.glob(os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs", "*openblas*.so*"))
+    for path in libs:
+        try:
+            lib = ctypes.CDLL(path)  # already loaded by NumPy: the same library
+        except OSError:
+            continue
+        for name in names:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.restype = None
+                fn.argtypes = [ctypes.c_int]
+                return fn
+    return None
 
 
 def _operand(a) -> tuple[int, int] | None:

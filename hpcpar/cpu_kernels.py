@@ -60,12 +60,14 @@ def set_threads(n: int | None) -> None:
     global _threads_set
     if n is not None and n < 1:
         raise ValueError(f"kernel threads must be >= 1, got {n}")
-    _threads_set = n
+    _threads_set = n if n is not None else _threads.blas_threads()
 
 
 def num_threads() -> int:
     """The threads the kernels use now."""
-    return _threads_set if _threads_set is not None else _threads.blas_threads()
+    if _threads_set is None:
+        set_threads(None)
+    return _threads_set
 
 
 def _run(fn, blocks: list) -> None:
