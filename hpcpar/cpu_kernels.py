@@ -162,31 +162,90 @@ def gelu_backward(x, t, g):
     low = is_low(xf.dtype)
 
     def block(a, e):
-        n = e - a
-        xs = up(xf[a:e])
-        if tf is not None:
-            tt = tf[a:e]
-        else:
-            tt = _scratch("gelu_t", (n,), cd)
-            _tanh_u(xs, tt)
-        x2 = _scratch("gelu_x2", (n,), cd)
-        np.multiply(xs, xs, out=x2)
-        x2 *= 3 * _GELU_A
-        x2 += 1.0
-        x2 *= _GELU_C
-        s = _scratch("gelu_o", (n,), cd) if low else out[a:e]
-        np.multiply(tt, tt, out=s)
-        np.subtract(1.0, s, out=s)
-        s *= xs
-        s *= x2
-        s += tt
-        s += 1.0
-        s *= 0.5
-        s *= up(gf[a:e])
+        s = _scratch("gelu_o", (e - a,), cd) if low else out[a:e]
+        _gelu_grad(up(xf[a:e]), tf[a:e] if tf is not None else None, up(gf[a:e]), s)
         if low:
             out[a:e] = s
     _run(block, _blocks(xf.size, cd.itemsize))
     return out.reshape(x.shape)
+
+
+def _gelu_grad(xs, tt, gs, s) -> None:
+    """s = GELU's gradient at xs times gs (all in the compute dtype); tt: the kept tanh, or None."""
+    if tt is None:
+        tt = _scratch("gelu_t", xs.shape, xs.dtype)
+        _tanh_u(xs, tt)
+    x2 = _scratch("gelu_x2", xs.shape, xs.dtype)
+    np.multiply(xs, xs, out=x2)
+    x2 *= 3 * _GELU_A
+    x2 += 1.0
+    x2 *= _GELU_C
+    np.multiply(tt, tt, out=s)
+    np.subtract(1.0, s, out=s)
+    s *= xs
+    s *= x2
+    s += tt
+    s += 1.0
+    s *= 0.5
+    s *= gs
+
+
+def bias_gelu_forward(y, b, dt):
+    """GELU of a linear's pre-activation: y [N, n] the GEMM's output (compute dtype, a fresh array:
+    the bias is added into it), b [n] or None (compute dtype). Returns (out [N, n] in `dt`, pre, t):
+    pre = y + b, kept for backward (y itself; rounded to `dt` in 16 bits, as a separate linear would
+    have stored its output), and t = tanh(..) (None in 16 bits: backward recomputes it)."""
+    n, cols = y.shape
+    low = is_low(dt)
+    cd = y.dtype
+    out = np.empty((n, cols), dtype=dt)
+    pre = np.empty((n, cols), dtype=dt) if low else y
+    kept = None if low else np.empty_like(y)
+
+    def block(a, e):
+        ys = y[a:e]
+        if b is not None:
+            ys += b
+        if low:
+            pre[a:e] = ys
+            xs = _scratch("bg_x", ys.shape, cd)
+            xs[...] = pre[a:e]
+        else:
+            xs = ys
+        t = kept[a:e] if kept is not None else _scratch("gelu_t", ys.shape, cd)
+        _tanh_u(xs, t)
+        o = _scratch("gelu_o", ys.shape, cd) if low else out[a:e]
+        np.add(t, 1.0, out=o)
+        o *= xs
+        o *= 0.5
+        if low:
+            out[a:e] = o
+    _run(block, _blocks(n, cols * cd.itemsize))
+    return out, pre, kept
+
+
+def bias_gelu_backward(pre, t, g, bias: bool):
+    """(g_pre [N, n] in pre's dtype, dbias [n] or None) for bias_gelu_forward's output gradient g:
+    GELU's gradient, and the bias gradient = its column sums (per-block partials, in block order),
+    both from one pass over the blocks."""
+    n, cols = pre.shape
+    cd = up_dtype(pre.dtype)
+    low = is_low(pre.dtype)
+    grad = np.empty((n, cols), dtype=pre.dtype)
+    blocks = _blocks(n, cols * cd.itemsize)
+    db = np.empty((len(blocks), cols), dtype=cd) if bias else None
+    index = {blk: i for i, blk in enumerate(blocks)}
+
+    def block(a, e):
+        s = _scratch("bg_s", (e - a, cols), cd) if low else grad[a:e]
+        _gelu_grad(up(pre[a:e]), t[a:e] if t is not None else None, up(g[a:e]), s)
+        if low:
+            grad[a:e] = s
+            s[...] = grad[a:e]  # the bias gradient of the rounded values, as a separate linear sums them
+        if db is not None:
+            np.einsum("ij->j", s, out=db[index[(a, e)]])
+    _run(block, blocks)
+    return grad, (_sum_partials(db) if db is not None else None)
 
 
 # -- LayerNorm -------------------------------------------------------------------------------------

@@ -207,7 +207,8 @@ def _gemm(a, b, dt):
     return blas.matmul(up(a), up(b))
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype=None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype=None,
+           activation: str | None = None) -> Tensor:
     """y = x @ weight.T + bias.  x [..., in], weight [out, in] (nn.Linear layout), bias [out].
 
     The backward reads `weight.data` when it runs: the graph keeps no reference to a parameter's
@@ -215,23 +216,50 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype=None
     Split backward (B/W): dX in B; dW = g^T x and db = sum(g) are weight work (`weight_grad`),
     which keeps g and x until W. `out_dtype`: y's dtype (default x's; float32 for a partial sum
     of 16-bit activations that a reduction adds up before rounding).
+
+    `activation="gelu"`: y = gelu(x @ weight.T + bias) (the MLP's c_fc), the same values as
+    `gelu(linear(x, weight, bias))`. On the CPU the bias add and the GELU are one cache-blocked
+    pass over the GEMM's output, and in backward GELU's gradient and the bias gradient another
+    (`cpu_kernels.bias_gelu_forward` / `_backward`); the pre-activation is kept where the
+    separate ops kept the linear's output.
     """
+    if activation not in (None, "gelu"):
+        raise ValueError(f"activation must be None or 'gelu', not {activation!r}")
+    if activation == "gelu" and (is_device_array(x.data) or out_dtype is not None):
+        return gelu(linear(x, weight, bias, out_dtype))
     xd, dt = x.data, x.data.dtype
     x2 = xd.reshape(-1, xd.shape[-1])
     wd = rounded(weight.data, dt)
     y = _gemm(x2, wd.T, dt)
+    shape = xd.shape[:-1] + (wd.shape[0],)
+    del wd
+    if activation == "gelu":
+        b = rounded(bias.data, dt) if bias is not None else None
+        out, pre, kept = cpu_kernels.bias_gelu_forward(y, b, dt)
+        del y, b
+
+        def backward(g):
+            g2, db = cpu_kernels.bias_gelu_backward(pre, kept, g.reshape(-1, g.shape[-1]), bias is not None)
+            return _linear_grads(g2, x, x2, weight, bias, dt, lambda: db)
+        return Tensor.from_op(out.reshape(shape), (x, weight, bias), backward)
     if bias is not None:
         y += rounded(bias.data, dt)
-    out = down(y, dt if out_dtype is None else out_dtype).reshape(xd.shape[:-1] + (wd.shape[0],))
-    del wd, y
+    out = down(y, dt if out_dtype is None else out_dtype).reshape(shape)
+    del y
 
     def backward(g):
         g2 = g.reshape(-1, g.shape[-1])
-        gx = down(_gemm(g2, rounded(weight.data, dt), dt), dt).reshape(xd.shape) if x.requires_grad else None
-        gw = weight_grad(lambda: _gemm(g2.T, x2, dt)) if weight.requires_grad else None
-        gb = weight_grad(lambda: _sum_rows(up(g2))) if bias is not None and bias.requires_grad else None
-        return gx, gw, gb
+        return _linear_grads(g2, x, x2, weight, bias, dt, lambda: _sum_rows(up(g2)))
     return Tensor.from_op(out, (x, weight, bias), backward)
+
+
+def _linear_grads(g2, x: Tensor, x2, weight: Tensor, bias: Tensor | None, dt, bias_grad):
+    """(dx, dweight, dbias) of a linear from the gradient of its (pre-activation) output g2 [N, out]:
+    dx = g2 W in B, dW = g2^T x and db = `bias_grad()` as weight work."""
+    gx = down(_gemm(g2, rounded(weight.data, dt), dt), dt).reshape(x.shape) if x.requires_grad else None
+    gw = weight_grad(lambda: _gemm(g2.T, x2, dt)) if weight.requires_grad else None
+    gb = weight_grad(bias_grad) if bias is not None and bias.requires_grad else None
+    return gx, gw, gb
 
 
 def add_bias(y: Tensor, bias: Tensor | None, dtype) -> Tensor:

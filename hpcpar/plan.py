@@ -749,7 +749,7 @@ def _measure_layer(cfg: Config, tp: int, comm) -> list[float]:
         h = ops.linear(ops.layer_norm(x, *ln), w_qkv, b_qkv)
         y = ops.causal_attention(h, heads)
         x = x + ops.linear(y, w_o)
-        h = ops.gelu(ops.linear(ops.layer_norm(x, *ln), w_fc, b_fc))
+        h = ops.linear(ops.layer_norm(x, *ln), w_fc, b_fc, activation="gelu")
         return x + ops.linear(h, w_pr)
 
     def timed(b: int) -> tuple[float, float, float]:

@@ -21,8 +21,9 @@ class Linear(Module):
         self.weight = zeros((out_features, in_features), dtype)
         self.bias = Parameter(backend.xp.zeros((out_features,), dtype=dtype), no_decay=True) if bias else None
 
-    def forward(self, x):
-        return ops.linear(x, self.weight, self.bias)
+    def forward(self, x, activation: str | None = None):
+        """`activation="gelu"`: gelu(x W^T + b) as one fused op (`ops.linear`)."""
+        return ops.linear(x, self.weight, self.bias, activation=activation)
 
 
 class Embedding(Module):

@@ -108,9 +108,10 @@ class ColumnParallelLinear(Module):
         self.bias = (_zeros(Layout.split((out_features,), 0, comm.rank, comm.size, groups), dtype, True)
                      if bias else None)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, activation: str | None = None) -> Tensor:
+        """`activation="gelu"`: gelu of my output columns, fused into the linear (`ops.linear`)."""
         x = all_gather_dim(x, self.comm, SEQ_DIM) if self.sequence_parallel else copy_to(x, self.comm)
-        y = ops.linear(x, self.weight, self.bias)
+        y = ops.linear(x, self.weight, self.bias, activation=activation)
         return gather_from(y, self.comm, -1) if self.gather_output else y
 
 
@@ -180,7 +181,7 @@ class ParallelMLP(Module):
         self.c_proj = RowParallelLinear(4 * c, c, comm, config.bias, config.dtype, sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.c_proj(ops.gelu(self.c_fc(x)))
+        return self.c_proj(self.c_fc(x, activation="gelu"))
 
 
 class SequenceParallelLayerNorm(LayerNorm):

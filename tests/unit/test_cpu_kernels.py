@@ -293,3 +293,24 @@ def test_kept_probabilities_count_the_causal_blocks():
     qkv = RNG.standard_normal((2, 130, 3 * 3 * 2))
     _, saved = ck.causal_attention_forward(qkv, 3)
     assert sum(p.size for p in saved.probs) == 2 * 3 * ck.kept_probabilities(130)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.dtype("bfloat16")])
+def test_fused_bias_gelu_equals_the_separate_ops(blocking, dtype):
+    """ops.linear(..., activation="gelu") against ops.gelu(ops.linear(...)): the same values and
+    gradients (bitwise but for the bias gradient's summation order)."""
+    from hpcpar import ops
+    from hpcpar.tensor import Tensor
+    x0 = down(RNG.standard_normal((3, 37, 8)), np.dtype(dtype)) if dtype != np.float64 else RNG.standard_normal((3, 37, 8))
+    w0, b0 = RNG.standard_normal((24, 8)) * 0.3, RNG.standard_normal(24) * 0.3
+    g = RNG.standard_normal((3, 37, 24)).astype(x0.dtype)
+    outs = []
+    for fused in (False, True):
+        x, w, b = Tensor(x0.copy(), True), Tensor(w0.copy(), True), Tensor(b0.copy(), True)
+        y = ops.linear(x, w, b, activation="gelu") if fused else ops.gelu(ops.linear(x, w, b))
+        y.backward(g)
+        outs.append((y.data, x.grad, w.grad, b.grad))
+    (y1, gx1, gw1, gb1), (y2, gx2, gw2, gb2) = outs
+    assert y2.dtype == y1.dtype and np.array_equal(y1, y2)
+    assert np.array_equal(gx1, gx2) and np.array_equal(gw1, gw2)
+    np.testing.assert_allclose(gb2, gb1, rtol=1e-12 if dtype == np.float64 else 1e-6, atol=1e-12)
