@@ -18,6 +18,7 @@ OMP_NUM_THREADS); one thread runs MKL's sequential layer, which starts no OpenMP
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import math
@@ -100,6 +101,21 @@ def single_threaded() -> None:
     local = _numpy_openblas("openblas_set_num_threads_local")
     if local is not None:
         local(1)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """GEMMs of this thread run on it alone inside (MKL's per-thread setting), as the kernel pool's
+    threads do: the caller of a threaded kernel computes a share of its blocks alongside them."""
+    lib = _load()
+    if lib is None:
+        yield
+        return
+    lib.MKL_Set_Num_Threads_Local(1)
+    try:
+        yield
+    finally:
+        lib.MKL_Set_Num_Threads_Local(0)  # 0: back to the process-wide count
 
 
 def _numpy_openblas(*names: str):

@@ -71,26 +71,34 @@ def num_threads() -> int:
 
 
 def _run(fn, blocks: list) -> None:
-    """fn(a, e) for every (a, e) in `blocks`: on this thread, or, with several threads, each
-    thread taking a contiguous run of blocks (which block a result lands in never depends on it)."""
+    """fn(a, e) for every (a, e) in `blocks`: on this thread, or, with several threads, each thread
+    (this one too) taking a contiguous run of blocks (which block a result lands in never depends
+    on it). The GEMMs a block makes run single-threaded meanwhile: the threads are the cores."""
     n = min(num_threads(), len(blocks))
     if n <= 1:
         for a, e in blocks:
             fn(a, e)
         return
     global _pool, _pool_size
-    if _pool is None or _pool_size < n:
+    if _pool is None or _pool_size < n - 1:
         if _pool is not None:
             _pool.shutdown(wait=False)
-        _pool, _pool_size = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hpcpar-kernel",
-                                               initializer=blas.single_threaded), n
+        _pool, _pool_size = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="hpcpar-kernel",
+                                               initializer=blas.single_threaded), n - 1
     per = -(-len(blocks) // n)
+    parts = [blocks[i:i + per] for i in range(0, len(blocks), per)]
+    futures = [_pool.submit(_run_part, fn, part) for part in parts[1:]]
+    try:
+        with blas.one_thread():
+            _run_part(fn, parts[0])
+    finally:
+        for future in futures:
+            future.result()  # waits for every part; re-raises a block's exception here
 
-    def run_part(part):
-        for a, e in part:
-            fn(a, e)
-    for future in [_pool.submit(run_part, blocks[i:i + per]) for i in range(0, len(blocks), per)]:
-        future.result()  # re-raises a block's exception here
+
+def _run_part(fn, part: list) -> None:
+    for a, e in part:
+        fn(a, e)
 
 
 def _blocks(n: int, item_bytes: int, block_bytes: int = 0) -> list:
