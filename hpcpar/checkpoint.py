@@ -2,12 +2,12 @@
 
 A checkpoint is a directory `step-NNNNNNN/` (format: docs/checkpoint-format.md):
 
-    rank-00003.h5   the blocks rank 3 writes, dataset `<name>/block-<k>`, contiguous, with a
-                    checksum per segment of ~1 MiB of rows (attributes `checksum_rows`, `checksums`)
+    rank-00003.h5   the blocks rank 3 writes, dataset `<name>/block-<k>`, contiguous
     index.h5        one HDF5 virtual dataset per global tensor, stitched from the rank files,
                     with attributes `global_shape`, `dtype`, `sharding` (JSON: file, dataset,
                     global region of every block); root attribute `meta` (JSON)
-    manifest.json   format, meta, per-file size, the same tensor table
+    manifest.json   format, meta, per-file size, the tensor table with every block's extent
+                    (file offset, a checksum per segment of ~1 MiB of rows); its own sha256
 
 That is the default storage, `per_rank` (any h5py). With `storage="shared"` (parallel HDF5: h5py
 built with MPI) there are no rank files: `index.h5` holds the global tensors themselves, one
@@ -18,14 +18,15 @@ wrote which region. Either storage loads into any layout (reading needs no MPI-I
 Rank files near the disk: HDF5 creates each block's dataset (metadata, space allocated, nothing
 written); the bytes go from the caller's arrays to the file with `pwrite`, a segment at a time,
 each segment's checksum computed while it is in cache; loads `pread` segments straight into the
-destination array and check them there. The checksum (`_checksum`: per 4 KiB page the sum of
-its 64-bit words, then crc32 of those sums) runs at memory speed and catches any flipped byte,
-and a misplaced page; a mismatch names the file, tensor, block and rows. HDF5's own metadata is
-checksummed (file format 1.10: superblock v3, object header v2, where the checksums live); the
-manifest's sizes catch truncated and missing files. The small index, whose virtual-dataset maps
-and JSON attributes live in HDF5's unchecksummed global heap, is checked against its sha256 in
-the manifest before HDF5 opens it. Format v1 rank files (chunked, fletcher32) and the shared
-file are read through HDF5, which verifies their fletcher32 chunks.
+destination array and check them there, taking the table and extents from the manifest (one
+JSON file, not HDF5 attributes per tensor). The checksum (`_checksum`: per 4 KiB page the sum of
+its 64-bit words, then crc32 of those sums) runs at memory speed and catches any flipped byte
+and a misplaced page; a mismatch names the file, tensor, dataset and rows. The manifest is
+checked against its own sha256, the index against the manifest's (its virtual-dataset maps and
+JSON attributes live in HDF5's unchecksummed global heap), and the manifest's sizes catch
+truncated and missing files; HDF5's own metadata is checksummed (file format 1.10: superblock
+v3, object header v2), which `verify` reads. Format v1 rank files (chunked, fletcher32) and the
+shared file are read through HDF5, which verifies their fletcher32 chunks.
 
 Every tensor is stored under its global name and global shape; each global block is written
 exactly once, by the lowest rank that holds it, and only that rank touches (copies, moves to
@@ -98,8 +99,10 @@ def rank_file_name(rank: int) -> str:
 # ----------------------------------------------------------------------------------------
 # Collective failure: every rank raises the same error.
 
-def _collective(comm, fn: Callable[[], Any]) -> Any:
+def _collective(comm, fn: Callable[[], Any], share: bool = False) -> Any:
     """Run `fn` on every rank; if it fails anywhere, raise the same CheckpointError everywhere.
+    Returns this rank's result, or with `share` every rank's (list by rank: small objects only),
+    in the same all-gather.
 
     Any exception (not only CheckpointError) is caught: a bug on one rank must not leave the
     others waiting in the next collective.
@@ -110,14 +113,14 @@ def _collective(comm, fn: Callable[[], Any]) -> Any:
         result, msg = None, str(err)
     except Exception as err:  # noqa: BLE001 - converted, re-raised on every rank below
         result, msg = None, _one_line(err)
-    messages = comm.all_gather_object(msg)
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    gathered = comm.all_gather_object((result if share else None, msg))
+    failed = [(r, m) for r, (_, m) in enumerate(gathered) if m is not None]
     if failed:
         rank, first = failed[0]
         more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
         prefix = f"rank {rank}: " if comm.size > 1 else ""
         raise CheckpointError(f"{prefix}{first}{more}")
-    return result
+    return [r for r, _ in gathered] if share else result
 
 
 def _one_line(err: Exception) -> str:
@@ -523,6 +526,27 @@ def _write_json(path: str, obj: dict) -> None:
 # ----------------------------------------------------------------------------------------
 # Save.
 
+class _Background:
+    """`fn()` in a thread; `result()` joins it and returns (or raises) what it did."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._out: list = [None, None]
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="hpcpar-ckpt-index", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._out[0] = fn()
+        except BaseException as err:  # noqa: BLE001 - re-raised by result()
+            self._out[1] = err
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._out[1] is not None:
+            raise self._out[1]
+        return self._out[0]
+
+
 class SaveHandle:
     """A save in flight: rank files written by a background thread; `.wait()` commits.
 
@@ -602,8 +626,12 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
                               "collective MPI-IO, which cannot run in a background thread")
     rank, world = comm.rank, comm.size
     directory = os.path.abspath(directory)
+    # Collectives cost (~7 ms each through the watched Communicator on a busy shared machine, a
+    # third of a 64 MiB-per-rank save): a save makes three all-gathers and a barrier.
 
-    def describe():  # shapes, dtypes and regions only: no data is touched here
+    def describe():
+        """Shapes, dtypes and regions (no data is touched); rank 0 also makes the temporary
+        directory, whose path goes with its answer."""
         held = {}
         for name, (array, layout) in tensors.items():
             if tuple(array.shape) != tuple(layout.local_shape):
@@ -611,10 +639,21 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
                                       f"layout says {list(layout.local_shape)}")
             held[name] = (tuple(layout.global_shape), np.dtype(array.dtype).str,
                           [_region(b.glob) for b in layout.blocks])
-        return held
+        if rank != 0:
+            return held, None
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{_TMP_PREFIX}{step:07d}-{secrets.token_hex(4)}")
+        os.mkdir(tmp)
+        return held, tmp
 
-    holdings = comm.all_gather_object(_collective(comm, describe))
-    plan = _collective(comm, lambda: assign_writers(holdings))
+    answers = _collective(comm, describe, share=True)
+    holdings, tmp = [held for held, _ in answers], answers[0][1]
+    try:  # the same input everywhere: it fails (or not) on every rank alike
+        plan = assign_writers(holdings)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if storage == SHARED:
         plan = _shared_plan(plan)
 
@@ -639,33 +678,28 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
                 items.append((b, name, host.reshape(tuple(e - s for s, e in b.region))))
         return items
 
-    items = _collective(comm, snapshot)
+    try:
+        items, failed = snapshot(), None
+    except Exception as err:  # noqa: BLE001 - raised where the ranks next agree (the write's outcome)
+        items, failed = [], err
 
-    def make_tmp():
-        if rank != 0:
-            return None
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f"{_TMP_PREFIX}{step:07d}-{secrets.token_hex(4)}")
-        os.mkdir(tmp)
-        return tmp
-
-    # The per-rank index depends on the plan only: the rank with the least data to write writes it
-    # while the others write theirs (a dp replica that writes nothing, if there is one).
+    # Rank 0's meta, stamped now (the snapshot's time).
+    stored_meta = dict(meta, step=step, format_version=FORMAT_VERSION, world_size=world,
+                       hpcpar_version=hpcpar.__version__,
+                       timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat())
+    # The per-rank index depends on the plan only: the rank with the least data to write writes
+    # it while the others write theirs (a dp replica that writes nothing, if there is one; rank 0
+    # among equals, which needs no copy of the meta).
     load_of = collections.Counter()
     for t in plan.values():
         for b in t.blocks:
             load_of[b.rank] += _volume(b.region) * np.dtype(t.dtype).itemsize
-    index_writer = min(range(world), key=lambda r: (load_of[r], -r)) if storage == PER_RANK else 0
-    # Rank 0's meta, stamped now (the snapshot's time), sent to whoever else writes it.
-    stored_meta = dict(meta, step=step, format_version=FORMAT_VERSION, world_size=world,
-                       hpcpar_version=hpcpar.__version__,
-                       timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat())
-    shares_meta = storage == SHARED or index_writer != 0
-    tmp, sent = comm.broadcast_object((_collective(comm, make_tmp), stored_meta if shares_meta else None), root=0)
-    stored_meta = sent if shares_meta else stored_meta
+    index_writer = min(range(world), key=lambda r: (load_of[r], r)) if storage == PER_RANK else 0
+    if storage == SHARED or index_writer != 0:
+        stored_meta = comm.broadcast_object(stored_meta if rank == 0 else None, root=0)
 
     def finish(file_table: dict, extents: Mapping[tuple, Extent]) -> str:
-        """Rank 0, collectively checked: the manifest, rename, `latest`; then pruning."""
+        """Rank 0, collectively checked: the manifest, rename, `latest`; then every rank prunes."""
         def work():
             if rank != 0:
                 return None
@@ -673,28 +707,36 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
                         "meta": stored_meta, "files": file_table, "tensors": _tensor_table(plan, extents)}
             _write_json(os.path.join(tmp, MANIFEST), dict(manifest, sha256=_manifest_digest(manifest)))
             _fsync_path(tmp)
-            return _commit_dir(directory, tmp, step, keep)
+            final, doomed = _commit_dir(directory, tmp, step, keep)
+            return final, doomed, _doomed_shards(doomed)
 
-        final, doomed = comm.broadcast_object(_collective(comm, work), root=0)
-        _prune(doomed, comm)
-        comm.barrier()  # every rank returns with the directory as the commit left it
+        final, doomed, shards = _collective(comm, work, share=True)[0]
+        _prune(doomed, shards, comm)
         return final
 
     if storage == SHARED:
-        return _save_shared(os.path.join(tmp, INDEX), plan, items, stored_meta, finish, comm)
+        return _save_shared(os.path.join(tmp, INDEX), plan, items, failed, stored_meta, finish, comm)
+
+    def write_index() -> dict:
+        index = os.path.join(tmp, INDEX)
+        _write_index(index, plan, stored_meta)
+        return {"size": os.path.getsize(index), "sha256": _sha256_and_sync(index)}
 
     def write() -> tuple[dict, dict]:
+        if failed is not None:
+            raise failed
         files, extents = {}, {}
-        if rank == index_writer:
-            index = os.path.join(tmp, INDEX)
-            _write_index(index, plan, stored_meta)
-            files[INDEX] = {"size": os.path.getsize(index), "sha256": _sha256_and_sync(index)}
+        # The index writer writes it in a second thread, beside its own data: HDF5 and h5py hold
+        # the GIL there while the data's pwrite, checksums and fsync release it.
+        index = _Background(write_index) if rank == index_writer else None
         if items:
             files[rank_file_name(rank)], extents = _write_rank_file(os.path.join(tmp, rank_file_name(rank)), items)
+        if index is not None:
+            files[INDEX] = index.result()
         return files, extents
 
     def commit(written: Callable[[], tuple[dict, dict]]) -> str:
-        parts = comm.all_gather_object(_collective(comm, written))
+        parts = _collective(comm, written, share=True)
         return finish({k: v for files, _ in parts for k, v in sorted(files.items())},
                       {k: v for _, extents in parts for k, v in extents.items()})
 
@@ -702,8 +744,8 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
     return handle if async_save else handle.wait()
 
 
-def _save_shared(path: str, plan: dict[str, StoredTensor], items: list, meta: dict,
-                 finish: Callable[[dict], str], comm) -> str:
+def _save_shared(path: str, plan: dict[str, StoredTensor], items: list, failed: Exception | None, meta: dict,
+                 finish: Callable[[dict, dict], str], comm) -> str:
     """`save` for storage="shared": the index file holds the data, written collectively (MPI-IO)."""
     # What every rank must write identically: rank 0's meta (`meta`), the crc32 of every unchunked block.
     crcs: dict[str, int] = {}
@@ -711,9 +753,15 @@ def _save_shared(path: str, plan: dict[str, StoredTensor], items: list, meta: di
                                         if _chunks(data.shape, data.dtype.itemsize) is None}):
         crcs.update(part)
     nbytes = sum(prod(t.shape) * np.dtype(t.dtype).itemsize for t in plan.values())
-    # The free-space check and the write fail together: a rank that raised before a collective
-    # write would leave the others waiting in it.
-    _collective(comm, lambda: _check_space(path, nbytes, len(plan)) if comm.rank == 0 else None)
+    # The snapshot, the free-space check and the write fail together: a rank that raised before a
+    # collective write would leave the others waiting in it.
+    def check():
+        if failed is not None:
+            raise failed
+        if comm.rank == 0:
+            _check_space(path, nbytes, len(plan))
+
+    _collective(comm, check)
     digest = _collective(comm, lambda: _write_shared(path, plan, items, json.dumps(meta), crcs, comm.io_comm()))
     if comm.rank == 0:
         _fsync_path(path)
@@ -745,23 +793,43 @@ def _commit_dir(directory: str, tmp: str, step: int, keep: int | None) -> tuple[
     return final, [os.path.join(directory, e) for e in doomed]
 
 
-def _prune(doomed: list[str], comm) -> None:
-    """Delete the `doomed` directories (collective, after the commit): the ranks unlink their
-    rank files in parallel (freeing their space is what deleting costs; truncating files that a
-    plain NumPy save overwrites costs the same, per rank), then rank 0 removes the rest."""
-    shards = sorted(e.path for d in doomed if os.path.isdir(d) for e in os.scandir(d)
-                    if e.name.startswith("rank-")) if comm.rank == 0 else None
-    shards = comm.broadcast_object(shards, root=0) if doomed else []
+def _doomed_shards(doomed: list[str]) -> list[str]:
+    """Rank 0, after the commit: empty the directories to prune of everything but their rank
+    files (the bulk of their bytes, which the ranks delete together: `_prune`); returns those."""
+    shards = []
+    for d in doomed:
+        for entry in os.scandir(d) if os.path.isdir(d) else ():
+            if entry.name.startswith("rank-") and entry.is_file(follow_symlinks=False):
+                shards.append(entry.path)
+            elif entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass  # pruning never fails a committed save (what is left goes at the next one)
+    return sorted(shards)
+
+
+def _prune(doomed: list[str], shards: list[str], comm) -> None:
+    """Delete the `doomed` directories (collective, after the commit): every rank unlinks its
+    share of their rank files (freeing their space is what deleting costs, as truncating the
+    file a plain NumPy save overwrites costs each rank) and then tries to remove each directory,
+    which succeeds for whoever unlinks last; a barrier: every rank returns with the directory as
+    the commit left it."""
+    if not doomed:
+        return
     for path in shards[comm.rank::comm.size]:
         try:
             os.unlink(path)
         except OSError:
-            pass  # already gone, or not ours to delete: rank 0's rmtree below reports nothing either
-    if doomed:
-        comm.barrier()
-    if comm.rank == 0:
-        for d in doomed:
-            shutil.rmtree(d, ignore_errors=True)
+            pass  # already gone
+    for d in doomed:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass  # not empty yet: another rank still unlinks its share, and removes it after
+    comm.barrier()
 
 
 def _step_dirs(directory: str) -> list[str]:

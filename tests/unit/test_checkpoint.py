@@ -144,6 +144,26 @@ def test_async_save_snapshots_arrays(tmp_path):
     assert all(np.array_equal(got[n], glob[n]) for n in glob)
 
 
+class _Unreadable:
+    """A local array whose data cannot be read (shape and dtype can)."""
+
+    shape, dtype = (16, 8), np.dtype("<f8")
+
+    def __getitem__(self, key):
+        raise RuntimeError("device lost")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_snapshot_failure_raises_and_commits_nothing(tmp_path, async_save):
+    save_ref(tmp_path, step=1)
+    tensors = {"model/a": (_Unreadable(), Layout.replicated((16, 8)))}
+    with pytest.raises(CheckpointError, match="device lost"):
+        result = ck.save(str(tmp_path), 2, tensors, {}, COMM, async_save=async_save)
+        if async_save:  # the background write reports it: wait() raises
+            result.wait()
+    assert ck.latest(str(tmp_path)) == str(tmp_path / "step-0000001")
+
+
 def flip_byte_in_chunk(path, dataset):
     """Flip a byte of the block's data (format v2: contiguous, at the dataset's offset)."""
     with h5py.File(path, "r") as f:
