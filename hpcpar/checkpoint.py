@@ -606,8 +606,9 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
             `world_size`, `timestamp` and `hpcpar_version` added.
         comm: `hpcpar.comm.Communicator` over all ranks (e.g. `mesh.world`).
         keep: committed checkpoints to keep (older ones are deleted); None keeps all.
-        async_save: snapshot the arrays to host copies now, write the rank file in a background
-            thread and return a `SaveHandle`; `handle.wait()` (collective, main thread) commits.
+        async_save: copy the blocks this rank writes (only those) to host memory now, write the
+            rank file in a background thread and return a `SaveHandle`; `handle.wait()`
+            (collective, main thread) commits, and raises what failed on any rank.
         storage: "per_rank" (a file per writing rank + an index of virtual datasets) or "shared"
             (one file, `index.h5`, written collectively through MPI-IO over `comm`: needs h5py
             built with MPI; not with `async_save`, since MPI-IO cannot run in a background thread).
@@ -626,8 +627,9 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
                               "collective MPI-IO, which cannot run in a background thread")
     rank, world = comm.rank, comm.size
     directory = os.path.abspath(directory)
-    # Collectives cost (~7 ms each through the watched Communicator on a busy shared machine, a
-    # third of a 64 MiB-per-rank save): a save makes three all-gathers and a barrier.
+    # Collectives cost (an object all-gather through the watched Communicator took ~7 ms on the busy
+    # shared 2-core machine, where a 64 MiB-per-rank save takes ~0.2 s): a save makes three
+    # all-gathers and a barrier.
 
     def describe():
         """Shapes, dtypes and regions (no data is touched); rank 0 also makes the temporary
