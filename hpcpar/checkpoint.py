@@ -16,9 +16,10 @@ blocks into the global datasets with collective writes; the same attributes desc
 wrote which region. Either storage loads into any layout (reading needs no MPI-IO).
 
 Rank files near the disk: HDF5 creates each block's dataset (metadata, space allocated, nothing
-written); the bytes go from the caller's arrays to the file with `pwrite`, a segment at a time,
-each segment's checksum computed while it is in cache; loads `pread` segments straight into the
-destination array and check them there, taking the table and extents from the manifest (one
+written); the bytes go from the caller's arrays to the file with `pwrite`, and the segments'
+checksums are computed from the same arrays while the fsync waits for the disk; loads `pread`
+segments straight into the destination array and check each while it is in cache, taking the
+table and extents from the manifest (one
 JSON file, not HDF5 attributes per tensor). The checksum (`_checksum`: per 4 KiB page the sum of
 its 64-bit words, then crc32 of those sums) runs at memory speed and catches any flipped byte
 and a misplaced page; a mismatch names the file, tensor, dataset and rows. The manifest is
@@ -99,10 +100,11 @@ def rank_file_name(rank: int) -> str:
 # ----------------------------------------------------------------------------------------
 # Collective failure: every rank raises the same error.
 
-def _collective(comm, fn: Callable[[], Any], share: bool = False) -> Any:
+def _collective(comm, fn: Callable[[], Any], share: bool = False, patient: bool = False) -> Any:
     """Run `fn` on every rank; if it fails anywhere, raise the same CheckpointError everywhere.
     Returns this rank's result, or with `share` every rank's (list by rank: small objects only),
-    in the same all-gather.
+    in the same all-gather. `patient`: the ranks finish `fn` far apart (it writes or reads data),
+    so they first wait for each other without spinning (`_arrive`).
 
     Any exception (not only CheckpointError) is caught: a bug on one rank must not leave the
     others waiting in the next collective.
@@ -113,7 +115,8 @@ def _collective(comm, fn: Callable[[], Any], share: bool = False) -> Any:
         result, msg = None, str(err)
     except Exception as err:  # noqa: BLE001 - converted, re-raised on every rank below
         result, msg = None, _one_line(err)
-    _arrive(comm)
+    if patient:
+        _arrive(comm)
     gathered = comm.all_gather_object((result if share else None, msg))
     failed = [(r, m) for r, (_, m) in enumerate(gathered) if m is not None]
     if failed:
@@ -644,7 +647,7 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
     directory = os.path.abspath(directory)
     # Collectives cost (an object all-gather through the watched Communicator took ~7 ms on the busy
     # shared 2-core machine, where a 64 MiB-per-rank save takes ~0.2 s): a save makes three
-    # all-gathers (each after a non-spinning barrier, `_arrive`) and a barrier.
+    # all-gathers (the last two after a non-spinning barrier, `_arrive`) and a barrier.
 
     def describe():
         """Shapes, dtypes and regions (no data is touched); rank 0 also makes the temporary
@@ -727,7 +730,7 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
             final, doomed = _commit_dir(directory, tmp, step, keep)
             return final, doomed, _doomed_shards(doomed)
 
-        final, doomed, shards = _collective(comm, work, share=True)[0]
+        final, doomed, shards = _collective(comm, work, share=True, patient=True)[0]
         _prune(doomed, shards, comm)
         return final
 
@@ -753,7 +756,7 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
         return files, extents
 
     def commit(written: Callable[[], tuple[dict, dict]]) -> str:
-        parts = _collective(comm, written, share=True)
+        parts = _collective(comm, written, share=True, patient=True)
         return finish({k: v for files, _ in parts for k, v in sorted(files.items())},
                       {k: v for _, extents in parts for k, v in extents.items()})
 
@@ -1172,7 +1175,7 @@ def load(path: str, wanted: Mapping[str, Layout], comm, all_names: Collection[st
             shards.close()
         return arrays, meta
 
-    return _collective(comm, work)
+    return _collective(comm, work, patient=True)
 
 
 # ----------------------------------------------------------------------------------------
