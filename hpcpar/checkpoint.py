@@ -43,6 +43,7 @@ import collections
 import datetime
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -280,14 +281,6 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _sha256_and_sync(path: str) -> str:
-    """sha256 of a small file (the index), read back once; the file is fsynced too."""
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-        os.fsync(f.fileno())
-    return digest
-
-
 def _crc32(data: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(data).tobytes())
 
@@ -498,25 +491,40 @@ def _write_selection(ds, block: StoredBlock | None, data: np.ndarray | None, dxp
     ds.write(mspace, fspace, data, dxpl=dxpl)
 
 
-def _write_index(path: str, plan: dict[str, StoredTensor], meta: dict) -> None:
-    """The index: a virtual dataset per tensor over the rank files (relative paths)."""
-    with h5py.File(path, "w", libver=_LIBVER) as f:
-        f.attrs["format"] = FORMAT
-        f.attrs["format_version"] = FORMAT_VERSION
+# The index of the last plan saved, without meta, as file bytes: a save with the same plan (every
+# save of a training run) copies it and adds the meta instead of making every virtual dataset
+# again (~20 ms for 16 tensors here, ~1 ms per tensor; the copy ~2 ms).
+_INDEX_TEMPLATE: dict[tuple, bytes] = {}
+
+
+def _index_bytes(plan: dict[str, StoredTensor], meta: dict) -> bytes:
+    """The index file: a virtual dataset per tensor over the rank files (relative paths), root
+    attributes `format`, `format_version` and `meta`."""
+    key = tuple(plan.items())
+    if key not in _INDEX_TEMPLATE:
+        buf = io.BytesIO()
+        with h5py.File(buf, "w", libver=_LIBVER) as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["format_version"] = FORMAT_VERSION
+            for name, t in plan.items():
+                dtype = np.dtype(t.dtype)
+                vlayout = h5py.VirtualLayout(shape=t.shape, dtype=dtype)
+                for b in t.blocks:
+                    shape = tuple(e - s for s, e in b.region)
+                    vlayout[tuple(slice(s, e) for s, e in b.region) or ...] = \
+                        h5py.VirtualSource(b.file, b.dataset, shape=shape, dtype=dtype)
+                # A missing rank file reads as the fill value: NaN makes that visible for floats.
+                fill = np.nan if dtype.kind in "fc" else 0
+                ds = f.create_virtual_dataset(name, vlayout, fillvalue=fill)
+                ds.attrs["global_shape"] = np.asarray(t.shape, dtype=np.int64)
+                ds.attrs["dtype"] = t.dtype
+                ds.attrs["sharding"] = json.dumps([b.to_json() for b in t.blocks])
+        _INDEX_TEMPLATE.clear()
+        _INDEX_TEMPLATE[key] = buf.getvalue()
+    buf = io.BytesIO(_INDEX_TEMPLATE[key])
+    with h5py.File(buf, "r+") as f:
         f.attrs["meta"] = json.dumps(meta)
-        for name, t in plan.items():
-            dtype = np.dtype(t.dtype)
-            vlayout = h5py.VirtualLayout(shape=t.shape, dtype=dtype)
-            for b in t.blocks:
-                shape = tuple(e - s for s, e in b.region)
-                vlayout[tuple(slice(s, e) for s, e in b.region) or ...] = \
-                    h5py.VirtualSource(b.file, b.dataset, shape=shape, dtype=dtype)
-            # A missing rank file reads as the fill value: NaN makes that visible for floats.
-            fill = np.nan if dtype.kind in "fc" else 0
-            ds = f.create_virtual_dataset(name, vlayout, fillvalue=fill)
-            ds.attrs["global_shape"] = np.asarray(t.shape, dtype=np.int64)
-            ds.attrs["dtype"] = t.dtype
-            ds.attrs["sharding"] = json.dumps([b.to_json() for b in t.blocks])
+    return buf.getvalue()
 
 
 def _tensor_table(plan: dict[str, StoredTensor], extents: Mapping[tuple, Extent]) -> dict:
@@ -738,9 +746,12 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
         return _save_shared(os.path.join(tmp, INDEX), plan, items, failed, stored_meta, finish, comm)
 
     def write_index() -> dict:
-        index = os.path.join(tmp, INDEX)
-        _write_index(index, plan, stored_meta)
-        return {"size": os.path.getsize(index), "sha256": _sha256_and_sync(index)}
+        data = _index_bytes(plan, stored_meta)
+        with open(os.path.join(tmp, INDEX), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     def write() -> tuple[dict, dict]:
         if failed is not None:

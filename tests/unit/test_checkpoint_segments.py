@@ -199,3 +199,17 @@ def test_newer_format_is_refused_in_one_line(tmp_path):
             as err:
         ck.load(path, {}, COMM)
     assert "\n" not in str(err.value)
+
+
+def test_saves_with_the_same_plan_reuse_the_index_with_their_own_meta(tmp_path):
+    """The index of a plan already saved is copied with the new meta (`_index_bytes`)."""
+    for step, seed in ((1, 3), (2, 4)):
+        glob = {n: np.random.default_rng(seed).standard_normal(a.shape).astype(a.dtype) for n, a in reference().items()}
+        path = ck.save(str(tmp_path), step, {n: (a, Layout.replicated(a.shape)) for n, a in glob.items()},
+                       {"seed": seed}, COMM, keep=None)
+        with open(os.path.join(path, ck.MANIFEST)) as f:
+            manifest = json.load(f)
+        with h5py.File(os.path.join(path, ck.INDEX), "r") as f:
+            assert json.loads(f.attrs["meta"]) == manifest["meta"] and manifest["meta"]["seed"] == seed
+            assert all(np.array_equal(f[n][()], a) for n, a in glob.items())
+    assert ck.verify(path) == []
