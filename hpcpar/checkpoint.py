@@ -566,6 +566,9 @@ class _Background:
         except BaseException as err:  # noqa: BLE001 - re-raised by result()
             self._out[1] = err
 
+    def join(self) -> None:
+        self._thread.join()
+
     def result(self) -> Any:
         self._thread.join()
         if self._out[1] is not None:
@@ -760,8 +763,12 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
         # The index writer writes it in a second thread, beside its own data: HDF5 and h5py hold
         # the GIL there while the data's pwrite, checksums and fsync release it.
         index = _Background(write_index) if rank == index_writer else None
-        if items:
-            files[rank_file_name(rank)], extents = _write_rank_file(os.path.join(tmp, rank_file_name(rank)), items)
+        try:
+            if items:
+                files[rank_file_name(rank)], extents = _write_rank_file(os.path.join(tmp, rank_file_name(rank)), items)
+        finally:
+            if index is not None:  # joined whatever happens: a thread left inside h5py hangs the exit
+                index.join()
         if index is not None:
             files[INDEX] = index.result()
         return files, extents
