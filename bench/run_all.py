@@ -282,6 +282,9 @@ def _checkpoint(d: dict, ranks: int) -> list[str]:
             f"save {g['hpcpar save']:.2f} GB/s vs numpy {g['numpy save']:.2f} GB/s ({r['save']:.2f}x); "
             f"load {g['hpcpar load']:.2f} vs {g['numpy load']:.2f} GB/s ({r['load']:.2f}x); "
             f"resharded load {r['load resharded']:.2f}x"] + (
+        [f"numpy load dropping each array as read (the reference before format v2): "
+         f"{g['numpy load, arrays dropped']:.2f} GB/s, hpcpar load {r['load vs numpy load, arrays dropped']:.2f}x of it"]
+        if "numpy load, arrays dropped" in g else []) + (
         [f"shared file (parallel HDF5, {run.get('mpi', 'MPI')}): save {g['hpcpar save shared']:.2f} GB/s "
          f"({r['save shared']:.2f}x); load {g['hpcpar load shared']:.2f} GB/s ({r['load shared']:.2f}x); "
          f"resharded load {r['load shared resharded']:.2f}x"] if run.get("shared_storage")

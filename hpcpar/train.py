@@ -669,7 +669,10 @@ class Trainer:
             return tensors
         if self.cfg.train.zero:
             return {**self.dp.checkpoint_shards(), **tensors}
-        state = self.dp.optimizer_state()
+        # The optimizer's live arrays, not optimizer_state()'s copies: checkpoint.save copies (or
+        # moves to the host) only the blocks this rank writes, and a dp replica writes none.
+        state = {n: part.optimizer.state_of(p) for part in getattr(self.dp, "parts", (self.dp,))
+                 for n, p in zip(part.names, part.params)}
         for name, p in self.named_parameters:
             key = p.tied_to or name
             tensors[f"model/{key}"] = (p.data, p.layout)

@@ -108,11 +108,12 @@ def test_verify_good_checkpoint(ckpt):
 
 
 def flip_byte_in_first_chunk(path):
-    """Flip one byte inside the first data chunk of the file's first chunked dataset."""
+    """Flip one byte inside the data of the file's first dataset that has some (format v2 rank
+    files: contiguous, at the dataset's offset)."""
     with h5py.File(path, "r") as f:
         names = []
-        f.visititems(lambda n, obj: names.append(n) if isinstance(obj, h5py.Dataset) and obj.chunks else None)
-        offset = f[names[0]].id.get_chunk_info(0).byte_offset
+        f.visititems(lambda n, obj: names.append(n) if isinstance(obj, h5py.Dataset) and obj.size > 1 else None)
+        offset = f[names[0]].id.get_offset()
     with open(path, "r+b") as f:
         f.seek(offset + 3)
         byte = f.read(1)

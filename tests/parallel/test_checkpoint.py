@@ -136,6 +136,42 @@ def test_cart_comm_and_async_save(shared_dir):
     collective_assert(ok and meta["step"] == 3, "async save / cart comm round trip differs")
 
 
+class _Untouchable:
+    """Stands in for a local array whose blocks this rank does not write: shape and dtype only.
+    Reading its data (slicing, copying, moving it to the host) fails."""
+
+    def __init__(self, a):
+        self.shape, self.dtype = a.shape, a.dtype
+
+    def __getitem__(self, key):
+        raise AssertionError("a rank that writes no block of this tensor read its data")
+
+    def __array__(self, *args, **kwargs):
+        raise AssertionError("a rank that writes no block of this tensor copied it")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_only_the_rank_writing_a_block_touches_its_data(shared_dir, async_save):
+    """dp replicas (and ranks 1.. of a replicated tensor) hand over arrays nobody may read: the
+    save plans from shapes and regions, and only a block's writer snapshots it."""
+    g = reference()
+    held = {n: (lay.global_shape, g[n].dtype.str, [ck._region(b.glob) for b in lay.blocks])
+            for n, lay in save_layouts().items()}
+    plan = ck.assign_writers(WORLD.allgather(held))
+    tensors = {}
+    for name, layout in save_layouts().items():
+        local = layout.take(g[name])
+        writes = any(b.rank == RANK for b in plan[name].blocks)
+        tensors[name] = (local if writes else _Untouchable(local), layout)
+    result = ck.save(shared_dir, 2, tensors, {}, COMM, async_save=async_save)
+    path = result.wait() if async_save else result
+    got, _ = ck.load(path, load_layouts("split_all"), COMM)
+    ok = all(np.array_equal(got[n], lay.take(g[n])) for n, lay in load_layouts("split_all").items())
+    untouched = sum(isinstance(a, _Untouchable) for a, _ in tensors.values())
+    counts = WORLD.allgather(untouched)
+    collective_assert(ok and (SIZE == 1 or sum(counts) > 0), f"round trip differs or nothing was untouchable: {counts}")
+
+
 def test_keep_and_latest(shared_dir):
     for step in (1, 2, 3):
         save_reference(shared_dir, step=step, keep=2)
@@ -152,8 +188,9 @@ def test_corrupt_shard_seen_by_one_rank_raises_everywhere(shared_dir, storage):
         with h5py.File(os.path.join(path, ck.INDEX), "r") as f:
             block = json.loads(f["model/a"].attrs["sharding"])[0]
         damaged = block["file"]
-        with h5py.File(os.path.join(path, damaged), "r") as f:
-            offset = f[block["dataset"]].id.get_chunk_info(0).byte_offset
+        with h5py.File(os.path.join(path, damaged), "r") as f:  # rank files: contiguous; shared: chunked
+            ds = f[block["dataset"]]
+            offset = ds.id.get_chunk_info(0).byte_offset if ds.chunks else ds.id.get_offset()
         with open(os.path.join(path, damaged), "r+b") as f:
             f.seek(offset + 3)
             byte = f.read(1)

@@ -99,8 +99,14 @@ def test_index_reads_global_tensors_with_plain_h5py(tmp_path):
             assert blocks[0]["file"] == "rank-00000.h5"
         assert json.loads(f.attrs["meta"])["note"] == "unit"
     with h5py.File(os.path.join(path, "rank-00000.h5"), "r") as f:
+        # Format v2: contiguous (plain h5py reads the block) where the manifest says, with one
+        # checksum per ~1 MiB of rows.
         ds = f["model/transformer.wte.weight/block-0"]
-        assert ds.fletcher32 and ds.chunks is not None
+        assert ds.chunks is None and np.array_equal(ds[()], glob["model/transformer.wte.weight"])
+        offset = ds.id.get_offset()
+    with open(os.path.join(path, ck.MANIFEST)) as f:
+        block = json.load(f)["tensors"]["model/transformer.wte.weight"]["blocks"][0]
+    assert block["offset"] == offset and block["checksum_rows"] == 16 and len(block["checksums"]) == 8
 
 
 def test_latest_keep_and_stale_tmp_cleanup(tmp_path):
@@ -138,9 +144,30 @@ def test_async_save_snapshots_arrays(tmp_path):
     assert all(np.array_equal(got[n], glob[n]) for n in glob)
 
 
+class _Unreadable:
+    """A local array whose data cannot be read (shape and dtype can)."""
+
+    shape, dtype = (16, 8), np.dtype("<f8")
+
+    def __getitem__(self, key):
+        raise RuntimeError("device lost")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_snapshot_failure_raises_and_commits_nothing(tmp_path, async_save):
+    save_ref(tmp_path, step=1)
+    tensors = {"model/a": (_Unreadable(), Layout.replicated((16, 8)))}
+    with pytest.raises(CheckpointError, match="device lost"):
+        result = ck.save(str(tmp_path), 2, tensors, {}, COMM, async_save=async_save)
+        if async_save:  # the background write reports it: wait() raises
+            result.wait()
+    assert ck.latest(str(tmp_path)) == str(tmp_path / "step-0000001")
+
+
 def flip_byte_in_chunk(path, dataset):
+    """Flip a byte of the block's data (format v2: contiguous, at the dataset's offset)."""
     with h5py.File(path, "r") as f:
-        offset = f[dataset].id.get_chunk_info(0).byte_offset
+        offset = f[dataset].id.get_offset()
     with open(path, "r+b") as f:
         f.seek(offset + 5)
         byte = f.read(1)

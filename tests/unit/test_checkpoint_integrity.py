@@ -1,12 +1,13 @@
 """Never silent garbage: a flipped byte anywhere in a checkpoint file is caught or harmless.
 
-The save path computes no file digest of the rank files; integrity rests on fletcher32 chunk
-checksums, HDF5's checksummed metadata (format 1.10), crc32 of unchunkable blocks and the
-index's sha256 (in a shared-storage checkpoint, where the index holds the data: the sha256 of
-its JSON attributes). This flips bytes throughout a rank file and the index (every 31st offset)
-and loads everything: each load must raise CheckpointError or return exactly the saved tensors
-and meta (a flip in bytes HDF5 never reads changes nothing). `verify` must agree with load
-wherever load fails.
+The save path computes no file digest of the rank files; integrity rests on the checksum of
+every ~1 MiB segment of a block (kept in the manifest, which is checked against its own
+sha256), HDF5's checksummed metadata (format 1.10) and the index's sha256 (in a shared-storage
+checkpoint, where the index holds the data: fletcher32 chunks, crc32 of unchunkable blocks and
+the sha256 of its JSON attributes). This flips bytes throughout a rank file, the index and the
+manifest (every 31st offset) and loads everything: each load must raise CheckpointError or
+return exactly the saved tensors and meta (a flip in bytes load never reads, e.g. a rank file's
+HDF5 metadata or free space, changes nothing). `verify` must agree with load wherever load fails.
 """
 
 import os
@@ -26,14 +27,15 @@ COMM = Communicator.local()
 def tensors():
     rng = np.random.default_rng(5)
     return {
-        "model/w": rng.standard_normal((64, 40)),                  # chunked, fletcher32
+        "model/w": rng.standard_normal((64, 40)),                  # rank file: contiguous, segment checksums
         "model/b": rng.standard_normal(40).astype(np.float32),
-        "optim/count": np.array(11, dtype=np.int64),              # a scalar: contiguous + crc32
+        "optim/count": np.array(11, dtype=np.int64),              # a scalar (shared file: contiguous + crc32)
         "optim/empty": np.zeros((0, 3)),
     }
 
 
 @pytest.mark.parametrize("storage,file", [("per_rank", "rank-00000.h5"), ("per_rank", ck.INDEX),
+                                          ("per_rank", ck.MANIFEST),
                                           pytest.param("shared", ck.INDEX, marks=pytest.mark.skipif(
                                               not h5py.get_config().mpi, reason="h5py is not built with MPI: "
                                               "no shared-file checkpoints (parallel HDF5)"))])
