@@ -66,6 +66,8 @@ _POOL_BUFFERS = 8
 class Handle:
     """A started operation. `wait()` completes it and returns its result (idempotent)."""
 
+    __slots__ = ("_complete", "_keep", "_result", "_request", "_record")
+
     def __init__(self, complete: Callable[[], Any], keep: Any = None, request: Any = None, record: Any = None):
         self._complete: Callable[[], Any] | None = complete
         self._keep = keep  # a buffer MPI uses until the op completes
@@ -83,6 +85,16 @@ class Handle:
             self._result = complete()
             self._keep = None
         return self._result
+
+
+class _Completed:
+    """The handle of a blocking op, already complete: `wait()` is the op's `finish` itself, to be
+    called once (only the blocking methods, which call it at once, get one): no frame in between."""
+
+    __slots__ = ("wait",)
+
+    def __init__(self, finish: Callable[[], Any]):
+        self.wait = finish
 
 
 # -- transports: how an array op moves bytes -------------------------------------------------------
@@ -107,32 +119,34 @@ class MpiTransport:
               "all_to_all": "Alltoall", "all_to_all_v": "Alltoallv", "broadcast": "Bcast", "send": "Send",
               "recv": "Recv", "barrier": "Barrier"}
     _REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}  # avg: sum, divided when finished
+    xp = np  # the array module of this transport's buffers
 
     def __init__(self, mpi_comm: MPI.Comm):
         self.comm = mpi_comm
+        # kind -> (blocking, non-blocking) bound method, looked up once: ops are latency-bound.
+        self._calls = {kind: (getattr(mpi_comm, name), getattr(mpi_comm, "I" + name[0].lower() + name[1:]))
+                       for kind, name in self._CALLS.items()}
 
     def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
               blocking: bool = False, counts: tuple | None = None):
-        name = self._CALLS[kind]
+        call = self._calls[kind][0 if blocking else 1]
+        if kind == "send":
+            return call([send, _dtype_facts(send.dtype)[0]], peer, tag)
+        if kind == "recv":
+            return call([recv, _dtype_facts(recv.dtype)[0]], peer, tag)
+        if kind == "broadcast":
+            return call([recv, _dtype_facts(recv.dtype)[0]], peer)
         if kind == "barrier":
-            args: tuple = ()
-        elif kind == "all_to_all_v":
+            return call()
+        datatype = _dtype_facts(recv.dtype)[0]
+        if kind == "all_to_all_v":
             # [buffer, (counts, displacements), datatype] per side; counts in elements of the datatype.
-            datatype = backend.mpi_buffer(recv)[2]
-            args = tuple([buf, (c, _displacements(c)), datatype] for buf, c in zip((send, recv), counts))
-        elif kind == "broadcast":
-            args = (backend.mpi_buffer(recv), peer)
-        elif kind in ("send", "recv"):
-            args = (backend.mpi_buffer(send if kind == "send" else recv), peer, tag)
-        else:
-            # [buffer, datatype]: mpi4py derives each rank's count from the buffer sizes.
-            datatype = backend.mpi_buffer(recv)[2]
-            sendbuf = MPI.IN_PLACE if send is recv else [send, datatype]
-            args = (sendbuf, [recv, datatype]) + ((self._REDUCE_OPS[op],) if op is not None else ())
-        if blocking:
-            getattr(self.comm, name)(*args)
-            return None
-        return getattr(self.comm, "I" + name[0].lower() + name[1:])(*args)
+            return call(*([buf, (c, _displacements(c)), datatype] for buf, c in zip((send, recv), counts)))
+        # [buffer, datatype]: MPI derives each rank's count from the buffer sizes.
+        sendbuf = MPI.IN_PLACE if send is recv else [send, datatype]
+        if op is None:
+            return call(sendbuf, [recv, datatype])
+        return call(sendbuf, [recv, datatype], self._REDUCE_OPS[op])
 
 
 class _EventRequest:
@@ -171,13 +185,14 @@ class NcclTransport:
         mpi_comm.Bcast([uid, MPI.INT8_T], root=0)
         comm_id = uid[:128].tobytes() if uid[128] else tuple(int(v) for v in uid[:128])
         self.comm = nccl.NcclCommunicator(mpi_comm.size, comm_id, mpi_comm.rank)
+        self.xp = cupy  # the array module of this transport's buffers
         self.size = mpi_comm.size
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._mpi = MpiTransport(mpi_comm)
         self._ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
 
     def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
-              blocking: bool = False) -> _EventRequest:
+              blocking: bool = False, counts: tuple | None = None) -> _EventRequest:
         if kind == "barrier":
             return self._mpi.start(kind, None, None, blocking=blocking)
         return self.start_group([(kind, send, recv, op, peer)])
@@ -258,12 +273,33 @@ def bytes_sent(op: str, nbytes: int, size: int) -> float:
         broadcast          S on the root, 0 elsewhere (the data that leaves the root)
         send               S;  recv, barrier: 0
     """
-    n = size
-    if n <= 1 or op in ("recv", "barrier"):
+    return _send_factor(op, size) * nbytes
+
+
+def _send_factor(op: str, n: int) -> float:
+    """bytes_sent(op, S, n) / S (Communicator caches it per op kind)."""
+    if n <= 1:
         return 0.0
-    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1,
-              "all_to_all": (n - 1) / n, "send": 1.0, "broadcast": 1.0}.get(op, 0.0)
-    return factor * nbytes
+    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1,
+            "all_to_all": (n - 1) / n, "send": 1.0, "broadcast": 1.0}.get(op, 0.0)
+
+
+_DTYPE_FACTS: dict = {}  # dtype -> what `_dtype_facts` says of it, worked out once per dtype
+
+
+def _dtype_facts(dtype) -> tuple:
+    """(the MPI datatype arrays of `dtype` travel as, whether MPI reductions of it run in float32,
+    whether it is a floating dtype). Dtypes MPI has no type for travel as raw bytes (exact for
+    moving data) and are reduced in float32, as are 16-bit floats (see `_work_buffer`)."""
+    try:
+        return _DTYPE_FACTS[dtype]
+    except KeyError:
+        pass
+    datatype = backend.mpi_datatype(dtype)
+    facts = (MPI.BYTE if datatype is None else datatype, datatype is None or is_low(dtype),
+             bool(np.issubdtype(np.dtype(dtype), np.inexact)))
+    _DTYPE_FACTS[dtype] = facts
+    return facts
 
 
 def _displacements(counts):
@@ -277,13 +313,14 @@ def _contiguous(a):
 
 def _to_front(a, dim: int):
     """`a` with `dim` moved first, C-contiguous (no copy when dim is 0 and `a` is contiguous)."""
-    xp = backend.array_module(a)
-    return _contiguous(xp.moveaxis(a, dim, 0) if dim else a)
+    return _contiguous(backend.array_module(a).moveaxis(a, dim, 0) if dim else a)
 
 
 def _from_front(a, dim: int):
+    if not dim:
+        return a
     xp = backend.array_module(a)
-    return xp.ascontiguousarray(xp.moveaxis(a, 0, dim)) if dim else a
+    return xp.ascontiguousarray(xp.moveaxis(a, 0, dim))
 
 
 class Communicator:
@@ -320,6 +357,7 @@ class Communicator:
         self._nccl: NcclTransport | None | bool = None  # None: not decided yet; False: stage through host
         self._pool: list[np.ndarray] = []  # byte buffers behind earlier results (see _result)
         self.sent: dict[str, float] = {}  # op kind -> bytes this rank sent (bytes_sent), since creation
+        self._factor = {kind: _send_factor(kind, self.size) for kind in KINDS}  # bytes_sent per input byte
 
     def bytes_sent_total(self) -> float:
         """Bytes this rank has sent over this communicator so far (every op kind)."""
@@ -349,7 +387,7 @@ class Communicator:
     def _transport(self, a) -> MpiTransport | NcclTransport | None:
         """The transport for array `a`: MPI for host arrays, NCCL for GPU arrays when every rank
         has its own GPU (decided collectively on the first GPU op), else None: stage via host."""
-        if not backend.is_device_array(a):
+        if type(a) is np.ndarray or not backend.is_device_array(a):
             return self._host
         if self._nccl is None:
             self._nccl = NcclTransport(self.mpi) if _nccl_possible(self.mpi) else False
@@ -360,18 +398,17 @@ class Communicator:
                sent: float | None = None) -> Handle:
         """Record the op, start it on `transport` from the prepared buffers, and return a handle
         that waits for it and then `finish`es. Blocking only on MPI, and only when asked.
-        `counts`: all_to_all_v's (send, recv) elements per rank; `sent`: its bytes leaving this rank."""
+        `peer`: the other rank of a send/recv, a broadcast's root. `counts`: all_to_all_v's
+        (send, recv) elements per rank; `sent`: its bytes leaving this rank."""
         blocking = blocking and transport is self._host
-        record = self._begin(kind, a, peer=peer if kind in ("send", "recv") else None, blocking=blocking,
-                             root=peer if kind == "broadcast" else None, sent=sent)
-        extra = {} if counts is None else {"counts": counts}
+        record = self._begin(kind, a, peer, blocking, sent)
         if blocking:
             try:
-                transport.start(kind, send, recv, op, peer, tag, blocking=True, **extra)
+                transport.start(kind, send, recv, op, peer, tag, True, counts)
             finally:  # an MPI error must not leave the op pending for the monitor to time out
                 watchdog.recorder.end(record)
-            return Handle(finish)
-        request = transport.start(kind, send, recv, op, peer, tag, **extra)
+            return _Completed(finish)
+        request = transport.start(kind, send, recv, op, peer, tag, False, counts)
 
         def complete() -> Any:
             try:
@@ -380,8 +417,8 @@ class Communicator:
                 _ABANDONED.append((request, send, recv))
                 raise
             return finish()
-        # MPI (or NCCL) reads and writes the buffers until the op completes: the handle keeps them.
-        return Handle(complete, keep=(send, recv), request=request, record=record)
+        # MPI (or NCCL) reads and writes the buffers until the op completes: `complete` keeps them.
+        return Handle(complete, None, request, record)
 
     def _staged(self, start: Callable[..., Handle], a, *args, into=None) -> Handle:
         """Run the host form of an op on a host copy of GPU array `a` (same transport, MPI); the
@@ -403,22 +440,25 @@ class Communicator:
     # -- issuing and waiting --------------------------------------------------------------------
 
     def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False,
-               root: int | None = None, sent: float | None = None) -> watchdog.OpRecord:
+               sent: float | None = None) -> watchdog.OpRecord:
         """Number and record an op (`blocking`: a blocking MPI call, watched by the monitor) and
-        count the bytes it sends from this rank (a broadcast's on its `root` only; `sent` when the
-        op knows them better than `bytes_sent`'s formula: all_to_all_v)."""
-        if peer is None and watchdog.check_every():
+        count the bytes it sends from this rank (a broadcast's on its root `peer` only; `sent` when
+        the op knows them better than `bytes_sent`'s formula: all_to_all_v). The record keeps a
+        send's or receive's `peer`. Every op passes here: it is kept to a few dict operations."""
+        p2p = op == "send" or op == "recv"
+        if not p2p and watchdog.check_every():
             # all_to_all_v's shapes differ between ranks by design: the check compares its name only.
             self._check_sequence(op, a if op != "all_to_all_v" else None)
-        seq, self._seq = self._seq, self._seq + 1
-        if sent is not None:
-            self.sent[op] = self.sent.get(op, 0.0) + sent
-        elif a is not None and (op != "broadcast" or root == self.rank):
-            self.sent[op] = self.sent.get(op, 0.0) + bytes_sent(op, a.nbytes, self.size)
+        seq = self._seq
+        self._seq = seq + 1
         if a is None:
-            return watchdog.recorder.begin(self.name, seq, op, (), "", 0, peer, self._group, blocking)
-        return watchdog.recorder.begin(self.name, seq, op, a.shape, a.dtype, a.nbytes, peer, self._group,
-                                       blocking)
+            return watchdog.recorder.begin(self.name, seq, op, (), "", 0, None, self._group, blocking)
+        nbytes = a.nbytes
+        if sent is not None or op != "broadcast" or peer == self.rank:
+            counted = self.sent
+            counted[op] = counted.get(op, 0.0) + (self._factor[op] * nbytes if sent is None else sent)
+        return watchdog.recorder.begin(self.name, seq, op, a.shape, a.dtype, nbytes, peer if p2p else None,
+                                       self._group, blocking)
 
     def _wait(self, request, record: watchdog.OpRecord) -> None:
         """Poll `request.Test()` until done; raise CommTimeout when the watchdog reports a timeout.
@@ -429,8 +469,8 @@ class Communicator:
         if not request.Test():
             watchdog.recorder.waiting(record)
             since = record.waiting
-            limit = watchdog.timeout() + (watchdog.DELIVERY_GRACE_S if self._blocking else 0.0)
             spin_until = since + max(_SPIN_S, record.nbytes / _SPIN_BYTES_PER_S)
+            limit = None  # read once the spinning is over: most waits end before
             delay = _FIRST_SLEEP_S
             polls = 0
             while not request.Test():
@@ -441,6 +481,8 @@ class Communicator:
                 if now < spin_until:
                     os.sched_yield()
                     continue
+                if limit is None:
+                    limit = watchdog.timeout() + (watchdog.DELIVERY_GRACE_S if self._blocking else 0.0)
                 if record.report is not None or now - since > limit:
                     error = watchdog.CommTimeout(record, now - since, record.report)
                     record.report = str(error)  # reported: the monitor leaves it alone from now on
@@ -528,7 +570,7 @@ class Communicator:
 
     # -- result buffers -------------------------------------------------------------------------
 
-    def _result(self, shape: tuple, dtype, xp) -> Any:
+    def _result(self, shape: tuple, dtype: np.dtype, xp) -> Any:
         """A new result array, in memory recycled from earlier results nobody holds any more.
 
         MPI libraries cache per-address work for large buffers (registration, mappings):
@@ -537,7 +579,6 @@ class Communicator:
         handed out as a view, so while the caller (or any view of the result) is alive
         its refcount keeps it out of reuse; CuPy has its own memory pool.
         """
-        dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize  # not np.prod: 4 us a call, a third of the op
         if xp is not np or nbytes < _POOL_MIN_BYTES:
             return xp.empty(shape, dtype=dtype)
@@ -556,14 +597,14 @@ class Communicator:
     def _check_op(self, what: str, op: str, a, allowed=("sum", "avg", "max", "min")) -> None:
         if op not in allowed:
             raise ValueError(f"{what} on '{self.name}': unknown op {op!r}; use one of {', '.join(allowed)}")
-        if op == "avg" and not np.issubdtype(np.dtype(a.dtype), np.inexact):
+        if op == "avg" and not _dtype_facts(a.dtype)[2]:
             raise ValueError(f"{what} on '{self.name}': op 'avg' needs a floating dtype, got {a.dtype}")
 
     def _work_buffer(self, send, transport):
         """`send` in the dtype its reduction runs in: its own, or float32 for 16-bit floats over
         MPI (bfloat16 has no MPI type; float16 sums would round at every addition, so a result
         would depend on the number of ranks; NCCL reduces those natively)."""
-        if transport is self._host and (backend.mpi_datatype(send.dtype) is None or is_low(send.dtype)):
+        if transport is self._host and _dtype_facts(send.dtype)[1]:
             return send.astype(np.float32)
         return send
 
@@ -586,17 +627,16 @@ class Communicator:
         if transport is None:
             return self._staged(self._iall_reduce, a, op, in_place, blocking,
                                 into=a if in_place and a.flags.c_contiguous else None)
-        xp = backend.array_module(a)
         send = _contiguous(a)
         work = self._work_buffer(send, transport)
         if work is not send:  # reduce the upcast copy in place, cast back when finished
             send = recv = work
         else:  # in place on `a` when asked, or on the copy a strided `a` needed anyway
-            recv = send if in_place or send is not a else self._result(send.shape, send.dtype, xp)
+            recv = send if in_place or send is not a else self._result(send.shape, send.dtype, transport.xp)
 
         def finish():
             if op == "avg":
-                recv[...] /= self.size
+                transport.xp.divide(recv, self.size, out=recv)
             if recv.dtype == a.dtype:
                 return recv
             if in_place and a.flags.c_contiguous:
@@ -631,11 +671,11 @@ class Communicator:
         send = self._work_buffer(_to_front(a, dim), transport)
         own = out is not None and out.dtype == send.dtype
         recv = out if own else self._result((send.shape[0] // self.size,) + send.shape[1:], send.dtype,
-                                            backend.array_module(a))
+                                            transport.xp)
 
         def finish():
             if op == "avg":
-                recv[...] /= self.size
+                transport.xp.divide(recv, self.size, out=recv)
             if out is not None and not own:
                 out[...] = recv
                 return out
@@ -684,7 +724,7 @@ class Communicator:
             return self._staged(self._iall_gather, a, dim, blocking, into=out)
         send = _to_front(a, dim)
         recv = out if out is not None else self._result((send.shape[0] * self.size,) + send.shape[1:], send.dtype,
-                                                        backend.array_module(a))
+                                                        transport.xp)
         return self._start("all_gather", a, send, recv, lambda: _from_front(recv, dim), transport, blocking)
 
     def iall_to_all(self, a, dim: int = 0) -> Handle:
@@ -704,7 +744,7 @@ class Communicator:
         if transport is None:
             return self._staged(self._iall_to_all, a, dim, blocking)
         send = _to_front(a, dim)
-        recv = self._result(send.shape, send.dtype, backend.array_module(a))
+        recv = self._result(send.shape, send.dtype, transport.xp)
         return self._start("all_to_all", a, send, recv, lambda: _from_front(recv, dim), transport, blocking)
 
     def all_to_all_v(self, a, send_counts, recv_counts):
@@ -732,7 +772,7 @@ class Communicator:
         row = math.prod(a.shape[1:])
         recv = self._result((sum(recv_counts),) + tuple(a.shape[1:]), a.dtype, np)
         elements = (np.array(send_counts, dtype=np.int64) * row, np.array(recv_counts, dtype=np.int64) * row)
-        if backend.mpi_datatype(a.dtype) is None:  # moved as raw bytes, like mpi_buffer does
+        if backend.mpi_datatype(a.dtype) is None:  # moved as raw bytes (see _dtype_facts)
             elements = tuple(e * a.dtype.itemsize for e in elements)
         sent = float((sum(send_counts) - send_counts[self.rank]) * row * a.dtype.itemsize)
         return self._start("all_to_all_v", a, send, recv, lambda: recv, self._host, blocking,

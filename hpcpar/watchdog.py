@@ -98,7 +98,7 @@ def set_check_every(n: int) -> None:
     _check_every = int(n)
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)  # eq=False: records are compared and hashed by identity
 class OpRecord:
     """One communication op. Times are time.monotonic(); `end` is None while it is pending.
 
@@ -134,24 +134,26 @@ class OpRecord:
 
 
 class FlightRecorder:
-    """Ring buffer of the last `capacity` finished ops plus every pending op."""
+    """Ring buffer of the last `capacity` finished ops plus every pending op.
+
+    Recording is on every op's path, so it takes no lock: under the GIL each update below is one
+    dict or deque operation, and the monitor thread reads copies made by single C-level calls
+    (`list(deque)`, `list(set)`, `dict(dict)`), which no update can interleave with.
+    """
 
     def __init__(self, capacity: int = 64):
         self._done: collections.deque[OpRecord] = collections.deque(maxlen=capacity)
-        self._pending: dict[int, OpRecord] = {}
+        self._pending: set[OpRecord] = set()
         self._issued: dict[tuple[str, str], int] = {}  # (comm, group) -> ops issued on it
-        self._lock = threading.Lock()  # the monitor thread reads while ranks record
         self.last_activity = time.monotonic()  # when an op last began or ended
 
     def begin(self, comm: str, seq: int, op: str, shape: tuple, dtype: Any, nbytes: int,
               peer: int | None = None, group: str = "", blocking: bool = False) -> OpRecord:
-        now = time.monotonic()
+        self.last_activity = now = time.monotonic()
         record = OpRecord(comm, seq, op, shape, dtype, nbytes, now, None, peer, group, blocking,
                           now if blocking else None)
-        with self._lock:
-            self._pending[id(record)] = record
-            self._issued[(comm, group)] = seq + 1
-            self.last_activity = now
+        self._pending.add(record)
+        self._issued[(comm, group)] = seq + 1
         return record
 
     @staticmethod
@@ -161,27 +163,22 @@ class FlightRecorder:
             record.waiting = time.monotonic()
 
     def end(self, record: OpRecord) -> None:
-        record.end = now = time.monotonic()
-        with self._lock:
-            self._pending.pop(id(record), None)
-            self._done.append(record)
-            self.last_activity = now
+        record.end = self.last_activity = time.monotonic()
+        self._pending.discard(record)
+        self._done.append(record)
 
     def snapshot(self) -> dict[str, list[OpRecord]]:
         """Copies of the finished ops (oldest first) and the pending ops (oldest first)."""
-        with self._lock:
-            done = [dataclasses.replace(r) for r in self._done]
-            pending = sorted((dataclasses.replace(r) for r in self._pending.values()),
-                             key=lambda r: r.start)
-        return {"done": done, "pending": pending}
+        done, pending = list(self._done), list(self._pending)
+        return {"done": [dataclasses.replace(r) for r in done],
+                "pending": sorted((dataclasses.replace(r) for r in pending), key=lambda r: r.start)}
 
     def overdue(self, limit: float) -> list[OpRecord]:
         """The pending ops (the records themselves) this rank has waited on for over `limit` s,
         not yet reported."""
         now = time.monotonic()
-        with self._lock:
-            late = [r for r in self._pending.values()
-                    if r.waiting is not None and r.report is None and now - r.waiting > limit]
+        late = [r for r in list(self._pending)
+                if r.waiting is not None and r.report is None and now - r.waiting > limit]
         return sorted(late, key=lambda r: r.waiting)
 
     def format(self, last: int = RECENT_OPS) -> str:
@@ -196,19 +193,17 @@ class FlightRecorder:
         """This rank's state for a watchdog report (plain, picklable data)."""
         snap = self.snapshot()
         now = time.monotonic()
-        with self._lock:
-            issued = dict(self._issued)
-            idle = now - self.last_activity
+        issued = dict(self._issued)
+        idle = now - self.last_activity
         return {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "timed_out": timed_out,
                 "idle_s": idle, "issued": issued,
                 "done": [r.describe(now) for r in snap["done"][-RECENT_OPS:]],
                 "pending": [(r.describe(now), r.waiting is not None) for r in snap["pending"]]}
 
     def clear(self) -> None:
-        with self._lock:
-            self._done.clear()
-            self._pending.clear()
-            self._issued.clear()
+        self._done.clear()
+        self._pending.clear()
+        self._issued.clear()
 
 
 recorder = FlightRecorder()
