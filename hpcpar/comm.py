@@ -15,6 +15,11 @@ completed by one polling loop (`_wait`) that yields the core to ranks sharing it
 raises `watchdog.CommTimeout` when the monitor reports a timeout. Without
 MPI_THREAD_MULTIPLE (no monitor) every op polls and times out on its own.
 
+Small messages are latency-bound, so every op's own path is kept short (bench/allreduce.py
+measures it next to raw mpi4py): MPI calls, datatypes and byte-count factors are looked up once
+per communicator or dtype, a blocking op returns its result without a Handle, results are
+finished by named functions (no closures), and the flight recorder takes no lock.
+
 Aliasing: blocking ops other than `broadcast`/`recv` never modify their input, but
 on a size-1 communicator every op returns its input object itself (nothing to do),
 so do not mutate a result in place while still needing the input. `broadcast`,
@@ -87,14 +92,10 @@ class Handle:
         return self._result
 
 
-class _Completed:
-    """The handle of a blocking op, already complete: `wait()` is the op's `finish` itself, to be
-    called once (only the blocking methods, which call it at once, get one): no frame in between."""
-
-    __slots__ = ("wait",)
-
-    def __init__(self, finish: Callable[[], Any]):
-        self.wait = finish
+def _ready(value: Any, now: bool) -> Any:
+    """An op's result that needed no communication: itself when the caller waits for it (`now`),
+    else in a Handle."""
+    return value if now else Handle.ready(value)
 
 
 # -- transports: how an array op moves bytes -------------------------------------------------------
@@ -311,6 +312,17 @@ def _contiguous(a):
     return a if a.flags.c_contiguous else backend.array_module(a).ascontiguousarray(a)
 
 
+def _copied(src, dst):
+    """`dst` with `src`'s values (an op's result that has to land in the caller's array)."""
+    dst[...] = src
+    return dst
+
+
+def _alone(a, out):
+    """A size-1 communicator's result: the input itself, or copied into `out` when given."""
+    return a if out is None else _copied(a, out)
+
+
 def _to_front(a, dim: int):
     """`a` with `dim` moved first, C-contiguous (no copy when dim is 0 and `a` is contiguous)."""
     return _contiguous(backend.array_module(a).moveaxis(a, dim, 0) if dim else a)
@@ -393,21 +405,24 @@ class Communicator:
             self._nccl = NcclTransport(self.mpi) if _nccl_possible(self.mpi) else False
         return self._nccl or None
 
-    def _start(self, kind: str, a, send, recv, finish: Callable[[], Any], transport, blocking: bool,
-               op: str | None = None, peer: int | None = None, tag: int = 0, counts: tuple | None = None,
-               sent: float | None = None) -> Handle:
-        """Record the op, start it on `transport` from the prepared buffers, and return a handle
-        that waits for it and then `finish`es. Blocking only on MPI, and only when asked.
-        `peer`: the other rank of a send/recv, a broadcast's root. `counts`: all_to_all_v's
-        (send, recv) elements per rank; `sent`: its bytes leaving this rank."""
-        blocking = blocking and transport is self._host
+    def _start(self, kind: str, a, send, recv, transport, now: bool, finish: Callable | None = None,
+               args: tuple = (), op: str | None = None, peer: int | None = None, tag: int = 0,
+               counts: tuple | None = None, sent: float | None = None):
+        """Record the op and start it on `transport` from the prepared buffers. Its result, once
+        it completed, is `finish(*args)`, or `recv` itself when `finish` is None (a named function
+        and its arguments rather than a closure: ops are latency-bound). `now` (the blocking
+        methods): complete it here and return the result, in MPI's blocking call when the
+        monitor watches it; else return a Handle whose `wait()` does. `peer`: the other rank of
+        a send/recv, a broadcast's root. `counts`: all_to_all_v's (send, recv) elements per rank;
+        `sent`: its bytes leaving this rank."""
+        blocking = now and self._blocking and transport is self._host
         record = self._begin(kind, a, peer, blocking, sent)
         if blocking:
             try:
                 transport.start(kind, send, recv, op, peer, tag, True, counts)
             finally:  # an MPI error must not leave the op pending for the monitor to time out
                 watchdog.recorder.end(record)
-            return _Completed(finish)
+            return recv if finish is None else finish(*args)
         request = transport.start(kind, send, recv, op, peer, tag, False, counts)
 
         def complete() -> Any:
@@ -416,18 +431,19 @@ class Communicator:
             except watchdog.CommTimeout:
                 _ABANDONED.append((request, send, recv))
                 raise
-            return finish()
+            return recv if finish is None else finish(*args)
+        if now:
+            return complete()
         # MPI (or NCCL) reads and writes the buffers until the op completes: `complete` keeps them.
         return Handle(complete, None, request, record)
 
-    def _staged(self, start: Callable[..., Handle], a, *args, into=None) -> Handle:
-        """Run the host form of an op on a host copy of GPU array `a` (same transport, MPI); the
-        result comes back to the GPU (into `into` when given, for the in-place ops)."""
-        host = start(backend.to_host(a), *args)
+    def _staged(self, start: Callable, a, args: tuple, now: bool, into=None):
+        """Run the host form of an op, `start(host copy of a, *args, now)`, on GPU array `a` (same
+        transport, MPI); the result comes back to the GPU (into `into` when given, for the
+        in-place ops): returned when `now`, else through a Handle."""
         xp = backend.array_module(a)
 
-        def complete():
-            result = host.wait()
+        def back(result):
             if result is None:
                 return None
             result = xp.asarray(result)
@@ -435,7 +451,8 @@ class Communicator:
                 return result
             into[...] = result
             return into
-        return Handle(complete)
+        host = start(backend.to_host(a), *args, now)
+        return back(host) if now else Handle(lambda: back(host.wait()))
 
     # -- issuing and waiting --------------------------------------------------------------------
 
@@ -613,37 +630,40 @@ class Communicator:
 
         In place on `a` when `a` is contiguous; otherwise on a contiguous copy.
         """
-        return self._iall_reduce(a, op, in_place=True)
+        return self._iall_reduce(a, op, True, False)
 
     def all_reduce(self, a, op: str = "sum"):
         """Elementwise sum/avg/max/min of `a` over the ranks (replicated result); `a` is not modified."""
-        return self._iall_reduce(a, op, in_place=False, blocking=self._blocking).wait()
+        return self._iall_reduce(a, op, False, True)
 
-    def _iall_reduce(self, a, op: str, in_place: bool, blocking: bool = False) -> Handle:
+    def _iall_reduce(self, a, op: str, in_place: bool, now: bool):
         self._check_op("all_reduce", op, a)
         if self.size == 1:
-            return Handle.ready(a)
+            return _ready(a, now)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._iall_reduce, a, op, in_place, blocking,
-                                into=a if in_place and a.flags.c_contiguous else None)
+            return self._staged(self._iall_reduce, a, (op, in_place), now,
+                                a if in_place and a.flags.c_contiguous else None)
         send = _contiguous(a)
         work = self._work_buffer(send, transport)
         if work is not send:  # reduce the upcast copy in place, cast back when finished
             send = recv = work
         else:  # in place on `a` when asked, or on the copy a strided `a` needed anyway
             recv = send if in_place or send is not a else self._result(send.shape, send.dtype, transport.xp)
+        finish = None if op != "avg" and recv.dtype == a.dtype else self._reduced
+        return self._start("all_reduce", a, send, recv, transport, now, finish, (recv, a, op, in_place), op)
 
-        def finish():
-            if op == "avg":
-                transport.xp.divide(recv, self.size, out=recv)
-            if recv.dtype == a.dtype:
-                return recv
-            if in_place and a.flags.c_contiguous:
-                a[...] = recv
-                return a
-            return recv.astype(a.dtype)
-        return self._start("all_reduce", a, send, recv, finish, transport, blocking, op=op)
+    def _reduced(self, recv, a, op: str, in_place: bool):
+        """An all-reduce's result from its receive buffer: divided by size for avg, cast back to
+        `a`'s dtype (into `a` itself for an in-place reduction of a contiguous `a`)."""
+        if op == "avg":
+            recv /= self.size
+        if recv.dtype == a.dtype:
+            return recv
+        if in_place and a.flags.c_contiguous:
+            a[...] = recv
+            return a
+        return recv.astype(a.dtype)
 
     def ireduce_scatter(self, a, dim: int = 0, op: str = "sum", out=None) -> Handle:
         """Start a reduce-scatter; `wait()` returns this rank's part of the reduction.
@@ -652,43 +672,38 @@ class Communicator:
         `out` (dim 0 only): an array of the result's shape and dtype to receive into, which
         `wait()` returns, instead of recycled memory (for results kept across steps).
         """
-        return self._ireduce_scatter(a, dim, op, out=out)
+        return self._ireduce_scatter(a, dim, op, False, out)
 
     def reduce_scatter(self, a, dim: int = 0, op: str = "sum"):
         """Sum (or avg) over ranks, keeping part `rank` of `dim`: [.., n, ..] -> [.., n/size, ..]."""
-        return self._ireduce_scatter(a, dim, op, blocking=self._blocking).wait()
+        return self._ireduce_scatter(a, dim, op, True)
 
-    def _ireduce_scatter(self, a, dim: int, op: str, blocking: bool = False, out=None) -> Handle:
+    def _ireduce_scatter(self, a, dim: int, op: str, now: bool, out=None):
         self._check_op("reduce_scatter", op, a, allowed=("sum", "avg"))
         dim = self._dim_divisible("reduce_scatter", a, dim)
         if out is not None:
             self._check_out("reduce_scatter", a, dim, out, a.shape[0] // self.size)
         if self.size == 1:
-            return self._alone(a, out)
+            return _ready(_alone(a, out), now)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._ireduce_scatter, a, dim, op, blocking, into=out)
+            return self._staged(self._ireduce_scatter, a, (dim, op), now, out)
         send = self._work_buffer(_to_front(a, dim), transport)
         own = out is not None and out.dtype == send.dtype
         recv = out if own else self._result((send.shape[0] // self.size,) + send.shape[1:], send.dtype,
                                             transport.xp)
+        finish = None if op != "avg" and not dim and recv.dtype == a.dtype else self._scattered
+        return self._start("reduce_scatter", a, send, recv, transport, now, finish, (recv, a, dim, op, out), op)
 
-        def finish():
-            if op == "avg":
-                transport.xp.divide(recv, self.size, out=recv)
-            if out is not None and not own:
-                out[...] = recv
-                return out
-            return _from_front(recv.astype(a.dtype, copy=False), dim)
-        return self._start("reduce_scatter", a, send, recv, finish, transport, blocking, op=op)
-
-    @staticmethod
-    def _alone(a, out) -> Handle:
-        """A size-1 communicator's result: the input itself, or copied into `out` when given."""
-        if out is None:
-            return Handle.ready(a)
-        out[...] = a
-        return Handle.ready(out)
+    def _scattered(self, recv, a, dim: int, op: str, out):
+        """A reduce-scatter's result from its receive buffer: divided by size for avg, in `out`
+        when given, else cast back to `a`'s dtype with `dim` moved back."""
+        if op == "avg":
+            recv /= self.size
+        if out is not None and recv is not out:
+            out[...] = recv
+            return out
+        return _from_front(recv.astype(a.dtype, copy=False), dim)
 
     def _check_out(self, what: str, a, dim: int, out, rows: int) -> None:
         """`out` must be a C-contiguous array of `a`'s dtype and the result's shape (dim 0 only)."""
@@ -707,45 +722,45 @@ class Communicator:
         it (ZeRO-3's gathered parameters) must not stay alive in the recycling pool. `a` must
         not overlap `out`.
         """
-        return self._iall_gather(a, dim, out=out)
+        return self._iall_gather(a, dim, False, out)
 
     def all_gather(self, a, dim: int = 0):
         """Concatenate every rank's `a` along `dim` in rank order: [.., m, ..] -> [.., size*m, ..]."""
-        return self._iall_gather(a, dim, blocking=self._blocking).wait()
+        return self._iall_gather(a, dim, True)
 
-    def _iall_gather(self, a, dim: int, blocking: bool = False, out=None) -> Handle:
+    def _iall_gather(self, a, dim: int, now: bool, out=None):
         dim = self._dim("all_gather", a, dim)
         if out is not None:
             self._check_out("all_gather", a, dim, out, a.shape[0] * self.size)
         if self.size == 1:
-            return self._alone(a, out)
+            return _ready(_alone(a, out), now)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._iall_gather, a, dim, blocking, into=out)
+            return self._staged(self._iall_gather, a, (dim,), now, out)
         send = _to_front(a, dim)
         recv = out if out is not None else self._result((send.shape[0] * self.size,) + send.shape[1:], send.dtype,
                                                         transport.xp)
-        return self._start("all_gather", a, send, recv, lambda: _from_front(recv, dim), transport, blocking)
+        return self._start("all_gather", a, send, recv, transport, now, _from_front if dim else None, (recv, dim))
 
     def iall_to_all(self, a, dim: int = 0) -> Handle:
         """Start an all-to-all; `wait()` returns an array shaped like `a` (see `all_to_all`)."""
-        return self._iall_to_all(a, dim)
+        return self._iall_to_all(a, dim, False)
 
     def all_to_all(self, a, dim: int = 0):
         """Part j of `a` along `dim` goes to rank j; the result holds part `rank` of every rank's
         `a`, in rank order along `dim` (same shape as `a`; `a.shape[dim]` divisible by size)."""
-        return self._iall_to_all(a, dim, blocking=self._blocking).wait()
+        return self._iall_to_all(a, dim, True)
 
-    def _iall_to_all(self, a, dim: int, blocking: bool = False) -> Handle:
+    def _iall_to_all(self, a, dim: int, now: bool):
         dim = self._dim_divisible("all_to_all", a, dim)
         if self.size == 1:
-            return Handle.ready(a)
+            return _ready(a, now)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._iall_to_all, a, dim, blocking)
+            return self._staged(self._iall_to_all, a, (dim,), now)
         send = _to_front(a, dim)
         recv = self._result(send.shape, send.dtype, transport.xp)
-        return self._start("all_to_all", a, send, recv, lambda: _from_front(recv, dim), transport, blocking)
+        return self._start("all_to_all", a, send, recv, transport, now, _from_front if dim else None, (recv, dim))
 
     def all_to_all_v(self, a, send_counts, recv_counts):
         """Rows of different lengths to every rank (MPI_Alltoallv): the first `send_counts[0]` rows
@@ -754,9 +769,9 @@ class Communicator:
         (rows per rank, `size` long) must agree with the peers' (exchange them first, e.g. with
         `all_to_all`). Bytes counted as sent: the rows that leave this rank. GPU arrays go
         through host memory."""
-        return self._iall_to_all_v(a, send_counts, recv_counts, blocking=self._blocking).wait()
+        return self._iall_to_all_v(a, send_counts, recv_counts, True)
 
-    def _iall_to_all_v(self, a, send_counts, recv_counts, blocking: bool = False) -> Handle:
+    def _iall_to_all_v(self, a, send_counts, recv_counts, now: bool):
         send_counts = [int(c) for c in send_counts]
         recv_counts = [int(c) for c in recv_counts]
         if len(send_counts) != self.size or len(recv_counts) != self.size or a.ndim < 1 \
@@ -765,9 +780,9 @@ class Communicator:
                              f"are needed, the send counts summing to the {a.shape[0] if a.ndim else 0} rows "
                              f"of a {tuple(a.shape)} array; got {send_counts} and {recv_counts}")
         if self.size == 1:
-            return Handle.ready(a)
+            return _ready(a, now)
         if backend.is_device_array(a):
-            return self._staged(self._iall_to_all_v, a, send_counts, recv_counts, blocking)
+            return self._staged(self._iall_to_all_v, a, (send_counts, recv_counts), now)
         send = _contiguous(a)
         row = math.prod(a.shape[1:])
         recv = self._result((sum(recv_counts),) + tuple(a.shape[1:]), a.dtype, np)
@@ -775,69 +790,60 @@ class Communicator:
         if backend.mpi_datatype(a.dtype) is None:  # moved as raw bytes (see _dtype_facts)
             elements = tuple(e * a.dtype.itemsize for e in elements)
         sent = float((sum(send_counts) - send_counts[self.rank]) * row * a.dtype.itemsize)
-        return self._start("all_to_all_v", a, send, recv, lambda: recv, self._host, blocking,
-                           counts=elements, sent=sent)
+        return self._start("all_to_all_v", a, send, recv, self._host, now, counts=elements, sent=sent)
 
     def ibroadcast(self, a, root: int = 0) -> Handle:
         """Start a broadcast of root's `a` into every rank's `a` (in place); `wait()` returns `a`."""
-        return self._ibroadcast(a, root)
+        return self._ibroadcast(a, root, False)
 
     def broadcast(self, a, root: int = 0):
         """Root's `a` into every rank's `a`, in place like MPI_Bcast (same shape and dtype on
         every rank); returns `a`."""
-        return self._ibroadcast(a, root, blocking=self._blocking).wait()
+        return self._ibroadcast(a, root, True)
 
-    def _ibroadcast(self, a, root: int, blocking: bool = False) -> Handle:
+    def _ibroadcast(self, a, root: int, now: bool):
         self._check_rank("broadcast", root, "root")
         if self.size == 1:
-            return Handle.ready(a)
+            return _ready(a, now)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._ibroadcast, a, root, blocking, into=a)
+            return self._staged(self._ibroadcast, a, (root,), now, a)
         buf = _contiguous(a)
-
-        def finish():
-            if buf is not a:
-                a[...] = buf
-            return a
-        return self._start("broadcast", a, buf, buf, finish, transport, blocking, peer=root)
+        return self._start("broadcast", a, buf, buf, transport, now, None if buf is a else _copied, (buf, a),
+                           peer=root)
 
     def isend(self, a, dest: int, tag: int = 0) -> Handle:
         """Start sending `a` to rank `dest`; `wait()` returns None once `a` may be reused."""
-        return self._isend(a, dest, tag)
+        return self._isend(a, dest, tag, False)
 
     def send(self, a, dest: int, tag: int = 0) -> None:
         """Send `a` to rank `dest` (matched by a `recv` with the same tag there)."""
-        self._isend(a, dest, tag, blocking=self._blocking).wait()
+        self._isend(a, dest, tag, True)
 
-    def _isend(self, a, dest: int, tag: int, blocking: bool = False) -> Handle:
+    def _isend(self, a, dest: int, tag: int, now: bool):
         self._check_rank("send", dest, "dest")
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._isend, a, dest, tag, blocking)
-        buf = _contiguous(a)
-        return self._start("send", a, buf, None, lambda: None, transport, blocking, peer=dest, tag=tag)
+            return self._staged(self._isend, a, (dest, tag), now)
+        return self._start("send", a, _contiguous(a), None, transport, now, peer=dest, tag=tag)
 
     def irecv(self, out, source: int, tag: int = 0) -> Handle:
         """Start receiving into `out` from rank `source`; `wait()` returns `out` filled."""
-        return self._irecv(out, source, tag)
+        return self._irecv(out, source, tag, False)
 
     def recv(self, out, source: int, tag: int = 0):
         """Receive into `out` (shape and dtype as sent) from rank `source`; returns `out`."""
-        return self._irecv(out, source, tag, blocking=self._blocking).wait()
+        return self._irecv(out, source, tag, True)
 
-    def _irecv(self, out, source: int, tag: int, blocking: bool = False) -> Handle:
+    def _irecv(self, out, source: int, tag: int, now: bool):
         self._check_rank("recv", source, "source")
         transport = self._transport(out)
         if transport is None:
-            return self._staged(self._irecv, out, source, tag, blocking, into=out)
-        buf = out if out.flags.c_contiguous else backend.array_module(out).empty_like(out, order="C")
-
-        def finish():
-            if buf is not out:
-                out[...] = buf
-            return out
-        return self._start("recv", out, None, buf, finish, transport, blocking, peer=source, tag=tag)
+            return self._staged(self._irecv, out, (source, tag), now, out)
+        if out.flags.c_contiguous:
+            return self._start("recv", out, None, out, transport, now, peer=source, tag=tag)
+        buf = transport.xp.empty_like(out, order="C")
+        return self._start("recv", out, None, buf, transport, now, _copied, (buf, out), peer=source, tag=tag)
 
     def isend_irecv(self, a, dest: int, out, source: int, send_tag: int = 0, recv_tag: int = 0
                     ) -> tuple[Handle, Handle]:
@@ -850,10 +856,10 @@ class Communicator:
         self._check_rank("recv", source, "source")
         transport = self._transport(a)
         if not isinstance(transport, NcclTransport) or self._transport(out) is not transport:
-            return self._isend(a, dest, send_tag), self._irecv(out, source, recv_tag)
+            return self._isend(a, dest, send_tag, False), self._irecv(out, source, recv_tag, False)
         buf = _contiguous(a)
-        rbuf = out if out.flags.c_contiguous else backend.array_module(out).empty_like(out, order="C")
-        sent, received = self._begin("send", a, peer=dest), self._begin("recv", out, peer=source)
+        rbuf = out if out.flags.c_contiguous else transport.xp.empty_like(out, order="C")
+        sent, received = self._begin("send", a, dest), self._begin("recv", out, source)
         request = transport.start_group([("send", buf, None, None, dest), ("recv", None, rbuf, None, source)])
 
         def sent_done():
@@ -861,23 +867,21 @@ class Communicator:
 
         def received_done():
             self._wait(request, received)
-            if rbuf is not out:
-                out[...] = rbuf
-            return out
+            return out if rbuf is out else _copied(rbuf, out)
         return Handle(sent_done, keep=buf), Handle(received_done, keep=rbuf)
 
     def ibarrier(self) -> Handle:
         """Start a barrier; `wait()` returns once every rank has started it."""
-        return self._ibarrier()
+        return self._ibarrier(False)
 
     def barrier(self) -> None:
         """Wait until every rank of the communicator arrives."""
-        self._ibarrier(blocking=self._blocking).wait()
+        self._ibarrier(True)
 
-    def _ibarrier(self, blocking: bool = False) -> Handle:
+    def _ibarrier(self, now: bool):
         if self.size == 1:
-            return Handle.ready(None)
-        return self._start("barrier", None, None, None, lambda: None, self._host, blocking)
+            return _ready(None, now)
+        return self._start("barrier", None, None, None, self._host, now)
 
     # -- objects (setup, checkpoints, reports; never on a step's hot path) -----------------------
 
