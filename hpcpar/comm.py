@@ -69,27 +69,33 @@ _POOL_BUFFERS = 8
 
 
 class Handle:
-    """A started operation. `wait()` completes it and returns its result (idempotent)."""
+    """A started operation. `wait()` completes it, `complete(*args)`, and returns its result
+    (idempotent). `args` (the buffers MPI uses until the op completes among them) are kept until
+    then; a function and its arguments rather than a closure: ops are latency-bound."""
 
-    __slots__ = ("_complete", "_keep", "_result", "_request", "_record")
+    __slots__ = ("_complete", "_args", "_result", "_request", "_record")
 
-    def __init__(self, complete: Callable[[], Any], keep: Any = None, request: Any = None, record: Any = None):
-        self._complete: Callable[[], Any] | None = complete
-        self._keep = keep  # a buffer MPI uses until the op completes
+    def __init__(self, complete: Callable[..., Any], args: tuple = (), request: Any = None, record: Any = None):
+        self._complete: Callable[..., Any] | None = complete
+        self._args = args
         self._result: Any = None
         self._request, self._record = request, record  # MPI ops: what `Communicator.wait_any` polls
 
     @classmethod
     def ready(cls, value: Any) -> "Handle":
         """A handle whose op had nothing to do (size-1 communicator)."""
-        return cls(lambda: value)
+        return cls(_identity, (value,))
 
     def wait(self) -> Any:
         if self._complete is not None:
             complete, self._complete = self._complete, None
-            self._result = complete()
-            self._keep = None
+            self._result = complete(*self._args)
+            self._args = ()
         return self._result
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 def _ready(value: Any, now: bool) -> Any:
@@ -424,18 +430,20 @@ class Communicator:
                 watchdog.recorder.end(record)
             return recv if finish is None else finish(*args)
         request = transport.start(kind, send, recv, op, peer, tag, False, counts)
-
-        def complete() -> Any:
-            try:
-                self._wait(request, record)
-            except watchdog.CommTimeout:
-                _ABANDONED.append((request, send, recv))
-                raise
-            return recv if finish is None else finish(*args)
         if now:
-            return complete()
-        # MPI (or NCCL) reads and writes the buffers until the op completes: `complete` keeps them.
-        return Handle(complete, None, request, record)
+            return self._complete(request, record, send, recv, finish, args)
+        # MPI (or NCCL) reads and writes the buffers until the op completes: the handle keeps them.
+        return Handle(self._complete, (request, record, send, recv, finish, args), request, record)
+
+    def _complete(self, request, record: watchdog.OpRecord, send, recv, finish: Callable | None, args: tuple):
+        """Wait for an op `_start` started, then finish its result. A timed-out op's request and
+        buffers are kept for good: MPI may still be working on them."""
+        try:
+            self._wait(request, record)
+        except watchdog.CommTimeout:
+            _ABANDONED.append((request, send, recv))
+            raise
+        return recv if finish is None else finish(*args)
 
     def _staged(self, start: Callable, a, args: tuple, now: bool, into=None):
         """Run the host form of an op, `start(host copy of a, *args, now)`, on GPU array `a` (same
@@ -862,13 +870,13 @@ class Communicator:
         sent, received = self._begin("send", a, dest), self._begin("recv", out, source)
         request = transport.start_group([("send", buf, None, None, dest), ("recv", None, rbuf, None, source)])
 
-        def sent_done():
+        def sent_done(buf):  # the handle keeps the buffer NCCL reads until the op completes
             self._wait(request, sent)
 
-        def received_done():
+        def received_done(rbuf):
             self._wait(request, received)
             return out if rbuf is out else _copied(rbuf, out)
-        return Handle(sent_done, keep=buf), Handle(received_done, keep=rbuf)
+        return Handle(sent_done, (buf,)), Handle(received_done, (rbuf,))
 
     def ibarrier(self) -> Handle:
         """Start a barrier; `wait()` returns once every rank has started it."""
