@@ -53,7 +53,8 @@ class Benchmark:
 
 BENCHMARKS = (
     Benchmark("allreduce", "bench/allreduce.py", 4,
-              "collectives: hpcpar's all-reduce bus bandwidth / raw mpi4py's; latency at 8 B",
+              "collectives on the hot paths (all-reduce, reduce-scatter, all-gather, non-blocking all-reduce, "
+              "send/recv): hpcpar's bus bandwidth / raw mpi4py's; latency overhead vs before issue #20",
               quick_args=("--max-bytes", "1M", "--budget", "0.1", "--rounds", "2")),
     Benchmark("gemm", "bench/gemm.py", 2,
               "tensor-parallel GEMMs (column/row-parallel Linear, tp = ranks): fraction of the GEMM peak",
@@ -219,18 +220,62 @@ def _size(nbytes: int) -> str:
 
 def _allreduce(d: dict) -> list[str]:
     rows = {r["bytes"]: r for r in d["rows"] if r["op"] == "all_reduce"}
+    summary = {s["op"]: s for s in d.get("summary", [])}
     ratios = [f"{rows[n]['ratio']:.2f} at {_size(n)}" for n in (MiB, 64 * MiB) if n in rows]
+    worst = summary.get("all_reduce", {}).get("min_ratio")
     out = [f"all-reduce bus bandwidth, hpcpar / raw mpi4py: {', '.join(ratios) or 'n/a (sizes not run)'} "
-           f"({d['meta']['ranks']} ranks)"]
+           f"({d['meta']['ranks']} ranks)" + (f"; worst from 1 MiB up {worst:.2f} (goal >= "
+                                             f"{summary['all_reduce']['bandwidth_goal']})" if worst else "")]
     if rows:
         n = min(rows)
         r = rows[n]
-        out.append(f"latency at {_size(n)}: {r['hpcpar']['time_us']:.1f} µs vs {r['raw']['time_us']:.1f} µs raw "
-                   f"(vs {r['raw_nb']['time_us']:.1f} µs raw non-blocking + Wait)")
+        out.append(f"latency at {_size(n)}: {r['hpcpar']['time_us']:.1f} µs vs {r['raw']['time_us']:.1f} µs raw"
+                   + (f" (vs {r['raw_nb']['time_us']:.1f} µs raw non-blocking + Wait)" if "raw_nb" in r else "")
+                   + (f", {r['before']['time_us']:.1f} µs before" if "before" in r else ""))
+    overheads = [f"{op} {s['overhead_us']:+.1f} vs {s['overhead_before_us']:+.1f} µs "
+                 f"({s['overhead_vs_before']:.2f}x)" for op, s in summary.items() if s.get("overhead_vs_before")]
+    if overheads:
+        out.append(f"latency overhead, hpcpar - raw (median 8 B..1 KiB), now vs before (goal <= "
+                   f"{summary['all_reduce']['overhead_goal']}x): " + ", ".join(overheads))
     if 64 * MiB in rows:
         out.append(f"busbw at 64 MiB: {rows[64 * MiB]['hpcpar']['busbw_GBps']:.2f} GB/s hpcpar, "
                    f"{rows[64 * MiB]['raw']['busbw_GBps']:.2f} GB/s raw")
     return out
+
+
+def _collectives_table(d: dict) -> list[str]:
+    """bench/allreduce.py: the goals per op, then all_reduce size by size."""
+    if "summary" not in d:
+        return ["(results of an older bench/allreduce.py: rerun it for this table)"]
+    m = d["meta"]
+    lines = [f"{m['ranks']} ranks on {m['cores']} cores" + (" (oversubscribed: ranks share the cores)"
+                                                           if m["oversubscribed"] else "")
+             + f", float32; per size the best of {m['rounds']} interleaved rounds, each the slowest rank's mean time "
+             "per op. raw: mpi4py's upper-case call on preallocated buffers (non-blocking + Wait for iall_reduce and "
+             "sendrecv); hpcpar: the Communicator as training code calls it; before: the Communicator of "
+             f"{m['before']}. busbw as in nccl-tests; overhead = time - raw's.", "",
+             "| op | busbw / raw from 1 MiB, worst | before | goal | overhead (median 8 B..1 KiB) µs | before µs | "
+             "ratio | goal |", "|---|---:|---:|---|---:|---:|---:|---|"]
+
+    def num(x, fmt: str) -> str:
+        return "–" if x is None else format(x, fmt)
+
+    def verdict(ok) -> str:
+        return "–" if ok is None else "ok" if ok else "missed"
+    for s in d["summary"]:
+        lines.append(f"| {s['op']} | {num(s['min_ratio'], '.2f')} | {num(s['min_ratio_before'], '.2f')} | "
+                     f">= {s['bandwidth_goal']}: {verdict(s['bandwidth_ok'])} | {num(s['overhead_us'], '+.1f')} | "
+                     f"{num(s['overhead_before_us'], '+.1f')} | {num(s['overhead_vs_before'], '.2f')} | "
+                     f"<= {s['overhead_goal']}: {verdict(s['overhead_ok'])} |")
+    lines += ["", "all_reduce by size:", "",
+              "| bytes | raw µs | hpcpar µs | before µs | raw busbw GB/s | hpcpar busbw GB/s | ratio | ratio before |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in (r for r in d["rows"] if r["op"] == "all_reduce"):
+        b = r.get("before")
+        lines.append(f"| {_size(r['bytes'])} | {r['raw']['time_us']:.1f} | {r['hpcpar']['time_us']:.1f} | "
+                     f"{num(b and b['time_us'], '.1f')} | {r['raw']['busbw_GBps']:.3f} | "
+                     f"{r['hpcpar']['busbw_GBps']:.3f} | {r['ratio']:.2f} | {num(r.get('ratio_before'), '.2f')} |")
+    return lines
 
 
 def _gemm(d: dict, ranks: int) -> list[str]:
@@ -696,7 +741,8 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
         lines.append(f"| {b.name} | {_escape(b.what)} | {figures} | {cmd} | {run} |")
     details = summary["benchmarks"]
     # Detail sections: (benchmark, title, table from its results, image alt text or None).
-    for name, title, table, image in (("mesh_scaling", "Mesh scaling", _mesh_table, "mesh scaling"),
+    for name, title, table, image in (("allreduce", "Collectives", _collectives_table, None),
+                                      ("mesh_scaling", "Mesh scaling", _mesh_table, "mesh scaling"),
                                       ("pipeline", "Pipeline bubble", _pipeline_table, "pipeline"),
                                       ("pipeline_gpt", "Pipeline schedules training a GPT", _pipeline_gpt_table,
                                        None),

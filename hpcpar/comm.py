@@ -138,14 +138,14 @@ class MpiTransport:
               blocking: bool = False, counts: tuple | None = None):
         call = self._calls[kind][0 if blocking else 1]
         if kind == "send":
-            return call([send, _dtype_facts(send.dtype)[0]], peer, tag)
+            return call([send, _DTYPE_FACTS[send.dtype][0]], peer, tag)
         if kind == "recv":
-            return call([recv, _dtype_facts(recv.dtype)[0]], peer, tag)
+            return call([recv, _DTYPE_FACTS[recv.dtype][0]], peer, tag)
         if kind == "broadcast":
-            return call([recv, _dtype_facts(recv.dtype)[0]], peer)
+            return call([recv, _DTYPE_FACTS[recv.dtype][0]], peer)
         if kind == "barrier":
             return call()
-        datatype = _dtype_facts(recv.dtype)[0]
+        datatype = _DTYPE_FACTS[recv.dtype][0]
         if kind == "all_to_all_v":
             # [buffer, (counts, displacements), datatype] per side; counts in elements of the datatype.
             return call(*([buf, (c, _displacements(c)), datatype] for buf, c in zip((send, recv), counts)))
@@ -291,22 +291,21 @@ def _send_factor(op: str, n: int) -> float:
             "all_to_all": (n - 1) / n, "send": 1.0, "broadcast": 1.0}.get(op, 0.0)
 
 
-_DTYPE_FACTS: dict = {}  # dtype -> what `_dtype_facts` says of it, worked out once per dtype
+class _DtypeFacts(dict):
+    """dtype -> (the MPI datatype its arrays travel as, whether MPI reductions of it run in
+    float32, whether it is a floating dtype), worked out on the first lookup of a dtype (a plain
+    dict lookup afterwards: every op makes one). Dtypes MPI has no type for travel as raw bytes
+    (exact for moving data) and are reduced in float32, as are 16-bit floats (`_work_buffer`)."""
+
+    def __missing__(self, dtype) -> tuple:
+        datatype = backend.mpi_datatype(dtype)
+        facts = (MPI.BYTE if datatype is None else datatype, datatype is None or is_low(dtype),
+                 bool(np.issubdtype(np.dtype(dtype), np.inexact)))
+        self[dtype] = facts
+        return facts
 
 
-def _dtype_facts(dtype) -> tuple:
-    """(the MPI datatype arrays of `dtype` travel as, whether MPI reductions of it run in float32,
-    whether it is a floating dtype). Dtypes MPI has no type for travel as raw bytes (exact for
-    moving data) and are reduced in float32, as are 16-bit floats (see `_work_buffer`)."""
-    try:
-        return _DTYPE_FACTS[dtype]
-    except KeyError:
-        pass
-    datatype = backend.mpi_datatype(dtype)
-    facts = (MPI.BYTE if datatype is None else datatype, datatype is None or is_low(dtype),
-             bool(np.issubdtype(np.dtype(dtype), np.inexact)))
-    _DTYPE_FACTS[dtype] = facts
-    return facts
+_DTYPE_FACTS = _DtypeFacts()
 
 
 def _displacements(counts):
@@ -622,14 +621,14 @@ class Communicator:
     def _check_op(self, what: str, op: str, a, allowed=("sum", "avg", "max", "min")) -> None:
         if op not in allowed:
             raise ValueError(f"{what} on '{self.name}': unknown op {op!r}; use one of {', '.join(allowed)}")
-        if op == "avg" and not _dtype_facts(a.dtype)[2]:
+        if op == "avg" and not _DTYPE_FACTS[a.dtype][2]:
             raise ValueError(f"{what} on '{self.name}': op 'avg' needs a floating dtype, got {a.dtype}")
 
     def _work_buffer(self, send, transport):
         """`send` in the dtype its reduction runs in: its own, or float32 for 16-bit floats over
         MPI (bfloat16 has no MPI type; float16 sums would round at every addition, so a result
         would depend on the number of ranks; NCCL reduces those natively)."""
-        if transport is self._host and _dtype_facts(send.dtype)[1]:
+        if transport is self._host and _DTYPE_FACTS[send.dtype][1]:
             return send.astype(np.float32)
         return send
 
@@ -795,7 +794,7 @@ class Communicator:
         row = math.prod(a.shape[1:])
         recv = self._result((sum(recv_counts),) + tuple(a.shape[1:]), a.dtype, np)
         elements = (np.array(send_counts, dtype=np.int64) * row, np.array(recv_counts, dtype=np.int64) * row)
-        if backend.mpi_datatype(a.dtype) is None:  # moved as raw bytes (see _dtype_facts)
+        if backend.mpi_datatype(a.dtype) is None:  # moved as raw bytes (see _DtypeFacts)
             elements = tuple(e * a.dtype.itemsize for e in elements)
         sent = float((sum(send_counts) - send_counts[self.rank]) * row * a.dtype.itemsize)
         return self._start("all_to_all_v", a, send, recv, self._host, now, counts=elements, sent=sent)
