@@ -46,11 +46,15 @@ from hpcpar.precision import is_low
 # Polling. MPI moves data only inside MPI calls, so while a transfer can still be
 # running the loop calls Test() back to back, yielding the core every few polls
 # (ranks that share cores would otherwise starve the peer they wait for; MPICH's
-# own blocking wait yields too). That phase lasts _SPIN_S, or longer for big
+# own blocking wait yields too), and reading the clock only every _POLLS_PER_CLOCK
+# polls: whatever the loop does between two Test() calls delays a large transfer
+# (a 1 MiB all-reduce over 4 ranks on 2 cores took 10% longer with a clock read
+# every 4 polls). That phase lasts _SPIN_S, or longer for big
 # messages (bytes / _SPIN_BYTES_PER_S). A wait beyond it means a peer is late:
 # the loop then sleeps between polls, from _FIRST_SLEEP_S doubling up to
 # _MAX_SLEEP_S, to give the core away. bench/allreduce.py measures the cost.
 _POLLS_PER_YIELD = 4
+_POLLS_PER_CLOCK = 64
 _SPIN_S = 5e-3
 _SPIN_BYTES_PER_S = 2.5e8
 _FIRST_SLEEP_S = 1e-6
@@ -79,7 +83,8 @@ class Handle:
         self._complete: Callable[..., Any] | None = complete
         self._args = args
         self._result: Any = None
-        self._request, self._record = request, record  # MPI ops: what `Communicator.wait_any` polls
+        self._request = request  # MPI ops: what `Communicator.wait_any` polls
+        self._record = record
 
     @classmethod
     def ready(cls, value: Any) -> "Handle":
@@ -426,7 +431,7 @@ class Communicator:
             try:
                 transport.start(kind, send, recv, op, peer, tag, True, counts)
             finally:  # an MPI error must not leave the op pending for the monitor to time out
-                watchdog.recorder.end(record)
+                watchdog.recorder.leave(record)
             return recv if finish is None else finish(*args)
         request = transport.start(kind, send, recv, op, peer, tag, False, counts)
         if now:
@@ -463,26 +468,31 @@ class Communicator:
 
     # -- issuing and waiting --------------------------------------------------------------------
 
-    def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False,
-               sent: float | None = None) -> watchdog.OpRecord:
-        """Number and record an op (`blocking`: a blocking MPI call, watched by the monitor) and
-        count the bytes it sends from this rank (a broadcast's on its root `peer` only; `sent` when
-        the op knows them better than `bytes_sent`'s formula: all_to_all_v). The record keeps a
-        send's or receive's `peer`. Every op passes here: it is kept to a few dict operations."""
-        p2p = op == "send" or op == "recv"
-        if not p2p and watchdog.check_every():
-            # all_to_all_v's shapes differ between ranks by design: the check compares its name only.
-            self._check_sequence(op, a if op != "all_to_all_v" else None)
+    def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False, sent: float | None = None):
+        """Number and record an op and count the bytes it sends from this rank (a broadcast's on
+        its root `peer` only; `sent` when the op knows them better than `bytes_sent`'s formula:
+        all_to_all_v). `blocking`: a blocking MPI call, watched by the monitor, recorded with
+        `recorder.enter` (the entry `recorder.leave` takes); else an OpRecord (`recorder.begin`).
+        The record keeps a send's or receive's `peer`. Every op passes here: it is kept short."""
+        if op == "send" or op == "recv":
+            record_peer = peer
+        else:
+            record_peer = None
+            if watchdog.check_every():
+                # all_to_all_v's shapes differ between ranks by design: the check compares its name only.
+                self._check_sequence(op, a if op != "all_to_all_v" else None)
         seq = self._seq
         self._seq = seq + 1
         if a is None:
-            return watchdog.recorder.begin(self.name, seq, op, (), "", 0, None, self._group, blocking)
-        nbytes = a.nbytes
-        if sent is not None or op != "broadcast" or peer == self.rank:
-            counted = self.sent
-            counted[op] = counted.get(op, 0.0) + (self._factor[op] * nbytes if sent is None else sent)
-        return watchdog.recorder.begin(self.name, seq, op, a.shape, a.dtype, nbytes, peer if p2p else None,
-                                       self._group, blocking)
+            shape, dtype, nbytes = (), "", 0
+        else:
+            shape, dtype, nbytes = a.shape, a.dtype, a.nbytes
+            if sent is not None or op != "broadcast" or peer == self.rank:
+                counted = self.sent
+                counted[op] = counted.get(op, 0.0) + (self._factor[op] * nbytes if sent is None else sent)
+        if blocking:
+            return watchdog.recorder.enter(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group)
+        return watchdog.recorder.begin(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group)
 
     def _wait(self, request, record: watchdog.OpRecord) -> None:
         """Poll `request.Test()` until done; raise CommTimeout when the watchdog reports a timeout.
@@ -490,23 +500,25 @@ class Communicator:
         The monitor thread delivers its report (`record.report`); with no monitor, or none
         delivered, this raises on its own past the timeout (plus a grace period with a monitor).
         """
-        if not request.Test():
+        test = request.Test
+        if not test():
             watchdog.recorder.waiting(record)
             since = record.waiting
             spin_until = since + max(_SPIN_S, record.nbytes / _SPIN_BYTES_PER_S)
             limit = None  # read once the spinning is over: most waits end before
             delay = _FIRST_SLEEP_S
             polls = 0
-            while not request.Test():
+            yield_core = os.sched_yield
+            while not test():
                 polls += 1
                 if polls % _POLLS_PER_YIELD:
                     continue
-                now = time.monotonic()
-                if now < spin_until:
-                    os.sched_yield()
-                    continue
-                if limit is None:
+                if limit is None:  # spinning
+                    if polls % _POLLS_PER_CLOCK or time.monotonic() < spin_until:
+                        yield_core()
+                        continue
                     limit = watchdog.timeout() + (watchdog.DELIVERY_GRACE_S if self._blocking else 0.0)
+                now = time.monotonic()
                 if record.report is not None or now - since > limit:
                     error = watchdog.CommTimeout(record, now - since, record.report)
                     record.report = str(error)  # reported: the monitor leaves it alone from now on
@@ -529,7 +541,7 @@ class Communicator:
                 return i
         since = time.monotonic()
         records = [h._record for _, h in live]
-        delay, polls = _FIRST_SLEEP_S, 0
+        delay, polls, spinning = _FIRST_SLEEP_S, 0, True
         try:
             while True:
                 for i, h in live:
@@ -542,10 +554,12 @@ class Communicator:
                         watchdog.recorder.waiting(r)
                 if polls % _POLLS_PER_YIELD:
                     continue
+                if spinning:
+                    if polls % _POLLS_PER_CLOCK or time.monotonic() < since + _SPIN_S:
+                        os.sched_yield()
+                        continue
+                    spinning = False
                 now = time.monotonic()
-                if now < since + _SPIN_S:
-                    os.sched_yield()
-                    continue
                 reported = next((r for r in records if r.report is not None), None)
                 if reported is not None or now - since > watchdog.timeout():
                     record = reported or min(records, key=lambda r: r.start)
@@ -828,7 +842,8 @@ class Communicator:
         self._isend(a, dest, tag, True)
 
     def _isend(self, a, dest: int, tag: int, now: bool):
-        self._check_rank("send", dest, "dest")
+        if not 0 <= dest < self.size:  # checked here, worded by _check_rank: the pipeline's hot path
+            self._check_rank("send", dest, "dest")
         transport = self._transport(a)
         if transport is None:
             return self._staged(self._isend, a, (dest, tag), now)
@@ -843,7 +858,8 @@ class Communicator:
         return self._irecv(out, source, tag, True)
 
     def _irecv(self, out, source: int, tag: int, now: bool):
-        self._check_rank("recv", source, "source")
+        if not 0 <= source < self.size:
+            self._check_rank("recv", source, "source")
         transport = self._transport(out)
         if transport is None:
             return self._staged(self._irecv, out, (source, tag), now, out)
@@ -859,8 +875,9 @@ class Communicator:
         order and a send waits for its receiver, so two ranks that each send, then receive, would
         wait on each other forever if posted one by one (`schedule.check_in_order_transport`).
         On MPI, where tags match messages, it is an Isend and an Irecv."""
-        self._check_rank("send", dest, "dest")
-        self._check_rank("recv", source, "source")
+        if not (0 <= dest < self.size and 0 <= source < self.size):
+            self._check_rank("send", dest, "dest")
+            self._check_rank("recv", source, "source")
         transport = self._transport(a)
         if not isinstance(transport, NcclTransport) or self._transport(out) is not transport:
             return self._isend(a, dest, send_tag, False), self._irecv(out, source, recv_tag, False)
