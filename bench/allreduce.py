@@ -16,7 +16,8 @@ rank's. algbw = size / time; busbw = algbw * 2(n-1)/n (all-reduce), (n-1)/n (all
 reduce-scatter), 1 (sendrecv).
 
 Implementations: "raw" is mpi4py's upper-case call on preallocated buffers (blocking, or the
-non-blocking call finished by a C-level Wait for iall_reduce and sendrecv): the floor. "hpcpar"
+non-blocking call finished by a C-level Wait for iall_reduce and sendrecv): the floor. Where
+hpcpar returns a new result, raw receives into the same memory (see `runners`). "hpcpar"
 is the public API as training code calls it (a result array per call, the watchdog's flight
 recorder, byte accounting). "before" is the same API from the Communicator of revision `--before`
 (comm.py and watchdog.py as they were before issue #20 removed their per-call overhead, loaded
@@ -106,47 +107,52 @@ def load_before(rev: str, world: MPI.Comm):
 
 
 def runners(op: str, comms: dict, nbytes: int) -> dict:
-    """impl name -> callable running `op` once on float32 buffers of `nbytes` in total (see the
-    module docstring); `comms` maps "hpcpar" (and "before") to a Communicator."""
+    """impl name -> a maker: called (untimed, on every rank in the same order) before each round,
+    it returns the callable that runs `op` once on float32 buffers of `nbytes` in total (see the
+    module docstring); `comms` maps "hpcpar" (and "before") to a Communicator.
+
+    raw receives into the very buffer hpcpar's results live in, borrowed for its round (hpcpar's
+    result of an untimed call): from 1 MiB up, which memory a buffer got moves a run by up to
+    15% here (raw into a buffer allocated next to its input against raw into another), so both
+    write to the same memory.
+    """
     hp = comms["hpcpar"]
     n, mpi = hp.size, hp.mpi
     count = max(1, nbytes // 4)
     part = max(1, count // n)
-    fns = {}
-    if op == "all_reduce":
-        x, out = np.ones(count, np.float32), np.empty(count, np.float32)
-        fns["raw"] = lambda: mpi.Allreduce(x, out, MPI.SUM)
+    makers = {}
+    if op in ("all_reduce", "reduce_scatter", "all_gather"):
+        x = np.ones(part if op == "all_gather" else count if op == "all_reduce" else part * n, np.float32)
+        call, raw = {"all_reduce": (Communicator.all_reduce, lambda out: mpi.Allreduce(x, out, MPI.SUM)),
+                     "reduce_scatter": (Communicator.reduce_scatter,
+                                        lambda out: mpi.Reduce_scatter_block(x, out, MPI.SUM)),
+                     "all_gather": (Communicator.all_gather, lambda out: mpi.Allgather(x, out))}[op]
+
+        def make_raw():
+            out = call(hp, x)  # borrowed: hpcpar's result buffer
+            return lambda: raw(out)
+        makers["raw"] = make_raw
         for name, c in comms.items():
-            fns[name] = lambda c=c: c.all_reduce(x)
-    elif op == "reduce_scatter":
-        x, out = np.ones(part * n, np.float32), np.empty(part, np.float32)
-        fns["raw"] = lambda: mpi.Reduce_scatter_block(x, out, MPI.SUM)
-        for name, c in comms.items():
-            fns[name] = lambda c=c: c.reduce_scatter(x)
-    elif op == "all_gather":
-        x, out = np.ones(part, np.float32), np.empty(part * n, np.float32)
-        fns["raw"] = lambda: mpi.Allgather(x, out)
-        for name, c in comms.items():
-            fns[name] = lambda c=c: c.all_gather(x)
+            makers[name] = lambda c=c: lambda: getattr(c, op)(x)
     elif op == "iall_reduce":  # in place (sums of ones grow to inf: as fast as finite values)
         x = np.ones(count, np.float32)
-        fns["raw"] = lambda: mpi.Iallreduce(MPI.IN_PLACE, x, MPI.SUM).Wait()
+        makers["raw"] = lambda: lambda: mpi.Iallreduce(MPI.IN_PLACE, x, MPI.SUM).Wait()
         for name, c in comms.items():
-            fns[name] = lambda c=c: c.iall_reduce(x).wait()
+            makers[name] = lambda c=c: lambda: c.iall_reduce(x).wait()
     elif op == "sendrecv":
         x, out = np.ones(count, np.float32), np.empty(count, np.float32)
         nxt, prv = (hp.rank + 1) % n, (hp.rank - 1) % n
-        fns["raw"] = lambda: MPI.Request.Waitall([mpi.Irecv(out, prv, 3), mpi.Isend(x, nxt, 3)])
+        makers["raw"] = lambda: lambda: MPI.Request.Waitall([mpi.Irecv(out, prv, 3), mpi.Isend(x, nxt, 3)])
 
         def exchange(c):
             sent, received = c.isend_irecv(x, nxt, out, prv, 3, 3)
             received.wait()
             sent.wait()
         for name, c in comms.items():
-            fns[name] = lambda c=c: exchange(c)
+            makers[name] = lambda c=c: lambda: exchange(c)
     else:
         raise ValueError(f"unknown op {op!r}")
-    return fns
+    return makers
 
 
 def time_once(fn, iters: int, mpi: MPI.Comm) -> float:
@@ -160,19 +166,23 @@ def time_once(fn, iters: int, mpi: MPI.Comm) -> float:
 
 
 def measure(op: str, comms: dict, nbytes: int, budget_s: float, rounds: int) -> dict:
-    impls = runners(op, comms, nbytes)
+    makers = runners(op, comms, nbytes)
     mpi = comms["hpcpar"].mpi
-    for fn in impls.values():  # warm-up: connections, allocator, result pools
-        time_once(fn, 2, mpi)
+
+    def run(name: str, iters: int) -> float:
+        fn = makers[name]()  # a round's callable; a borrowed buffer goes back when it does
+        return time_once(fn, iters, mpi)
+    for name in makers:  # warm-up: connections, allocator, result pools
+        run(name, 2)
     # The iteration count from a probe: the fastest of a few short runs (other work on the machine
     # only ever slows a run down, and one slow moment must not cut the measurement short).
-    probe = max(min(time_once(fn, 3, mpi) for _ in range(5) for fn in impls.values()), 1e-6)
-    iters = int(mpi.bcast(min(2000, max(2, budget_s / (len(impls) * rounds * probe))), root=0))
-    best = {name: float("inf") for name in impls}
-    names = list(impls)
+    probe = max(min(run(name, 3) for _ in range(5) for name in makers), 1e-6)
+    iters = int(mpi.bcast(min(2000, max(2, budget_s / (len(makers) * rounds * probe))), root=0))
+    best = {name: float("inf") for name in makers}
+    names = list(makers)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:  # rotate: no impl always goes first
-            best[name] = min(best[name], time_once(impls[name], iters, mpi))
+            best[name] = min(best[name], run(name, iters))
     row = {"op": op, "bytes": nbytes, "iters": iters}
     for name, t in best.items():
         algbw = nbytes / t / 1e9
@@ -203,8 +213,18 @@ def summarize(op: str, rows: list[dict]) -> dict:
         if s["overhead_before_us"] > 0:
             s["overhead_vs_before"] = s["overhead_us"] / s["overhead_before_us"]
     s["bandwidth_ok"] = None if s["min_ratio"] is None else s["min_ratio"] >= BANDWIDTH_GOAL
+    # The smallest size from which every larger size meets the bandwidth goal (None: not even the largest).
+    s["goal_met_from_bytes"] = None
+    for r in sorted(big, key=lambda r: -r["bytes"]):
+        if r["ratio"] < BANDWIDTH_GOAL:
+            break
+        s["goal_met_from_bytes"] = r["bytes"]
     s["overhead_ok"] = None if s["overhead_vs_before"] is None else s["overhead_vs_before"] <= OVERHEAD_GOAL
     return s
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB" if nbytes >= 1 << 10 else f"{nbytes} B"
 
 
 def _verdict(ok: bool | None) -> str:
@@ -232,13 +252,15 @@ def print_summary(summaries: list[dict], meta: dict) -> None:
     print(f"\n# goals, {meta['ranks']} ranks on {meta['cores']} cores"
           + (" (oversubscribed: ranks share cores)" if meta["oversubscribed"] else "")
           + f"; best of {meta['rounds']} interleaved rounds per size")
-    print(f"{'op':<15} {'busbw/raw from 1 MiB, worst':>27} {'(before)':>8} {'goal':>6} | "
+    print(f"{'op':<15} {'busbw/raw from 1 MiB, worst':>27} {'(before)':>8} {'goal':>6} {'met from':>8} | "
           f"{'overhead <= 1 KiB, median us':>28} {'before':>7} {'ratio':>6} {'goal':>6}")
     for s in summaries:
         def num(x, fmt):
             return "–" if x is None else format(x, fmt)
+        met = s["goal_met_from_bytes"]
         print(f"{s['op']:<15} {num(s['min_ratio'], '.2f'):>27} {num(s['min_ratio_before'], '.2f'):>8} "
-              f"{_verdict(s['bandwidth_ok']):>6} | {num(s['overhead_us'], '+.1f'):>28} "
+              f"{_verdict(s['bandwidth_ok']):>6} {'–' if met is None else _size(met):>8} | "
+              f"{num(s['overhead_us'], '+.1f'):>28} "
               f"{num(s['overhead_before_us'], '+.1f'):>7} {num(s['overhead_vs_before'], '.2f'):>6} "
               f"{_verdict(s['overhead_ok']):>6}")
     print(f"goals: busbw >= {BANDWIDTH_GOAL}x raw at every size from {BANDWIDTH_FROM >> 20} MiB; overhead (time - "

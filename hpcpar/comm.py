@@ -29,6 +29,7 @@ results live in recycled memory that no live array (or view) still uses.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import pickle
@@ -142,6 +143,9 @@ class MpiTransport:
     def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
               blocking: bool = False, counts: tuple | None = None):
         call = self._calls[kind][0 if blocking else 1]
+        if op is not None:  # all_reduce, reduce_scatter: [buffer, datatype]; MPI derives the counts
+            datatype = _DTYPE_FACTS[recv.dtype][0]
+            return call(MPI.IN_PLACE if send is recv else [send, datatype], [recv, datatype], self._REDUCE_OPS[op])
         if kind == "send":
             return call([send, _DTYPE_FACTS[send.dtype][0]], peer, tag)
         if kind == "recv":
@@ -154,11 +158,7 @@ class MpiTransport:
         if kind == "all_to_all_v":
             # [buffer, (counts, displacements), datatype] per side; counts in elements of the datatype.
             return call(*([buf, (c, _displacements(c)), datatype] for buf, c in zip((send, recv), counts)))
-        # [buffer, datatype]: MPI derives each rank's count from the buffer sizes.
-        sendbuf = MPI.IN_PLACE if send is recv else [send, datatype]
-        if op is None:
-            return call(sendbuf, [recv, datatype])
-        return call(sendbuf, [recv, datatype], self._REDUCE_OPS[op])
+        return call(MPI.IN_PLACE if send is recv else [send, datatype], [recv, datatype])
 
 
 class _EventRequest:
@@ -378,7 +378,8 @@ class Communicator:
         self._host = MpiTransport(mpi_comm)
         self._nccl: NcclTransport | None | bool = None  # None: not decided yet; False: stage through host
         self._pool: list[np.ndarray] = []  # byte buffers behind earlier results (see _result)
-        self.sent: dict[str, float] = {}  # op kind -> bytes this rank sent (bytes_sent), since creation
+        # op kind -> bytes this rank sent (bytes_sent), since creation
+        self.sent: dict[str, float] = collections.defaultdict(float)
         self._factor = {kind: _send_factor(kind, self.size) for kind in KINDS}  # bytes_sent per input byte
 
     def bytes_sent_total(self) -> float:
@@ -488,8 +489,7 @@ class Communicator:
         else:
             shape, dtype, nbytes = a.shape, a.dtype, a.nbytes
             if sent is not None or op != "broadcast" or peer == self.rank:
-                counted = self.sent
-                counted[op] = counted.get(op, 0.0) + (self._factor[op] * nbytes if sent is None else sent)
+                self.sent[op] += self._factor[op] * nbytes if sent is None else sent
         if blocking:
             return watchdog.recorder.enter(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group)
         return watchdog.recorder.begin(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group)
