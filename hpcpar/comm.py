@@ -16,9 +16,10 @@ raises `watchdog.CommTimeout` when the monitor reports a timeout. Without
 MPI_THREAD_MULTIPLE (no monitor) every op polls and times out on its own.
 
 Small messages are latency-bound, so every op's own path is kept short (bench/allreduce.py
-measures it next to raw mpi4py): MPI calls, datatypes and byte-count factors are looked up once
-per communicator or dtype, a blocking op returns its result without a Handle, results are
-finished by named functions (no closures), and the flight recorder takes no lock.
+measures it next to raw mpi4py): datatypes and byte-count factors are worked out once per dtype
+or communicator, a blocking op returns its result without a Handle, results are finished by
+named functions (no closures), large results reuse their array objects, and the flight recorder
+takes no lock and keeps a blocking op as a tuple.
 
 Aliasing: blocking ops other than `broadcast`/`recv` never modify their input, but
 on a size-1 communicator every op returns its input object itself (nothing to do),
@@ -128,21 +129,20 @@ class MpiTransport:
     non-blocking form starts the op and the Communicator polls it.
     """
 
-    _CALLS = {"all_reduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "all_gather": "Allgather",
-              "all_to_all": "Alltoall", "all_to_all_v": "Alltoallv", "broadcast": "Bcast", "send": "Send",
-              "recv": "Recv", "barrier": "Barrier"}
+    # kind -> the names of its (blocking, non-blocking) mpi4py methods
+    _CALLS = {kind: (name, "I" + name[0].lower() + name[1:]) for kind, name in (
+        ("all_reduce", "Allreduce"), ("reduce_scatter", "Reduce_scatter_block"), ("all_gather", "Allgather"),
+        ("all_to_all", "Alltoall"), ("all_to_all_v", "Alltoallv"), ("broadcast", "Bcast"), ("send", "Send"),
+        ("recv", "Recv"), ("barrier", "Barrier"))}
     _REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}  # avg: sum, divided when finished
     xp = np  # the array module of this transport's buffers
 
     def __init__(self, mpi_comm: MPI.Comm):
         self.comm = mpi_comm
-        # kind -> (blocking, non-blocking) bound method, looked up once: ops are latency-bound.
-        self._calls = {kind: (getattr(mpi_comm, name), getattr(mpi_comm, "I" + name[0].lower() + name[1:]))
-                       for kind, name in self._CALLS.items()}
 
     def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
               blocking: bool = False, counts: tuple | None = None):
-        call = self._calls[kind][0 if blocking else 1]
+        call = getattr(self.comm, self._CALLS[kind][0 if blocking else 1])
         if op is not None:  # all_reduce, reduce_scatter: [buffer, datatype]; MPI derives the counts
             datatype = _DTYPE_FACTS[recv.dtype][0]
             return call(MPI.IN_PLACE if send is recv else [send, datatype], [recv, datatype], self._REDUCE_OPS[op])
