@@ -1,17 +1,32 @@
-"""Collective bandwidth sweep, nccl-tests style: hpcpar's Communicator next to raw mpi4py.
+"""Collectives of hpcpar's Communicator next to raw mpi4py, nccl-tests style, side by side in one run.
 
-    mpiexec -n 4 python bench/allreduce.py [--max-bytes 64M] [--ops all_reduce,all_gather,reduce_scatter]
+    mpiexec -n 4 python bench/allreduce.py [--max-bytes 64M] [--ops all_reduce,iall_reduce,...]
+                                           [--rounds 5] [--before REV | --before none]
 
-For each op and each message size (8 B doubling to 64 MiB of float32; the size is
-the full array, as in nccl-tests) both implementations run the same number of
-iterations after a warm-up, in alternating rounds so that noise from other work on
-the machine hits both alike. Time per op is the slowest rank's, the median over
-rounds. algbw = size / time; busbw = algbw * 2(n-1)/n for all_reduce and
-algbw * (n-1)/n for all_gather and reduce_scatter. "raw" is blocking upper-case
-mpi4py on preallocated buffers (the cost floor); "raw_nb" is MPI's non-blocking
-form of the same op finished by a C-level Wait(); "hpcpar" is the public API as
-training code calls it (a result array per call; blocking MPI underneath, recorded for the watchdog). ratio =
-hpcpar/raw busbw; vs_nb = hpcpar/raw_nb busbw. Results go to bench/results/allreduce.json.
+Ops: the collectives the engine runs on its hot paths. all_reduce, reduce_scatter and all_gather
+are the blocking calls (tensor parallelism, checks); iall_reduce is the non-blocking all-reduce
+finished by `wait()` (data-parallel buckets); sendrecv is a ring exchange of `isend_irecv` pairs
+(the pipeline's and ring attention's messages). For each op and message size (8 B doubling to
+64 MiB of float32; the size is the full array as in nccl-tests: the all-reduced array, the
+gathered result, the reduce-scatter input, the message) every implementation runs the same
+number of iterations per round, in interleaved rounds (the order rotates) so that noise from
+other work hits all alike, and the best round counts: with more ranks than cores the ranks share
+cores and a round's time is mostly how the scheduler treated it. Time per op is the slowest
+rank's. algbw = size / time; busbw = algbw * 2(n-1)/n (all-reduce), (n-1)/n (all-gather,
+reduce-scatter), 1 (sendrecv).
+
+Implementations: "raw" is mpi4py's upper-case call on preallocated buffers (blocking, or the
+non-blocking call finished by a C-level Wait for iall_reduce and sendrecv): the floor. Where
+hpcpar returns a new result, raw receives into the same memory (see `runners`). "hpcpar"
+is the public API as training code calls it (a result array per call, the watchdog's flight
+recorder, byte accounting). "before" is the same API from the Communicator of revision `--before`
+(comm.py and watchdog.py as they were before issue #20 removed their per-call overhead, loaded
+from git), for the overhead goal; left out where git or the revision is missing.
+
+Goals (the brief of issue #20), printed with the verdict and exit status 1 when all_reduce misses
+one: busbw hpcpar / raw >= 0.95 at every size from 1 MiB up, and the latency overhead
+(hpcpar - raw time, median over the sizes up to 1 KiB) at most half of before's.
+Results: bench/results/allreduce.json.
 """
 
 from __future__ import annotations
@@ -20,8 +35,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 from hpcpar import threads
@@ -31,10 +48,18 @@ threads.set_default_threads()
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+import hpcpar.watchdog  # noqa: E402
 from hpcpar.comm import Communicator  # noqa: E402
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
-ROUNDS = 5
+ROOT = Path(__file__).resolve().parent.parent
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "iall_reduce", "sendrecv")
+ROUNDS = 7
+BEFORE = "3a029e8"  # the last revision before issue #20's work on the per-call path of comm.py
+BANDWIDTH_FROM = 1 << 20  # sizes from which busbw must reach BANDWIDTH_GOAL x raw
+BANDWIDTH_GOAL = 0.95
+SMALL_UP_TO = 1 << 10  # sizes whose latency overhead is summed for the overhead goal
+OVERHEAD_GOAL = 0.5    # hpcpar's overhead / before's
+GOAL_OP = "all_reduce"  # the op whose goals decide the exit status
 
 
 def parse_bytes(text: str) -> int:
@@ -46,34 +71,88 @@ def parse_bytes(text: str) -> int:
 
 
 def bus_factor(op: str, n: int) -> float:
-    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+    if op in ("all_reduce", "iall_reduce"):
+        return 2 * (n - 1) / n
+    return 1.0 if op == "sendrecv" else (n - 1) / n
 
 
-def runners(op: str, comm: Communicator, nbytes: int):
-    """(hpcpar, raw, raw_nb) callables running `op` once on a float32 array of `nbytes` in total.
+def load_before(rev: str, world: MPI.Comm):
+    """The Communicator class of hpcpar/comm.py at git revision `rev`, on the watchdog.py of the
+    same revision (its own flight recorder and monitor thread), or None and why when git or the
+    revision is missing. Rank 0 reads the sources; every rank runs them as modules of their own."""
+    sources, why = None, None
+    if world.rank == 0:
+        try:
+            sources = [subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:hpcpar/{name}.py"], check=True,
+                                      capture_output=True, text=True).stdout for name in ("watchdog", "comm")]
+        except (OSError, subprocess.CalledProcessError) as err:
+            why = f"git show {rev}:hpcpar/... failed ({(getattr(err, 'stderr', '') or str(err)).strip()})"
+    sources, why = world.bcast((sources, why), root=0)  # setup only: pickled
+    if sources is None:
+        return None, why
 
-    For all_gather the total is the gathered result; for reduce_scatter it is the input.
-    raw_nb is MPI's non-blocking form of the op finished by a blocking C Wait(): what
-    hpcpar runs, minus hpcpar's Python and polling loop.
+    def module(name: str, source: str) -> types.ModuleType:
+        m = types.ModuleType(f"hpcpar_{name}_before")
+        m.__file__ = f"{rev}:hpcpar/{name}.py"
+        sys.modules[m.__name__] = m  # dataclasses look their module up while a class is built
+        exec(compile(source, m.__file__, "exec"), m.__dict__)  # noqa: S102 - our own history
+        return m
+    watchdog_before = module("watchdog", sources[0])
+    now, hpcpar.watchdog = hpcpar.watchdog, watchdog_before  # the old comm.py's `from hpcpar import watchdog`
+    try:
+        comm_before = module("comm", sources[1])
+    finally:
+        hpcpar.watchdog = now
+    return comm_before.Communicator, None
+
+
+def runners(op: str, comms: dict, nbytes: int) -> dict:
+    """impl name -> a maker: called (untimed, on every rank in the same order) before each round,
+    it returns the callable that runs `op` once on float32 buffers of `nbytes` in total (see the
+    module docstring); `comms` maps "hpcpar" (and "before") to a Communicator.
+
+    raw receives into the very buffer hpcpar's results live in, borrowed for its round (hpcpar's
+    result of an untimed call): from 1 MiB up, which memory a buffer got moves a run by up to
+    15% here (raw into a buffer allocated next to its input against raw into another), so both
+    write to the same memory.
     """
-    n = comm.size
+    hp = comms["hpcpar"]
+    n, mpi = hp.size, hp.mpi
     count = max(1, nbytes // 4)
-    mpi = comm.mpi
-    if op == "all_reduce":
-        x = np.ones(count, dtype=np.float32)
-        out = np.empty_like(x)
-        return ((lambda: comm.all_reduce(x)), (lambda: mpi.Allreduce(x, out, MPI.SUM)),
-                (lambda: mpi.Iallreduce(x, out, MPI.SUM).Wait()))
     part = max(1, count // n)
-    if op == "all_gather":
-        x = np.ones(part, dtype=np.float32)
-        out = np.empty(part * n, dtype=np.float32)
-        return ((lambda: comm.all_gather(x)), (lambda: mpi.Allgather(x, out)),
-                (lambda: mpi.Iallgather(x, out).Wait()))
-    x = np.ones(part * n, dtype=np.float32)
-    out = np.empty(part, dtype=np.float32)
-    return ((lambda: comm.reduce_scatter(x)), (lambda: mpi.Reduce_scatter_block(x, out, MPI.SUM)),
-            (lambda: mpi.Ireduce_scatter_block(x, out, MPI.SUM).Wait()))
+    makers = {}
+    if op in ("all_reduce", "reduce_scatter", "all_gather"):
+        x = np.ones(part if op == "all_gather" else count if op == "all_reduce" else part * n, np.float32)
+        call, raw = {"all_reduce": (Communicator.all_reduce, lambda out: mpi.Allreduce(x, out, MPI.SUM)),
+                     "reduce_scatter": (Communicator.reduce_scatter,
+                                        lambda out: mpi.Reduce_scatter_block(x, out, MPI.SUM)),
+                     "all_gather": (Communicator.all_gather, lambda out: mpi.Allgather(x, out))}[op]
+
+        def make_raw():
+            out = call(hp, x)  # borrowed: hpcpar's result buffer
+            return lambda: raw(out)
+        makers["raw"] = make_raw
+        for name, c in comms.items():
+            makers[name] = lambda c=c: lambda: getattr(c, op)(x)
+    elif op == "iall_reduce":  # in place (sums of ones grow to inf: as fast as finite values)
+        x = np.ones(count, np.float32)
+        makers["raw"] = lambda: lambda: mpi.Iallreduce(MPI.IN_PLACE, x, MPI.SUM).Wait()
+        for name, c in comms.items():
+            makers[name] = lambda c=c: lambda: c.iall_reduce(x).wait()
+    elif op == "sendrecv":
+        x, out = np.ones(count, np.float32), np.empty(count, np.float32)
+        nxt, prv = (hp.rank + 1) % n, (hp.rank - 1) % n
+        makers["raw"] = lambda: lambda: MPI.Request.Waitall([mpi.Irecv(out, prv, 3), mpi.Isend(x, nxt, 3)])
+
+        def exchange(c):
+            sent, received = c.isend_irecv(x, nxt, out, prv, 3, 3)
+            received.wait()
+            sent.wait()
+        for name, c in comms.items():
+            makers[name] = lambda c=c: lambda: exchange(c)
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    return makers
 
 
 def time_once(fn, iters: int, mpi: MPI.Comm) -> float:
@@ -86,23 +165,106 @@ def time_once(fn, iters: int, mpi: MPI.Comm) -> float:
     return mpi.allreduce(elapsed, op=MPI.MAX)  # one scalar per round, outside the timed region
 
 
-def measure(op: str, comm: Communicator, nbytes: int, budget_s: float, rounds: int = ROUNDS) -> dict:
-    impls = dict(zip(("hpcpar", "raw", "raw_nb"), runners(op, comm, nbytes)))
-    # Warm-up (connections, allocator, caches), which also sizes the iteration count.
-    probe = max(max(time_once(fn, 2, comm.mpi) for fn in impls.values()), 1e-6)
-    iters = int(comm.mpi.bcast(min(1000, max(2, budget_s / (len(impls) * rounds * probe))), root=0))
-    samples: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(rounds):
-        for name, fn in impls.items():
-            samples[name].append(time_once(fn, iters, comm.mpi))
+def measure(op: str, comms: dict, nbytes: int, budget_s: float, rounds: int) -> dict:
+    makers = runners(op, comms, nbytes)
+    mpi = comms["hpcpar"].mpi
+
+    def run(name: str, iters: int) -> float:
+        fn = makers[name]()  # a round's callable; a borrowed buffer goes back when it does
+        return time_once(fn, iters, mpi)
+    for name in makers:  # warm-up: connections, allocator, result pools
+        run(name, 2)
+    # The iteration count from a probe: the fastest of a few short runs (other work on the machine
+    # only ever slows a run down, and one slow moment must not cut the measurement short).
+    probe = max(min(run(name, 3) for _ in range(5) for name in makers), 1e-6)
+    iters = int(mpi.bcast(min(2000, max(2, budget_s / (len(makers) * rounds * probe))), root=0))
+    best = {name: float("inf") for name in makers}
+    names = list(makers)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # rotate: no impl always goes first
+            best[name] = min(best[name], run(name, iters))
     row = {"op": op, "bytes": nbytes, "iters": iters}
-    for name, times in samples.items():
-        t = statistics.median(times)
+    for name, t in best.items():
         algbw = nbytes / t / 1e9
-        row[name] = {"time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, comm.size)}
-    row["ratio"] = row["hpcpar"]["busbw_GBps"] / row["raw"]["busbw_GBps"]
-    row["ratio_nb"] = row["hpcpar"]["busbw_GBps"] / row["raw_nb"]["busbw_GBps"]
+        row[name] = {"time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, comms["hpcpar"].size)}
+    for name in ("hpcpar", "before"):
+        if name in row:
+            suffix = "" if name == "hpcpar" else "_before"
+            row["ratio" + suffix] = row[name]["busbw_GBps"] / row["raw"]["busbw_GBps"]
+            row["overhead_us" + suffix] = row[name]["time_us"] - row["raw"]["time_us"]
     return row
+
+
+def summarize(op: str, rows: list[dict]) -> dict:
+    """One op's goals: the worst busbw ratio from BANDWIDTH_FROM up, and the latency overhead
+    (the median over the sizes up to SMALL_UP_TO: a size that other work on the machine hit in
+    every round does not decide it) next to before's (None where not measured)."""
+    big = [r for r in rows if r["bytes"] >= BANDWIDTH_FROM]
+    small = [r for r in rows if r["bytes"] <= SMALL_UP_TO]
+    s = {"op": op, "bandwidth_from_bytes": BANDWIDTH_FROM, "bandwidth_goal": BANDWIDTH_GOAL,
+         "min_ratio": min((r["ratio"] for r in big), default=None),
+         "min_ratio_before": min((r["ratio_before"] for r in big if "ratio_before" in r), default=None),
+         "small_up_to_bytes": SMALL_UP_TO, "small_sizes": len(small), "overhead_goal": OVERHEAD_GOAL,
+         "overhead_us": statistics.median(r["overhead_us"] for r in small) if small else None,
+         "raw_us": statistics.median(r["raw"]["time_us"] for r in small) if small else None,
+         "overhead_before_us": None, "overhead_vs_before": None}
+    if small and all("overhead_us_before" in r for r in small):
+        s["overhead_before_us"] = statistics.median(r["overhead_us_before"] for r in small)
+        if s["overhead_before_us"] > 0:
+            s["overhead_vs_before"] = s["overhead_us"] / s["overhead_before_us"]
+    s["bandwidth_ok"] = None if s["min_ratio"] is None else s["min_ratio"] >= BANDWIDTH_GOAL
+    # The smallest size from which every larger size meets the bandwidth goal (None: not even the largest).
+    s["goal_met_from_bytes"] = None
+    for r in sorted(big, key=lambda r: -r["bytes"]):
+        if r["ratio"] < BANDWIDTH_GOAL:
+            break
+        s["goal_met_from_bytes"] = r["bytes"]
+    s["overhead_ok"] = None if s["overhead_vs_before"] is None else s["overhead_vs_before"] <= OVERHEAD_GOAL
+    return s
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB" if nbytes >= 1 << 10 else f"{nbytes} B"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else "ok" if ok else "MISSED"
+
+
+def print_table(op: str, rows: list[dict], n: int, has_before: bool) -> None:
+    print(f"\n# {op}, {n} ranks: time (us) and busbw (GB/s), best of the rounds; ratio = busbw / raw's "
+          f"(goal >= {BANDWIDTH_GOAL} from {BANDWIDTH_FROM >> 20} MiB); overhead = time - raw's (us)")
+    head = f"{'bytes':>10} {'iters':>5} | {'raw us':>9} {'busbw':>7} | {'hpcpar us':>9} {'busbw':>7} {'ratio':>5} {'over':>6}"
+    print(head + (f" | {'before us':>9} {'busbw':>7} {'ratio':>5} {'over':>6}" if has_before else ""))
+    for r in rows:
+        raw, h = r["raw"], r["hpcpar"]
+        flag = "!" if r["bytes"] >= BANDWIDTH_FROM and r["ratio"] < BANDWIDTH_GOAL else " "
+        line = (f"{r['bytes']:>10} {r['iters']:>5} | {raw['time_us']:>9.1f} {raw['busbw_GBps']:>7.3f} | "
+                f"{h['time_us']:>9.1f} {h['busbw_GBps']:>7.3f} {r['ratio']:>5.2f}{flag}{r['overhead_us']:>+6.1f}")
+        if has_before:
+            b = r["before"]
+            line += (f" | {b['time_us']:>9.1f} {b['busbw_GBps']:>7.3f} {r['ratio_before']:>5.2f} "
+                     f"{r['overhead_us_before']:>+6.1f}")
+        print(line, flush=True)
+
+
+def print_summary(summaries: list[dict], meta: dict) -> None:
+    print(f"\n# goals, {meta['ranks']} ranks on {meta['cores']} cores"
+          + (" (oversubscribed: ranks share cores)" if meta["oversubscribed"] else "")
+          + f"; best of {meta['rounds']} interleaved rounds per size")
+    print(f"{'op':<15} {'busbw/raw from 1 MiB, worst':>27} {'(before)':>8} {'goal':>6} {'met from':>8} | "
+          f"{'overhead <= 1 KiB, median us':>28} {'before':>7} {'ratio':>6} {'goal':>6}")
+    for s in summaries:
+        def num(x, fmt):
+            return "–" if x is None else format(x, fmt)
+        met = s["goal_met_from_bytes"]
+        print(f"{s['op']:<15} {num(s['min_ratio'], '.2f'):>27} {num(s['min_ratio_before'], '.2f'):>8} "
+              f"{_verdict(s['bandwidth_ok']):>6} {'–' if met is None else _size(met):>8} | "
+              f"{num(s['overhead_us'], '+.1f'):>28} "
+              f"{num(s['overhead_before_us'], '+.1f'):>7} {num(s['overhead_vs_before'], '.2f'):>6} "
+              f"{_verdict(s['overhead_ok']):>6}")
+    print(f"goals: busbw >= {BANDWIDTH_GOAL}x raw at every size from {BANDWIDTH_FROM >> 20} MiB; overhead (time - "
+          f"raw's, median over 8 B..{SMALL_UP_TO} B) <= {OVERHEAD_GOAL}x before's; {GOAL_OP} decides the exit status")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,57 +272,63 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-bytes", default="8")
     parser.add_argument("--max-bytes", default="64M")
     parser.add_argument("--ops", default=",".join(OPS))
-    parser.add_argument("--budget", type=float, default=0.6,
-                        help="seconds of timed work per op and size (both implementations)")
-    parser.add_argument("--rounds", type=int, default=ROUNDS,
-                        help="alternating rounds per size; the median round counts")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "allreduce.json"))
+    parser.add_argument("--budget", type=float, default=0.3,
+                        help="seconds of timed work per op and size (all implementations together)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds per size; the best counts")
+    parser.add_argument("--before", default=BEFORE,
+                        help="git revision whose comm.py runs as 'before' (the overhead goal); 'none' to skip")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "allreduce.json"))
     args = parser.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
     for o in ops:
         if o not in OPS:
             parser.error(f"unknown op {o!r}; choose from {', '.join(OPS)}")
 
-    comm = Communicator(MPI.COMM_WORLD.Dup(), "world")
-    root = comm.rank == 0
+    world = MPI.COMM_WORLD
+    comms = {"hpcpar": Communicator(world.Dup(), "world")}
+    root = world.rank == 0
+    before_note = "skipped (--before none)"
+    if args.before != "none":
+        before_cls, why = load_before(args.before, world)
+        if before_cls is not None:
+            comms["before"] = before_cls(world.Dup(), "world-before")
+            before_note = f"hpcpar/comm.py and watchdog.py at {args.before}"
+        else:
+            before_note = f"not run: {why}"
+            if root:
+                print(f"before: {before_note}", file=sys.stderr)
     sizes, nbytes = [], parse_bytes(args.min_bytes)
     while nbytes <= parse_bytes(args.max_bytes):
         sizes.append(nbytes)
         nbytes *= 2
 
-    rows = []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    meta = {"ranks": world.size, "cores": cores, "oversubscribed": world.size > cores,
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rounds": args.rounds, "budget_s": args.budget,
+            "before": before_note, "load_average_before": list(os.getloadavg()), "argv": sys.argv}
+    rows, summaries = [], []
     started = time.perf_counter()
     for op in ops:
+        op_rows = [measure(op, comms, size, args.budget, args.rounds) for size in sizes]
+        rows += op_rows
+        summaries.append(summarize(op, op_rows))
         if root:
-            print(f"\n# {op}, {comm.size} ranks (times in us, bandwidths in GB/s)")
-            print(f"{'bytes':>10} {'iters':>6} | {'hpcpar us':>10} {'algbw':>7} {'busbw':>7} | "
-                  f"{'raw us':>10} {'algbw':>7} {'busbw':>7} | {'raw_nb us':>10} {'busbw':>7} | "
-                  f"{'ratio':>5} {'vs_nb':>5}")
-        for size in sizes:
-            row = measure(op, comm, size, args.budget, args.rounds)
-            rows.append(row)
-            if root:
-                h, r, nb = row["hpcpar"], row["raw"], row["raw_nb"]
-                print(f"{size:>10} {row['iters']:>6} | {h['time_us']:>10.1f} {h['algbw_GBps']:>7.3f} "
-                      f"{h['busbw_GBps']:>7.3f} | {r['time_us']:>10.1f} {r['algbw_GBps']:>7.3f} "
-                      f"{r['busbw_GBps']:>7.3f} | {nb['time_us']:>10.1f} {nb['busbw_GBps']:>7.3f} | "
-                      f"{row['ratio']:>5.2f} {row['ratio_nb']:>5.2f}", flush=True)
+            print_table(op, op_rows, world.size, "before" in comms)
+    meta["wall_s"] = time.perf_counter() - started
+    meta["load_average_after"] = list(os.getloadavg())
+    goal = next((s for s in summaries if s["op"] == GOAL_OP), None)
+    missed = goal is not None and (goal["bandwidth_ok"] is False or goal["overhead_ok"] is False)
     if root:
-        small = [r for r in rows if r["bytes"] == sizes[0]]
-        for r in small:
-            added = r["hpcpar"]["time_us"] - r["raw"]["time_us"]
-            added_nb = r["hpcpar"]["time_us"] - r["raw_nb"]["time_us"]
-            print(f"added latency at {sizes[0]} B, {r['op']}: {added:+.1f} us vs blocking mpi4py, "
-                  f"{added_nb:+.1f} us vs non-blocking + Wait")
+        print_summary(summaries, meta)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"ranks": comm.size, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rounds": args.rounds,
-                "wall_s": time.perf_counter() - started, "argv": sys.argv}
-        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        print(f"wrote {out} ({meta['wall_s']:.0f} s)")
-    comm.free()
-    return 0
+        out.write_text(json.dumps({"meta": meta, "summary": summaries, "rows": rows}, indent=1))
+        print(f"wrote {out} ({meta['wall_s']:.0f} s; load average {meta['load_average_before'][0]:.1f} before, "
+              f"{meta['load_average_after'][0]:.1f} after)")
+    for c in comms.values():
+        c.free()
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ completed by one polling loop (`_wait`) that yields the core to ranks sharing it
 raises `watchdog.CommTimeout` when the monitor reports a timeout. Without
 MPI_THREAD_MULTIPLE (no monitor) every op polls and times out on its own.
 
+Small messages are latency-bound, so every op's own path is kept short (bench/allreduce.py
+measures it next to raw mpi4py): datatypes and byte-count factors are worked out once per dtype
+or communicator, a blocking op returns its result without a Handle, results are finished by
+named functions (no closures), large results reuse their array objects, and the flight recorder
+takes no lock and keeps a blocking op as a tuple.
+
 Aliasing: blocking ops other than `broadcast`/`recv` never modify their input, but
 on a size-1 communicator every op returns its input object itself (nothing to do),
 so do not mutate a result in place while still needing the input. `broadcast`,
@@ -24,6 +30,7 @@ results live in recycled memory that no live array (or view) still uses.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import pickle
@@ -41,11 +48,15 @@ from hpcpar.precision import is_low
 # Polling. MPI moves data only inside MPI calls, so while a transfer can still be
 # running the loop calls Test() back to back, yielding the core every few polls
 # (ranks that share cores would otherwise starve the peer they wait for; MPICH's
-# own blocking wait yields too). That phase lasts _SPIN_S, or longer for big
+# own blocking wait yields too), and reading the clock only every _POLLS_PER_CLOCK
+# polls: whatever the loop does between two Test() calls delays a large transfer
+# (a 1 MiB all-reduce over 4 ranks on 2 cores took 10% longer with a clock read
+# every 4 polls). That phase lasts _SPIN_S, or longer for big
 # messages (bytes / _SPIN_BYTES_PER_S). A wait beyond it means a peer is late:
 # the loop then sleeps between polls, from _FIRST_SLEEP_S doubling up to
 # _MAX_SLEEP_S, to give the core away. bench/allreduce.py measures the cost.
 _POLLS_PER_YIELD = 4
+_POLLS_PER_CLOCK = 64
 _SPIN_S = 5e-3
 _SPIN_BYTES_PER_S = 2.5e8
 _FIRST_SLEEP_S = 1e-6
@@ -64,25 +75,40 @@ _POOL_BUFFERS = 8
 
 
 class Handle:
-    """A started operation. `wait()` completes it and returns its result (idempotent)."""
+    """A started operation. `wait()` completes it, `complete(*args)`, and returns its result
+    (idempotent). `args` (the buffers MPI uses until the op completes among them) are kept until
+    then; a function and its arguments rather than a closure: ops are latency-bound."""
 
-    def __init__(self, complete: Callable[[], Any], keep: Any = None, request: Any = None, record: Any = None):
-        self._complete: Callable[[], Any] | None = complete
-        self._keep = keep  # a buffer MPI uses until the op completes
+    __slots__ = ("_complete", "_args", "_result", "_request", "_record")
+
+    def __init__(self, complete: Callable[..., Any], args: tuple = (), request: Any = None, record: Any = None):
+        self._complete: Callable[..., Any] | None = complete
+        self._args = args
         self._result: Any = None
-        self._request, self._record = request, record  # MPI ops: what `Communicator.wait_any` polls
+        self._request = request  # MPI ops: what `Communicator.wait_any` polls
+        self._record = record
 
     @classmethod
     def ready(cls, value: Any) -> "Handle":
         """A handle whose op had nothing to do (size-1 communicator)."""
-        return cls(lambda: value)
+        return cls(_identity, (value,))
 
     def wait(self) -> Any:
         if self._complete is not None:
             complete, self._complete = self._complete, None
-            self._result = complete()
-            self._keep = None
+            self._result = complete(*self._args)
+            self._args = ()
         return self._result
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _ready(value: Any, now: bool) -> Any:
+    """An op's result that needed no communication: itself when the caller waits for it (`now`),
+    else in a Handle."""
+    return value if now else Handle.ready(value)
 
 
 # -- transports: how an array op moves bytes -------------------------------------------------------
@@ -103,36 +129,36 @@ class MpiTransport:
     non-blocking form starts the op and the Communicator polls it.
     """
 
-    _CALLS = {"all_reduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "all_gather": "Allgather",
-              "all_to_all": "Alltoall", "all_to_all_v": "Alltoallv", "broadcast": "Bcast", "send": "Send",
-              "recv": "Recv", "barrier": "Barrier"}
+    # kind -> the names of its (blocking, non-blocking) mpi4py methods
+    _CALLS = {kind: (name, "I" + name[0].lower() + name[1:]) for kind, name in (
+        ("all_reduce", "Allreduce"), ("reduce_scatter", "Reduce_scatter_block"), ("all_gather", "Allgather"),
+        ("all_to_all", "Alltoall"), ("all_to_all_v", "Alltoallv"), ("broadcast", "Bcast"), ("send", "Send"),
+        ("recv", "Recv"), ("barrier", "Barrier"))}
     _REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}  # avg: sum, divided when finished
+    xp = np  # the array module of this transport's buffers
 
     def __init__(self, mpi_comm: MPI.Comm):
         self.comm = mpi_comm
 
     def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
               blocking: bool = False, counts: tuple | None = None):
-        name = self._CALLS[kind]
+        call = getattr(self.comm, self._CALLS[kind][0 if blocking else 1])
+        if op is not None:  # all_reduce, reduce_scatter: [buffer, datatype]; MPI derives the counts
+            datatype = _DTYPE_FACTS[recv.dtype][0]
+            return call(MPI.IN_PLACE if send is recv else [send, datatype], [recv, datatype], self._REDUCE_OPS[op])
+        if kind == "send":
+            return call([send, _DTYPE_FACTS[send.dtype][0]], peer, tag)
+        if kind == "recv":
+            return call([recv, _DTYPE_FACTS[recv.dtype][0]], peer, tag)
+        if kind == "broadcast":
+            return call([recv, _DTYPE_FACTS[recv.dtype][0]], peer)
         if kind == "barrier":
-            args: tuple = ()
-        elif kind == "all_to_all_v":
+            return call()
+        datatype = _DTYPE_FACTS[recv.dtype][0]
+        if kind == "all_to_all_v":
             # [buffer, (counts, displacements), datatype] per side; counts in elements of the datatype.
-            datatype = backend.mpi_buffer(recv)[2]
-            args = tuple([buf, (c, _displacements(c)), datatype] for buf, c in zip((send, recv), counts))
-        elif kind == "broadcast":
-            args = (backend.mpi_buffer(recv), peer)
-        elif kind in ("send", "recv"):
-            args = (backend.mpi_buffer(send if kind == "send" else recv), peer, tag)
-        else:
-            # [buffer, datatype]: mpi4py derives each rank's count from the buffer sizes.
-            datatype = backend.mpi_buffer(recv)[2]
-            sendbuf = MPI.IN_PLACE if send is recv else [send, datatype]
-            args = (sendbuf, [recv, datatype]) + ((self._REDUCE_OPS[op],) if op is not None else ())
-        if blocking:
-            getattr(self.comm, name)(*args)
-            return None
-        return getattr(self.comm, "I" + name[0].lower() + name[1:])(*args)
+            return call(*([buf, (c, _displacements(c)), datatype] for buf, c in zip((send, recv), counts)))
+        return call(MPI.IN_PLACE if send is recv else [send, datatype], [recv, datatype])
 
 
 class _EventRequest:
@@ -171,13 +197,14 @@ class NcclTransport:
         mpi_comm.Bcast([uid, MPI.INT8_T], root=0)
         comm_id = uid[:128].tobytes() if uid[128] else tuple(int(v) for v in uid[:128])
         self.comm = nccl.NcclCommunicator(mpi_comm.size, comm_id, mpi_comm.rank)
+        self.xp = cupy  # the array module of this transport's buffers
         self.size = mpi_comm.size
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._mpi = MpiTransport(mpi_comm)
         self._ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
 
     def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
-              blocking: bool = False) -> _EventRequest:
+              blocking: bool = False, counts: tuple | None = None) -> _EventRequest:
         if kind == "barrier":
             return self._mpi.start(kind, None, None, blocking=blocking)
         return self.start_group([(kind, send, recv, op, peer)])
@@ -258,12 +285,32 @@ def bytes_sent(op: str, nbytes: int, size: int) -> float:
         broadcast          S on the root, 0 elsewhere (the data that leaves the root)
         send               S;  recv, barrier: 0
     """
-    n = size
-    if n <= 1 or op in ("recv", "barrier"):
+    return _send_factor(op, size) * nbytes
+
+
+def _send_factor(op: str, n: int) -> float:
+    """bytes_sent(op, S, n) / S (Communicator caches it per op kind)."""
+    if n <= 1:
         return 0.0
-    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1,
-              "all_to_all": (n - 1) / n, "send": 1.0, "broadcast": 1.0}.get(op, 0.0)
-    return factor * nbytes
+    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1,
+            "all_to_all": (n - 1) / n, "send": 1.0, "broadcast": 1.0}.get(op, 0.0)
+
+
+class _DtypeFacts(dict):
+    """dtype -> (the MPI datatype its arrays travel as, whether MPI reductions of it run in
+    float32, whether it is a floating dtype), worked out on the first lookup of a dtype (a plain
+    dict lookup afterwards: every op makes one). Dtypes MPI has no type for travel as raw bytes
+    (exact for moving data) and are reduced in float32, as are 16-bit floats (`_work_buffer`)."""
+
+    def __missing__(self, dtype) -> tuple:
+        datatype = backend.mpi_datatype(dtype)
+        facts = (MPI.BYTE if datatype is None else datatype, datatype is None or is_low(dtype),
+                 bool(np.issubdtype(np.dtype(dtype), np.inexact)))
+        self[dtype] = facts
+        return facts
+
+
+_DTYPE_FACTS = _DtypeFacts()
 
 
 def _displacements(counts):
@@ -275,15 +322,27 @@ def _contiguous(a):
     return a if a.flags.c_contiguous else backend.array_module(a).ascontiguousarray(a)
 
 
+def _copied(src, dst):
+    """`dst` with `src`'s values (an op's result that has to land in the caller's array)."""
+    dst[...] = src
+    return dst
+
+
+def _alone(a, out):
+    """A size-1 communicator's result: the input itself, or copied into `out` when given."""
+    return a if out is None else _copied(a, out)
+
+
 def _to_front(a, dim: int):
     """`a` with `dim` moved first, C-contiguous (no copy when dim is 0 and `a` is contiguous)."""
-    xp = backend.array_module(a)
-    return _contiguous(xp.moveaxis(a, dim, 0) if dim else a)
+    return _contiguous(backend.array_module(a).moveaxis(a, dim, 0) if dim else a)
 
 
 def _from_front(a, dim: int):
+    if not dim:
+        return a
     xp = backend.array_module(a)
-    return xp.ascontiguousarray(xp.moveaxis(a, 0, dim)) if dim else a
+    return xp.ascontiguousarray(xp.moveaxis(a, 0, dim))
 
 
 class Communicator:
@@ -318,8 +377,10 @@ class Communicator:
         self._check_hash = 0
         self._host = MpiTransport(mpi_comm)
         self._nccl: NcclTransport | None | bool = None  # None: not decided yet; False: stage through host
-        self._pool: list[np.ndarray] = []  # byte buffers behind earlier results (see _result)
-        self.sent: dict[str, float] = {}  # op kind -> bytes this rank sent (bytes_sent), since creation
+        self._pool: list[list] = []  # [byte buffer, its last view] behind earlier results (see _result)
+        # op kind -> bytes this rank sent (bytes_sent), since creation
+        self.sent: dict[str, float] = collections.defaultdict(float)
+        self._factor = {kind: _send_factor(kind, self.size) for kind in KINDS}  # bytes_sent per input byte
 
     def bytes_sent_total(self) -> float:
         """Bytes this rank has sent over this communicator so far (every op kind)."""
@@ -349,48 +410,53 @@ class Communicator:
     def _transport(self, a) -> MpiTransport | NcclTransport | None:
         """The transport for array `a`: MPI for host arrays, NCCL for GPU arrays when every rank
         has its own GPU (decided collectively on the first GPU op), else None: stage via host."""
-        if not backend.is_device_array(a):
+        if type(a) is np.ndarray or not backend.is_device_array(a):
             return self._host
         if self._nccl is None:
             self._nccl = NcclTransport(self.mpi) if _nccl_possible(self.mpi) else False
         return self._nccl or None
 
-    def _start(self, kind: str, a, send, recv, finish: Callable[[], Any], transport, blocking: bool,
-               op: str | None = None, peer: int | None = None, tag: int = 0, counts: tuple | None = None,
-               sent: float | None = None) -> Handle:
-        """Record the op, start it on `transport` from the prepared buffers, and return a handle
-        that waits for it and then `finish`es. Blocking only on MPI, and only when asked.
-        `counts`: all_to_all_v's (send, recv) elements per rank; `sent`: its bytes leaving this rank."""
-        blocking = blocking and transport is self._host
-        record = self._begin(kind, a, peer=peer if kind in ("send", "recv") else None, blocking=blocking,
-                             root=peer if kind == "broadcast" else None, sent=sent)
-        extra = {} if counts is None else {"counts": counts}
+    def _start(self, kind: str, a, send, recv, transport, now: bool, finish: Callable | None = None,
+               args: tuple = (), op: str | None = None, peer: int | None = None, tag: int = 0,
+               counts: tuple | None = None, sent: float | None = None):
+        """Record the op and start it on `transport` from the prepared buffers. Its result, once
+        it completed, is `finish(*args)`, or `recv` itself when `finish` is None (a named function
+        and its arguments rather than a closure: ops are latency-bound). `now` (the blocking
+        methods): complete it here and return the result, in MPI's blocking call when the
+        monitor watches it; else return a Handle whose `wait()` does. `peer`: the other rank of
+        a send/recv, a broadcast's root. `counts`: all_to_all_v's (send, recv) elements per rank;
+        `sent`: its bytes leaving this rank."""
+        blocking = now and self._blocking and transport is self._host
+        record = self._begin(kind, a, peer, blocking, sent)
         if blocking:
             try:
-                transport.start(kind, send, recv, op, peer, tag, blocking=True, **extra)
+                transport.start(kind, send, recv, op, peer, tag, True, counts)
             finally:  # an MPI error must not leave the op pending for the monitor to time out
-                watchdog.recorder.end(record)
-            return Handle(finish)
-        request = transport.start(kind, send, recv, op, peer, tag, **extra)
-
-        def complete() -> Any:
-            try:
-                self._wait(request, record)
-            except watchdog.CommTimeout:
-                _ABANDONED.append((request, send, recv))
-                raise
-            return finish()
+                watchdog.recorder.leave(record)
+            return recv if finish is None else finish(*args)
+        request = transport.start(kind, send, recv, op, peer, tag, False, counts)
+        if now:
+            return self._complete(request, record, send, recv, finish, args)
         # MPI (or NCCL) reads and writes the buffers until the op completes: the handle keeps them.
-        return Handle(complete, keep=(send, recv), request=request, record=record)
+        return Handle(self._complete, (request, record, send, recv, finish, args), request, record)
 
-    def _staged(self, start: Callable[..., Handle], a, *args, into=None) -> Handle:
-        """Run the host form of an op on a host copy of GPU array `a` (same transport, MPI); the
-        result comes back to the GPU (into `into` when given, for the in-place ops)."""
-        host = start(backend.to_host(a), *args)
+    def _complete(self, request, record: watchdog.OpRecord, send, recv, finish: Callable | None, args: tuple):
+        """Wait for an op `_start` started, then finish its result. A timed-out op's request and
+        buffers are kept for good: MPI may still be working on them."""
+        try:
+            self._wait(request, record)
+        except watchdog.CommTimeout:
+            _ABANDONED.append((request, send, recv))
+            raise
+        return recv if finish is None else finish(*args)
+
+    def _staged(self, start: Callable, a, args: tuple, now: bool, into=None):
+        """Run the host form of an op, `start(host copy of a, *args, now)`, on GPU array `a` (same
+        transport, MPI); the result comes back to the GPU (into `into` when given, for the
+        in-place ops): returned when `now`, else through a Handle."""
         xp = backend.array_module(a)
 
-        def complete():
-            result = host.wait()
+        def back(result):
             if result is None:
                 return None
             result = xp.asarray(result)
@@ -398,27 +464,35 @@ class Communicator:
                 return result
             into[...] = result
             return into
-        return Handle(complete)
+        host = start(backend.to_host(a), *args, now)
+        return back(host) if now else Handle(lambda: back(host.wait()))
 
     # -- issuing and waiting --------------------------------------------------------------------
 
-    def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False,
-               root: int | None = None, sent: float | None = None) -> watchdog.OpRecord:
-        """Number and record an op (`blocking`: a blocking MPI call, watched by the monitor) and
-        count the bytes it sends from this rank (a broadcast's on its `root` only; `sent` when the
-        op knows them better than `bytes_sent`'s formula: all_to_all_v)."""
-        if peer is None and watchdog.check_every():
-            # all_to_all_v's shapes differ between ranks by design: the check compares its name only.
-            self._check_sequence(op, a if op != "all_to_all_v" else None)
-        seq, self._seq = self._seq, self._seq + 1
-        if sent is not None:
-            self.sent[op] = self.sent.get(op, 0.0) + sent
-        elif a is not None and (op != "broadcast" or root == self.rank):
-            self.sent[op] = self.sent.get(op, 0.0) + bytes_sent(op, a.nbytes, self.size)
+    def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False, sent: float | None = None):
+        """Number and record an op and count the bytes it sends from this rank (a broadcast's on
+        its root `peer` only; `sent` when the op knows them better than `bytes_sent`'s formula:
+        all_to_all_v). `blocking`: a blocking MPI call, watched by the monitor, recorded with
+        `recorder.enter` (the entry `recorder.leave` takes); else an OpRecord (`recorder.begin`).
+        The record keeps a send's or receive's `peer`. Every op passes here: it is kept short."""
+        if op == "send" or op == "recv":
+            record_peer = peer
+        else:
+            record_peer = None
+            if watchdog.check_every():
+                # all_to_all_v's shapes differ between ranks by design: the check compares its name only.
+                self._check_sequence(op, a if op != "all_to_all_v" else None)
+        seq = self._seq
+        self._seq = seq + 1
         if a is None:
-            return watchdog.recorder.begin(self.name, seq, op, (), "", 0, peer, self._group, blocking)
-        return watchdog.recorder.begin(self.name, seq, op, a.shape, a.dtype, a.nbytes, peer, self._group,
-                                       blocking)
+            shape, dtype, nbytes = (), "", 0
+        else:
+            shape, dtype, nbytes = a.shape, a.dtype, a.nbytes
+            if sent is not None or op != "broadcast" or peer == self.rank:
+                self.sent[op] += self._factor[op] * nbytes if sent is None else sent
+        if blocking:
+            return watchdog.recorder.enter(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group)
+        return watchdog.recorder.begin(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group)
 
     def _wait(self, request, record: watchdog.OpRecord) -> None:
         """Poll `request.Test()` until done; raise CommTimeout when the watchdog reports a timeout.
@@ -426,21 +500,25 @@ class Communicator:
         The monitor thread delivers its report (`record.report`); with no monitor, or none
         delivered, this raises on its own past the timeout (plus a grace period with a monitor).
         """
-        if not request.Test():
+        test = request.Test
+        if not test():
             watchdog.recorder.waiting(record)
             since = record.waiting
-            limit = watchdog.timeout() + (watchdog.DELIVERY_GRACE_S if self._blocking else 0.0)
             spin_until = since + max(_SPIN_S, record.nbytes / _SPIN_BYTES_PER_S)
+            limit = None  # read once the spinning is over: most waits end before
             delay = _FIRST_SLEEP_S
             polls = 0
-            while not request.Test():
+            yield_core = os.sched_yield
+            while not test():
                 polls += 1
                 if polls % _POLLS_PER_YIELD:
                     continue
+                if limit is None:  # spinning
+                    if polls % _POLLS_PER_CLOCK or time.monotonic() < spin_until:
+                        yield_core()
+                        continue
+                    limit = watchdog.timeout() + (watchdog.DELIVERY_GRACE_S if self._blocking else 0.0)
                 now = time.monotonic()
-                if now < spin_until:
-                    os.sched_yield()
-                    continue
                 if record.report is not None or now - since > limit:
                     error = watchdog.CommTimeout(record, now - since, record.report)
                     record.report = str(error)  # reported: the monitor leaves it alone from now on
@@ -463,7 +541,7 @@ class Communicator:
                 return i
         since = time.monotonic()
         records = [h._record for _, h in live]
-        delay, polls = _FIRST_SLEEP_S, 0
+        delay, polls, spinning = _FIRST_SLEEP_S, 0, True
         try:
             while True:
                 for i, h in live:
@@ -476,10 +554,12 @@ class Communicator:
                         watchdog.recorder.waiting(r)
                 if polls % _POLLS_PER_YIELD:
                     continue
+                if spinning:
+                    if polls % _POLLS_PER_CLOCK or time.monotonic() < since + _SPIN_S:
+                        os.sched_yield()
+                        continue
+                    spinning = False
                 now = time.monotonic()
-                if now < since + _SPIN_S:
-                    os.sched_yield()
-                    continue
                 reported = next((r for r in records if r.report is not None), None)
                 if reported is not None or now - since > watchdog.timeout():
                     record = reported or min(records, key=lambda r: r.start)
@@ -528,42 +608,49 @@ class Communicator:
 
     # -- result buffers -------------------------------------------------------------------------
 
-    def _result(self, shape: tuple, dtype, xp) -> Any:
+    def _result(self, shape: tuple, dtype: np.dtype, xp) -> Any:
         """A new result array, in memory recycled from earlier results nobody holds any more.
 
         MPI libraries cache per-address work for large buffers (registration, mappings):
         receiving into brand-new memory every call made a 1 MiB all_reduce 2-3x slower
         than receiving into a reused buffer (bench/allreduce.py). A pooled buffer is
-        handed out as a view, so while the caller (or any view of the result) is alive
-        its refcount keeps it out of reuse; CuPy has its own memory pool.
+        handed out as a typed view, so while the caller (or any view of the result) is alive
+        its refcount keeps it out of reuse; the pool keeps the last view of each buffer and
+        hands out that same array again when it has the wanted shape and dtype and nobody
+        holds it: making a new view every call cost 2-4% of a 1 MiB all-reduce here (the
+        operands fill the cache, and new objects evict them). CuPy has its own memory pool.
         """
-        dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize  # not np.prod: 4 us a call, a third of the op
         if xp is not np or nbytes < _POOL_MIN_BYTES:
             return xp.empty(shape, dtype=dtype)
-        for buf in self._pool:
-            # References: the pool's list, `buf`, and getrefcount's argument; more means in use.
-            if buf.nbytes == nbytes and sys.getrefcount(buf) <= 3:
-                return buf.view(dtype).reshape(shape)
+        for entry in self._pool:
+            buf, view = entry
+            # A free buffer's references: the pool's entry, `buf`, getrefcount's argument and its view's
+            # base; its free view's: the entry, `view`, the argument. More means a result still in use.
+            if buf.nbytes == nbytes and sys.getrefcount(buf) <= 4 and sys.getrefcount(view) <= 3:
+                if view.shape != shape or view.dtype != dtype:
+                    view = entry[1] = buf.view(dtype).reshape(shape)
+                return view
         buf = np.empty(nbytes, dtype=np.uint8)
         if len(self._pool) >= _POOL_BUFFERS:
             self._pool.pop(0)  # the oldest buffer goes back to the allocator once its holders drop it
-        self._pool.append(buf)
-        return buf.view(dtype).reshape(shape)
+        view = buf.view(dtype).reshape(shape)
+        self._pool.append([buf, view])
+        return view
 
     # -- reductions -----------------------------------------------------------------------------
 
     def _check_op(self, what: str, op: str, a, allowed=("sum", "avg", "max", "min")) -> None:
         if op not in allowed:
             raise ValueError(f"{what} on '{self.name}': unknown op {op!r}; use one of {', '.join(allowed)}")
-        if op == "avg" and not np.issubdtype(np.dtype(a.dtype), np.inexact):
+        if op == "avg" and not _DTYPE_FACTS[a.dtype][2]:
             raise ValueError(f"{what} on '{self.name}': op 'avg' needs a floating dtype, got {a.dtype}")
 
     def _work_buffer(self, send, transport):
         """`send` in the dtype its reduction runs in: its own, or float32 for 16-bit floats over
         MPI (bfloat16 has no MPI type; float16 sums would round at every addition, so a result
         would depend on the number of ranks; NCCL reduces those natively)."""
-        if transport is self._host and (backend.mpi_datatype(send.dtype) is None or is_low(send.dtype)):
+        if transport is self._host and _DTYPE_FACTS[send.dtype][1]:
             return send.astype(np.float32)
         return send
 
@@ -572,38 +659,40 @@ class Communicator:
 
         In place on `a` when `a` is contiguous; otherwise on a contiguous copy.
         """
-        return self._iall_reduce(a, op, in_place=True)
+        return self._iall_reduce(a, op, True, False)
 
     def all_reduce(self, a, op: str = "sum"):
         """Elementwise sum/avg/max/min of `a` over the ranks (replicated result); `a` is not modified."""
-        return self._iall_reduce(a, op, in_place=False, blocking=self._blocking).wait()
+        return self._iall_reduce(a, op, False, True)
 
-    def _iall_reduce(self, a, op: str, in_place: bool, blocking: bool = False) -> Handle:
+    def _iall_reduce(self, a, op: str, in_place: bool, now: bool):
         self._check_op("all_reduce", op, a)
         if self.size == 1:
-            return Handle.ready(a)
+            return _ready(a, now)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._iall_reduce, a, op, in_place, blocking,
-                                into=a if in_place and a.flags.c_contiguous else None)
-        xp = backend.array_module(a)
+            return self._staged(self._iall_reduce, a, (op, in_place), now,
+                                a if in_place and a.flags.c_contiguous else None)
         send = _contiguous(a)
         work = self._work_buffer(send, transport)
         if work is not send:  # reduce the upcast copy in place, cast back when finished
             send = recv = work
         else:  # in place on `a` when asked, or on the copy a strided `a` needed anyway
-            recv = send if in_place or send is not a else self._result(send.shape, send.dtype, xp)
+            recv = send if in_place or send is not a else self._result(send.shape, send.dtype, transport.xp)
+        finish = None if op != "avg" and recv.dtype == a.dtype else self._reduced
+        return self._start("all_reduce", a, send, recv, transport, now, finish, (recv, a, op, in_place), op)
 
-        def finish():
-            if op == "avg":
-                recv[...] /= self.size
-            if recv.dtype == a.dtype:
-                return recv
-            if in_place and a.flags.c_contiguous:
-                a[...] = recv
-                return a
-            return recv.astype(a.dtype)
-        return self._start("all_reduce", a, send, recv, finish, transport, blocking, op=op)
+    def _reduced(self, recv, a, op: str, in_place: bool):
+        """An all-reduce's result from its receive buffer: divided by size for avg, cast back to
+        `a`'s dtype (into `a` itself for an in-place reduction of a contiguous `a`)."""
+        if op == "avg":
+            recv /= self.size
+        if recv.dtype == a.dtype:
+            return recv
+        if in_place and a.flags.c_contiguous:
+            a[...] = recv
+            return a
+        return recv.astype(a.dtype)
 
     def ireduce_scatter(self, a, dim: int = 0, op: str = "sum", out=None) -> Handle:
         """Start a reduce-scatter; `wait()` returns this rank's part of the reduction.
@@ -612,43 +701,38 @@ class Communicator:
         `out` (dim 0 only): an array of the result's shape and dtype to receive into, which
         `wait()` returns, instead of recycled memory (for results kept across steps).
         """
-        return self._ireduce_scatter(a, dim, op, out=out)
+        return self._ireduce_scatter(a, dim, op, False, out)
 
     def reduce_scatter(self, a, dim: int = 0, op: str = "sum"):
         """Sum (or avg) over ranks, keeping part `rank` of `dim`: [.., n, ..] -> [.., n/size, ..]."""
-        return self._ireduce_scatter(a, dim, op, blocking=self._blocking).wait()
+        return self._ireduce_scatter(a, dim, op, True)
 
-    def _ireduce_scatter(self, a, dim: int, op: str, blocking: bool = False, out=None) -> Handle:
+    def _ireduce_scatter(self, a, dim: int, op: str, now: bool, out=None):
         self._check_op("reduce_scatter", op, a, allowed=("sum", "avg"))
         dim = self._dim_divisible("reduce_scatter", a, dim)
         if out is not None:
             self._check_out("reduce_scatter", a, dim, out, a.shape[0] // self.size)
         if self.size == 1:
-            return self._alone(a, out)
+            return _ready(_alone(a, out), now)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._ireduce_scatter, a, dim, op, blocking, into=out)
+            return self._staged(self._ireduce_scatter, a, (dim, op), now, out)
         send = self._work_buffer(_to_front(a, dim), transport)
         own = out is not None and out.dtype == send.dtype
         recv = out if own else self._result((send.shape[0] // self.size,) + send.shape[1:], send.dtype,
-                                            backend.array_module(a))
+                                            transport.xp)
+        finish = None if op != "avg" and not dim and recv.dtype == a.dtype else self._scattered
+        return self._start("reduce_scatter", a, send, recv, transport, now, finish, (recv, a, dim, op, out), op)
 
-        def finish():
-            if op == "avg":
-                recv[...] /= self.size
-            if out is not None and not own:
-                out[...] = recv
-                return out
-            return _from_front(recv.astype(a.dtype, copy=False), dim)
-        return self._start("reduce_scatter", a, send, recv, finish, transport, blocking, op=op)
-
-    @staticmethod
-    def _alone(a, out) -> Handle:
-        """A size-1 communicator's result: the input itself, or copied into `out` when given."""
-        if out is None:
-            return Handle.ready(a)
-        out[...] = a
-        return Handle.ready(out)
+    def _scattered(self, recv, a, dim: int, op: str, out):
+        """A reduce-scatter's result from its receive buffer: divided by size for avg, in `out`
+        when given, else cast back to `a`'s dtype with `dim` moved back."""
+        if op == "avg":
+            recv /= self.size
+        if out is not None and recv is not out:
+            out[...] = recv
+            return out
+        return _from_front(recv.astype(a.dtype, copy=False), dim)
 
     def _check_out(self, what: str, a, dim: int, out, rows: int) -> None:
         """`out` must be a C-contiguous array of `a`'s dtype and the result's shape (dim 0 only)."""
@@ -667,45 +751,45 @@ class Communicator:
         it (ZeRO-3's gathered parameters) must not stay alive in the recycling pool. `a` must
         not overlap `out`.
         """
-        return self._iall_gather(a, dim, out=out)
+        return self._iall_gather(a, dim, False, out)
 
     def all_gather(self, a, dim: int = 0):
         """Concatenate every rank's `a` along `dim` in rank order: [.., m, ..] -> [.., size*m, ..]."""
-        return self._iall_gather(a, dim, blocking=self._blocking).wait()
+        return self._iall_gather(a, dim, True)
 
-    def _iall_gather(self, a, dim: int, blocking: bool = False, out=None) -> Handle:
+    def _iall_gather(self, a, dim: int, now: bool, out=None):
         dim = self._dim("all_gather", a, dim)
         if out is not None:
             self._check_out("all_gather", a, dim, out, a.shape[0] * self.size)
         if self.size == 1:
-            return self._alone(a, out)
+            return _ready(_alone(a, out), now)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._iall_gather, a, dim, blocking, into=out)
+            return self._staged(self._iall_gather, a, (dim,), now, out)
         send = _to_front(a, dim)
         recv = out if out is not None else self._result((send.shape[0] * self.size,) + send.shape[1:], send.dtype,
-                                                        backend.array_module(a))
-        return self._start("all_gather", a, send, recv, lambda: _from_front(recv, dim), transport, blocking)
+                                                        transport.xp)
+        return self._start("all_gather", a, send, recv, transport, now, _from_front if dim else None, (recv, dim))
 
     def iall_to_all(self, a, dim: int = 0) -> Handle:
         """Start an all-to-all; `wait()` returns an array shaped like `a` (see `all_to_all`)."""
-        return self._iall_to_all(a, dim)
+        return self._iall_to_all(a, dim, False)
 
     def all_to_all(self, a, dim: int = 0):
         """Part j of `a` along `dim` goes to rank j; the result holds part `rank` of every rank's
         `a`, in rank order along `dim` (same shape as `a`; `a.shape[dim]` divisible by size)."""
-        return self._iall_to_all(a, dim, blocking=self._blocking).wait()
+        return self._iall_to_all(a, dim, True)
 
-    def _iall_to_all(self, a, dim: int, blocking: bool = False) -> Handle:
+    def _iall_to_all(self, a, dim: int, now: bool):
         dim = self._dim_divisible("all_to_all", a, dim)
         if self.size == 1:
-            return Handle.ready(a)
+            return _ready(a, now)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._iall_to_all, a, dim, blocking)
+            return self._staged(self._iall_to_all, a, (dim,), now)
         send = _to_front(a, dim)
-        recv = self._result(send.shape, send.dtype, backend.array_module(a))
-        return self._start("all_to_all", a, send, recv, lambda: _from_front(recv, dim), transport, blocking)
+        recv = self._result(send.shape, send.dtype, transport.xp)
+        return self._start("all_to_all", a, send, recv, transport, now, _from_front if dim else None, (recv, dim))
 
     def all_to_all_v(self, a, send_counts, recv_counts):
         """Rows of different lengths to every rank (MPI_Alltoallv): the first `send_counts[0]` rows
@@ -714,9 +798,9 @@ class Communicator:
         (rows per rank, `size` long) must agree with the peers' (exchange them first, e.g. with
         `all_to_all`). Bytes counted as sent: the rows that leave this rank. GPU arrays go
         through host memory."""
-        return self._iall_to_all_v(a, send_counts, recv_counts, blocking=self._blocking).wait()
+        return self._iall_to_all_v(a, send_counts, recv_counts, True)
 
-    def _iall_to_all_v(self, a, send_counts, recv_counts, blocking: bool = False) -> Handle:
+    def _iall_to_all_v(self, a, send_counts, recv_counts, now: bool):
         send_counts = [int(c) for c in send_counts]
         recv_counts = [int(c) for c in recv_counts]
         if len(send_counts) != self.size or len(recv_counts) != self.size or a.ndim < 1 \
@@ -725,79 +809,72 @@ class Communicator:
                              f"are needed, the send counts summing to the {a.shape[0] if a.ndim else 0} rows "
                              f"of a {tuple(a.shape)} array; got {send_counts} and {recv_counts}")
         if self.size == 1:
-            return Handle.ready(a)
+            return _ready(a, now)
         if backend.is_device_array(a):
-            return self._staged(self._iall_to_all_v, a, send_counts, recv_counts, blocking)
+            return self._staged(self._iall_to_all_v, a, (send_counts, recv_counts), now)
         send = _contiguous(a)
         row = math.prod(a.shape[1:])
         recv = self._result((sum(recv_counts),) + tuple(a.shape[1:]), a.dtype, np)
         elements = (np.array(send_counts, dtype=np.int64) * row, np.array(recv_counts, dtype=np.int64) * row)
-        if backend.mpi_datatype(a.dtype) is None:  # moved as raw bytes, like mpi_buffer does
+        if backend.mpi_datatype(a.dtype) is None:  # moved as raw bytes (see _DtypeFacts)
             elements = tuple(e * a.dtype.itemsize for e in elements)
         sent = float((sum(send_counts) - send_counts[self.rank]) * row * a.dtype.itemsize)
-        return self._start("all_to_all_v", a, send, recv, lambda: recv, self._host, blocking,
-                           counts=elements, sent=sent)
+        return self._start("all_to_all_v", a, send, recv, self._host, now, counts=elements, sent=sent)
 
     def ibroadcast(self, a, root: int = 0) -> Handle:
         """Start a broadcast of root's `a` into every rank's `a` (in place); `wait()` returns `a`."""
-        return self._ibroadcast(a, root)
+        return self._ibroadcast(a, root, False)
 
     def broadcast(self, a, root: int = 0):
         """Root's `a` into every rank's `a`, in place like MPI_Bcast (same shape and dtype on
         every rank); returns `a`."""
-        return self._ibroadcast(a, root, blocking=self._blocking).wait()
+        return self._ibroadcast(a, root, True)
 
-    def _ibroadcast(self, a, root: int, blocking: bool = False) -> Handle:
+    def _ibroadcast(self, a, root: int, now: bool):
         self._check_rank("broadcast", root, "root")
         if self.size == 1:
-            return Handle.ready(a)
+            return _ready(a, now)
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._ibroadcast, a, root, blocking, into=a)
+            return self._staged(self._ibroadcast, a, (root,), now, a)
         buf = _contiguous(a)
-
-        def finish():
-            if buf is not a:
-                a[...] = buf
-            return a
-        return self._start("broadcast", a, buf, buf, finish, transport, blocking, peer=root)
+        return self._start("broadcast", a, buf, buf, transport, now, None if buf is a else _copied, (buf, a),
+                           peer=root)
 
     def isend(self, a, dest: int, tag: int = 0) -> Handle:
         """Start sending `a` to rank `dest`; `wait()` returns None once `a` may be reused."""
-        return self._isend(a, dest, tag)
+        return self._isend(a, dest, tag, False)
 
     def send(self, a, dest: int, tag: int = 0) -> None:
         """Send `a` to rank `dest` (matched by a `recv` with the same tag there)."""
-        self._isend(a, dest, tag, blocking=self._blocking).wait()
+        self._isend(a, dest, tag, True)
 
-    def _isend(self, a, dest: int, tag: int, blocking: bool = False) -> Handle:
-        self._check_rank("send", dest, "dest")
+    def _isend(self, a, dest: int, tag: int, now: bool):
+        if not 0 <= dest < self.size:  # checked here, worded by _check_rank: the pipeline's hot path
+            self._check_rank("send", dest, "dest")
         transport = self._transport(a)
         if transport is None:
-            return self._staged(self._isend, a, dest, tag, blocking)
-        buf = _contiguous(a)
-        return self._start("send", a, buf, None, lambda: None, transport, blocking, peer=dest, tag=tag)
+            return self._staged(self._isend, a, (dest, tag), now)
+        return self._start("send", a, _contiguous(a), None, transport, now, peer=dest, tag=tag)
 
     def irecv(self, out, source: int, tag: int = 0) -> Handle:
         """Start receiving into `out` from rank `source`; `wait()` returns `out` filled."""
-        return self._irecv(out, source, tag)
+        return self._irecv(out, source, tag, False)
 
     def recv(self, out, source: int, tag: int = 0):
         """Receive into `out` (shape and dtype as sent) from rank `source`; returns `out`."""
-        return self._irecv(out, source, tag, blocking=self._blocking).wait()
+        return self._irecv(out, source, tag, True)
 
-    def _irecv(self, out, source: int, tag: int, blocking: bool = False) -> Handle:
-        self._check_rank("recv", source, "source")
+    def _irecv(self, out, source: int, tag: int, now: bool):
+        if not 0 <= source < self.size:
+            self._check_rank("recv", source, "source")
         transport = self._transport(out)
         if transport is None:
-            return self._staged(self._irecv, out, source, tag, blocking, into=out)
-        buf = out if out.flags.c_contiguous else backend.array_module(out).empty_like(out, order="C")
-
-        def finish():
-            if buf is not out:
-                out[...] = buf
-            return out
-        return self._start("recv", out, None, buf, finish, transport, blocking, peer=source, tag=tag)
+            return self._staged(self._irecv, out, (source, tag), now, out)
+        if out.flags.c_contiguous:
+            return self._start("recv", out, None, out, transport, now, peer=source, tag=tag)
+        buf = transport.xp.empty_like(out, order="C")
+        return self._start("recv", out, None, buf, transport, now, _copied, (buf, out), peer=source, tag=tag)
 
     def isend_irecv(self, a, dest: int, out, source: int, send_tag: int = 0, recv_tag: int = 0
                     ) -> tuple[Handle, Handle]:
@@ -806,38 +883,37 @@ class Communicator:
         order and a send waits for its receiver, so two ranks that each send, then receive, would
         wait on each other forever if posted one by one (`schedule.check_in_order_transport`).
         On MPI, where tags match messages, it is an Isend and an Irecv."""
-        self._check_rank("send", dest, "dest")
-        self._check_rank("recv", source, "source")
+        if not (0 <= dest < self.size and 0 <= source < self.size):
+            self._check_rank("send", dest, "dest")
+            self._check_rank("recv", source, "source")
         transport = self._transport(a)
         if not isinstance(transport, NcclTransport) or self._transport(out) is not transport:
-            return self._isend(a, dest, send_tag), self._irecv(out, source, recv_tag)
+            return self._isend(a, dest, send_tag, False), self._irecv(out, source, recv_tag, False)
         buf = _contiguous(a)
-        rbuf = out if out.flags.c_contiguous else backend.array_module(out).empty_like(out, order="C")
-        sent, received = self._begin("send", a, peer=dest), self._begin("recv", out, peer=source)
+        rbuf = out if out.flags.c_contiguous else transport.xp.empty_like(out, order="C")
+        sent, received = self._begin("send", a, dest), self._begin("recv", out, source)
         request = transport.start_group([("send", buf, None, None, dest), ("recv", None, rbuf, None, source)])
 
-        def sent_done():
+        def sent_done(buf):  # the handle keeps the buffer NCCL reads until the op completes
             self._wait(request, sent)
 
-        def received_done():
+        def received_done(rbuf):
             self._wait(request, received)
-            if rbuf is not out:
-                out[...] = rbuf
-            return out
-        return Handle(sent_done, keep=buf), Handle(received_done, keep=rbuf)
+            return out if rbuf is out else _copied(rbuf, out)
+        return Handle(sent_done, (buf,)), Handle(received_done, (rbuf,))
 
     def ibarrier(self) -> Handle:
         """Start a barrier; `wait()` returns once every rank has started it."""
-        return self._ibarrier()
+        return self._ibarrier(False)
 
     def barrier(self) -> None:
         """Wait until every rank of the communicator arrives."""
-        self._ibarrier(blocking=self._blocking).wait()
+        self._ibarrier(True)
 
-    def _ibarrier(self, blocking: bool = False) -> Handle:
+    def _ibarrier(self, now: bool):
         if self.size == 1:
-            return Handle.ready(None)
-        return self._start("barrier", None, None, None, lambda: None, self._host, blocking)
+            return _ready(None, now)
+        return self._start("barrier", None, None, None, self._host, now)
 
     # -- objects (setup, checkpoints, reports; never on a step's hot path) -----------------------
 

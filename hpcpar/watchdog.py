@@ -98,7 +98,7 @@ def set_check_every(n: int) -> None:
     _check_every = int(n)
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)  # eq=False: records are compared and hashed by identity
 class OpRecord:
     """One communication op. Times are time.monotonic(); `end` is None while it is pending.
 
@@ -134,24 +134,32 @@ class OpRecord:
 
 
 class FlightRecorder:
-    """Ring buffer of the last `capacity` finished ops plus every pending op."""
+    """Ring buffer of the last `capacity` finished ops plus every pending op.
+
+    Recording is on every op's path, so it is kept cheap. It takes no lock: under the GIL each
+    update below is one attribute, dict, set or deque operation, and the monitor thread reads
+    copies made by single C-level calls (`list(deque)`, `list(set)`, `dict(dict)`), which no
+    update can interleave with. A blocking op (`enter`/`leave`, the hot path of every blocking
+    collective) is kept as a plain tuple, made into an `OpRecord` only when a snapshot or report
+    needs one; ops waited on later (`begin`/`end`) are `OpRecord`s from the start, since their
+    waiting time and report are filled in while they are pending.
+    """
 
     def __init__(self, capacity: int = 64):
-        self._done: collections.deque[OpRecord] = collections.deque(maxlen=capacity)
-        self._pending: dict[int, OpRecord] = {}
+        # OpRecords, and (entry, end) pairs of blocking ops (see enter)
+        self._done: collections.deque = collections.deque(maxlen=capacity)
+        self._pending: set[OpRecord] = set()
+        self._blocked: tuple | None = None  # the blocking op this process is in (see enter)
         self._issued: dict[tuple[str, str], int] = {}  # (comm, group) -> ops issued on it
-        self._lock = threading.Lock()  # the monitor thread reads while ranks record
         self.last_activity = time.monotonic()  # when an op last began or ended
 
     def begin(self, comm: str, seq: int, op: str, shape: tuple, dtype: Any, nbytes: int,
               peer: int | None = None, group: str = "", blocking: bool = False) -> OpRecord:
-        now = time.monotonic()
+        self.last_activity = now = time.monotonic()
         record = OpRecord(comm, seq, op, shape, dtype, nbytes, now, None, peer, group, blocking,
                           now if blocking else None)
-        with self._lock:
-            self._pending[id(record)] = record
-            self._issued[(comm, group)] = seq + 1
-            self.last_activity = now
+        self._pending.add(record)
+        self._issued[(comm, group)] = seq + 1
         return record
 
     @staticmethod
@@ -161,27 +169,42 @@ class FlightRecorder:
             record.waiting = time.monotonic()
 
     def end(self, record: OpRecord) -> None:
-        record.end = now = time.monotonic()
-        with self._lock:
-            self._pending.pop(id(record), None)
-            self._done.append(record)
-            self.last_activity = now
+        record.end = self.last_activity = time.monotonic()
+        self._pending.discard(record)
+        self._done.append(record)
+
+    def enter(self, comm: str, seq: int, op: str, shape: tuple, dtype: Any, nbytes: int,
+              peer: int | None = None, group: str = "") -> tuple:
+        """`begin(..., blocking=True)` for the blocking ops' hot path: the op this process is now
+        blocked in, as a tuple (the entry `leave` takes). One at a time: blocking ops are issued
+        by the thread that does MPI, which they block."""
+        self.last_activity = now = time.monotonic()
+        self._blocked = entry = (comm, seq, op, shape, dtype, nbytes, now, peer, group)
+        self._issued[(comm, group)] = seq + 1
+        return entry
+
+    def leave(self, entry: tuple) -> None:
+        """The blocking op `entry` (from `enter`) returned."""
+        self._blocked = None
+        self.last_activity = end = time.monotonic()
+        self._done.append((entry, end))
 
     def snapshot(self) -> dict[str, list[OpRecord]]:
         """Copies of the finished ops (oldest first) and the pending ops (oldest first)."""
-        with self._lock:
-            done = [dataclasses.replace(r) for r in self._done]
-            pending = sorted((dataclasses.replace(r) for r in self._pending.values()),
-                             key=lambda r: r.start)
-        return {"done": done, "pending": pending}
+        done, pending, blocked = list(self._done), list(self._pending), self._blocked
+        pending = [dataclasses.replace(r) for r in pending] + ([_blocked_record(blocked)] if blocked else [])
+        return {"done": [dataclasses.replace(r) if isinstance(r, OpRecord) else _blocked_record(*r) for r in done],
+                "pending": sorted(pending, key=lambda r: r.start)}
 
     def overdue(self, limit: float) -> list[OpRecord]:
-        """The pending ops (the records themselves) this rank has waited on for over `limit` s,
-        not yet reported."""
+        """The pending ops this rank has waited on for over `limit` s, not yet reported: the
+        records themselves (a blocking op's: a record made of its entry)."""
         now = time.monotonic()
-        with self._lock:
-            late = [r for r in self._pending.values()
-                    if r.waiting is not None and r.report is None and now - r.waiting > limit]
+        late = [r for r in list(self._pending)
+                if r.waiting is not None and r.report is None and now - r.waiting > limit]
+        blocked = self._blocked
+        if blocked is not None and now - blocked[6] > limit:
+            late.append(_blocked_record(blocked))
         return sorted(late, key=lambda r: r.waiting)
 
     def format(self, last: int = RECENT_OPS) -> str:
@@ -196,19 +219,24 @@ class FlightRecorder:
         """This rank's state for a watchdog report (plain, picklable data)."""
         snap = self.snapshot()
         now = time.monotonic()
-        with self._lock:
-            issued = dict(self._issued)
-            idle = now - self.last_activity
+        issued = dict(self._issued)
+        idle = now - self.last_activity
         return {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "timed_out": timed_out,
                 "idle_s": idle, "issued": issued,
                 "done": [r.describe(now) for r in snap["done"][-RECENT_OPS:]],
                 "pending": [(r.describe(now), r.waiting is not None) for r in snap["pending"]]}
 
     def clear(self) -> None:
-        with self._lock:
-            self._done.clear()
-            self._pending.clear()
-            self._issued.clear()
+        self._done.clear()
+        self._pending.clear()
+        self._blocked = None
+        self._issued.clear()
+
+
+def _blocked_record(entry: tuple, end: float | None = None) -> OpRecord:
+    """The OpRecord of a blocking op's entry (`FlightRecorder.enter`), `end` once it returned."""
+    comm, seq, op, shape, dtype, nbytes, start, peer, group = entry
+    return OpRecord(comm, seq, op, shape, dtype, nbytes, start, end, peer, group, True, start)
 
 
 recorder = FlightRecorder()

@@ -317,6 +317,29 @@ def test_results_held_by_the_caller_are_never_recycled(world):
         np.testing.assert_allclose(got, expected[2 * i][1:], rtol=1e-12, atol=1e-12)
 
 
+def test_recycled_results_take_the_shape_and_dtype_asked_for(world):
+    # A pooled buffer's last view is handed out again when nobody holds it: a request of the same
+    # bytes in another shape or dtype must get its own view, and a held result must stay intact.
+    rows = N * 64
+    a = everyone((rows, 65), np.float64, seed=20)
+    first = world.all_reduce(a[world.rank])
+    kept = first.copy()
+    np.testing.assert_allclose(first, sum(a), rtol=1e-12, atol=1e-12)
+    b = everyone((65, rows), np.float64, seed=21)  # same bytes, another shape
+    second = world.all_reduce(b[world.rank])
+    assert second.shape == (65, rows) and second is not first
+    np.testing.assert_allclose(second, sum(b), rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(first, kept)  # held while the second ran: untouched
+    del first, second
+    c = everyone((rows, 130), np.float32, seed=22)  # same bytes, another dtype
+    third = world.all_reduce(c[world.rank])
+    assert third.dtype == np.float32 and third.shape == (rows, 130)
+    np.testing.assert_allclose(third, sum(p.astype(np.float64) for p in c), rtol=1e-5, atol=1e-4)
+    again = world.all_reduce(c[world.rank] * 2)  # third still held: another buffer
+    np.testing.assert_allclose(third, sum(p.astype(np.float64) for p in c), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(again, 2 * third, rtol=1e-5, atol=1e-4)
+
+
 def test_isend_irecv_exchanges_around_a_ring(world):
     """Every rank sends to the next and receives from the previous in one call (the pipeline's
     paired messages): each gets its neighbour's array, and the send handle completes."""
