@@ -120,9 +120,7 @@ def worker() -> None:
     (hpcpar's Trainer draws them; PyTorch gets a copy of its initial parameters), answers "ready",
     then for each "run" line on stdin trains the next round's steps and answers with a JSON line
     (seconds; hpcpar adds the GEMM peak measured just before)."""
-    import torch
     threads = int(args.threads)
-    torch.set_num_threads(threads)
     n_layer, n_embd, block, batch = shapes(args.shapes)[0]
     total = (args.rounds + 1) * args.steps  # a warm-up round, then the timed ones
     trainer = Trainer(config.load_config(None, [
@@ -131,6 +129,8 @@ def worker() -> None:
         f"train.micro_batch_size={batch}", "train.microbatches=1", f"train.steps={total}", "train.warmup=0",
         "run.eval_every=0", "run.progress=false"]), MPI.COMM_SELF)
     if args.worker == "torch":
+        import torch  # (only here: hpcpar's process never loads PyTorch, its OpenMP or its MKL)
+        torch.set_num_threads(threads)
         # Round r trains steps r*steps .. (r+1)*steps - 1 on the batches hpcpar's loop draws for them.
         batches = [trainer.microbatches(s) for s in range(total)]
         step = torch_trainer(trainer.stages[0], max_norm=trainer.cfg.train.grad_clip)
@@ -156,7 +156,6 @@ def worker() -> None:
 
 def op_overhead(framework: str) -> float:
     """Per-op overhead in microseconds: a tiny elementwise multiply with the graph recorded."""
-    import torch
     reps = 20000
     if framework == "hpcpar":
         a = Tensor(np.ones(8, np.float32), requires_grad=True)
@@ -164,6 +163,7 @@ def op_overhead(framework: str) -> float:
         for _ in range(reps):
             ops.mul(a, a)
     else:
+        import torch
         a = torch.ones(8, requires_grad=True)
         start = time.perf_counter()
         for _ in range(reps):
@@ -208,12 +208,12 @@ def compare(shape: tuple[int, int, int, int], threads: int) -> dict:
 
 
 def main() -> None:
-    try:
-        import torch
-    except ImportError:
-        sys.exit("bench/vs_torch.py needs PyTorch: pip install torch==2.13.0")
     if args.worker:
         return worker()
+    try:
+        import torch  # (the version; the workers import what they run)
+    except ImportError:
+        sys.exit("bench/vs_torch.py needs PyTorch: pip install torch==2.13.0")
     rows = [compare(shape, int(threads)) for threads in args.threads.split(",") for shape in shapes(args.shapes)]
     result = {"rows": rows, "min_ratio": min(r["ratio_hpcpar_over_torch"] for r in rows),
               "op_overhead": {"hpcpar_us": rows[0]["hpcpar"]["op_overhead_us"],

@@ -12,7 +12,7 @@ inside every call, so the threads compute at once.
     layer_norm_forward / _backward_input    rows of [N, C]; _weight: dweight, dbias
     causal_attention_forward / _backward    per (batch group, query block), causal blocks skipped
     cross_entropy_forward / _backward       rows of logits [N, V]
-    adamw_update                            one parameter in place, blockwise
+    adamw_update                            every parameter of a step in place, blockwise
 
 Each computes what the plain NumPy composition computes (the same operations on each element in
 the same order; tests/unit/test_cpu_kernels.py holds them to it), with 16-bit inputs (bf16/fp16
@@ -24,9 +24,12 @@ rows (LayerNorm's weight gradient) adds per-block partial sums in block order.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -34,14 +37,16 @@ from hpcpar import blas
 from hpcpar import threads as _threads
 from hpcpar.precision import down, is_low, up, up_dtype
 
-# Bytes of one block's main array: several such arrays of a chain fit a 2 MiB L2 cache together
-# (measured on the default model's GELU and LayerNorm: 1.6x faster than unblocked at 128-256 KiB,
-# slower again from 1 MiB).
-BLOCK_BYTES = 192 * 1024
+# Bytes of one block's main array: the three or four arrays of a chain fit a 2 MiB L2 cache
+# together. Measured on the default and the largest benchmark model's GELU and LayerNorm: one
+# thread is 1.6x faster than unblocked from 128 to 384 KiB and slower again from 768 KiB; two
+# threads gain 1.2-1.5x over one from 384 KiB, where a block's arithmetic outweighs the Python
+# around each NumPy call (which holds the GIL), and nothing at 192 KiB.
+BLOCK_BYTES = 384 * 1024
 # Attention: bytes of one work unit's [nb, H, T, T] scores (a group of batch rows, all heads), and
 # query rows per block. A block's keys stop at its last query (the causal edge), so the scores above
 # the diagonal blocks are never computed: 1/4 of them for T = 128, 3/8 for T = 256.
-ATTENTION_BYTES = 512 * 1024
+ATTENTION_BYTES = 1024 * 1024
 QUERY_BLOCK = 64
 
 _GELU_A = 0.044715
@@ -127,14 +132,61 @@ def _flat(a) -> np.ndarray:
 
 # -- GELU ------------------------------------------------------------------------------------------
 
+_jit_module = None
+
+
+def _jit():
+    """`jit_kernels` (Numba's compiled loops), or None: Numba not installed, or HPCPAR_JIT=0."""
+    global _jit_module
+    if _jit_module is None:
+        _jit_module = False
+        if os.environ.get("HPCPAR_JIT", "1").strip() != "0":
+            try:
+                from hpcpar import jit_kernels
+                _jit_module = jit_kernels
+            except ImportError:
+                pass
+    return _jit_module or None
+
+
+def jit_name() -> str:
+    """The elementwise loops in use: "numba" (the `fast` extra) or "numpy"."""
+    return "numba" if _jit() is not None else "numpy"
+
+
+@functools.cache
+def _constants(dtype) -> SimpleNamespace:
+    """The GELU constants in `dtype`, as NumPy rounds a Python float operand to the array's dtype."""
+    t = np.dtype(dtype).type
+    return SimpleNamespace(a=t(_GELU_A), a3=t(3 * _GELU_A), c=t(_GELU_C), one=t(1.0), half=t(0.5))
+
+
 def _tanh_u(xs, t) -> None:
-    """t = tanh(sqrt(2/pi) (x + 0.044715 x^3)) as ((x x 0.044715 + 1) x) sqrt(2/pi), in place in t."""
-    np.multiply(xs, xs, out=t)
-    t *= _GELU_A
-    t += 1.0
-    t *= xs
-    t *= _GELU_C
+    """t = tanh(sqrt(2/pi) (x + 0.044715 x^3)) as ((x x 0.044715 + 1) x) sqrt(2/pi), in place in t
+    (xs and t contiguous, the compute dtype)."""
+    jit = _jit()
+    if jit is not None:
+        k = _constants(xs.dtype)
+        jit.gelu_inner(xs.reshape(-1), t.reshape(-1), k.a, k.one, k.c)
+    else:
+        np.multiply(xs, xs, out=t)
+        t *= _GELU_A
+        t += 1.0
+        t *= xs
+        t *= _GELU_C
     np.tanh(t, out=t)
+
+
+def _gelu_out(xs, t, o) -> None:
+    """o = (t + 1) x 0.5: GELU from t = tanh(..) (contiguous, the compute dtype)."""
+    jit = _jit()
+    if jit is not None:
+        k = _constants(xs.dtype)
+        jit.gelu_outer(xs.reshape(-1), t.reshape(-1), o.reshape(-1), k.one, k.half)
+        return
+    np.add(t, 1.0, out=o)
+    o *= xs
+    o *= 0.5
 
 
 def gelu_forward(x, keep_tanh: bool = True):
@@ -151,9 +203,7 @@ def gelu_forward(x, keep_tanh: bool = True):
         t = kept[a:e] if kept is not None else _scratch("gelu_t", (e - a,), cd)
         _tanh_u(xs, t)
         o = _scratch("gelu_o", (e - a,), cd) if low else out[a:e]
-        np.add(t, 1.0, out=o)
-        o *= xs
-        o *= 0.5
+        _gelu_out(xs, t, o)
         if low:
             out[a:e] = o
     _run(block, _blocks(xf.size, cd.itemsize))
@@ -183,6 +233,11 @@ def _gelu_grad(xs, tt, gs, s) -> None:
     if tt is None:
         tt = _scratch("gelu_t", xs.shape, xs.dtype)
         _tanh_u(xs, tt)
+    jit = _jit()
+    if jit is not None and xs.flags.c_contiguous and tt.flags.c_contiguous and gs.flags.c_contiguous:
+        k = _constants(xs.dtype)
+        jit.gelu_grad(xs.reshape(-1), tt.reshape(-1), gs.reshape(-1), s.reshape(-1), k.a3, k.one, k.c, k.half)
+        return
     x2 = _scratch("gelu_x2", xs.shape, xs.dtype)
     np.multiply(xs, xs, out=x2)
     x2 *= 3 * _GELU_A
@@ -210,10 +265,15 @@ def bias_gelu_forward(y, b, dt):
     pre = np.empty((n, cols), dtype=dt) if low else y
     kept = None if low else np.empty_like(y)
 
+    jit = _jit()
+
     def block(a, e):
         ys = y[a:e]
         if b is not None:
-            ys += b
+            if jit is not None:
+                jit.add_bias_rows(ys, b)
+            else:
+                ys += b
         if low:
             pre[a:e] = ys
             xs = _scratch("bg_x", ys.shape, cd)
@@ -223,9 +283,7 @@ def bias_gelu_forward(y, b, dt):
         t = kept[a:e] if kept is not None else _scratch("gelu_t", ys.shape, cd)
         _tanh_u(xs, t)
         o = _scratch("gelu_o", ys.shape, cd) if low else out[a:e]
-        np.add(t, 1.0, out=o)
-        o *= xs
-        o *= 0.5
+        _gelu_out(xs, t, o)
         if low:
             out[a:e] = o
     _run(block, _blocks(n, cols * cd.itemsize))
@@ -286,7 +344,17 @@ def layer_norm_forward(x, w, b, eps: float, keep_xhat: bool = True):
     rstd = np.empty((n, 1), dtype=cd)
     kept = np.empty((n, c), dtype=cd) if keep_xhat else None
 
+    jit = None if low else _jit()
+    if jit is not None:
+        one, width, eps_t = cd.type(1.0), cd.type(c), cd.type(eps)
+        dummy = np.empty((1, 1), dtype=cd)
+
     def block(a, e):
+        if jit is not None:
+            mu = mean[a:e] if mean is not None else _scratch("ln_mean", (e - a, 1), cd)
+            jit.layer_norm_forward(x2[a:e], w, b if b is not None else w, b is not None, eps_t, width, one,
+                                   out[a:e], mu, rstd[a:e], kept[a:e] if kept is not None else dummy, kept is not None)
+            return
         xs = up(x2[a:e])
         mu = mean[a:e] if mean is not None else _scratch("ln_mean", (e - a, 1), cd)
         _row_mean(xs, mu)
@@ -328,8 +396,15 @@ def layer_norm_backward_input(x, w, mean, rstd, kept, g):
     cd = up_dtype(x2.dtype)
     low = is_low(x2.dtype)
     out = np.empty((n, c), dtype=x2.dtype)
+    jit = None if low else _jit()
+    dummy = np.empty((1, 1), dtype=cd)
 
     def block(a, e):
+        if jit is not None:
+            jit.layer_norm_backward_input(x2[a:e], w, mean[a:e] if mean is not None else dummy, rstd[a:e],
+                                          kept[a:e] if kept is not None else dummy, kept is not None, g2[a:e],
+                                          cd.type(c), out[a:e])
+            return
         xh = _xhat_rows(x2, mean, rstd, kept, a, e, cd)
         gxhat = _scratch("ln_gxhat", (e - a, c), cd)
         np.multiply(up(g2[a:e]), w, out=gxhat)
@@ -359,9 +434,16 @@ def layer_norm_backward_weight(x, mean, rstd, kept, g, bias: bool):
     dw = np.empty((len(blocks), c), dtype=cd)
     db = np.empty((len(blocks), c), dtype=cd) if bias else None
     index = {blk: i for i, blk in enumerate(blocks)}
+    jit = None if is_low(x2.dtype) else _jit()
+    dummy = np.empty((1, 1), dtype=cd)
 
     def block(a, e):
         i = index[(a, e)]
+        if jit is not None:
+            jit.layer_norm_backward_weight(x2[a:e], mean[a:e] if mean is not None else dummy, rstd[a:e],
+                                           kept[a:e] if kept is not None else dummy, kept is not None, g2[a:e],
+                                           dw[i], db[i] if db is not None else dw[i], db is not None)
+            return
         gs = up(g2[a:e])
         np.einsum("ij,ij->j", gs, _xhat_rows(x2, mean, rstd, kept, a, e, cd), out=dw[i])
         if db is not None:
@@ -383,13 +465,26 @@ def _sum_partials(parts):
 _causal_bias_cache: dict = {}
 
 
-def _diagonal_bias(q: int, dtype) -> np.ndarray:
-    """[q, q] additive mask of a diagonal block: 0 on and below the diagonal, -inf above."""
-    key = (q, np.dtype(dtype).str)
+def _causal_bias(a: int, e: int, dtype) -> np.ndarray:
+    """[e - a, e] additive mask of queries a..e-1 against keys 0..e-1: -inf where the key comes after
+    the query, 0 elsewhere. Added to a whole contiguous block of scores, it costs a third of adding
+    the [q, q] triangle to the block's strided diagonal part."""
+    key = (a, e, np.dtype(dtype).str)
     bias = _causal_bias_cache.get(key)
     if bias is None:
-        bias = _causal_bias_cache[key] = np.triu(np.full((q, q), -np.inf, dtype=dtype), k=1)
+        bias = np.zeros((e - a, e), dtype=dtype)
+        bias[:, a:] = np.triu(np.full((e - a, e - a), -np.inf, dtype=dtype), k=1)
+        bias = _causal_bias_cache[key] = bias
     return bias
+
+
+def _transposed(x, slot: str, cd):
+    """x [nb, H, T, D] (a strided view of qkv) as a contiguous [nb, H, D, T] scratch copy: products
+    with a transposed operand, S = Q K^T and dP = dY V^T, run at half speed in OpenBLAS at these
+    sizes when the transpose is a view (and the copy serves every query block of the group)."""
+    out = _scratch(slot, x.shape[:2] + (x.shape[3], x.shape[2]), cd)
+    out[...] = x.swapaxes(-1, -2)
+    return out
 
 
 def _query_blocks(t: int) -> list:
@@ -432,9 +527,10 @@ class AttentionSaved:
         self.rowsum = None
 
 
-def _exp_scores(qs, k, a: int, e: int, dt, out):
+def _exp_scores(qs, kt, a: int, e: int, dt, out):
     """The scores of queries a..e-1 against keys 0..e-1 exponentiated, into `out` [nb, H, e-a, e]:
-    E = exp(S) with S = qs k^T (qs: the queries already scaled by 1/sqrt(D)) and keys past each
+    E = exp(S) with S = qs k^T (qs: the queries already scaled by 1/sqrt(D); kt = k^T [nb, H, D, T]
+    contiguous, `_transposed`) and keys past each
     query masked out (the diagonal block). Returns l = rowsum(E) [nb, H, e-a, 1]; in 16 bits `out`
     holds P = E / l rounded to `dt` (and back, as the GEMMs read it) and l is None.
 
@@ -445,14 +541,14 @@ def _exp_scores(qs, k, a: int, e: int, dt, out):
     overflow, or every score below about -80) is computed again with its row maximum as the
     shift. Each row's result depends on that row alone, whichever block it is in."""
     s = out
-    blas.matmul(qs[:, :, a:e], k[:, :, :e].swapaxes(-1, -2), out=s)
-    s[..., a:e] += _diagonal_bias(e - a, s.dtype)
+    blas.matmul(qs[:, :, a:e], kt[..., :e], out=s)
+    s += _causal_bias(a, e, s.dtype)
     with np.errstate(over="ignore"):  # (an overflowing row is recomputed below)
         np.exp(s, out=s)
         total = np.einsum("...j->...", s)[..., None]
     tiny, huge = _exp_range(s.dtype)
     if not ((total > tiny) & (total < huge)).all():
-        _rescore_rows(qs, k, a, e, s, total, tiny, huge)
+        _rescore_rows(qs, kt, a, e, s, total, tiny, huge)
     if not is_low(dt):
         return total
     s /= total
@@ -468,14 +564,14 @@ def _exp_range(dtype) -> tuple[float, float]:
     return float(info.tiny) * 2.0 ** 24, float(info.max) / 2.0 ** 24
 
 
-def _rescore_rows(qs, k, a: int, e: int, s, total, tiny: float, huge: float) -> None:
+def _rescore_rows(qs, kt, a: int, e: int, s, total, tiny: float, huge: float) -> None:
     """The rows of `s` whose sum left (tiny, huge), again with the row maximum as the shift (in place)."""
-    bias = _diagonal_bias(e - a, s.dtype)
+    bias = _causal_bias(a, e, s.dtype)
     sums = total[..., 0]
     bad = ~((sums > tiny) & (sums < huge)) & ~np.isnan(sums)  # (NaN rows stay NaN: a bad step is skipped)
     for i, h, r in zip(*np.nonzero(bad)):
-        row = k[i, h, :e] @ qs[i, h, a + r]
-        row[a:e] += bias[r]
+        row = qs[i, h, a + r] @ kt[i, h, :, :e]
+        row += bias[r]
         row -= row.max()
         np.exp(row, out=row)
         s[i, h, r] = row
@@ -516,11 +612,13 @@ def causal_attention_forward(qkv, n_head: int, keep_probs: bool = True):
     first = {b0: i * len(qblocks) for i, (b0, _) in enumerate(groups)}
 
     def group(b0, b1):
-        qs, kg, vg = _scaled_queries(q[b0:b1], scale, cd), up(k[b0:b1]), up(v[b0:b1])
+        qs, kt = _scaled_queries(q[b0:b1], scale, cd), _transposed(k[b0:b1], "attn_kt", cd)
+        vg = _scratch("attn_v", (b1 - b0, n_head, t, d), cd)
+        vg[...] = v[b0:b1]
         for j, (a, e) in enumerate(qblocks):
             shape = (b1 - b0, n_head, e - a, e)
             p = np.empty(shape, dtype=cd) if keep_probs else _scratch("attn_p", shape, cd)
-            total = _exp_scores(qs, kg, a, e, dt, p)
+            total = _exp_scores(qs, kt, a, e, dt, p)
             y = _scratch("attn_y", (b1 - b0, n_head, e - a, d), cd)
             blas.matmul(p, vg[:, :, :e], out=y)
             if total is None:                                                  # 16 bits: P is normalised
@@ -556,11 +654,15 @@ def causal_attention_backward(qkv, n_head: int, saved: AttentionSaved, g):
     qblocks = list(enumerate(_query_blocks(t)))[::-1]
     groups = _batch_groups(b, n_head * t * t * cd.itemsize)
     first = {b0: i * len(qblocks) for i, (b0, _) in enumerate(groups)}
+    jit = None if is_low(dt) else _jit()
+    zero_rows = np.zeros(1, dtype=cd)
 
     def group(b0, b1):
         nb = b1 - b0
-        qg, kg, vg = up(q[b0:b1]), up(k[b0:b1]), up(v[b0:b1])
-        qs = _scaled_queries(q[b0:b1], scale, cd) if saved.probs is None else None
+        qg, kg = up(q[b0:b1]), up(k[b0:b1])
+        vt = _transposed(v[b0:b1], "attn_vt", cd)
+        if saved.probs is None:
+            qs, kt = _scaled_queries(q[b0:b1], scale, cd), _transposed(k[b0:b1], "attn_kt", cd)
         gy = _scratch("attn_gy", (nb, n_head, t, d), cd)                        # dY' = dY / l
         dk, dv = _scratch("attn_dk", gy.shape, cd), _scratch("attn_dv", gy.shape, cd)
         rowsum = saved.rowsum[b0:b1] if saved.rowsum is not None else None
@@ -573,7 +675,7 @@ def causal_attention_backward(qkv, n_head: int, saved: AttentionSaved, g):
                 p = up(saved.probs[first[b0] + j])
             else:
                 p = _scratch("attn_p", (nb, n_head, e - a, e), cd)
-                _exp_scores(qs, kg, a, e, dt, p)
+                _exp_scores(qs, kt, a, e, dt, p)
             gya = gy[:, :, a:e]
             whole = e == t                                                     # the first block here
             part = dv if whole else _scratch("attn_part", (nb, n_head, e, d), cd)
@@ -581,15 +683,19 @@ def causal_attention_backward(qkv, n_head: int, saved: AttentionSaved, g):
             if not whole:
                 dv[:, :, :e] += part
             gs = _scratch("attn_gs", (nb, n_head, e - a, e), cd)
-            blas.matmul(gya, vg[:, :, :e].swapaxes(-1, -2), out=gs)              # dY' V^T
+            blas.matmul(gya, vt[..., :e], out=gs)                                # dY' V^T
             # delta' = rowsum(dP' E) / l, taken from the block itself (not as rowsum(dY y)): the
             # row sums of dS then cancel to rounding, as they must (softmax ignores a shift; the
             # key bias's gradient is zero).
-            delta = np.einsum("...j,...j->...", gs, p)[..., None]
-            if rowsum is not None:
-                delta /= rowsum[:, :, a:e]
-            gs -= delta
-            gs *= p                                                            # dS (unscaled)
+            if jit is not None and p.flags.c_contiguous:
+                sums = np.ascontiguousarray(rowsum[:, :, a:e]).reshape(-1) if rowsum is not None else zero_rows
+                jit.softmax_grad_rows(gs.reshape(-1, e), p.reshape(-1, e), sums, rowsum is not None, cd.type(0))
+            else:
+                delta = np.einsum("...j,...j->...", gs, p)[..., None]
+                if rowsum is not None:
+                    delta /= rowsum[:, :, a:e]
+                gs -= delta
+                gs *= p                                                        # dS (unscaled)
             dq = _scratch("attn_dq", (nb, n_head, e - a, d), cd)
             blas.matmul(gs, kg[:, :, :e], out=dq)
             dq *= scale
@@ -644,17 +750,31 @@ def cross_entropy_backward(probs, total, t, coef):
 
 # -- AdamW -----------------------------------------------------------------------------------------
 
-def adamw_update(p, g, m, v, decay: float, b1: float, b2: float, eps: float, step_size: float,
-                 inv_bias2_sqrt: float) -> None:
-    """One AdamW step of one parameter in place (p, m, v; C-contiguous, same shape), in the order of
-    `optim.AdamW.step`: decay, the moments, then p -= step_size m / (sqrt(v) inv_bias2_sqrt + eps)."""
-    arrays = (p, g, m, v)
-    if not all(a.flags.c_contiguous for a in arrays):  # (a strided view: one block, in place as it is)
-        _adamw_block(*arrays, decay, b1, b2, eps, step_size, inv_bias2_sqrt)
-        return
-    pf, gf, mf, vf = (a.reshape(-1) for a in arrays)
-    _run(lambda a, e: _adamw_block(pf[a:e], gf[a:e], mf[a:e], vf[a:e], decay, b1, b2, eps, step_size,
-                                   inv_bias2_sqrt), _blocks(pf.size, 4 * pf.itemsize))
+def adamw_update(params: list, b1: float, b2: float, eps: float, step_size: float, inv_bias2_sqrt: float) -> None:
+    """One AdamW step of every parameter in `params`, [(p, g, m, v, decay), ...], in place (p, m, v),
+    in the order of `optim.AdamW.step`: decay (`decay` = 1 - lr wd, or 1), the moments, then
+    p -= step_size m / (sqrt(v) inv_bias2_sqrt + eps). All parameters' blocks form one list, which
+    the threads share out (one parameter's blocks would leave small parameters to one thread)."""
+    work = []
+    for p, g, m, v, decay in params:
+        arrays = (p, g, m, v)
+        if not all(a.flags.c_contiguous for a in arrays):  # (a strided view: one block, in place as it is)
+            work.append((arrays, decay))
+            continue
+        flat = tuple(a.reshape(-1) for a in arrays)
+        work += [(tuple(a[s:e] for a in flat), decay) for s, e in _blocks(flat[0].size, 4 * p.itemsize)]
+
+    jit = _jit()
+
+    def block(a, e):
+        for arrays, decay in work[a:e]:
+            if jit is not None and all(x.flags.c_contiguous for x in arrays):
+                t = arrays[0].dtype.type  # the constants rounded to the arrays' dtype, as NumPy does
+                jit.adamw(*(x.reshape(-1) for x in arrays), decay != 1.0, t(decay), t(b1), t(b2), t(1.0 - b1),
+                          t(1.0 - b2), t(eps), t(-step_size), t(inv_bias2_sqrt))
+            else:
+                _adamw_block(*arrays, decay, b1, b2, eps, step_size, inv_bias2_sqrt)
+    _run(block, [(i, i + 1) for i in range(len(work))])
 
 
 def _adamw_block(pp, gg, mm, vv, decay, b1, b2, eps, step_size, inv_bias2_sqrt) -> None:

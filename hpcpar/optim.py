@@ -117,15 +117,19 @@ class AdamW(_Optimizer):
         t = self.step_count
         step_size = lr / (1.0 - b1 ** t)
         inv_bias2_sqrt = 1.0 / math.sqrt(1.0 - b2 ** t)
+        host = []  # (p, g, m, v, decay) of the host arrays: one cache-blocked kernel call for them all
         for p, state in zip(self.params, self._state):
             g = p.grad
             if g is None:
                 continue
             m, v = state["exp_avg"], state["exp_avg_sq"]
             decay = 1.0 - lr * self.weight_decay if self.weight_decay and not getattr(p, "no_decay", False) else 1.0
-            # One fused kernel on the GPU, a cache-blocked one on the CPU: the same arithmetic.
-            update = kernels.adamw_update if is_device_array(p.data) else cpu_kernels.adamw_update
-            update(p.data, g, m, v, decay, b1, b2, self.eps, step_size, inv_bias2_sqrt)
+            if is_device_array(p.data):  # one fused kernel per parameter on the GPU: the same arithmetic
+                kernels.adamw_update(p.data, g, m, v, decay, b1, b2, self.eps, step_size, inv_bias2_sqrt)
+            else:
+                host.append((p.data, g, m, v, decay))
+        if host:
+            cpu_kernels.adamw_update(host, b1, b2, self.eps, step_size, inv_bias2_sqrt)
 
     def _hyper(self) -> dict[str, Any]:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}

@@ -20,15 +20,34 @@ from hpcpar.precision import down, up
 RNG = np.random.default_rng(7)
 
 
+try:
+    import numba  # noqa: F401
+    LOOPS = ["numpy", "numba"]
+except ImportError:
+    LOOPS = ["numpy"]
+
+
+@pytest.fixture(params=LOOPS)
+def loops(request, monkeypatch):
+    """Each test with the NumPy chains, and with Numba's compiled loops when the `fast` extra is in."""
+    if request.param == "numpy":
+        monkeypatch.setattr(ck, "_jit_module", False)
+    else:
+        from hpcpar import jit_kernels
+        monkeypatch.setattr(ck, "_jit_module", jit_kernels)
+    return request.param
+
+
 @pytest.fixture(params=[(1, None), (3, 4096)], ids=["1-thread", "3-threads-small-blocks"])
-def blocking(request, monkeypatch):
-    """Run each test with one thread and default blocks, and with three threads and tiny blocks."""
+def blocking(request, monkeypatch, loops):
+    """Run each test with one thread and default blocks, and with three threads and tiny blocks (with
+    either kind of loops)."""
     threads, block = request.param
     ck.set_threads(threads)
     if block:
         monkeypatch.setattr(ck, "BLOCK_BYTES", block)
         monkeypatch.setattr(ck, "ATTENTION_BYTES", block)
-    yield threads
+    yield loops
     ck.set_threads(None)
 
 
@@ -103,18 +122,26 @@ def layer_norm_reference(x, w, b, eps):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_layer_norm_is_bitwise_the_plain_formula(blocking, dtype):
+    """The NumPy chain bitwise; Numba's loops add each row in eight lanes instead: equal to rounding."""
     x = (RNG.standard_normal((3, 41, 16)) * 3 + 1).astype(dtype)
     w, b = RNG.standard_normal(16).astype(dtype), RNG.standard_normal(16).astype(dtype)
     g = RNG.standard_normal(x.shape).astype(dtype)
     y, mean, rstd, xhat = ck.layer_norm_forward(x, w, b, 1e-5)
     ry, rxhat, rrstd = layer_norm_reference(x, w, b, 1e-5)
-    assert mean is None and np.array_equal(y, ry) and np.array_equal(xhat.reshape(x.shape), rxhat)
-    assert np.array_equal(rstd.reshape(rrstd.shape), rrstd)
     gxhat = g * w
     rgx = gxhat - row_mean(gxhat)
     rgx -= rxhat * row_mean(gxhat, rxhat)
     rgx *= rrstd
-    assert np.array_equal(ck.layer_norm_backward_input(x, w, mean, rstd, xhat, g), rgx)
+    gx = ck.layer_norm_backward_input(x, w, mean, rstd, xhat, g)
+    assert mean is None
+    if blocking == "numpy":
+        assert np.array_equal(y, ry) and np.array_equal(xhat.reshape(x.shape), rxhat)
+        assert np.array_equal(rstd.reshape(rrstd.shape), rrstd)
+        assert np.array_equal(gx, rgx)
+    else:
+        tol = 1e-12 if dtype == np.float64 else 2e-5
+        for got, want in ((y, ry), (xhat.reshape(x.shape), rxhat), (rstd.reshape(rrstd.shape), rrstd), (gx, rgx)):
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     dw, db = ck.layer_norm_backward_weight(x, mean, rstd, xhat, g, bias=True)
     rows = (g * rxhat).reshape(-1, 16)
     tol = 1e-12 if dtype == np.float64 else 1e-5
@@ -122,7 +149,7 @@ def test_layer_norm_is_bitwise_the_plain_formula(blocking, dtype):
     np.testing.assert_allclose(db, g.reshape(-1, 16).sum(axis=0), rtol=tol, atol=tol)
 
 
-def test_layer_norm_rows_do_not_depend_on_their_neighbours():
+def test_layer_norm_rows_do_not_depend_on_their_neighbours(loops):
     x, g = RNG.standard_normal((37, 24)), RNG.standard_normal((37, 24))
     w, b = RNG.standard_normal(24), RNG.standard_normal(24)
     y, mean, rstd, xhat = ck.layer_norm_forward(x, w, b, 1e-5)
@@ -133,7 +160,7 @@ def test_layer_norm_rows_do_not_depend_on_their_neighbours():
         assert np.array_equal(ck.layer_norm_backward_input(x[rows], w, m1, r1, xh1, g[rows]), gx[rows])
 
 
-def test_layer_norm_weight_gradient_does_not_depend_on_threads(monkeypatch):
+def test_layer_norm_weight_gradient_does_not_depend_on_threads(monkeypatch, loops):
     x, g = RNG.standard_normal((300, 8)), RNG.standard_normal((300, 8))
     monkeypatch.setattr(ck, "BLOCK_BYTES", 256)
     results = []
@@ -203,7 +230,7 @@ def test_attention_rows_whose_exponentials_leave_the_range_are_recomputed_shifte
     np.testing.assert_allclose(grad / scale, rgrad(g) / scale, atol=tol * 10)
 
 
-def test_attention_rows_do_not_depend_on_their_batch_or_heads_or_threads():
+def test_attention_rows_do_not_depend_on_their_batch_or_heads_or_threads(loops):
     """A sample's and a head's results are the same bits alone or among others (dp, tp, threads)."""
     qkv = RNG.standard_normal((5, 130, 3 * 4 * 8))
     g = RNG.standard_normal((5, 130, 4 * 8))
@@ -274,7 +301,8 @@ def test_adamw_is_the_order_of_the_formula(blocking, contiguous):
     ref = [a.copy() for a in (p, g, m, v)]
     if not contiguous:
         p, g, m, v = (np.asfortranarray(a) for a in (p, g, m, v))
-    ck.adamw_update(p, g, m, v, 0.99, 0.9, 0.95, 1e-8, 0.01, 1.3)
+    small = [a.copy() for a in (p, g, m, v)]  # a second, small parameter in the same call
+    ck.adamw_update([(p, g, m, v, 0.99), tuple(small) + (1.0,)], 0.9, 0.95, 1e-8, 0.01, 1.3)
     rp, rg, rm, rv = ref
     rp *= 0.99
     rv *= 0.95
