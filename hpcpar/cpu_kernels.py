@@ -8,7 +8,9 @@ and output about once. With more than one thread per rank (`threads.blas_threads
 `set_threads`) the blocks are shared out to a small pool of threads: NumPy releases the GIL
 inside every call, so the threads compute at once.
 
-    gelu_forward / gelu_backward            elementwise, tanh form
+    gelu_forward / gelu_backward            elementwise, tanh form (bias_gelu_*: with a linear's bias)
+    add_bias / column_sums                  a linear's bias and its gradient
+    sum_of_squares                          a gradient norm's share, in float64
     layer_norm_forward / _backward_input    rows of [N, C]; _weight: dweight, dbias
     causal_attention_forward / _backward    per (batch group, query block), causal blocks skipped
     cross_entropy_forward / _backward       rows of logits [N, V]
@@ -312,6 +314,36 @@ def bias_gelu_backward(pre, t, g, bias: bool):
             np.einsum("ij->j", s, out=db[index[(a, e)]])
     _run(block, blocks)
     return grad, (_sum_partials(db) if db is not None else None)
+
+
+def add_bias(y, b) -> None:
+    """y [N, n] += b [n] in place (a linear's bias: a broadcast over short rows is a slow NumPy loop)."""
+    jit = _jit()
+    if jit is not None and y.flags.c_contiguous and y.dtype == b.dtype and y.ndim == 2:
+        jit.add_bias_rows(y, np.ascontiguousarray(b))
+    else:
+        y += b
+
+
+def column_sums(a):
+    """The sum over rows of a [N, n] (a bias's gradient), row by row."""
+    jit = _jit()
+    if jit is not None and a.flags.c_contiguous and a.dtype.kind == "f" and not is_low(a.dtype):
+        out = np.empty(a.shape[1], dtype=a.dtype)
+        jit.column_sums(a, out)
+        return out
+    return a.sum(axis=0)
+
+
+def sum_of_squares(a) -> float:
+    """The sum of the squares of a's elements, accumulated in float64 (a gradient norm's share):
+    without a float64 copy of `a` when the compiled loops are there."""
+    flat = a.reshape(-1)
+    jit = _jit()
+    if jit is not None and flat.dtype in (np.float32, np.float64):
+        return float(jit.sum_of_squares(flat))
+    flat = flat.astype(np.float64, copy=False)
+    return float(np.dot(flat, flat))
 
 
 # -- LayerNorm -------------------------------------------------------------------------------------

@@ -171,3 +171,36 @@ def softmax_grad_rows(gs, p, rowsum, has_rowsum, zero):
             delta /= rowsum[i]
         for j in range(e):
             gs[i, j] = (gs[i, j] - delta) * p[i, j]
+
+
+@jit
+def column_sums(a, out):
+    """out [c] = the sum over rows of a [n, c], row by row (a bias's gradient)."""
+    n, c = a.shape
+    out[:] = 0
+    for i in range(n):
+        for j in range(c):
+            out[j] += a[i, j]
+
+
+@jit
+def sum_of_squares(a):
+    """The sum of a's squares (1-D, float32 or float64) accumulated in float64, in eight lanes."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    n = a.size
+    i = 0
+    while i + 8 <= n:
+        s0 += np.float64(a[i]) * np.float64(a[i])
+        s1 += np.float64(a[i + 1]) * np.float64(a[i + 1])
+        s2 += np.float64(a[i + 2]) * np.float64(a[i + 2])
+        s3 += np.float64(a[i + 3]) * np.float64(a[i + 3])
+        s4 += np.float64(a[i + 4]) * np.float64(a[i + 4])
+        s5 += np.float64(a[i + 5]) * np.float64(a[i + 5])
+        s6 += np.float64(a[i + 6]) * np.float64(a[i + 6])
+        s7 += np.float64(a[i + 7]) * np.float64(a[i + 7])
+        i += 8
+    total = ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))
+    while i < n:
+        total += np.float64(a[i]) * np.float64(a[i])
+        i += 1
+    return total

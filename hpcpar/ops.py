@@ -37,7 +37,7 @@ def _sum_rows(a2d):
     """Column sums of a [rows, n] array (bias and LayerNorm gradients). On the GPU as a GEMV,
     ones[rows] @ a: cuBLAS reads the rows coalesced, where a reduction over axis 0 strides."""
     if not _fused(a2d):
-        return a2d.sum(axis=0)
+        return cpu_kernels.column_sums(a2d) if not is_device_array(a2d) else a2d.sum(axis=0)
     xp = array_module(a2d)
     return xp.ones(a2d.shape[0], dtype=a2d.dtype) @ a2d
 
@@ -243,7 +243,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype=None
             return _linear_grads(g2, x, x2, weight, bias, dt, lambda: db)
         return Tensor.from_op(out.reshape(shape), (x, weight, bias), backward)
     if bias is not None:
-        y += rounded(bias.data, dt)
+        if is_device_array(y):
+            y += rounded(bias.data, dt)
+        else:
+            cpu_kernels.add_bias(y, rounded(bias.data, dt))
     out = down(y, dt if out_dtype is None else out_dtype).reshape(shape)
     del y
 

@@ -191,6 +191,9 @@ def grad_norm_sq(params: Iterable[Any]) -> float:
         g = p.grad
         if g is None:
             continue
+        if not is_device_array(g):
+            total = total + cpu_kernels.sum_of_squares(g)
+            continue
         flat = g.reshape(-1)
         if flat.dtype != np.float64:
             flat = flat.astype(np.float64)

@@ -15,6 +15,7 @@ takes its dp share, so results do not depend on the mesh.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -472,6 +473,8 @@ class Trainer:
         bar = _Progress(draw, end, self.step)
         state = _RunState()
         status = 0
+        gc_thresholds = gc.get_threshold()
+        gc.set_threshold(max(gc_thresholds[0], _GC_YOUNG_THRESHOLD), *gc_thresholds[1:])
         try:
             while self.step < end:
                 step = self.step
@@ -510,6 +513,7 @@ class Trainer:
                     status = REQUEUE_STATUS
                     break
         finally:
+            gc.set_threshold(*gc_thresholds)
             bar.close()
             if writer:
                 writer.close()
@@ -1059,6 +1063,13 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+# Python's cycle collector looks at the young objects every 700 new containers by default; a step
+# makes tens of thousands (tensors, closures, tuples) and those looks took about 3 % of a CPU step.
+# The autograd graph holds no cycles (backward drops each node's closure and parents), so reference
+# counting frees it: during training the collector runs a hundred times less often.
+_GC_YOUNG_THRESHOLD = 70_000
 
 
 def _model_flops_per_token(cfg: config.Config) -> float:
