@@ -16,15 +16,19 @@ activations: activation bytes per transformer layer with train.recompute = none 
   dropout > 0. Formula, hpcpar's NumPy ops (B = batch, T = block_size, C = n_embd, H = n_head,
   s = bytes per element, d = 1 when dropout > 0), per layer:
 
-      none        s B T [(24 + 4d) C + 2] + s B H T^2
-      selective   s B T [(24 + 4d) C + 2]               the [B, H, T, T] probabilities are recomputed
+      none        s B T [(24 + 4d) C + 2] + s B H (K(T) + T)
+      selective   s B T [(24 + 4d) C + 2] + s B H T     the probabilities' blocks are recomputed
       full        s B T C                               the block's input, nothing else
+
+  K(T) = the elements of one head's [T, T] probabilities that the CPU attention keeps: each block of
+  64 queries against the keys up to its causal edge (`cpu_kernels.kept_probabilities`: 3/4 T^2 at
+  T = 128, 9/16 at 512), kept as exponentials with their row sums (B H T) beside them.
 
   `none` term by term (what each op's backward keeps; an op's output is kept by the graph):
 
       ln_1          output, xhat (B T C each), 1/std (B T)            2 B T C + B T
       c_attn        qkv                                               3 B T C
-      attention     heads-merged output; probabilities [B, H, T, T]   B T C + B H T^2
+      attention     heads-merged output; causal blocks of exp(scores) B T C + B H K(T), row sums B H T
       attn.c_proj   output                                            B T C
       dropout       mask and output (both in the model's dtype)       2d B T C
       residual add  h                                                 B T C
@@ -80,7 +84,7 @@ precision: bytes per parameter and activation bytes per layer under train.precis
   output and a float32 mean and 1/std per row instead of xhat, GELU its input only, dropout a
   1-byte mask, attention the 16-bit probabilities):
 
-      16-bit    a B T 18 C + 16 B T + d (2a + 2) B T C + a B H T^2
+      16-bit    a B T 18 C + 16 B T + d (2a + 2) B T C + a B H K(T)
 
   Bytes per parameter: every NumPy allocation a one-rank Trainer (AdamW, zero 0) holds after two
   steps, per parameter, next to 4 + 4 + 8 = 16 for all three precisions (the masters, gradients and
@@ -110,7 +114,7 @@ threads.set_default_threads()
 
 import numpy as np  # noqa: E402
 
-from hpcpar import config  # noqa: E402
+from hpcpar import config, cpu_kernels  # noqa: E402
 from hpcpar.errors import ConfigError  # noqa: E402
 from hpcpar.nn.gpt import DTYPES, RECOMPUTE_MODES, GPT, GPTConfig  # noqa: E402
 
@@ -170,7 +174,10 @@ def activation_formula_bytes(mode: str, batch: int, seq: int, n_embd: int, n_hea
     if mode == "full":
         return s * batch * seq * n_embd
     tokens = s * batch * seq * ((24 + 4 * d) * n_embd + 2)
-    return tokens + (0 if mode == "selective" else s * batch * n_head * seq * seq)
+    # Attention: the row sums of the exponentials (B H T) always; the causal blocks of the
+    # exponentials themselves, K(T) per head (cpu_kernels.kept_probabilities), unless recomputed.
+    kept = 0 if mode == "selective" else cpu_kernels.kept_probabilities(seq)
+    return tokens + s * batch * n_head * (seq + kept)
 
 
 def model_config(args, n_layer: int) -> GPTConfig:
@@ -265,7 +272,7 @@ def activations(args) -> Section:
         header=["recompute", "measured MiB", "formula MiB", "ratio", "saved", "estimate MiB",
                 "bwd peak +MiB", "fwd+bwd time"],
         rows=table, checks=checks,
-        notes=[f"formula: none s B T [(24 + 4d) C + 2] + s B H T^2; selective without the T^2 term; full s B T C "
+        notes=[f"formula: none s B T [(24 + 4d) C + 2] + s B H (K(T) + T); selective without K(T); full s B T C "
                f"(Korthikanti, 16-bit Megatron: {korthikanti / MiB:.3f} MiB)",
                "estimate: the start-up estimate's per-layer count for the same micro-batch (config.estimate_memory: "
                "Megatron's per-layer terms for every layout, not this exact count; docs/config.md)",
@@ -283,7 +290,8 @@ def precision_formula_bytes(precision: str, batch: int, seq: int, n_embd: int, n
     if precision == "full":
         return activation_formula_bytes("none", batch, seq, n_embd, n_head, "float32", dropout)
     a, d, bt = 2, int(dropout > 0), batch * seq
-    return a * bt * 18 * n_embd + 16 * bt + d * (2 * a + 2) * bt * n_embd + a * batch * n_head * seq * seq
+    return (a * bt * 18 * n_embd + 16 * bt + d * (2 * a + 2) * bt * n_embd
+            + a * batch * n_head * cpu_kernels.kept_probabilities(seq))
 
 
 def state_bytes_per_parameter(args, precision: str) -> float:
@@ -338,8 +346,8 @@ def precision(args) -> Section:
                f"H={args.n_head}, dropout={args.dropout}) and model state per parameter, float32 masters, one process"),
         header=["precision", "activations MiB", "formula MiB", "ratio", "vs full", "state bytes/param"],
         rows=table, checks=checks,
-        notes=["formula: full s B T [(24 + 4d) C + 2] + s B H T^2 (s = 4); 16-bit a B T 18 C + 16 B T "
-               "+ d (2a + 2) B T C + a B H T^2 (a = 2)",
+        notes=["formula: full s B T [(24 + 4d) C + 2] + s B H (K(T) + T) (s = 4); 16-bit a B T 18 C + 16 B T "
+               "+ d (2a + 2) B T C + a B H K(T) (a = 2), K(T) the causal blocks' elements",
                "state: masters, gradients and AdamW moments stay float32 (16 bytes/parameter in every precision)"])
 
 

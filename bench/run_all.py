@@ -833,9 +833,10 @@ def _memory_table(d: dict) -> list[str]:
                   f"C={c['n_embd']}, H={c['n_head']}, {c['dtype']}, dropout={c['dropout']}: NumPy bytes held between "
                   "forward and backward (tracemalloc), a "
                   f"{c['n_layer']}-block GPT minus a 1-block one, per block. Formula (s bytes per element, d = 1 with "
-                  "dropout): none `s B T [(24 + 4d) C + 2] + s B H T²`, selective without the `T²` term, full "
-                  "`s B T C`. Estimate: the start-up estimate's count (docs/config.md). Backward peak: bytes above "
-                  "the held ones during backward.", "",
+                  "dropout): none `s B T [(24 + 4d) C + 2] + s B H (K(T) + T)`, selective without the `K(T)` "
+                  "term, full `s B T C`; K(T) = the elements of one head's [T, T] scores the CPU attention keeps "
+                  "(its causal blocks of 64 queries, `cpu_kernels.kept_probabilities`). Estimate: the start-up "
+                  "estimate's count (docs/config.md). Backward peak: bytes above the held ones during backward.", "",
                   "| recompute | measured MiB | formula MiB | ratio | saved vs none | estimate MiB | "
                   "backward peak + MiB | forward + backward time |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -850,7 +851,7 @@ def _memory_table(d: dict) -> list[str]:
         lines += [""] if lines else []
         lines += [f"Mixed precision, one process: activation bytes per layer (B={c['batch']}, T={c['seq']}, "
                   f"C={c['n_embd']}, H={c['n_head']}, dropout={c['dropout']}, recompute none) next to the count of "
-                  "what each op keeps (16-bit: `a B T 18 C + 16 B T + d (2a + 2) B T C + a B H T²`, a = 2), and NumPy "
+                  "what each op keeps (16-bit: `a B T 18 C + 16 B T + d (2a + 2) B T C + a B H K(T)`, a = 2), and NumPy "
                   "bytes per parameter a one-rank Trainer holds after two steps (float32 masters, AdamW).", "",
                   "| precision | activations MiB | formula MiB | ratio | vs float32 | bytes/parameter |",
                   "|---|---:|---:|---:|---:|---:|"]
