@@ -118,7 +118,7 @@ BENCHMARKS = (
     Benchmark("vs_torch", "bench/vs_torch.py", None,
               "one process, hpcpar vs PyTorch eager on the same GPT and batches: three model shapes, 1 and 2 "
               "threads (a process each)",
-              args=("--steps", "5"), quick_args=("--steps", "1", "--rounds", "1", "--shapes", "2x64x64x4"),
+              args=("--steps", "5", "--rounds", "5"), quick_args=("--steps", "1", "--rounds", "1", "--shapes", "2x64x64x4"),
               needs_torch=True, timeout_s=1800.0),
 )
 BY_NAME = {b.name: b for b in BENCHMARKS}
@@ -809,7 +809,8 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
                                        "gradient compression loss curves"),
                                       ("moe", "Mixture of experts", _moe_table, None),
                                       ("ps", "Parameter server", _ps_table, "parameter server loss curves"),
-                                      ("step_overhead", "Per-step overhead", _step_overhead_table, None)):
+                                      ("step_overhead", "Per-step overhead", _step_overhead_table, None),
+                                      ("vs_torch", "hpcpar vs PyTorch eager", _vs_torch_table, None)):
         results = details.get(name, {}).get("results")
         if not results:
             continue
@@ -821,6 +822,24 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
         if image:
             lines += _image(image, details[name]["results_file"], docs_path)
     return "\n".join(lines) + "\n"
+
+
+def _vs_torch_table(d: dict) -> list[str]:
+    """bench/vs_torch.py: every shape at every thread count, side by side."""
+    lines = [f"One process, the same GPT and batches in both (forward, backward, clipping, AdamW; hpcpar through "
+             f"`Trainer.train`), float32, n_head 4, vocabulary 256; each framework in its own process, driven in "
+             f"turns, best of {d['rounds']} alternating rounds of {d['steps']} steps. hpcpar's GEMMs: {d['blas']}. "
+             "MFU is against the GEMM peak measured with hpcpar's GEMM at the same thread count.", "",
+             "| L x C x T x B | threads | hpcpar tokens/s | PyTorch tokens/s | hpcpar / PyTorch | MFU hpcpar | "
+             "MFU PyTorch |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        lines.append(f"| {r['n_layer']} x {r['n_embd']} x {r['block_size']} x {r['batch']} | {r['threads']} | "
+                     f"{r['hpcpar']['tokens_per_s']:,.0f} | {r['torch']['tokens_per_s']:,.0f} | "
+                     f"{r['ratio_hpcpar_over_torch']:.2f}x | {r['hpcpar']['mfu']:.1%} | {r['torch']['mfu']:.1%} |")
+    o = d["op_overhead"]
+    lines += ["", f"Per-op framework overhead (a tiny elementwise multiply with the graph recorded): hpcpar "
+              f"{o['hpcpar_us']:.1f} µs, PyTorch {o['torch_us']:.1f} µs."]
+    return lines
 
 
 def _memory_table(d: dict) -> list[str]:

@@ -94,13 +94,12 @@ def name() -> str:
 
 
 def single_threaded() -> None:
-    """This thread's GEMMs run on it alone (MKL's and OpenBLAS's per-thread settings)."""
+    """This thread's MKL GEMMs run on it alone (MKL's per-thread setting). OpenBLAS has none that
+    works (its `openblas_set_num_threads_local` sets the count of the whole process in NumPy's
+    pthreads build): NumPy's small GEMMs, the kind such threads issue, run single-threaded anyway."""
     lib = _load()
     if lib is not None:
         lib.MKL_Set_Num_Threads_Local(1)
-    local = _numpy_openblas("openblas_set_num_threads_local")
-    if local is not None:
-        local(1)
 
 
 @contextlib.contextmanager

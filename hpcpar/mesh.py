@@ -449,7 +449,7 @@ def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = N
     """
     import mpi4py
 
-    from hpcpar import backend
+    from hpcpar import backend, blas, cpu_kernels
 
     world = MPI.COMM_WORLD
     mesh = None
@@ -477,6 +477,7 @@ def info_report(dp: int | None = None, tp: int | None = None, pp: int | None = N
         f"backend: {backend.name()} {backend.xp.__version__}",
         f"world size: {world.Get_size()}",
         f"threads per rank: {os.environ.get('OMP_NUM_THREADS', 'unset')} (OMP_NUM_THREADS)",
+        f"CPU kernels: {cpu_kernels.jit_name()} loops, {blas.name()} GEMMs (the `fast` and `mkl` extras: numba, mkl)",
     ]
     if mesh is not None:
         lines += [f"mesh: {mesh.shape_str()}" + (f" on ranks 0..{workers - 1}" if servers else ""), mesh.rank_table(),
