@@ -1,12 +1,14 @@
-"""Cache-blocked NumPy kernels: the CPU twins of `kernels.py`.
+"""Cache-blocked CPU kernels: the CPU twins of `kernels.py`.
 
 A chain of NumPy calls over a whole activation ([B T, 4C] floats, megabytes) streams the array
 through main memory once per call, and every call allocates a result as large. Here each chain
 runs over blocks small enough (`BLOCK_BYTES`) that all its intermediates stay in a core's L2
 cache, in scratch arrays reused from block to block and step to step, so memory sees each input
-and output about once. With more than one thread per rank (`threads.blas_threads()`, or
-`set_threads`) the blocks are shared out to a small pool of threads: NumPy releases the GIL
-inside every call, so the threads compute at once.
+and output about once. With the `fast` extra a block's chain is one compiled loop instead
+(`jit_kernels`, Numba: NumPy keeps tanh and exp). With more than one thread per rank
+(`threads.blas_threads()`, or `set_threads`) the blocks are shared out to a small pool of threads,
+the caller included: NumPy calls and the compiled loops release the GIL, so the threads compute at
+once.
 
     gelu_forward / gelu_backward            elementwise, tanh form (bias_gelu_*: with a linear's bias)
     add_bias / column_sums                  a linear's bias and its gradient
@@ -16,12 +18,15 @@ inside every call, so the threads compute at once.
     cross_entropy_forward / _backward       rows of logits [N, V]
     adamw_update                            every parameter of a step in place, blockwise
 
-Each computes what the plain NumPy composition computes (the same operations on each element in
-the same order; tests/unit/test_cpu_kernels.py holds them to it), with 16-bit inputs (bf16/fp16
-activations, `precision.py`) taken up to float32 block by block and the results rounded once.
-Results do not depend on the thread count: blocks are cut from the shape alone, each element's
-(each row's) arithmetic is the same in whichever block it lands, and the one reduction across
-rows (LayerNorm's weight gradient) adds per-block partial sums in block order.
+The elementwise kernels compute what the plain NumPy composition computes (the same operations on
+each element in the same order; tests/unit/test_cpu_kernels.py holds them to it); LayerNorm's row
+statistics and the attention's softmax are rearranged (row sums by einsum or in eight lanes,
+exponentials without the max shift, normalisation after P V: see each docstring) and equal the
+textbook formulas to rounding. 16-bit inputs (bf16/fp16 activations, `precision.py`) are taken up
+to float32 block by block and the results rounded once. Results do not depend on the thread
+count: blocks are cut from the shape alone, each element's (each row's) arithmetic is the same in
+whichever block it lands, and the reductions across rows (weight and bias gradients) add
+per-block partial sums in block order.
 """
 
 from __future__ import annotations
@@ -547,7 +552,7 @@ class AttentionSaved:
     """What causal_attention_forward keeps for backward.
 
     probs: per (batch group, query block), in the order of the loops (group-major), the block's
-        exponentiated scores E = exp(S - rowmax) [nb, H, q, keys] (full precision), or its
+        exponentiated scores E = exp(S) [nb, H, q, keys] (full precision; see `_exp_scores`), or its
         probabilities P rounded to 16 bits (bf16/fp16); None when backward recomputes them.
     rowsum: l = the row sums of E [B, H, T, 1] (full precision; None in 16 bits, where P = E / l).
     """
@@ -620,7 +625,7 @@ def _scaled_queries(q, scale: float, cd):
 def causal_attention_forward(qkv, n_head: int, keep_probs: bool = True):
     """Causal self-attention of qkv [B, T, 3 H D] -> (y [B, T, H D] in qkv's dtype, saved).
 
-    Per batch group and query block [a, e): E = exp(S - shift) against keys [0, e) only (the
+    Per batch group and query block [a, e): E = exp(S) against keys [0, e) only (the
     diagonal block masked), y = (E V) / rowsum(E): the normalisation divides the [q, D] product,
     never the [q, e] block, and backward needs no normalised P either (`causal_attention_backward`).
     In 16 bits P = E / l is formed and rounded to 16 bits first, as a 16-bit model stores it.
