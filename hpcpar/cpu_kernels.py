@@ -35,7 +35,6 @@ import functools
 import math
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -61,10 +60,48 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 # -- blocks and threads ------------------------------------------------------------------------
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_workers: list = []
+# Blocks a thread takes at least: handing a part to a thread and waiting for it costs 60-80 us on
+# the benchmark VM (waking a sleeping thread there takes tens of microseconds), as much as a
+# 384 KiB block's arithmetic, so a kernel of two or three blocks runs on the caller alone.
+_MIN_BLOCKS_PER_THREAD = 2
 _threads_set: int | None = None
 _local = threading.local()
+
+
+class _Worker:
+    """A kernel thread: blocks on `go` until handed a part, runs it, releases `done`. Two lock
+    hand-offs per part: a thread pool's futures and queue cost a kernel of 0.2 ms half its time."""
+
+    def __init__(self, index: int):
+        self.go, self.done = threading.Lock(), threading.Lock()
+        self.go.acquire()
+        self.done.acquire()
+        self.task: tuple | None = None
+        self.error: BaseException | None = None
+        threading.Thread(target=self._loop, name=f"hpcpar-kernel-{index}", daemon=True).start()
+
+    def _loop(self) -> None:
+        blas.single_threaded()  # its GEMMs (attention's) run on it alone: the threads are the cores
+        while True:
+            self.go.acquire()
+            fn, part = self.task
+            try:
+                _run_part(fn, part)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
+                self.error = e
+            self.task = None
+            self.done.release()
+
+    def start(self, fn, part: list) -> None:
+        self.task = (fn, part)
+        self.go.release()
+
+    def wait(self) -> None:
+        self.done.acquire()
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
 
 
 def set_threads(n: int | None) -> None:
@@ -82,30 +119,39 @@ def num_threads() -> int:
     return _threads_set
 
 
-def _run(fn, blocks: list) -> None:
+def _run(fn, blocks: list, gemms: bool = False) -> None:
     """fn(a, e) for every (a, e) in `blocks`: on this thread, or, with several threads, each thread
     (this one too) taking a contiguous run of blocks (which block a result lands in never depends
-    on it). The GEMMs a block makes run single-threaded meanwhile: the threads are the cores."""
-    n = min(num_threads(), len(blocks))
+    on it). `gemms`: the blocks multiply matrices, which then run single-threaded on each thread
+    (the threads are the cores). Called from one thread at a time (the training loop's)."""
+    n = min(num_threads(), len(blocks) // _MIN_BLOCKS_PER_THREAD)
     if n <= 1:
         for a, e in blocks:
             fn(a, e)
         return
-    global _pool, _pool_size
-    if _pool is None or _pool_size < n - 1:
-        if _pool is not None:
-            _pool.shutdown(wait=False)
-        _pool, _pool_size = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="hpcpar-kernel",
-                                               initializer=blas.single_threaded), n - 1
+    while len(_workers) < n - 1:
+        _workers.append(_Worker(len(_workers)))
     per = -(-len(blocks) // n)
     parts = [blocks[i:i + per] for i in range(0, len(blocks), per)]
-    futures = [_pool.submit(_run_part, fn, part) for part in parts[1:]]
+    started = []
     try:
-        with blas.one_thread():
+        for worker, part in zip(_workers, parts[1:]):
+            worker.start(fn, part)
+            started.append(worker)
+        if gemms:
+            with blas.one_thread():
+                _run_part(fn, parts[0])
+        else:
             _run_part(fn, parts[0])
     finally:
-        for future in futures:
-            future.result()  # waits for every part; re-raises a block's exception here
+        errors = []
+        for worker in started:  # every part is waited for; the first error is raised
+            try:
+                worker.wait()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 def _run_part(fn, part: list) -> None:
@@ -544,8 +590,17 @@ def _heads(qkv, n_head: int):
 
 
 def _batch_groups(b: int, per_batch_bytes: int) -> list:
-    """Batch rows per attention work unit: a group's [nb, H, T, T] scores about ATTENTION_BYTES."""
-    return _blocks(b, per_batch_bytes, ATTENTION_BYTES)
+    """Batch rows per attention work unit: a group's [nb, H, T, T] scores at most about
+    ATTENTION_BYTES, and as many groups as a multiple of the threads where the batch allows (three
+    groups on two threads would leave one idle a third of the time). A row's results do not depend
+    on which rows share its group, so the grouping may follow the thread count."""
+    per = max(1, ATTENTION_BYTES // max(1, per_batch_bytes))
+    groups = -(-b // per)
+    threads = num_threads()
+    if threads > 1:
+        groups = min(b, -(-groups // threads) * threads)
+    per = -(-b // groups)
+    return [(a, min(a + per, b)) for a in range(0, b, per)]
 
 
 class AttentionSaved:
@@ -665,7 +720,7 @@ def causal_attention_forward(qkv, n_head: int, keep_probs: bool = True):
                 saved.rowsum[b0:b1, :, a:e] = total
             if keep_probs:
                 saved.probs[first[b0] + j] = down(p, dt)
-    _run(group, groups)
+    _run(group, groups, gemms=True)
     return out, saved
 
 
@@ -744,7 +799,7 @@ def causal_attention_backward(qkv, n_head: int, saved: AttentionSaved, g):
         dk *= scale
         gk[b0:b1] = dk                                                         # (rounded once in 16 bits)
         gv[b0:b1] = dv
-    _run(group, groups)
+    _run(group, groups, gemms=True)
     return grad
 
 
