@@ -645,8 +645,7 @@ def peak_stash(name: str, pp: int, microbatches: int, chunks: int = 1) -> tuple[
     if name == "interleaved":
         return tuple(min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) for r in range(pp))
     from hpcpar.parallel import schedule
-    place = schedule.placement(name, pp, v)
-    return tuple(schedule.simulate(schedule.build(name, pp, m, v), placement=place).peak_stash)
+    return schedule.timeline(name, pp, m, v).peak_stash
 
 
 def estimate_memory(cfg: Config, dp: int, tp: int, pp: int, cp: int | None = None) -> int:

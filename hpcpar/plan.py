@@ -21,7 +21,7 @@ The step time of a layout (`predict`) is built from the same pieces the engine r
     tp, cp     per layer: 2 all-reduces forward and 2 backward of b T C s bytes (ring, on the
                link inside a node when tp fits one); cp's ring passes K and V cp-1 times,
                hidden behind attention where it is shorter
-    pipeline   the schedule simulator (`schedule.simulate`) on the busiest stage's F and B, with
+    pipeline   the schedule simulator (`schedule.timeline`) on the busiest stage's F and B, with
                one point-to-point message of b T C s bytes per boundary
     dp         the gradient reduction of the rank's parameters (all-reduce, or reduce-scatter +
                all-gather under ZeRO; HSDP: over dp_shard, then dp_replicate), ZeRO-3's parameter
@@ -39,9 +39,11 @@ dispatch all-to-alls. Planning ep itself is future work.
 Collectives follow the alpha-beta model of a ring over n ranks: all-reduce 2(n-1)(alpha +
 bytes/(n beta)), all-gather and reduce-scatter half that, a message alpha + bytes/beta; a group
 that spans nodes runs at the inter-node link's figures. The simulator sees one representative
-rank per role (a pipeline stage; dp replicas and tp ranks are alike), so plans for 10,000+ ranks
-take seconds; schedules of more than `_SIMULATE_MAX` actions use the closed forms the simulator
-agrees with (tests/unit/test_plan.py).
+rank per role (a pipeline stage; dp replicas and tp ranks are alike), and each schedule shape is
+built and compiled once (`schedule.timeline`: the simulator's order, replayed for each
+candidate's times, bitwise `simulate`'s makespan), so plans for 10,000+ ranks take seconds;
+schedules of more than `_SIMULATE_MAX` actions are simulated shorter and extrapolated, or use
+the closed forms the simulator agrees with (tests/unit/test_plan.py).
 """
 
 from __future__ import annotations
@@ -324,9 +326,7 @@ def rough_pipeline_time(name: str, pp: int, microbatches: int, chunks: int, t_f:
 
 @functools.lru_cache(maxsize=8192)
 def _simulated(name: str, pp: int, microbatches: int, chunks: int, t_b: float, t_w: float, t_msg: float) -> float:
-    place = schedule.placement(name, pp, chunks)
-    return schedule.simulate(schedule.build(name, pp, microbatches, place.chunks), 1.0, t_b, t_msg, t_w,
-                             placement=place).makespan
+    return schedule.timeline(name, pp, microbatches, chunks).makespan(1.0, t_b, t_msg, t_w)
 
 
 def predict(cfg: Config, hw: Hardware, exact: bool = True) -> Prediction:

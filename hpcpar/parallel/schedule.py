@@ -47,8 +47,10 @@ layers, held from the forward until the weight pass, or the backward without one
 from __future__ import annotations
 
 import enum
+import functools
+import heapq
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from hpcpar.errors import ConfigError
 
@@ -324,11 +326,13 @@ def zbv(pp: int, microbatches: int, chunks: int = 0) -> list[list[Action]]:
     pending: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # W's ready, oldest first
     held = [0] * pp
     order: list[list[tuple[Kind, int, int]]] = [[] for _ in range(pp)]
+    # (rank, chunk) of the stage an F (below) or a B (above) of each (rank, chunk) waits for.
+    inputs = {(kind, rank, chunk): place.neighbour(rank, chunk, -1 if kind == Kind.FORWARD else +1)
+              for kind in (Kind.FORWARD, Kind.BACKWARD) for rank in range(pp) for chunk in (0, 1)}
 
     def ready(kind: Kind, mb: int, chunk: int, rank: int) -> int | None:
         """When (kind, mb, chunk) can start on `rank`: its input's producer has finished."""
-        step = -1 if kind == Kind.FORWARD else +1
-        other = place.neighbour(rank, chunk, step)
+        other = inputs[kind, rank, chunk]
         if other is None:  # stage 0's forward needs nothing; the loss stage's B its own forward
             return 0 if kind == Kind.FORWARD else done.get((Kind.FORWARD, mb, chunk, rank))
         return done.get((kind, mb, other[1], other[0]))
@@ -354,11 +358,21 @@ def zbv(pp: int, microbatches: int, chunks: int = 0) -> list[list[Action]]:
             return (t, Kind.WEIGHT, *pending[rank][0])
         return min(later, key=lambda c: c[0]) if later else None
 
+    # A rank's choice depends on its own state and on what its neighbours in the V (ranks r - 1
+    # and r + 1; the turn at rank p - 1 is local) have done, so after each pick only those three
+    # are asked again: O(actions), not O(actions x pp), which 10,000-rank plans need.
+    # The earliest (start, rank) comes off a heap whose stale entries (a rank asked again since)
+    # are skipped.
+    choices = [choice(r) for r in range(pp)]
+    heap = [(c[0], r) for r, c in enumerate(choices) if c is not None]
+    heapq.heapify(heap)
     for _ in range(3 * 2 * m * pp):
-        picks = [(c, r) for r in range(pp) if (c := choice(r)) is not None]
-        if not picks:
+        while heap and (choices[heap[0][1]] is None or choices[heap[0][1]][0] != heap[0][0]):
+            heapq.heappop(heap)
+        if not heap:
             raise ScheduleError(f"zbv({pp}, {m}): list scheduling found no runnable action")
-        (start, kind, mb, chunk), rank = min(picks, key=lambda x: (x[0][0], x[1]))
+        rank = heapq.heappop(heap)[1]
+        start, kind, mb, chunk = choices[rank]
         clock[rank] = start + 1
         done[(kind, mb, chunk, rank)] = clock[rank]
         order[rank].append((kind, mb, chunk))
@@ -371,6 +385,10 @@ def zbv(pp: int, microbatches: int, chunks: int = 0) -> list[list[Action]]:
         else:
             pending[rank].pop(0)
             held[rank] -= 1
+        for r in range(max(0, rank - 1), min(pp, rank + 2)):
+            choices[r] = choice(r)
+            if choices[r] is not None:
+                heapq.heappush(heap, (choices[r][0], r))
     schedules = []
     for rank in range(pp):
         actions = []
@@ -568,7 +586,6 @@ def simulate(schedules: list[list[Action]], t_forward: float = 1.0, t_backward: 
     clock, busy, stash, peak = [0.0] * pp, [0.0] * pp, [0] * pp, [0] * pp
     done: list[set[tuple[str, int, int]]] = [set() for _ in range(pp)]  # (kind, mb, chunk)
     events: list[list[Event]] = [[] for _ in range(pp)]
-    position = [0] * pp
 
     def tag(rank: int, action: Action) -> int:
         return message_tag(action, rank, place, microbatches)
@@ -615,22 +632,8 @@ def simulate(schedules: list[list[Action]], t_forward: float = 1.0, t_backward: 
             clock[rank] = max(start, arrival[tag(rank, action)])
         events[rank].append(Event(action, start, clock[rank]))
 
-    # Ranks never wait on sends, so running each rank as far as it can, round after round,
-    # gives the same times as a real event order; a round with no progress is a deadlock.
-    while any(position[r] < len(schedules[r]) for r in range(pp)):
-        progressed = False
-        for rank in range(pp):
-            while position[rank] < len(schedules[rank]):
-                action = schedules[rank][position[rank]]
-                if action.kind in RECVS and tag(rank, action) not in arrival:
-                    break  # its send has not been issued yet
-                run(rank, action)
-                position[rank] += 1
-                progressed = True
-        if not progressed:
-            stuck = [f"rank {r} at {schedules[r][position[r]]}" for r in range(pp)
-                     if position[r] < len(schedules[r])]
-            raise ScheduleError("deadlock: " + "; ".join(stuck))
+    for rank, action in _execution_order(schedules, tag):
+        run(rank, action)
 
     for rank in range(pp):
         for kind in (Kind.FORWARD, Kind.BACKWARD):
@@ -640,6 +643,95 @@ def simulate(schedules: list[list[Action]], t_forward: float = 1.0, t_backward: 
                 raise ScheduleError(f"rank {rank}: no {kind} for (microbatch, chunk) {missing}")
     makespan = max(clock)
     return SimResult(makespan, busy, [1 - b / makespan if makespan else 0.0 for b in busy], peak, events, chunks)
+
+
+def _execution_order(schedules: list[list[Action]], tag: Callable[[int, Action], int]):
+    """(rank, action) in the order `simulate` runs them. Ranks never wait on sends, so running
+    each rank as far as it can, round after round, gives the same times as a real event order:
+    a recv runs once its send has; a round with no progress is a deadlock (ScheduleError)."""
+    pp = len(schedules)
+    position, sent = [0] * pp, set()
+    while any(position[r] < len(schedules[r]) for r in range(pp)):
+        progressed = False
+        for rank in range(pp):
+            while position[rank] < len(schedules[rank]):
+                action = schedules[rank][position[rank]]
+                if action.kind in RECVS and tag(rank, action) not in sent:
+                    break  # its send has not been issued yet
+                if action.kind in SENDS:
+                    sent.add(tag(rank, action))
+                yield rank, action
+                position[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = [f"rank {r} at {schedules[r][position[r]]}" for r in range(pp)
+                     if position[r] < len(schedules[r])]
+            raise ScheduleError("deadlock: " + "; ".join(stuck))
+
+
+class Timeline:
+    """`simulate`'s makespan of one schedule, compiled once and then evaluated for many costs.
+
+    The planner times thousands of layouts that share a few schedule shapes and differ only in
+    their F, B, W and message times. Compiling keeps the order `simulate` runs the actions in, as
+    (rank, op, slot) triples; `makespan` replays it with the same additions in the same order, so
+    it equals `simulate(...).makespan` bitwise at a small fraction of the cost. `peak_stash` is
+    `simulate`'s too: it depends on each rank's order alone, not on the times. Unlike `simulate`,
+    compiling trusts the schedule's data dependencies (`build`'s schedules: the tests simulate
+    them); a deadlock still raises ScheduleError.
+    """
+
+    _FORWARD, _BACKWARD, _WHOLE_BACKWARD, _WEIGHT, _SEND, _RECV = range(6)
+    _STASH = (1, 0, -1, -1, 0, 0)    # chunk activations an op adds to its rank's stash
+
+    def __init__(self, schedules: list[list[Action]], placement: Placement | None = None):
+        place = _infer_placement(schedules, placement)
+        microbatches = 1 + max((a.microbatch for actions in schedules for a in actions), default=0)
+        split = [{(a.microbatch, a.chunk) for a in actions if a.kind == Kind.WEIGHT} for actions in schedules]
+        slots: dict[int, int] = {}
+        program = []
+        for rank, action in _execution_order(schedules, lambda r, a: message_tag(a, r, place, microbatches)):
+            if action.kind == Kind.FORWARD:
+                op, slot = self._FORWARD, 0
+            elif action.kind == Kind.WEIGHT:
+                op, slot = self._WEIGHT, 0
+            elif action.kind == Kind.BACKWARD:
+                deferred = (action.microbatch, action.chunk) in split[rank]
+                op, slot = (self._BACKWARD if deferred else self._WHOLE_BACKWARD), 0
+            else:
+                op = self._SEND if action.kind in SENDS else self._RECV
+                slot = slots.setdefault(message_tag(action, rank, place, microbatches), len(slots))
+            program.append((rank, op, slot))
+        self.pp, self.chunks, self.messages, self.program = len(schedules), place.chunks, len(slots), program
+        stash, peak = [0] * self.pp, [0] * self.pp
+        for rank, op, _ in program:
+            stash[rank] += self._STASH[op]
+            peak[rank] = max(peak[rank], stash[rank])
+        self.peak_stash = tuple(peak)
+
+    def makespan(self, t_forward: float = 1.0, t_backward: float = 2.0, t_comm: float = 0.0,
+                 t_weight: float = 0.0) -> float:
+        """`simulate(schedules, t_forward, t_backward, t_comm, t_weight).makespan`."""
+        v = self.chunks
+        cost = (t_forward / v, t_backward / v, (t_backward + t_weight) / v, t_weight / v)
+        clock, arrival = [0.0] * self.pp, [0.0] * self.messages
+        send, recv = self._SEND, self._RECV
+        for rank, op, slot in self.program:
+            if op < send:
+                clock[rank] += cost[op]
+            elif op == send:
+                arrival[slot] = clock[rank] + t_comm
+            elif arrival[slot] > clock[rank]:
+                clock[rank] = arrival[slot]
+        return max(clock)
+
+
+@functools.lru_cache(maxsize=256)
+def timeline(name: str, pp: int, microbatches: int, chunks: int = 0) -> Timeline:
+    """Schedule `name`'s `Timeline`, built and compiled once per shape (the planner and the
+    memory estimate ask for the same few shapes thousands of times)."""
+    place = placement(name, pp, chunks)
+    return Timeline(build(name, pp, microbatches, place.chunks), place)
 
 
 def message_groups(actions: Sequence[Action]) -> list[list[Action]]:

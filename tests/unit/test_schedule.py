@@ -2,6 +2,7 @@
 that the simulator rejects broken schedules."""
 
 import itertools
+import random
 
 import pytest
 
@@ -9,7 +10,7 @@ from hpcpar.errors import ConfigError
 from hpcpar.parallel.schedule import (
     RECVS, SENDS, Action, Placement, ScheduleError, build, check_in_order_transport, gpipe, in_order_safe,
     interleaved_1f1b, message_groups, message_tag, one_f_one_b, placement, predict_step_time, resolve_chunks,
-    simulate, validate, zbh1, zbv,
+    simulate, timeline, validate, zbh1, zbv,
 )
 
 ALL = ["gpipe", "1f1b", "interleaved", "zbh1", "zbv"]
@@ -207,6 +208,21 @@ def test_peak_stash(name):
             assert peak == [min(pp, m)] * pp
         elif name == "zbv":
             assert max(peak) <= 2 * pp and max(peak) <= 2 * m
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_compiled_timeline_is_the_simulator_bitwise(name):
+    """The planner's `timeline(...).makespan` replays `simulate`'s order: the same floats for any
+    costs, and the same peak stash."""
+    rng = random.Random(name)
+    for pp, m, v in valid_cases(name):
+        schedules, place = build(name, pp, m, v), placement(name, pp, v)
+        compiled = timeline(name, pp, m, v)
+        assert compiled.peak_stash == tuple(simulate(schedules, placement=place).peak_stash)
+        costs = [rng.uniform(0.1, 3.0) for _ in range(3)] + [rng.choice([0.0, rng.uniform(0.1, 2.0)])]
+        t_f, t_b, t_w, t_comm = costs[0], costs[1], costs[3] if name.startswith("zb") else 0.0, costs[2] * (pp > 1)
+        expected = simulate(schedules, t_f, t_b, t_comm, t_w, placement=place).makespan
+        assert compiled.makespan(t_f, t_b, t_comm, t_w) == expected, (pp, m, v)
 
 
 def test_interleaving_shrinks_the_bubble():
