@@ -1,6 +1,6 @@
 """`hpcpar plan` against measurement: calibrate this machine, plan 4 ranks, run every mesh.
 
-    python bench/plan.py [--ranks 4] [--steps 6] [--repeats 2] [--layers 4 --embd 128 --block 128 --batch 12]
+    python bench/plan.py [--ranks 4] [--steps 6] [--repeats 3] [--layers 4 --embd 128 --block 128 --batch 12]
 
 The script launches itself under `mpiexec -n 4` (1 BLAS thread per rank). In that launch it
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--embd", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
