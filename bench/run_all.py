@@ -533,7 +533,7 @@ def _ps_table(d: dict) -> list[str]:
     for r in d["throughput"]:
         lines.append(f"| {r['mode']} | {r['servers']} | {r['straggler']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['vs_allreduce']:.2f}x |")
-    lines += ["", "Bytes per server per step (no straggler), measured and by the formula in = s (4 W + R n), "
+    lines += ["", "Bytes per server per step (no straggler), measured and by the formula in = s (3 W + R n), "
               "out = s (5 W + R n):", "",
               "| mode | servers | server rank | range | in MiB | formula | out MiB | formula |",
               "|---|---:|---:|---|---:|---:|---:|---:|"]
