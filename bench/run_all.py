@@ -518,9 +518,8 @@ def _ps(d: dict) -> list[str]:
             + "; fixed 2x straggler: " + ", ".join(f"{m} {ratio[(m, 'fixed')]:.2f}x" for m in ("sync", "ssp2", "async"))
             + "; none: " + ", ".join(f"{m} {ratio[(m, 'none')]:.2f}x" for m in ("sync", "ssp2", "async")),
             f"bytes per server per step within {worst:.2%} of the formula",
-            "final loss vs synchronous: " + ", ".join(
-                f"{r['mode']} {r['straggler']} straggler, stale_weight {r.get('stale_weight', 1):g}: "
-                f"{r['loss_vs_sync']:+.2%} (staleness max {r['staleness_max']})"
+            "final loss vs synchronous (straggler, ps.stale_weight; 1 = uncorrected): " + ", ".join(
+                f"{r['mode']} {r['straggler']} w={r.get('stale_weight', 1):g} {r['loss_vs_sync']:+.2%}"
                 for r in d["loss"] if r["mode"] != "sync")]
 
 
