@@ -1117,11 +1117,14 @@ def _moe_text(moe: dict) -> str:
 
 
 def _ps_text(cfg: config.Config) -> str:
-    """", parameter server: 2 servers, synchronous" (or "SSP k=2", "async"); "" without servers."""
+    """", parameter server: 2 servers, synchronous" (or "SSP k=2, stale_weight 0", "async, ...");
+    "" without servers."""
     ps = cfg.ps
     if not ps.servers:
         return ""
     mode = "async" if ps.mode == "async" else f"SSP k={ps.staleness}" if ps.staleness else "synchronous"
+    if mode != "synchronous":
+        mode += f", stale_weight {ps.stale_weight:g}"
     return f", parameter server: {ps.servers} server(s), {mode}"
 
 
