@@ -18,15 +18,18 @@ Ranks a run does not use wait asleep.
    the fixed one each replica still runs the same number of steps, so the run ends when the slow
    replica has done its share, in every mode: it bounds them all alike.
 2. Bytes per server per step, measured (the server's messages in and out) next to the formula:
-   in = s (4 W + R n), out = s (5 W + R n) (s bytes per element, W worker ranks, R replicas,
+   in = s (3 W + R n), out = s (5 W + R n) (s bytes per element, W worker ranks, R replicas,
    n = the server's range; tp = pp = 1 here, so every rank pushes and pulls its replica's range).
 3. Transport, between two ranks: a push and a pull of the default model's parameters by
    point-to-point messages against an MPI one-sided epoch (Lock, Accumulate, Get, Unlock), the
    latter with the server inside MPI and with it busy in NumPy (why the engine uses messages:
    docs/parallelism.md#parameter-server).
 4. Loss: `--loss-steps` steps of the default job with synchronous PS, and with SSP k = 2 and
-   async under the random straggler: final loss (mean of the last 10 steps) against synchronous,
-   the staleness of every applied push (max and mean). The curves go to bench/results/ps.png.
+   async with no straggler and with the random one, under the default `ps.stale_weight` (a late
+   push's weight per step of lateness) and, with the random straggler, under stale_weight = 1
+   (late pushes count as fresh: no correction): final loss (mean of the last 10 steps) against
+   synchronous, the staleness of every applied push (max and mean) and how many were late. The
+   curves go to bench/results/ps.png.
 
 Prints tables; writes bench/results/ps.json. On a machine with fewer cores than ranks the
 figures measure the scheduler too; the ratios within one run are what counts.
@@ -107,25 +110,28 @@ def throughput(mode: str, servers: int, straggler: str, steps: int) -> dict:
     return on_ranks(n, work)
 
 
-def loss_run(mode: str, straggler: str, steps: int) -> dict:
+def loss_run(mode: str, straggler: str, steps: int, extra: list[str]) -> dict:
     n, overrides = ranks_of(mode, 1)
 
     def work(comm) -> dict:
-        rank = build(config.load_config(None, overrides + STRAGGLERS[straggler] + [f"train.steps={steps}"]), comm)
+        cfg = config.load_config(None, overrides + STRAGGLERS[straggler] + [f"train.steps={steps}"] + extra)
+        rank = build(cfg, comm)
         losses: list[float] = []
         result = rank.train(steps=steps, files=False, progress=False, peak_flops=0.0,
                             on_step=lambda r: losses.append(r["loss"]))
         job = Communicator(comm, "bench")
         rank.free()
-        return job.all_gather_object({"losses": losses, "ps": result.summary.get("ps")}
-                                     if comm.Get_rank() == 0 else None)[0]
+        return job.all_gather_object({"losses": losses, "ps": result.summary.get("ps"),
+                                      "stale_weight": cfg.ps.stale_weight} if comm.Get_rank() == 0 else None)[0]
     row = on_ranks(n, work)
     if row is None:
         return {}
     final = float(np.mean(row["losses"][-10:]))
     ps = row["ps"] or {}
-    return {"mode": mode, "straggler": straggler, "steps": steps, "losses": row["losses"], "final_loss": final,
-            "staleness_max": ps.get("staleness_max"), "staleness_mean": ps.get("staleness_mean")}
+    return {"mode": mode, "straggler": straggler, "stale_weight": row["stale_weight"] if mode != "sync" else None,
+            "steps": steps, "losses": row["losses"], "final_loss": final, "staleness_max": ps.get("staleness_max"),
+            "staleness_mean": ps.get("staleness_mean"), "pushes_late": ps.get("pushes_late"),
+            "late_max": ps.get("late_max"), "pushes_applied": ps.get("pushes_applied")}
 
 
 def transport(n: int, repeats: int = 5) -> dict:
@@ -181,7 +187,7 @@ def bytes_rows(rows: list[dict]) -> list[dict]:
             n = s["range"][1] - s["range"][0]
             out.append({"mode": r["mode"], "servers": r["servers"], "server_rank": s["rank"], "range": s["range"],
                         "bytes_in": s["bytes_in_per_step"], "bytes_out": s["bytes_out_per_step"],
-                        "formula_in": r["itemsize"] * (4 * WORKERS + WORKERS * n),
+                        "formula_in": r["itemsize"] * (3 * WORKERS + WORKERS * n),
                         "formula_out": r["itemsize"] * (5 * WORKERS + WORKERS * n)})
     return out
 
@@ -196,7 +202,9 @@ def plot(losses: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in losses:
         label = r["mode"] + (f" ({r['straggler']} straggler)" if r["straggler"] != "none" else "")
-        ax.plot(r["losses"], label=label, linewidth=1)
+        if r["stale_weight"] is not None:
+            label += f", stale_weight {r['stale_weight']:g}"
+        ax.plot(r["losses"], label=label, linewidth=1, linestyle="--" if r["stale_weight"] == 1 else "-")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("Parameter server, 4 workers + 1 server: synchronous, SSP k=2, async")
@@ -238,12 +246,17 @@ def main() -> int:
         for r in rows:
             r["vs_allreduce"] = r["tokens_per_s"] / base[r["straggler"]]
     losses = []
-    for mode, straggler in (("sync", "none"), ("ssp2", "random"), ("async", "random")):
-        row = loss_run(mode, straggler, args.loss_steps)
+    uncorrected = ["ps.stale_weight=1"]   # late pushes weigh as fresh ones: no correction
+    loss_plan = [("sync", "none", [])] + [(m, s, []) for s in ("none", "random") for m in ("ssp2", "async")]
+    loss_plan += [(m, "random", uncorrected) for m in ("ssp2", "async")]
+    for mode, straggler, extra in loss_plan:
+        row = loss_run(mode, straggler, args.loss_steps, extra)
         if RANK == 0:
             losses.append(row)
-            say(f"loss {mode:6s} ({straggler} straggler): final {row['final_loss']:.4f}, staleness max "
-                f"{row['staleness_max']}, mean {row['staleness_mean']:.2f}")
+            weight = "" if row["stale_weight"] is None else f", stale_weight {row['stale_weight']:g}"
+            say(f"loss {mode:6s} ({straggler} straggler{weight}): final {row['final_loss']:.4f}, staleness max "
+                f"{row['staleness_max']}, mean {row['staleness_mean']:.2f}, late pushes {row['pushes_late']} of "
+                f"{row['pushes_applied']} (by at most {row['late_max']})")
     if RANK != 0:
         return 0
     sync = next(r["final_loss"] for r in losses if r["mode"] == "sync")

@@ -518,8 +518,8 @@ def _ps(d: dict) -> list[str]:
             + "; fixed 2x straggler: " + ", ".join(f"{m} {ratio[(m, 'fixed')]:.2f}x" for m in ("sync", "ssp2", "async"))
             + "; none: " + ", ".join(f"{m} {ratio[(m, 'none')]:.2f}x" for m in ("sync", "ssp2", "async")),
             f"bytes per server per step within {worst:.2%} of the formula",
-            "final loss vs synchronous: " + ", ".join(
-                f"{r['mode']} {r['loss_vs_sync']:+.2%} (staleness max {r['staleness_max']})"
+            "final loss vs synchronous (straggler, ps.stale_weight; 1 = uncorrected): " + ", ".join(
+                f"{r['mode']} {r['straggler']} w={r.get('stale_weight', 1):g} {r['loss_vs_sync']:+.2%}"
                 for r in d["loss"] if r["mode"] != "sync")]
 
 
@@ -532,7 +532,7 @@ def _ps_table(d: dict) -> list[str]:
     for r in d["throughput"]:
         lines.append(f"| {r['mode']} | {r['servers']} | {r['straggler']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['vs_allreduce']:.2f}x |")
-    lines += ["", "Bytes per server per step (no straggler), measured and by the formula in = s (4 W + R n), "
+    lines += ["", "Bytes per server per step (no straggler), measured and by the formula in = s (3 W + R n), "
               "out = s (5 W + R n):", "",
               "| mode | servers | server rank | range | in MiB | formula | out MiB | formula |",
               "|---|---:|---:|---|---:|---:|---:|---:|"]
@@ -546,12 +546,16 @@ def _ps_table(d: dict) -> list[str]:
                   f"round trip {1e3 * t['p2p_round_trip_s']:.1f} ms; MPI one-sided epoch (Lock, Accumulate, Get, "
                   f"Unlock) {1e3 * t['rma_server_in_mpi_s']:.1f} ms with the server inside MPI, "
                   f"{1e3 * t['rma_server_busy_s']:.0f} ms with the server busy in NumPy for one second."]
-    lines += ["", "Loss (1 server), mean of the last 10 steps:", "",
-              "| mode | straggler | steps | final loss | vs synchronous | staleness max | staleness mean |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+    lines += ["", "Loss (1 server), mean of the last 10 steps; `ps.stale_weight` w: a push late by tau optimizer "
+              "steps weighs w^tau in its step (1 = no correction); late pushes: of those applied, how many were "
+              "late, and by at most how many steps:", "",
+              "| mode | straggler | stale_weight | steps | final loss | vs synchronous | staleness max | "
+              "staleness mean | late pushes |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in d["loss"]:
-        lines.append(f"| {r['mode']} | {r['straggler']} | {r['steps']} | {r['final_loss']:.4f} | "
-                     f"{r['loss_vs_sync']:+.2%} | {r['staleness_max']} | {r['staleness_mean']:.2f} |")
+        weight = "–" if r.get("stale_weight") is None else f"{r['stale_weight']:g}"
+        late = "–" if r.get("pushes_late") is None else f"{r['pushes_late']} of {r['pushes_applied']} (≤ {r['late_max']})"
+        lines.append(f"| {r['mode']} | {r['straggler']} | {weight} | {r['steps']} | {r['final_loss']:.4f} | "
+                     f"{r['loss_vs_sync']:+.2%} | {r['staleness_max']} | {r['staleness_mean']:.2f} | {late} |")
     return lines
 
 

@@ -208,8 +208,11 @@ class PSConfig:
     staleness: int = _field(0, "parameter server, mode = \"bounded\": a worker replica may run at most this many "
                             "steps ahead of the slowest (0 = synchronous: each step averages every replica's gradient)")
     mode: str = _field("bounded", "parameter server: bounded = staleness-bounded (0: synchronous; k > 0: stale "
-                       "synchronous parallel); async = no bound, each replica's push is applied as it arrives",
+                       "synchronous parallel); async = no bound, each replica's push joins the open step as it arrives",
                        ("bounded", "async"))
+    stale_weight: float = _field(0.0, "parameter server, SSP and async: a push computed on parameters tau optimizer "
+                                 "steps old enters its step's mean with weight stale_weight**tau, 0 <= stale_weight "
+                                 "<= 1 (1 = as fresh; 0 = dropped, as a backup worker's)")
 
 
 @dataclass(frozen=True)
@@ -775,6 +778,7 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("run.debug_slow_factor", _ge1, ">= 1 (1 = off)"),
     ("ps.servers", _ge0, ">= 0 (0 = no parameter server)"),
     ("ps.staleness", _ge0, ">= 0 (0 = synchronous)"),
+    ("ps.stale_weight", lambda v: 0 <= v <= 1, "in [0, 1] (1 = a late push counts as fresh, 0 = dropped)"),
 )
 
 

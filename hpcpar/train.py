@@ -812,7 +812,7 @@ class ServerRank:
         self.server = ParameterServer(init, self.job, self.server_comm, workers, _optimizer_factory(t),
                                       cfg.ps.mode, cfg.ps.staleness,
                                       lambda step: lr_at(step, t.lr, t.warmup, t.steps, t.min_lr), t.grad_clip,
-                                      t.microbatches)
+                                      t.microbatches, cfg.ps.stale_weight)
         self.step = 0
         self.save_in_flight = None
 
@@ -851,9 +851,7 @@ class ServerRank:
         self.save_in_flight = result if async_save else None
         return result
 
-    def finish_save(self) -> str | None:
-        handle, self.save_in_flight = self.save_in_flight, None
-        return handle.wait() if handle is not None else None
+    finish_save = Trainer.finish_save   # the same rule: commit the asynchronous save in flight
 
     def load(self, path: str, weights_only: bool = False) -> dict:
         """This server's range of a checkpoint of any layout (collective with `Trainer.load`)."""
@@ -906,9 +904,10 @@ def _agreed(job: Communicator, check: Callable[[], None] | None) -> None:
 
 def _server_report(reports: list, steps: int) -> dict:
     """The summary's "ps" entry from every rank's report (workers give None): per server its range,
-    bytes in and out per step, and the staleness of every applied push, summarised."""
+    bytes in and out per step, and the staleness and lateness (SSP, async) of every applied push, summarised."""
     servers = [r for r in reports if r is not None]
     stale = [s for r in servers[:1] for s in r["staleness"]]   # server 0 saw every push
+    late = [s for r in servers[:1] for s in r["late"]]
     per_step = max(steps, 1)
     hist: dict[str, int] = {}
     for s in stale:
@@ -916,7 +915,8 @@ def _server_report(reports: list, steps: int) -> dict:
     return {"servers": [{"rank": r["rank"], "range": r["range"], "bytes_in_per_step": r["bytes_in"] / per_step,
                          "bytes_out_per_step": r["bytes_out"] / per_step} for r in servers],
             "staleness_max": max(stale, default=0), "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
-            "staleness_histogram": hist, "pushes_applied": len(stale)}
+            "staleness_histogram": hist, "pushes_applied": len(stale),
+            "pushes_late": sum(1 for s in late if s > 0), "late_max": max(late, default=0)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -1117,11 +1117,14 @@ def _moe_text(moe: dict) -> str:
 
 
 def _ps_text(cfg: config.Config) -> str:
-    """", parameter server: 2 servers, synchronous" (or "SSP k=2", "async"); "" without servers."""
+    """", parameter server: 2 servers, synchronous" (or "SSP k=2, stale_weight 0", "async, ...");
+    "" without servers."""
     ps = cfg.ps
     if not ps.servers:
         return ""
     mode = "async" if ps.mode == "async" else f"SSP k={ps.staleness}" if ps.staleness else "synchronous"
+    if mode != "synchronous":
+        mode += f", stale_weight {ps.stale_weight:g}"
     return f", parameter server: {ps.servers} server(s), {mode}"
 
 
@@ -1134,7 +1137,7 @@ def _ps_line(s: dict) -> list[str]:
     per = "; ".join(f"rank {v['rank']} [{v['range'][0]}, {v['range'][1]}) in {v['bytes_in_per_step'] / mib:.2f} / "
                     f"out {v['bytes_out_per_step'] / mib:.2f} MiB per step" for v in ps["servers"])
     return [f"parameter server {per}; staleness max {ps['staleness_max']}, mean {ps['staleness_mean']:.2f} "
-            f"over {ps['pushes_applied']} pushes"]
+            f"over {ps['pushes_applied']} pushes, {ps['pushes_late']} late (by at most {ps['late_max']} steps)"]
 
 
 def _format_summary(s: dict) -> str:

@@ -36,17 +36,22 @@ Modes (`ps.mode`, `ps.staleness` = k):
   in) joins the *open step*, the server's sum for the lowest step not yet taken; a push of an
   earlier step (a straggler's) joins it late. Once R - 1 replicas have pushed the open step's
   clock (one backup replica, as in synchronous SGD with backup workers), the server takes the
-  step: the mean of the pushes in it, clipped by its global norm (one all-gather among the
-  servers), one optimizer step. A pull of step c is answered once step c is taken and the
+  step: the weighted mean of the pushes in it, clipped by its global norm (one all-gather among
+  the servers), one optimizer step. A pull of step c is answered once step c is taken and the
   slowest replica has completed clock c + 1 - k, so no replica runs more than k steps ahead.
-  Only the backup's gradient is late (by a step); a global batch's worth of gradient per
-  AdamW step keeps the synchronous run's noise (AdamW is not additive: a step per push, tried
-  first, cost more).
+  Only the backup's gradient is late; a global batch's worth of gradient per AdamW step keeps
+  the synchronous run's noise (AdamW is not additive: a step per push, tried first, cost more).
+  A push is *late* by tau = the optimizer steps the server took between sending the parameters
+  it was computed on and its arrival (0 for a fresh push); it enters the mean with weight
+  `stale_weight ** tau` (1: as fresh; 0: dropped, as a backup worker's gradient is in
+  synchronous SGD with backup workers, Chen et al. 2016). A late gradient feeds back the state
+  of an earlier step, which an optimizer near its stability limit (AdamW at the default job's
+  lr) turns into lost progress: docs/parallelism.md#parameter-server has the measurements.
 - async: the same steps, every pull answered once its step is taken, without a bound.
 
 The *staleness* of an applied push of clock c is c minus the clocks the slowest replica had
 completed when its parameters were sent: 0 when synchronous, at most k under SSP. Every applied
-push's staleness is recorded (`ParameterServer.staleness`).
+push's staleness and lateness tau are recorded (`ParameterServer.staleness`, `.late`).
 
 Sync points. A pull that precedes an evaluation, a checkpoint, the end of the run or a
 preemption stop (`sync_points`) waits for every replica in every mode, so those see one model.
@@ -248,12 +253,14 @@ class ParameterServer:
         lr_at: the learning rate of a step.
         max_norm: gradient clipping (0: off) of the synchronous step.
         microbatches: per replica per step (the loss is a mean over them).
+        stale_weight: SSP, async: a push tau optimizer steps late enters its step's mean with
+            weight stale_weight ** tau (see the module docstring).
     Collective with every worker's `ParameterClient` (the routes arrive here).
     """
 
     def __init__(self, init: dict, job: Communicator, servers: Communicator, workers: int,
                  make_optimizer: Callable[[list], Any], mode: str, staleness: int,
-                 lr_at: Callable[[int], float], max_norm: float, microbatches: int):
+                 lr_at: Callable[[int], float], max_norm: float, microbatches: int, stale_weight: float):
         self.job, self.server_comm, self.workers = job, servers, workers
         self.index = servers.rank
         self.space = FlatSpace({n: a.shape for n, (a, _) in init.items()})
@@ -272,6 +279,7 @@ class ParameterServer:
         self.mode, self.staleness_bound = mode, staleness
         self.synchronous = mode == "bounded" and staleness == 0
         self.lr_at, self.max_norm, self.microbatches = lr_at, max_norm, microbatches
+        self.stale_weight = stale_weight
         # Routes: what each worker rank pushes and pulls (positions in this range), its replica.
         self.replica_of, self.push_at, self.pull_at = [], [], []
         for w in range(workers):
@@ -285,12 +293,16 @@ class ParameterServer:
         self.pull_bufs = [np.zeros(PULL_HEADER + a.size, dtype=dtype) for a in self.pull_at]
         self.grads = [np.zeros(self.hi - self.lo, dtype=dtype) for _ in range(self.replicas)]
         self.total = np.zeros(self.hi - self.lo, dtype=dtype)   # the summed pushes of the next step
-        # SSP, async: the open step (its clock, replicas that pushed that clock, pushes summed in
-        # `total`); it is taken once `quorum` replicas have pushed its clock (one backup).
-        self.open = self.fresh = self.pending = 0
+        # SSP, async: the open step (its clock, replicas that pushed that clock, the weights of
+        # the pushes summed in `total`); it is taken once `quorum` replicas have pushed its clock
+        # (one backup). `sent[r]`: the open step when replica r was last sent the parameters.
+        self.open = self.fresh = 0
+        self.pending = 0.0
+        self.sent = [0] * self.replicas
         self.quorum = max(1, self.replicas - 1)
         self.last_norm, self.last_skipped = 0.0, False           # SSP, async: the latest step's
         self.staleness: list[tuple[int, int, int]] = []   # (step, replica, staleness) of every applied push
+        self.late: list[int] = []                          # SSP, async: tau of every applied push
         self.bytes_in = self.bytes_out = 0.0   # of this `serve`
 
     # -- one replica's push ------------------------------------------------------------------------
@@ -338,26 +350,33 @@ class ParameterServer:
         """One replica's push of `clock` is in (SSP, async): add it to the open step's sum; once
         `quorum` replicas have pushed the open step's clock, take the step. Returns the replica's
         loss, and the norm and verdict of the latest step (a push whose loss is not finite is left
-        out, and says so)."""
+        out, and says so). The push weighs stale_weight ** tau, tau = the steps taken since the
+        parameters it was computed on were sent (0: fresh, weight 1)."""
         mean_loss = loss / self.microbatches
         if not math.isfinite(mean_loss):
             return mean_loss, self.last_norm, True
-        self.total += self.grads[r]
-        self.pending += 1
+        tau = self.open - self.sent[r]
+        weight = self.stale_weight ** tau
+        if weight == 1.0:
+            self.total += self.grads[r]
+        elif weight > 0.0:
+            self.total += weight * self.grads[r]
+        self.pending += weight
+        self.late.append(tau)
         self.fresh += clock == self.open    # late pushes (clock < open) join the open step
         if self.fresh >= self.quorum:
             self._flush()
         return mean_loss, self.last_norm, self.last_skipped
 
     def _flush(self) -> None:
-        """The open step: one optimizer step with the mean of its pushes, clipped by its global
-        norm as the synchronous step is (the learning rate of the step's number). Collective
+        """The open step: one optimizer step with the weighted mean of its pushes, clipped by its
+        global norm as the synchronous step is (the learning rate of the step's number). Collective
         among the servers: each takes its u-th step from the same pushes' clocks."""
         self.total /= self.pending
         self.last_norm, self.last_skipped = self._clip_and_step(self.total, self.lr_at(self.optimizer.step_count),
                                                                 False)
         self.total[...] = 0
-        self.pending = self.fresh = 0
+        self.pending, self.fresh = 0.0, 0
         self.open += 1
 
     # -- the loop -------------------------------------------------------------------------------------
@@ -367,8 +386,9 @@ class ParameterServer:
         sync points; `at_point(step)` runs (collectively, e.g. a checkpoint) once every replica has
         completed the steps before a sync point and been answered. Returns (the step the run
         ended at, whether a preemption stop ended it before `end`)."""
-        self.staleness, self.bytes_in, self.bytes_out = [], 0.0, 0.0
-        self.open, self.fresh, self.pending = start, 0, 0   # SSP, async: the open step
+        self.staleness, self.late, self.bytes_in, self.bytes_out = [], [], 0.0, 0.0
+        # SSP, async: the open step. Every replica holds the parameters of `start` (a sync point).
+        self.open, self.fresh, self.pending, self.sent = start, 0, 0.0, [start] * self.replicas
         self.total[...] = 0
         done = [start] * self.replicas           # steps each replica has completed (applied)
         arrived = [0] * self.replicas            # ranks of the replica whose current push is in
@@ -426,7 +446,8 @@ class ParameterServer:
     def report(self, steps: int) -> dict:
         """This server's figures of the last `serve` (`steps` steps): range, bytes, staleness."""
         return {"rank": self.job.rank, "range": [self.lo, self.hi], "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "steps": steps, "staleness": [s for _, _, s in self.staleness]}
+                "bytes_out": self.bytes_out, "steps": steps, "staleness": [s for _, _, s in self.staleness],
+                "late": self.late}
 
     def _reset(self, r: int, done: list, arrived: list, loss: list, flags: list) -> None:
         done[r] += 1
@@ -450,7 +471,7 @@ class ParameterServer:
             if not ready:
                 continue
             del waiting[r]
-            read[r] = slowest
+            read[r], self.sent[r] = slowest, self.open
             for w in self.members[r]:
                 if sends[w] is not None:
                     sends[w].wait()

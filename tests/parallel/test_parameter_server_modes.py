@@ -3,7 +3,9 @@
 Run: mpiexec -n 4 python -m pytest tests/parallel/test_parameter_server_modes.py (skips at other sizes).
 - With a straggler (rank 1 three times slower), stale synchronous parallel keeps every applied
   push's staleness within k (what each worker is told, and what the server recorded), async
-  applies every push, and synchronous stays at staleness 0 with the one-process losses.
+  takes every push, the straggler's pushes are recorded late (by at least one optimizer step:
+  they weigh ps.stale_weight^tau), and synchronous stays at staleness 0, no push late, with the
+  one-process losses.
 - A preemption signal on one worker stops every rank at the same step with REQUEUE_STATUS,
   in every mode.
 (The synchronous equivalence matrix and resume run through `hpcpar train`:
@@ -59,6 +61,8 @@ def test_staleness_with_a_straggler(mode):
             ps = result.summary["ps"]
             if ps["pushes_applied"] != 24 or (bound is not None and ps["staleness_max"] > bound):
                 problems.append(f"server report {ps}")
+            if (ps["pushes_late"] == 0) != (not mode):   # only the synchronous run has no late push
+                problems.append(f"late pushes {ps['pushes_late']} (max {ps['late_max']})")
             if not all(np.isfinite(r["loss"]) for r in records):
                 problems.append("non-finite loss")
     if not mode and WORLD.rank == 0:

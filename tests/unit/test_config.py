@@ -67,6 +67,8 @@ BAD = [
     # parameter server
     (["ps.servers=-1"], 1, "ps.servers=-1 is invalid: must be >= 0 (0 = no parameter server)"),
     (["ps.staleness=-1", "ps.servers=1"], 4, "ps.staleness=-1 is invalid: must be >= 0 (0 = synchronous)"),
+    (["ps.stale_weight=1.5", "ps.servers=1"], 4, "ps.stale_weight=1.5 is invalid: must be in [0, 1] (1 = a late "
+     "push counts as fresh, 0 = dropped)"),
     (["ps.servers=4"], 4, "ps.servers=4 leaves no worker: the world has 4 ranks and the last 4 would all be "
      "servers; use ps.servers <= 3 or launch more ranks"),
     (["ps.staleness=2"], 4, "ps.staleness / ps.mode configure a parameter server, but ps.servers=0"),

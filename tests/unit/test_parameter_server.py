@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hpcpar.layout import Layout
-from hpcpar.parallel.parameter_server import FlatSpace, server_ranges, sync_points
+from hpcpar.parallel.parameter_server import FlatSpace, ParameterServer, _Segment, server_ranges, sync_points
 
 
 @pytest.mark.parametrize("total, servers", [(10, 1), (10, 3), (7, 7), (1000003, 4)])
@@ -47,3 +47,47 @@ def test_sync_points():
     assert sync_points(0, 10, every=4, eval_every=0) == {4, 8, 10}
     assert sync_points(5, 12, every=0, eval_every=3) == {6, 9, 12}
     assert sync_points(0, 3, every=0, eval_every=0) == {3}
+
+
+class _Recorder:
+    """An optimizer stand-in that records the gradient of each step."""
+
+    def __init__(self, segments):
+        self.segments, self.steps, self.step_count = segments, [], 0
+
+    def step(self, lr):
+        self.step_count += 1
+        self.steps.append(np.concatenate([s.grad for s in self.segments]).copy())
+
+
+class _OneServer:
+    """The servers' communicator of a lone server: the all-gather of the norm is the value."""
+
+    def all_gather(self, a):
+        return a
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.25, 1.0])
+def test_a_late_push_weighs_stale_weight_to_its_lateness(weight):
+    """SSP/async on 3 replicas (quorum 2): a push computed on parameters the server sent two steps
+    ago enters the open step with weight w^2; the step is the weighted mean of its pushes (the
+    fresh ones weigh 1), taken once two replicas have pushed the open step's clock."""
+    n = 6
+    ps = ParameterServer.__new__(ParameterServer)   # the step arithmetic alone, without routes
+    seg = _Segment("w", 0, n, np.zeros(n), False, Layout.replicated((n,)))
+    ps.segments, ps.optimizer = [seg], _Recorder([seg])
+    ps.server_comm, ps.lr_at, ps.max_norm, ps.microbatches = _OneServer(), lambda step: 0.1, 0.0, 1
+    ps.replicas, ps.quorum, ps.stale_weight = 3, 2, weight
+    ps.open, ps.fresh, ps.pending, ps.sent, ps.late = 7, 0, 0.0, [7, 7, 5], []
+    ps.last_norm, ps.last_skipped = 0.0, False
+    ps.total = np.zeros(n)
+    rng = np.random.default_rng(0)
+    g = [rng.standard_normal(n) for _ in range(3)]
+    ps.grads = [x.copy() for x in g]
+    ps._apply_replica(2, 5, 1.0)     # the straggler's push of clock 5, read at step 5: two steps late
+    ps._apply_replica(0, 7, 1.0)
+    assert ps.optimizer.steps == [] and ps.open == 7
+    ps._apply_replica(1, 7, 1.0)     # the second fresh push of clock 7: the step is taken
+    assert ps.open == 8 and ps.late == [2, 0, 0] and len(ps.optimizer.steps) == 1
+    want = (g[0] + g[1] + weight ** 2 * g[2]) / (2 + weight ** 2)
+    np.testing.assert_allclose(ps.optimizer.steps[0], want, rtol=1e-15, atol=0)
