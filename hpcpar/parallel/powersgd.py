@@ -40,21 +40,43 @@ from hpcpar.errors import ConfigError
 from hpcpar.parallel.compression import BucketSpec, Compressor, Residuals
 
 
+def _project_out(p, i: int, col) -> bool:
+    """Remove from `col` its components along the orthonormal columns `p[:, :i]`, twice (classical
+    Gram-Schmidt with one reorthogonalisation); True when what is left is independent of them:
+    the second projection kept more than half of its norm (Kahan's "twice is enough" test; else
+    the rest is rounding noise inside their span). A zero column is not independent."""
+    first = 0.0
+    if i:
+        col -= p[:, :i] @ (p[:, :i].T @ col)
+        first = math.sqrt(float(col @ col))
+        col -= p[:, :i] @ (p[:, :i].T @ col)
+    norm = math.sqrt(float(col @ col))
+    return norm > 0 and norm > 0.5 * first
+
+
 def orthogonalize(p) -> None:
-    """Make the columns of `p` `[a, r]` orthonormal in place, in column order (classical
-    Gram-Schmidt, each column projected twice for stability). A zero column stays zero; a NaN
-    spreads, so a bad step shows. Deterministic: the same input gives the same bits."""
-    xp = backend.array_module(p)
+    """Make the columns of `p` `[a, r]` (r <= a) orthonormal in place, in column order
+    (Gram-Schmidt, each column projected twice for stability). A column in the span of the earlier
+    ones (or zero) leaves rounding noise, which normalised would be a unit column that is not
+    orthogonal to them, and P Pᵀ would stretch the approximation P (Mᵀ P)ᵀ past the matrix (at full
+    rank on a rank-deficient gradient, e.g. the embedding rows of tokens a batch lacks). It is
+    replaced by the first coordinate axis independent of the earlier columns, made orthogonal to
+    them: P stays an orthonormal basis, which adds nothing of M that M lacks, and its column keeps
+    a direction in Q = Mᵀ P, so that the warm start can find the matrix's next step there (a zero
+    column would stay zero in every later P = M Q). A NaN spreads, so a bad step shows.
+    Deterministic: the same input gives the same bits."""
     for i in range(p.shape[1]):
         col = p[:, i]
-        if i:
-            for _ in range(2):
-                col -= p[:, :i] @ (p[:, :i].T @ col)
-        norm = math.sqrt(float(col @ col))
-        if norm > 0 or not math.isfinite(norm):
-            col /= norm
-        else:
-            col[...] = xp.zeros((), dtype=p.dtype)
+        if not _project_out(p, i, col):
+            if not bool(np.isfinite(float(col @ col))):
+                col /= math.sqrt(float(col @ col))  # NaN (or inf) everywhere
+                continue
+            for k in range(p.shape[0]):
+                col[...] = 0
+                col[k] = 1
+                if _project_out(p, i, col):
+                    break
+        col /= math.sqrt(float(col @ col))
 
 
 def matrix_shape(shape: tuple) -> tuple[int, int] | None:

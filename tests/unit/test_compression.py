@@ -237,6 +237,47 @@ def test_powersgd_at_full_rank_gives_back_the_mean_gradient():
     assert np.max(np.abs(results[0][0][1][:used] - mean[:used])) <= 1e-10 * np.max(np.abs(mean))
 
 
+def test_powersgd_at_full_rank_gives_back_a_rank_deficient_mean_gradient():
+    """Matrices with zero rows (an embedding's rows of tokens no rank's batch holds) and one of rank
+    1: at full rank P's columns beyond the average's rank are rounding noise, which must become
+    unit columns orthogonal to the others (not noise that stretches P Pᵀ M past M), and the next
+    step, of full rank, must come back whole from the warm-started Q (not with those columns lost)."""
+    rng = np.random.default_rng(11)
+    spec, size = powersgd_bucket(SHAPES)
+    grads = [[rng.standard_normal(size) for _ in range(N)]]
+    (a0, b0), (a1, b1) = SHAPES[0], SHAPES[1]
+    for g in grads[0]:
+        g[3 * b0:a0 * b0] = 0.0  # matrix 0: rows 3.. are zero on every rank (rank 3 < min(a, b) = 12)
+        g[a0 * b0:a0 * b0 + a1 * b1] = np.outer(rng.standard_normal(a1), rng.standard_normal(b1)).reshape(-1)
+    grads.append([rng.standard_normal(size) for _ in range(N)])  # then full rank: the warm-started Q
+    results, _, _ = run_powersgd(grads, rank_r=100)                  # must still span everything
+    used = sum(a * b for a, b in SHAPES)
+    for step in range(2):
+        mean = np.mean(grads[step], axis=0)
+        assert np.max(np.abs(results[0][step][1][:used] - mean[:used])) <= 1e-10 * np.max(np.abs(mean))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_orthogonalize_replaces_columns_in_the_span_of_earlier_ones(dtype):
+    """A dependent (or zero) column is rounding noise after the projections: normalised it would
+    not be orthogonal to the others and P Pᵀ would stretch. It must become a unit column
+    orthogonal to them (a coordinate axis made so), so that P stays orthonormal; with zero rows
+    (rank 3 of 5 columns: the embedding rows of absent tokens) that column lies in the zero rows."""
+    rng = np.random.default_rng(12)
+    dependent = rng.standard_normal((8, 5)).astype(dtype)
+    dependent[:, 2] = dependent[:, 0] - 3 * dependent[:, 1]
+    dependent[:, 4] = 2 * dependent[:, 3]
+    zero_rows = rng.standard_normal((8, 5)).astype(dtype)
+    zero_rows[3:] = 0
+    tol = 100 * np.finfo(dtype).eps
+    for p in (dependent, zero_rows, np.zeros((4, 2), dtype=dtype)):
+        before = p.copy()
+        orthogonalize(p)
+        np.testing.assert_allclose(p.T @ p, np.eye(p.shape[1]), atol=tol)
+        assert np.linalg.norm(p @ p.T @ before, 2) <= (1 + tol) * np.linalg.norm(before, 2)  # no stretch
+    assert not zero_rows[:3, 3:].any()  # outside the span of the nonzero rows: nothing of M lost or added
+
+
 def test_orthogonalize_is_deterministic_and_orthonormal():
     p = np.random.default_rng(10).standard_normal((30, 5))
     a, b = p.copy(), p.copy()
@@ -245,9 +286,6 @@ def test_orthogonalize_is_deterministic_and_orthonormal():
     assert np.array_equal(a, b)
     np.testing.assert_allclose(a.T @ a, np.eye(5), atol=1e-14)
     np.testing.assert_allclose(a, ref_orthogonalize(p), atol=1e-13)
-    z = np.zeros((4, 2))
-    orthogonalize(z)
-    assert not z.any()
 
 
 # -- non-finite gradients and uncommitted steps --------------------------------------------------------
