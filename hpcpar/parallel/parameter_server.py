@@ -13,9 +13,9 @@ accumulated locally (a tied copy's summed into its weight within the replica, as
 servers), and a *push* to every server: `[clock, loss, flags | the gradient elements it owns
 in the server's range]`, sent in pieces, one per gradient bucket, each as soon as the last
 micro-batch's backward has completed its bucket (overlapping the rest of the backward), the
-header last (`ParameterClient`). Every element has one owner per replica: tp-split parameters on every
-tp rank, tp-replicated ones (LayerNorm, biases) on tp rank 0, the embedding on the first stage
-(its tied head copy is not pushed). The server answers with a *pull*: `[loss, norm, flags,
+header last (`ParameterClient`). Every element has one owner per replica: tp-split parameters
+on every tp rank, tp-replicated ones (LayerNorm, biases) on tp rank 0, the embedding on the
+first stage (its tied head copy is not pushed). The server answers with a *pull*: `[loss, norm, flags,
 staleness, stop_at | every parameter element the rank holds in its range]`, copies included, so
 the rank's arrays become the server's. Index lists are exchanged once (`ParameterClient` setup);
 per step only values travel, by point-to-point messages on the job communicator (`isend`,
@@ -330,7 +330,7 @@ class ParameterServer:
         self.stale_weight = stale_weight
         # Routes: what each worker rank pushes and pulls (positions in this range), its replica.
         self.replica_of, self.push_at, self.pull_at = [], [], []
-        sizes = []
+        sizes = []   # per worker: the elements of each piece of its push, in order
         for w in range(workers):
             head = job.recv(np.zeros(4, dtype=np.int64), w, TAG_SETUP)
             self.replica_of.append(int(head[0]))
@@ -341,8 +341,8 @@ class ParameterServer:
         self.members = [[w for w in range(workers) if self.replica_of[w] == r] for r in range(self.replicas)]
         self.push_bufs = [np.zeros(PUSH_HEADER + a.size, dtype=dtype) for a in self.push_at]
         # A push's pieces land in place in its buffer, [header | piece 0 | piece 1 ...] (views).
-        self.piece_views = [[buf[PUSH_HEADER + a - n:PUSH_HEADER + a] for n, a in zip(n_, np.cumsum(n_))]
-                            for buf, n_ in zip(self.push_bufs, sizes)]
+        self.piece_views = [[buf[PUSH_HEADER + end - n:PUSH_HEADER + end] for n, end in zip(counts, np.cumsum(counts))]
+                            for buf, counts in zip(self.push_bufs, sizes)]
         self.piece_recvs: list[list] = [[] for _ in range(workers)]
         self.pull_bufs = [np.zeros(PULL_HEADER + a.size, dtype=dtype) for a in self.pull_at]
         self.grads = [np.zeros(self.hi - self.lo, dtype=dtype) for _ in range(self.replicas)]
