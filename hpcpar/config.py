@@ -112,7 +112,8 @@ class TrainConfig:
                                                "forward to backward, one all-gather fewer, more memory)")
     optimizer: str = _field("adamw", "optimizer", ("adamw", "sgd"))
     momentum: float = _field(0.9, "SGD momentum, 0 <= momentum < 1 (optimizer = \"sgd\" only)")
-    bucket_mb: float = _field(25.0, "data-parallel gradient bucket size in MiB (> 0)")
+    bucket_mb: float = _field(25.0, "data-parallel gradient bucket size in MiB (> 0); with ps.servers, the size of "
+                              "the push pieces sent during backward")
     grad_compression: str = _field("none", "gradient compression on the data-parallel wire: none; fp16/bf16 = "
                                            "16-bit values summed in float32; int8 = blockwise absmax int8, two "
                                            "compressed phases; topk = the compression_ratio largest entries per "

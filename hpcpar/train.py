@@ -193,11 +193,18 @@ class Trainer:
         self.ps = None
         if servers:
             tp_rank = self.mesh.rank(Axis.TP)
+            # A push goes in pieces, one per gradient bucket, each sent when its bucket is complete
+            # in the last micro-batch's backward; the sequence-parallel parameters (summed over tp
+            # in `finish_backward`, after their buckets) form a last group of their own.
+            late = [p for _, p in self.named_parameters if getattr(p, "sequence_parallel", False)
+                    and self.mesh.size(Axis.TP) > 1]
+            groups = [[p for p in b.params if all(p is not q for q in late)] for b in self.dp.buckets] + [late]
             self.ps = ParameterClient(
                 self.named_parameters, FlatSpace(_global_shapes(self.named_parameters, self.mesh.world)), self.job,
                 list(range(workers, comm.Get_size())), self.mesh.rank(Axis.DP),
                 owns=lambda p: not p.tied_to and (tp_rank == 0 or not tp_replicated(p)),
-                dtype=np.dtype(cfg.model.dtype))
+                dtype=np.dtype(cfg.model.dtype), groups=groups)
+            self.dp.on_bucket_ready(lambda bucket: self.ps.push_ready(bucket.index))
         for stage in self.stages:
             stage.unit_hooks = self.dp.unit_hooks
         every_rank = schedule.build(cfg.pipeline.schedule, cfg.mesh.pp, t.microbatches, cfg.pipeline.chunks)

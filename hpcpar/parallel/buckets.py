@@ -326,6 +326,12 @@ class BucketManager:
         prepare: called with each bucket when it is complete, just before its reduction starts
             (`DataParallel`: a compressed bucket's sequence-parallel gradients summed over tp).
 
+    `listeners`: functions called with each bucket right after `prepare`, before its reduction
+    starts, in launch order (regular buckets by index, from the hooks while backward goes on or
+    from `finish_backward`, then the tied bucket, summed over `tied_comm`): this rank's gradients
+    of its parameters are complete and not yet reduced (the parameter-server client pushes
+    them from here).
+
     Per step: `begin_step(microbatches)`, the backwards (hooks call `on_grad`),
     `finish_backward()`.
 
@@ -362,6 +368,7 @@ class BucketManager:
         self._next_launch = 0
         self._armed = False
         self.events: list[tuple[str, Any, float]] = []
+        self.listeners: list[Callable[[Bucket], None]] = []
         self.attach_grads()
         for p in params:
             p.register_grad_hook(self.on_grad)
@@ -448,6 +455,8 @@ class BucketManager:
                 self._adopt(b, p)
         if self.prepare is not None:
             self.prepare(b)
+        for listener in self.listeners:
+            listener(b)
         if not self._alone:
             b.handle = self.reduction.start(b)
         if self.release:

@@ -288,6 +288,15 @@ class DataParallel:
         else:
             self.reducer.events = value
 
+    def on_bucket_ready(self, listener: Callable[[Any], None]) -> None:
+        """Call `listener(bucket)` whenever a gradient bucket is complete on this rank, before its
+        reduction starts, in bucket order (`BucketManager.listeners`): from the grad hooks of the
+        last micro-batch's backward, the rest from `finish_backward`. Not under ZeRO-3 (no buckets).
+        The sequence-parallel parameters' tp sum comes after, in `finish_backward`."""
+        if self.reducer is None:
+            raise ConfigError("on_bucket_ready needs gradient buckets (zero 0-2); ZeRO-3 has none")
+        self.reducer.listeners.append(listener)
+
     # -- the step -------------------------------------------------------------------------------
 
     def begin_step(self, microbatches: int = 1, step: int | None = None) -> None:

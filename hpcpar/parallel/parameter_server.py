@@ -10,10 +10,12 @@ name order form one flat vector of P elements; server s owns the contiguous rang
 
 A step (clock c) on a worker rank: forward and backward of its micro-batches, gradients
 accumulated locally (a tied copy's summed into its weight within the replica, as without
-servers), then one *push* to every server: `[clock, loss, flags | the gradient elements it owns
-in the server's range]`. Every element has one owner per replica: tp-split parameters on every
-tp rank, tp-replicated ones (LayerNorm, biases) on tp rank 0, the embedding on the first stage
-(its tied head copy is not pushed). The server answers with a *pull*: `[loss, norm, flags,
+servers), and a *push* to every server: `[clock, loss, flags | the gradient elements it owns
+in the server's range]`, sent in pieces, one per gradient bucket, each as soon as the last
+micro-batch's backward has completed its bucket (overlapping the rest of the backward), the
+header last (`ParameterClient`). Every element has one owner per replica: tp-split parameters
+on every tp rank, tp-replicated ones (LayerNorm, biases) on tp rank 0, the embedding on the
+first stage (its tied head copy is not pushed). The server answers with a *pull*: `[loss, norm, flags,
 staleness, stop_at | every parameter element the rank holds in its range]`, copies included, so
 the rank's arrays become the server's. Index lists are exchanged once (`ParameterClient` setup);
 per step only values travel, by point-to-point messages on the job communicator (`isend`,
@@ -56,7 +58,7 @@ push's staleness and lateness tau are recorded (`ParameterServer.staleness`, `.l
 Sync points. A pull that precedes an evaluation, a checkpoint, the end of the run or a
 preemption stop (`sync_points`) waits for every replica in every mode, so those see one model.
 A preemption signal travels in the pushes; server 0 picks the step every replica can still reach
-(`stop_at` in its pulls). When a worker's run ends it sends each server a header-only push with
+(`stop_at` in its pulls). When a worker's run ends it sends each server a push of empty pieces with
 clock -1, and the server's loop ends once every worker has.
 """
 
@@ -71,7 +73,7 @@ import numpy as np
 from hpcpar.comm import Communicator
 from hpcpar.layout import Layout
 
-TAG_SETUP, TAG_PUSH, TAG_PULL = 7601, 7602, 7603
+TAG_SETUP, TAG_PUSH, TAG_PULL, TAG_PIECE = 7601, 7602, 7603, 7604
 PUSH_HEADER = 3   # clock, loss (sum over the rank's micro-batches; 0 off the loss ranks), flags
 PULL_HEADER = 5   # loss, norm, flags, staleness, stop_at
 FLAG_SKIP = 1     # pull: the step was skipped (a non-finite gradient norm or loss)
@@ -156,6 +158,16 @@ class Reply:
 class ParameterClient:
     """A worker rank's side: the routes of its elements to the servers, push and pull.
 
+    A push travels in *pieces*, one per group of parameters (`groups`, in push order) and server
+    whose range holds elements of the group this rank owns, then the header [clock, loss, flags]
+    (`TAG_PIECE` then `TAG_PUSH`). `push_ready(g)` sends the pieces of groups up to g as soon as
+    their gradients are final, during the last micro-batch's backward (the trainer calls it from
+    `DataParallel.on_bucket_ready`: a group is a gradient bucket); `exchange` sends the rest and
+    the header, which is only known at the end. Every piece of one server has the same tag and
+    goes in group order, so MPI's non-overtaking rule matches the k-th piece to the server's k-th
+    posted receive: the server's buffer is [header | piece 0 | piece 1 ...], the message of the
+    single push it replaces, filled in place.
+
     Args:
         named_params: (global name, Parameter) of this rank's parameters (a tied copy is named by
             the weight it mirrors through `tied_to`).
@@ -165,17 +177,20 @@ class ParameterClient:
         replica: this rank's replica (its dp coordinate).
         owns: whether this rank pushes a parameter's gradient (one owner per element per replica).
         dtype: the parameters' dtype (the wire's).
+        groups: lists of parameters in push order, together holding every pushed one (default:
+            one group, the push in one piece).
     Collective with the servers' `ParameterServer` construction (the routes are sent there).
     """
 
     def __init__(self, named_params: list, space: FlatSpace, job: Communicator, servers: list[int], replica: int,
-                 owns: Callable[[Any], bool], dtype):
+                 owns: Callable[[Any], bool], dtype, groups: list[list] | None = None):
         self.job, self.servers = job, servers
         ranges = server_ranges(space.total, len(servers))
-        self.push_parts: list[list] = [[] for _ in servers]   # per server: (param, local positions)
-        self.pull_parts: list[list] = [[] for _ in servers]
-        push_at: list[list] = [[] for _ in servers]            # per server: positions in its range
-        pull_at: list[list] = [[] for _ in servers]
+        groups = groups if groups is not None else [[p for _, p in named_params]]
+        group_of = {id(p): g for g, members in enumerate(groups) for p in members}
+        self.pull_parts: list[list] = [[] for _ in servers]   # per server: (param, local positions)
+        pushed: list[list] = [[[] for _ in groups] for _ in servers]   # per server, group: (param, local positions)
+        pull_at: list[list] = [[] for _ in servers]            # per server: positions in its range
         for name, p in named_params:
             idx = space.local_indices(p.tied_to or name, p.layout)
             for s, (lo, hi) in enumerate(ranges):
@@ -185,32 +200,62 @@ class ParameterClient:
                 self.pull_parts[s].append((p, sel))
                 pull_at[s].append(idx[sel] - lo)
                 if owns(p):
-                    self.push_parts[s].append((p, sel))
-                    push_at[s].append(idx[sel] - lo)
+                    if id(p) not in group_of:
+                        raise ValueError(f"ParameterClient: pushed parameter {name} is in no group; "
+                                         "groups must hold every parameter this rank owns")
+                    pushed[s][group_of[id(p)]].append((p, sel, idx[sel] - lo))
+        # Per group: its pieces as (server index, first element after the header, [(param, local positions)]).
+        self.pieces: list[list] = [[] for _ in groups]
+        self.piece_counts: list[int] = []   # per server
         self.push_bufs, self.pull_bufs = [], []
         for s, rank in enumerate(servers):
-            push = np.concatenate(push_at[s]) if push_at[s] else np.zeros(0, np.int64)
+            at, push_at, sizes = PUSH_HEADER, [], []
+            for g, parts in enumerate(pushed[s]):
+                n = sum(sel.size for _, sel, _ in parts)
+                if n:
+                    self.pieces[g].append((s, at, [(p, sel) for p, sel, _ in parts]))
+                    push_at.extend(pos for _, _, pos in parts)
+                    sizes.append(n)
+                    at += n
+            self.piece_counts.append(len(sizes))
+            push = np.concatenate(push_at) if push_at else np.zeros(0, np.int64)
             pull = np.concatenate(pull_at[s]) if pull_at[s] else np.zeros(0, np.int64)
-            job.send(np.array([replica, push.size, pull.size], dtype=np.int64), rank, TAG_SETUP)
+            job.send(np.array([replica, push.size, pull.size, len(sizes)], dtype=np.int64), rank, TAG_SETUP)
             job.send(push, rank, TAG_SETUP)
             job.send(pull, rank, TAG_SETUP)
+            job.send(np.array(sizes, dtype=np.int64), rank, TAG_SETUP)
             self.push_bufs.append(np.zeros(PUSH_HEADER + push.size, dtype=dtype))
             self.pull_bufs.append(np.zeros(PULL_HEADER + pull.size, dtype=dtype))
+        self.groups = len(groups)
+        self._next = 0       # the first group of this step's push not sent yet
+        self._sends: list = []
+
+    def push_ready(self, group: int) -> None:
+        """The gradients of `group` (and of every group before it) are final on this rank: send
+        their pieces not sent yet to every server (non-blocking)."""
+        for g in range(self._next, group + 1):
+            for s, at, parts in self.pieces[g]:
+                buf, first = self.push_bufs[s], at
+                for p, sel in parts:
+                    np.take(p.grad.reshape(-1), sel, out=buf[at:at + sel.size])
+                    at += sel.size
+                self._sends.append(self.job.isend(buf[first:at], self.servers[s], TAG_PIECE))
+        self._next = max(self._next, group + 1)
+        if self._sends:
+            self.job.progress()   # MPI moves the pieces in flight only inside MPI calls
 
     def exchange(self, clock: int, loss: float, flags: int) -> Reply:
-        """Push this rank's gradients of step `clock` (`.grad` of its owned parameters) with its
-        loss sum and flags, wait for the pull and write the servers' parameters into `.data`."""
+        """Push this rank's gradients of step `clock` (`.grad` of its owned parameters: the pieces
+        `push_ready` has not sent yet, then the header with its loss sum and flags), wait for the
+        pull and write the servers' parameters into `.data`."""
         pulls = [self.job.irecv(buf, rank, TAG_PULL) for buf, rank in zip(self.pull_bufs, self.servers)]
-        pushes = []
-        for buf, parts, rank in zip(self.push_bufs, self.push_parts, self.servers):
+        self.push_ready(self.groups - 1)
+        for buf, rank in zip(self.push_bufs, self.servers):
             buf[:PUSH_HEADER] = (clock, loss, flags)
-            at = PUSH_HEADER
-            for p, sel in parts:
-                np.take(p.grad.reshape(-1), sel, out=buf[at:at + sel.size])
-                at += sel.size
-            pushes.append(self.job.isend(buf, rank, TAG_PUSH))
-        for h in pushes:
+            self._sends.append(self.job.isend(buf[:PUSH_HEADER], rank, TAG_PUSH))
+        for h in self._sends:
             h.wait()
+        self._sends, self._next = [], 0
         for h, buf, parts in zip(pulls, self.pull_bufs, self.pull_parts):
             h.wait()
             at = PULL_HEADER
@@ -222,9 +267,12 @@ class ParameterClient:
                      staleness=int(heads[:, 3].max()), stop_at=int(heads[:, 4].max()))
 
     def bye(self) -> None:
-        """Tell every server this rank's run has ended (a header-only push)."""
+        """Tell every server this rank's run has ended: an empty message for each of its posted
+        piece receives, then a header with clock BYE."""
         msg = np.array([BYE, 0.0, 0.0], dtype=self.push_bufs[0].dtype)
-        for rank in self.servers:
+        for count, rank in zip(self.piece_counts, self.servers):
+            for _ in range(count):
+                self.job.send(msg[:0], rank, TAG_PIECE)
             self.job.send(msg, rank, TAG_PUSH)
 
 
@@ -282,14 +330,20 @@ class ParameterServer:
         self.stale_weight = stale_weight
         # Routes: what each worker rank pushes and pulls (positions in this range), its replica.
         self.replica_of, self.push_at, self.pull_at = [], [], []
+        sizes = []   # per worker: the elements of each piece of its push, in order
         for w in range(workers):
-            head = job.recv(np.zeros(3, dtype=np.int64), w, TAG_SETUP)
+            head = job.recv(np.zeros(4, dtype=np.int64), w, TAG_SETUP)
             self.replica_of.append(int(head[0]))
             self.push_at.append(job.recv(np.zeros(int(head[1]), dtype=np.int64), w, TAG_SETUP))
             self.pull_at.append(job.recv(np.zeros(int(head[2]), dtype=np.int64), w, TAG_SETUP))
+            sizes.append(job.recv(np.zeros(int(head[3]), dtype=np.int64), w, TAG_SETUP))
         self.replicas = max(self.replica_of) + 1
         self.members = [[w for w in range(workers) if self.replica_of[w] == r] for r in range(self.replicas)]
         self.push_bufs = [np.zeros(PUSH_HEADER + a.size, dtype=dtype) for a in self.push_at]
+        # A push's pieces land in place in its buffer, [header | piece 0 | piece 1 ...] (views).
+        self.piece_views = [[buf[PUSH_HEADER + end - n:PUSH_HEADER + end] for n, end in zip(counts, np.cumsum(counts))]
+                            for buf, counts in zip(self.push_bufs, sizes)]
+        self.piece_recvs: list[list] = [[] for _ in range(workers)]
         self.pull_bufs = [np.zeros(PULL_HEADER + a.size, dtype=dtype) for a in self.pull_at]
         self.grads = [np.zeros(self.hi - self.lo, dtype=dtype) for _ in range(self.replicas)]
         self.total = np.zeros(self.hi - self.lo, dtype=dtype)   # the summed pushes of the next step
@@ -307,8 +361,18 @@ class ParameterServer:
 
     # -- one replica's push ------------------------------------------------------------------------
 
+    def _post(self, w: int):
+        """Post the receives of worker `w`'s next push (its pieces, then its header); returns the
+        header's handle: the push is in once it and `_take`'s wait for the pieces complete."""
+        self.piece_recvs[w] = [self.job.irecv(v, w, TAG_PIECE) for v in self.piece_views[w]]
+        return self.job.irecv(self.push_bufs[w][:PUSH_HEADER], w, TAG_PUSH)
+
     def _take(self, w: int) -> tuple[int, float, int]:
-        """Add worker `w`'s pushed gradient into its replica's buffer; (clock, loss, flags)."""
+        """Worker `w`'s header is in: wait for its pieces (sent before it; a bye's are empty), add
+        its pushed gradient into its replica's buffer; (clock, loss, flags)."""
+        for h in self.piece_recvs[w]:
+            h.wait()
+        self.piece_recvs[w] = []
         buf = self.push_bufs[w]
         clock, loss, flags = int(buf[0]), float(buf[1]), int(buf[2])
         if clock != BYE:
@@ -399,7 +463,7 @@ class ParameterServer:
         sends: list = [None] * self.workers
         stop_at = -1
         byes = 0
-        recvs = [self.job.irecv(self.push_bufs[w], w, TAG_PUSH) for w in range(self.workers)]
+        recvs = [self._post(w) for w in range(self.workers)]
         point = min((p for p in points if p > start), default=end)
         while byes < self.workers:
             self._answer(waiting, done, read, sends, recvs, points, stop_at)
@@ -479,7 +543,7 @@ class ParameterServer:
                 buf[:PULL_HEADER] = (mean_loss, norm, FLAG_SKIP if skipped else 0, staleness, stop_at)
                 np.take(self.params, self.pull_at[w], out=buf[PULL_HEADER:])
                 self.bytes_out += buf.nbytes
-                recvs[w] = self.job.irecv(self.push_bufs[w], w, TAG_PUSH)   # its next push, or its bye
+                recvs[w] = self._post(w)   # its next push, or its bye
                 sends[w] = self.job.isend(buf, w, TAG_PULL)
 
     # -- checkpoints -------------------------------------------------------------------------------------

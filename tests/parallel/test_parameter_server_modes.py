@@ -8,6 +8,10 @@ Run: mpiexec -n 4 python -m pytest tests/parallel/test_parameter_server_modes.py
   one-process losses.
 - A preemption signal on one worker stops every rank at the same step with REQUEUE_STATUS,
   in every mode.
+- Pushes overlap the backward: with a bucket per parameter the first piece of a push leaves
+  while the backward still completes gradients (counted by the job communicator's bytes sent),
+  and the pieces give bitwise the losses and parameters of a one-piece push, which are the
+  one-process losses (dp=3; tp=2 with sequence parallelism; pp=2; 1 or 2 servers).
 (The synchronous equivalence matrix and resume run through `hpcpar train`:
 tests/launch/test_parameter_server_cli.py.)
 """
@@ -92,3 +96,65 @@ def test_preemption_stops_every_rank_at_one_step(mode):
     ends = {e for r, (_, e) in enumerate(stopped) if r < 3}
     collective_assert(statuses == {REQUEUE_STATUS} and len(ends) == 1 and 3 <= ends.pop() < 8,
                       f"(status, stop step) per rank: {stopped}")
+
+
+
+def _pushes_during_backward(*overrides: str) -> tuple[list, list, list]:
+    """A synchronous run of 4 steps: (the losses, this rank's final parameters, per step the bytes
+    this worker had pushed over the job communicator at each gradient completion of the last
+    micro-batch's backward, and at the end of the step; [] on the servers)."""
+    rank = build(load_config(None, TINY + list(overrides)), WORLD, tokens=TOKENS)
+    worker = hasattr(rank, "dp")
+    steps: list = []
+    calls: list = []
+    if worker:
+        for _, p in rank.named_parameters:   # after the bucket hooks: they push first
+            p.register_grad_hook(lambda _: calls.append(rank.job.sent["send"]))
+    ends = [rank.job.sent["send"] if worker else 0.0]   # after the setup's messages
+    losses: list = []
+
+    def step_ended(record):
+        losses.append(record["loss"])
+        if worker:
+            ends.append(rank.job.sent["send"])
+            last = calls[len(calls) // 2:]          # 2 micro-batches: every parameter's second call
+            steps.append(([c - ends[-2] for c in last], ends[-1] - ends[-2]))
+            calls.clear()
+    rank.train(steps=4, files=False, progress=False, on_step=step_ended, peak_flops=0.0)
+    params = [p.data.copy() for _, p in rank.named_parameters] if worker else []
+    rank.free()
+    return losses, params, steps
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", [(), ("mesh.dp=1", "mesh.tp=2", "mesh.sequence_parallel=true", "ps.servers=2"),
+                                    ("mesh.dp=1", "mesh.pp=2", "ps.servers=2")], ids=["dp3", "tp2-sp", "pp2"])
+def test_pushes_overlap_backward_and_pieces_sum_as_one_message(layout):
+    """With a gradient bucket per parameter the push leaves in pieces from the grad hooks: its
+    first piece is on the wire while the backward still completes several gradients, and (dp
+    only) just the header (3 numbers per server) waits for the end of the step; sequence-parallel
+    parameters wait for their tp sum. With the default bucket (every gradient in one, the push in
+    one piece) nothing goes before the last gradient is complete. The pieces sum to the same
+    floats as the one message: losses and parameters bitwise equal."""
+    one_losses, one_params, one = _pushes_during_backward(*layout)
+    losses, params, pieces = _pushes_during_backward(*layout, "train.bucket_mb=0.0001")
+    servers = 2 if layout else 1
+    problems = []
+    for name, steps, want in (("one piece", one, lambda n: n == 0), ("pieces", pieces, lambda n: n >= 3)):
+        for during, total in steps:
+            after = sum(1 for d in during if d > 0) - 1    # gradients completed after the first piece left
+            header_last = total - during[-1] == 8 * 3 * servers or bool(layout)
+            if not (want(after) and header_last and total > 8 * 3 * servers):
+                problems.append(f"rank {WORLD.rank} {name}: bytes pushed at each gradient of the last backward "
+                                f"{during}, {total} by the step's end")
+    if losses != one_losses or not all(np.array_equal(a, b) for a, b in zip(params, one_params)):
+        problems.append(f"rank {WORLD.rank}: pieces {losses} vs one message {one_losses}")
+    if WORLD.rank == 0:   # and both are the one-process run (the same global batch)
+        ref = Trainer(load_config(None, TINY + ["ps.servers=0", "mesh.dp=1", "mesh.tp=1", "mesh.pp=1",
+                                                f"train.microbatches={2 if layout else 6}"]),
+                      MPI.COMM_SELF, tokens=TOKENS)
+        want = [ref.train_step(s).loss for s in range(4)]
+        ref.free()
+        if not np.allclose(losses, want, rtol=1e-10, atol=0):
+            problems.append(f"pieces {losses} vs one process {want}")
+    collective_assert(not problems, "; ".join(problems))
