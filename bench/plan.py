@@ -72,7 +72,10 @@ def worker(args: argparse.Namespace) -> None:
                  "memory_bytes": p.memory_bytes}
                 for (key, p), m in zip(best.items(), measured)]
         calib = {"gemm_flops": hw.peak_flops, "alpha_s": hw.intra.alpha, "beta_Bps": hw.intra.beta,
-                 "optimizer_s_per_param": hw.optimizer_seconds_per_param, "layer_times": hw.layer_times}
+                 "optimizer_s_per_param": hw.optimizer_seconds_per_param, "layer_times": hw.layer_times,
+                 "tp_scales": hw.tp_scales, "cp_scale": hw.cp_scale, "cores_per_rank": hw.cores_per_rank,
+                 "overlap": hw.overlap, "step_overhead_s": hw.step_overhead,
+                 "microbatch_overhead_s": hw.microbatch_overhead}
         Path(args.out).write_text(json.dumps({"rows": rows, "calibration": calib, "plans": len(plans)}))
 
 

@@ -44,6 +44,13 @@ built and compiled once (`schedule.timeline`: the simulator's order, replayed fo
 candidate's times, bitwise `simulate`'s makespan), so plans for 10,000+ ranks take seconds;
 schedules of more than `_SIMULATE_MAX` actions are simulated shorter and extrapolated, or use
 the closed forms the simulator agrees with (tests/unit/test_plan.py).
+
+Calibrated machines (`--calibrate`) add what the pieces leave out, each fitted to real steps:
+per-step and per-micro-batch overheads; the tp traffic's scale for each tp degree and the cp
+ring's (not assumed hidden behind attention: the measured ratio says what is); and, where ranks
+share cores (`cores_per_rank` = cores / ranks < 1, the layer times measured with every rank
+busy), a pipeline step is its schedule at a whole core's speed or its work over the cores,
+whichever is longer, since a rank waiting in the bubble leaves its share of the core to others.
 """
 
 from __future__ import annotations
@@ -98,6 +105,9 @@ class Hardware:
     model: dict = field(default_factory=dict)
     tp_scale: float = 1.0             # measured / modelled tp and cp traffic of a real step (calibrated)
     cp_scale: float = 1.0
+    tp_scales: dict = field(default_factory=dict)   # tp degree -> its own tp_scale (calibrated)
+    cp_hidden: float | None = None    # share of the cp ring hidden behind attention (None: `overlap`)
+    cores_per_rank: float = 1.0       # < 1: ranks share cores (calibrated); see `predict`'s pipeline
     step_overhead: float = 0.0        # seconds per step the model above leaves out (calibrated)
     microbatch_overhead: float = 0.0  # seconds per micro-batch and stage likewise
 
@@ -147,6 +157,7 @@ def load_hardware(name: str, path: str | None = None) -> Hardware:
                           "--hardware a100 or h100") from None
     raw["intra"], raw["inter"] = Link(**raw["intra"]), Link(**raw["inter"])
     raw["layer_times"] = {int(k): v for k, v in raw["layer_times"].items()}
+    raw["tp_scales"] = {int(k): v for k, v in raw.get("tp_scales", {}).items()}
     return Hardware(**raw)
 
 
@@ -355,16 +366,18 @@ def predict(cfg: Config, hw: Hardware, exact: bool = True) -> Prediction:
         # The LayerNorm and bias gradients (6 of size C per block, + ln_f) are summed over tp once
         # per step (DataParallel), after the pipeline.
         fwd_tp = bwd_tp = 4 * all_gather_time(act_bytes, tp, tp_link)
-        sp_sum = all_reduce_time((6 * blocks + 2) * m.n_embd * s, tp, tp_link) * hw.tp_scale
+        sp_sum = all_reduce_time((6 * blocks + 2) * m.n_embd * s, tp, tp_link) * hw.tp_scales.get(tp, hw.tp_scale)
     else:
         fwd_tp = bwd_tp = 2 * all_reduce_time(act_bytes, tp, tp_link)
-    fwd_tp, bwd_tp = fwd_tp * hw.tp_scale, bwd_tp * hw.tp_scale
+    tp_scale = hw.tp_scales.get(tp, hw.tp_scale)
+    fwd_tp, bwd_tp = fwd_tp * tp_scale, bwd_tp * tp_scale
     recompute_tp = fwd_tp if t.recompute == "full" else 0.0
     cp_f = cp_b = 0.0
     if cp > 1:   # K and V of the rank's tokens pass cp - 1 hops forward, their gradients backward
         link = hw.link(cp, tp)
         hop = link.alpha + 2 * act_bytes / tp / link.beta
-        cp_f = max((cp - 1) * hop - hw.overlap * scores, (1 - hw.overlap) * (cp - 1) * hop)
+        hidden = hw.overlap if hw.cp_hidden is None else hw.cp_hidden
+        cp_f = max((cp - 1) * hop - hidden * scores, (1 - hidden) * (cp - 1) * hop)
         cp_f *= hw.cp_scale
         cp_b = 2 * cp_f
     t_f = blocks * (f + fwd_tp + cp_f) + (t_head / 3 if head else 0.0) + hw.microbatch_overhead
@@ -374,7 +387,15 @@ def predict(cfg: Config, hw: Hardware, exact: bool = True) -> Prediction:
     # Weight gradients (W) are half a block's backward GEMMs: what a zero-bubble schedule defers.
     t_w = blocks * b / 2 if cfg.pipeline.schedule in ("zbh1", "zbv") else 0.0
     timing = pipeline_time if exact else rough_pipeline_time
-    step_pipe = timing(cfg.pipeline.schedule, pp, t.microbatches, cfg.pipeline.chunks, t_f, t_b - t_w, t_msg, t_w)
+    c = hw.cores_per_rank
+    if pp > 1 and c < 1:
+        # Ranks sharing cores (calibrated with every rank busy, each at c of a core): a rank that
+        # waits in the pipeline's bubble leaves its share to the others, so the step is the
+        # schedule at a whole core's speed, or the work over the cores, whichever is longer.
+        step_pipe = max(timing(cfg.pipeline.schedule, pp, t.microbatches, cfg.pipeline.chunks, c * t_f,
+                               c * (t_b - t_w), t_msg, c * t_w), t.microbatches * (t_f + t_b))
+    else:
+        step_pipe = timing(cfg.pipeline.schedule, pp, t.microbatches, cfg.pipeline.chunks, t_f, t_b - t_w, t_msg, t_w)
 
     params = _stage_params(cfg)
     shards = dp * cp // mesh.dp_replicate if t.zero else 1
@@ -656,7 +677,8 @@ def calibrate(cfg: Config, world_comm, repeats: int = 3) -> Hardware:
     opt = _measure_optimizer(comm)
     memory = metrics.available_memory_bytes() or 8 * GiB
     hw = Hardware("this", gemm, 1.0, 10e9, int(memory // world), world, Link(alpha, beta), Link(alpha, beta),
-                  overlap=0.0, optimizer_seconds_per_param=opt, layer_times=layer_times, model=_model_key(cfg))
+                  overlap=0.0, optimizer_seconds_per_param=opt, layer_times=layer_times, model=_model_key(cfg),
+                  cores_per_rank=min(1.0, (os.cpu_count() or world) / world))
     # What the pieces leave out (data, loss, Python between ops, the step's bookkeeping): two
     # real training steps on dp = world, 1 and 3 micro-batches of one sequence, against their
     # predictions; the difference per micro-batch and the rest per step.
@@ -683,9 +705,16 @@ def calibrate(cfg: Config, world_comm, repeats: int = 3) -> Hardware:
     # The tensor- and context-parallel traffic of a real step (with everything around it: the
     # mappings, vocabulary-parallel loss, ring bookkeeping) against the alpha-beta model's:
     # the ratio scales those terms. On the whole world, one micro-batch of the config's size.
-    for axis, key in (("tp", "tp_in_pipeline"), ("cp", "cp_in_pipeline")):
-        degrees = {"tp": 1, "cp": 1, axis: world}
-        run = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=1, pp=1, dp_replicate=1,
+    # The cp ring is scaled whole (cp_hidden 0): what of it the attention hides here is in the
+    # measured ratio, not assumed to be the data-parallel reduction's share.
+    # tp: each degree of its own (the rest of the world in dp), since a pair's traffic and a
+    # quartet's differ by more than the ring model says when ranks share cores.
+    hw = dataclasses.replace(hw, cp_hidden=0.0)
+    tp_scales = {}
+    for axis, key, degree in [("tp", "tp_in_pipeline", d) for d in divisors(world) if d > 1] + \
+            [("cp", "cp_in_pipeline", world)]:
+        degrees = {"tp": 1, "cp": 1, axis: degree}
+        run = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=world // degree, pp=1, dp_replicate=1,
                                                                 sequence_parallel=False, **degrees),
                                   train=dataclasses.replace(cfg.train, microbatches=1, zero=0, recompute="none"),
                                   pipeline=dataclasses.replace(cfg.pipeline, schedule="1f1b", chunks=1))
@@ -693,11 +722,16 @@ def calibrate(cfg: Config, world_comm, repeats: int = 3) -> Hardware:
             run = config.validate(run, world)
         except HpcparError:
             continue    # the model does not split over the whole world on this axis: keep 1
-        pred = predict(run, hw)
+        pred = predict(run, dataclasses.replace(hw, tp_scale=1.0, tp_scales={}, cp_scale=1.0))   # unscaled
         if world > 1 and pred.parts[key] > 0:
             rest = pred.step_time - pred.parts[key]
             scale = (_measure_step(run, world_comm, comm) - rest) / pred.parts[key]
-            hw = dataclasses.replace(hw, **{f"{axis}_scale": min(max(scale, 0.5), 20.0)})
+            scale = min(max(scale, 0.05), 20.0)
+            if axis == "tp":
+                tp_scales[degree] = scale
+                hw = dataclasses.replace(hw, tp_scale=scale, tp_scales=dict(tp_scales))
+            else:
+                hw = dataclasses.replace(hw, cp_scale=scale)
     return hw
 
 
@@ -770,7 +804,7 @@ def _measure_layer(cfg: Config, tp: int, comm) -> list[float]:
             best = [min(best[0], t1 - t0), min(best[1], t2 - t1), min(best[2], t3 - t2)]
         return tuple(float(np.median([r[i] for r in comm.all_gather_object(best)])) for i in range(3))
 
-    small, large = 2, 8
+    small, large = 4, 16
     lo, hi = timed(small), timed(large)
     n_lo, n_hi = small * t, large * t
     out = []

@@ -55,6 +55,39 @@ def test_collective_costs_follow_the_ring_model():
     assert hw.link(8, 1) == hw.intra and hw.link(2, 8) == hw.inter
 
 
+def test_ranks_sharing_cores_run_the_schedule_at_a_whole_core_or_the_work_over_the_cores():
+    """cores_per_rank c < 1 (calibrated with every rank busy): a pipeline's step is its schedule
+    at c of the calibrated times, or its work m (F + B), whichever is longer; pp = 1 is unchanged."""
+    cfg = config.validate(cfg_of("model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
+                                 "mesh.dp=1", "mesh.pp=4", "train.microbatches=3", "pipeline.schedule=1f1b"), 4)
+    shared = dataclasses.replace(A100, cores_per_rank=0.5)
+    alone, busy = plan.predict(cfg, A100), plan.predict(cfg, shared)
+    f, b = alone.parts["t_forward"], alone.parts["t_backward"]
+    bubbly = plan.pipeline_time("1f1b", 4, 3, 1, 0.5 * f, 0.5 * b, _msg(cfg))
+    assert busy.parts["pipeline"] == pytest.approx(max(bubbly, 3 * (f + b)))
+    assert busy.parts["pipeline"] < alone.parts["pipeline"]      # the bubble is others' core time
+    flat = config.validate(cfg_of("model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
+                                  "mesh.dp=4", "mesh.pp=1"), 4)
+    assert plan.predict(flat, shared).step_time == plan.predict(flat, A100).step_time
+
+
+def _msg(cfg):
+    """The pipeline message time `predict` uses for cfg on A100 (one activation over the link)."""
+    m, t = cfg.model, cfg.train
+    link = A100.link(cfg.mesh.pp, cfg.mesh.dp * cfg.mesh.cp * cfg.mesh.tp)
+    return link.alpha + t.micro_batch_size * m.block_size * m.n_embd * 4 / link.beta
+
+
+def test_tp_scale_per_degree_falls_back_to_the_common_one():
+    cfg = config.validate(cfg_of("model.n_layer=2", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
+                                 "mesh.dp=2", "mesh.tp=2"), 4)
+    base = plan.predict(cfg, A100).parts["tp_in_pipeline"]
+    assert base > 0
+    assert plan.predict(cfg, dataclasses.replace(A100, tp_scale=3.0)).parts["tp_in_pipeline"] == pytest.approx(3 * base)
+    own = dataclasses.replace(A100, tp_scale=3.0, tp_scales={2: 0.5, 4: 9.0})
+    assert plan.predict(cfg, own).parts["tp_in_pipeline"] == pytest.approx(0.5 * base)
+
+
 def test_plans_validate_fit_and_come_fastest_first(tmp_path):
     cfg = cfg_of("model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64")
     hw = dataclasses.replace(A100, ranks_per_node=4, memory_bytes=2**30)
