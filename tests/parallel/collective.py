@@ -30,6 +30,17 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
+def one_process_losses(overrides: list, steps: int, tokens) -> list:
+    """The losses of steps 0 .. steps-1 of the config `overrides` on this rank alone (the
+    single-process model the parallel runs are held to). Not collective."""
+    from hpcpar.config import load_config
+    from hpcpar.train import Trainer
+    ref = Trainer(load_config(None, list(overrides)), MPI.COMM_SELF, tokens=tokens)
+    losses = [ref.train_step(step).loss for step in range(steps)]
+    ref.free()
+    return losses
+
+
 def run_and_free(trainer, steps: int) -> tuple[list, dict, int]:
     """`trainer.train_step` for steps 0 .. steps-1, then its global parameters and dp degree;
     the trainer's mesh is freed. Collective."""

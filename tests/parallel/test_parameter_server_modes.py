@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert
+from collective import collective_assert, one_process_losses
 
 from hpcpar import preemption
 from hpcpar.config import load_config
-from hpcpar.train import REQUEUE_STATUS, Trainer, build
+from hpcpar.train import REQUEUE_STATUS, build
 
 WORLD = MPI.COMM_WORLD
 TINY = ["model.n_layer=2", "model.n_embd=16", "model.n_head=2", "model.block_size=8", "model.dtype=float64",
@@ -71,10 +71,7 @@ def test_staleness_with_a_straggler(mode):
                 problems.append("non-finite loss")
     if not mode and WORLD.rank == 0:
         # Synchronous: the one-process losses (the same global batch: 3 x 2 micro-batches).
-        ref = Trainer(load_config(None, TINY + ["ps.servers=0", "mesh.dp=1", "train.microbatches=6"]),
-                      MPI.COMM_SELF, tokens=TOKENS)
-        want = [ref.train_step(s).loss for s in range(8)]
-        ref.free()
+        want = one_process_losses(TINY + ["ps.servers=0", "mesh.dp=1", "train.microbatches=6"], 8, TOKENS)
         got = [r["loss"] for r in records]
         if not np.allclose(got, want, rtol=1e-10, atol=0):
             problems.append(f"synchronous losses {got} vs one process {want}")
@@ -150,11 +147,8 @@ def test_pushes_overlap_backward_and_pieces_sum_as_one_message(layout):
     if losses != one_losses or not all(np.array_equal(a, b) for a, b in zip(params, one_params)):
         problems.append(f"rank {WORLD.rank}: pieces {losses} vs one message {one_losses}")
     if WORLD.rank == 0:   # and both are the one-process run (the same global batch)
-        ref = Trainer(load_config(None, TINY + ["ps.servers=0", "mesh.dp=1", "mesh.tp=1", "mesh.pp=1",
-                                                f"train.microbatches={2 if layout else 6}"]),
-                      MPI.COMM_SELF, tokens=TOKENS)
-        want = [ref.train_step(s).loss for s in range(4)]
-        ref.free()
+        want = one_process_losses(TINY + ["ps.servers=0", "mesh.dp=1", "mesh.tp=1", "mesh.pp=1",
+                                          f"train.microbatches={2 if layout else 6}"], 4, TOKENS)
         if not np.allclose(losses, want, rtol=1e-10, atol=0):
             problems.append(f"pieces {losses} vs one process {want}")
     collective_assert(not problems, "; ".join(problems))
