@@ -10,7 +10,9 @@ communicator, and the bytes it sends from this rank are counted (`Communicator.s
 kind; `bytes_sent` is the formula per collective kind). Blocking ops on host arrays call MPI's
 blocking functions (MPICH's blocking collectives are faster than its non-blocking ones); the
 watchdog's monitor thread watches them and aborts the job with a report across ranks when one waits
-longer than `watchdog.timeout()`. Non-blocking ops (`Handle.wait()`) and GPU ops are
+longer than `watchdog.timeout()`. Not when the node runs more ranks than cores
+(`mpi_waits_block`): there every op polls, since some MPIs' blocking waits never yield the core.
+Non-blocking ops (`Handle.wait()`) and GPU ops are
 completed by one polling loop (`_wait`) that yields the core to ranks sharing it and
 raises `watchdog.CommTimeout` when the monitor reports a timeout. Without
 MPI_THREAD_MULTIPLE (no monitor) every op polls and times out on its own.
@@ -42,7 +44,8 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from hpcpar import backend, watchdog
+from hpcpar import backend, threads, watchdog
+from hpcpar.errors import ConfigError
 from hpcpar.precision import is_low
 
 # Polling. MPI moves data only inside MPI calls, so while a transfer can still be
@@ -61,6 +64,26 @@ _SPIN_S = 5e-3
 _SPIN_BYTES_PER_S = 2.5e8
 _FIRST_SLEEP_S = 1e-6
 _MAX_SLEEP_S = 1e-3
+
+
+def mpi_waits_block() -> bool:
+    """Whether blocking ops may wait inside MPI's blocking calls (given a monitor to watch them).
+
+    `HPCPAR_MPI_WAIT=block|poll` decides; unset or `auto`: block, unless this node runs more ranks
+    than it has cores (`threads.local_ranks()` against this process's cores). Then every op polls
+    in `_wait`, which yields the core: some MPIs' blocking waits spin through their time slice
+    without yielding (Debian's MPICH 4.0 with UCX: a 4-rank barrier on 2 cores took 8 ms, and the
+    parallel test suite ran 10x slower than with polling), and a rank spinning there holds the core
+    that the peer it waits for needs.
+    """
+    choice = os.environ.get("HPCPAR_MPI_WAIT", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "block", "poll"):
+        raise ConfigError(f"HPCPAR_MPI_WAIT={choice!r} is not a wait mode; use auto, block or poll")
+    if choice != "auto":
+        return choice == "block"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return threads.local_ranks() <= cores
+
 
 # The requests and buffers of ops that timed out, kept until the process ends. MPI may still be
 # working on them (a late peer can arrive after the CommTimeout), and freeing an active collective's
@@ -372,7 +395,8 @@ class Communicator:
         self._group = ",".join(map(str, MPI.Group.Translate_ranks(group, list(range(self.size)), world)))
         group.Free()
         world.Free()
-        self._blocking = watchdog.monitor()  # blocking MPI calls only when a monitor can watch them
+        self._watched = watchdog.monitor()  # a monitor thread watches this rank's waits
+        self._in_mpi = self._watched and mpi_waits_block()  # blocking ops wait in MPI's blocking calls
         self._checked: list = []  # debug mode: collectives since the last sequence check
         self._check_hash = 0
         self._host = MpiTransport(mpi_comm)
@@ -426,9 +450,12 @@ class Communicator:
         monitor watches it; else return a Handle whose `wait()` does. `peer`: the other rank of
         a send/recv, a broadcast's root. `counts`: all_to_all_v's (send, recv) elements per rank;
         `sent`: its bytes leaving this rank."""
-        blocking = now and self._blocking and transport is self._host
-        record = self._begin(kind, a, peer, blocking, sent)
-        if blocking:
+        # A blocking host op's timeout aborts the job (one report, from the monitor), whether it
+        # waits in MPI's blocking call or polls (`mpi_waits_block`).
+        blocking = now and self._watched and transport is self._host
+        in_mpi = blocking and self._in_mpi
+        record = self._begin(kind, a, peer, blocking, in_mpi, sent)
+        if in_mpi:
             try:
                 transport.start(kind, send, recv, op, peer, tag, True, counts)
             finally:  # an MPI error must not leave the op pending for the monitor to time out
@@ -469,10 +496,12 @@ class Communicator:
 
     # -- issuing and waiting --------------------------------------------------------------------
 
-    def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False, sent: float | None = None):
+    def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False, in_mpi: bool = False,
+               sent: float | None = None):
         """Number and record an op and count the bytes it sends from this rank (a broadcast's on
         its root `peer` only; `sent` when the op knows them better than `bytes_sent`'s formula:
-        all_to_all_v). `blocking`: a blocking MPI call, watched by the monitor, recorded with
+        all_to_all_v). `blocking`: an op the caller waits for at once, whose timeout the monitor
+        turns into an abort; `in_mpi`: waited for in MPI's blocking call, recorded with
         `recorder.enter` (the entry `recorder.leave` takes); else an OpRecord (`recorder.begin`).
         The record keeps a send's or receive's `peer`. Every op passes here: it is kept short."""
         if op == "send" or op == "recv":
@@ -490,9 +519,9 @@ class Communicator:
             shape, dtype, nbytes = a.shape, a.dtype, a.nbytes
             if sent is not None or op != "broadcast" or peer == self.rank:
                 self.sent[op] += self._factor[op] * nbytes if sent is None else sent
-        if blocking:
+        if in_mpi:
             return watchdog.recorder.enter(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group)
-        return watchdog.recorder.begin(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group)
+        return watchdog.recorder.begin(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group, blocking)
 
     def _wait(self, request, record: watchdog.OpRecord) -> None:
         """Poll `request.Test()` until done; raise CommTimeout when the watchdog reports a timeout.
@@ -517,7 +546,7 @@ class Communicator:
                     if polls % _POLLS_PER_CLOCK or time.monotonic() < spin_until:
                         yield_core()
                         continue
-                    limit = watchdog.timeout() + (watchdog.DELIVERY_GRACE_S if self._blocking else 0.0)
+                    limit = watchdog.timeout() + (watchdog.DELIVERY_GRACE_S if self._watched else 0.0)
                 now = time.monotonic()
                 if record.report is not None or now - since > limit:
                     error = watchdog.CommTimeout(record, now - since, record.report)

@@ -103,8 +103,9 @@ class OpRecord:
     """One communication op. Times are time.monotonic(); `end` is None while it is pending.
 
     `group` lists the communicator's world ranks ("0,2"); `waiting` is when this rank began
-    to wait for the op (None while it has not); `blocking` ops are waited on inside MPI
-    (the monitor aborts on a timeout), the others by polling (the monitor delivers `report`).
+    to wait for the op (None while it has not); `blocking` ops are waited on at once, inside MPI's
+    blocking call or by polling (the monitor aborts on a timeout); the others are a Handle's, polled
+    when waited on (the monitor delivers `report`).
     """
 
     comm: str

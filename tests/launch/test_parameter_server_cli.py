@@ -116,7 +116,7 @@ count = {"n": 0}
 
 def faulty(self, grad, lr):
     count["n"] += 1
-    if count["n"] == 3 and os.environ["FAULT"] != "sigterm":
+    if count["n"] == 3 and os.environ["FAULT"] in ("sigkill", "stall"):
         if os.environ["FAULT"] == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(120)
