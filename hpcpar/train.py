@@ -951,6 +951,11 @@ def main(config_path: str | None, overrides: list) -> int:
         with open(os.path.join(cfg.run.dir, "summary.json"), "w") as f:
             json.dump(result.summary, f, indent=2, sort_keys=True)
         log.info("%s", _format_summary(result.summary))
+        marker = os.environ.get("HPCPAR_REQUEUE_MARKER")
+        if marker and result.status == REQUEUE_STATUS:
+            # The job scripts' fallback for a launcher that loses the ranks' status (templates/).
+            with open(marker, "w") as f:
+                f.write(f"{REQUEUE_STATUS}\n")
     return result.status
 
 

@@ -48,6 +48,12 @@ stop_timer() {
 stop_timer 3300 "$$" &
 timer_pid=$!
 
+# Rank 0 leaves this file when it stops for a requeue: a launcher may lose the ranks' exit
+# status when it forwards a signal (Debian 12's MPICH 4.0.2 mpiexec returned 0 for about one
+# job in three), and then the file still says 75.
+export HPCPAR_REQUEUE_MARKER="$PWD/.hpcpar-requeue-$PBS_JOBID"
+rm -f "$HPCPAR_REQUEUE_MARKER"
+
 # The run always resumes from the latest checkpoint, so a resubmitted job continues.
 # >>> launch
 mpiexec -n 4 -ppn 4 -bind-to core:8 \
@@ -65,6 +71,10 @@ while true; do
     status=$?
     kill -0 "$launch_pid" 2>/dev/null || break
 done
+if [ "$status" -eq 0 ] && [ -e "$HPCPAR_REQUEUE_MARKER" ]; then
+    status=75
+fi
+rm -f "$HPCPAR_REQUEUE_MARKER"
 kill "$timer_pid" 2>/dev/null || true
 
 if [ "$status" -eq 75 ]; then

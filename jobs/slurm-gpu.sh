@@ -40,6 +40,12 @@ forward_stop() {
 }
 trap forward_stop USR1 TERM
 
+# Rank 0 leaves this file when it stops for a requeue: a launcher may lose the ranks' exit
+# status when it forwards a signal (Debian 12's MPICH 4.0.2 mpiexec returned 0 for about one
+# job in three), and then the file still says 75.
+export HPCPAR_REQUEUE_MARKER="$PWD/.hpcpar-requeue-$SLURM_JOB_ID"
+rm -f "$HPCPAR_REQUEUE_MARKER"
+
 # The run always resumes from the latest checkpoint, so a requeued job continues.
 # >>> launch
 srun --cpu-bind=cores --cpus-per-task=8 \
@@ -57,6 +63,10 @@ while true; do
     status=$?
     kill -0 "$launch_pid" 2>/dev/null || break
 done
+if [ "$status" -eq 0 ] && [ -e "$HPCPAR_REQUEUE_MARKER" ]; then
+    status=75
+fi
+rm -f "$HPCPAR_REQUEUE_MARKER"
 
 if [ "$status" -eq 75 ]; then
     echo "hpcpar: checkpoint saved before the time limit; requeueing job $SLURM_JOB_ID" >&2

@@ -210,8 +210,11 @@ def test_sigterm_mid_step_checkpoints_exits_75_and_resumes_exactly(train, tmp_pa
     straight = train("none", tmp_path / "straight", "train.steps=6", kind)
     assert straight.returncode == 0, straight.output
     run = tmp_path / "preempted"
-    job = train("sigterm", run, "train.steps=6", kind, FAULT_RANK="1", FAULT_STEP="2")
+    marker = tmp_path / "requeue-marker"  # the job scripts' fallback for a launcher that loses the 75
+    job = train("sigterm", run, "train.steps=6", kind, FAULT_RANK="1", FAULT_STEP="2",
+                HPCPAR_REQUEUE_MARKER=str(marker))
     assert not job.timed_out and job.returncode == 75, job.output
+    assert marker.read_text() == "75\n" and straight.returncode == 0
     assert "preemption signal received: saving a checkpoint at step 3" in job.output
     assert ck.latest(str(run / "checkpoints")).endswith("step-0000003")
     resumed = train("none", run, "train.steps=6", "checkpoint.resume=auto", kind)

@@ -57,6 +57,9 @@ STUB = textwrap.dedent("""\
         time.sleep(0.05)
     with open(os.path.join(out, f"signal{rank}"), "w") as fh:
         fh.write(str(got[0]) if got else "none")
+    if got and rank == "0" and os.environ.get("HPCPAR_REQUEUE_MARKER"):  # as hpcpar train does
+        with open(os.environ["HPCPAR_REQUEUE_MARKER"], "w") as fh:
+            fh.write("75\\n")
     sys.exit(75 if got else 1)
 """)
 
