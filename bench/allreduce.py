@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes.append(nbytes)
         nbytes *= 2
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = threads.cores()
     meta = {"ranks": world.size, "cores": cores, "oversubscribed": world.size > cores,
             "mpi": MPI.Get_library_version().splitlines()[0].strip(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rounds": args.rounds, "budget_s": args.budget,

@@ -81,8 +81,7 @@ def mpi_waits_block() -> bool:
         raise ConfigError(f"HPCPAR_MPI_WAIT={choice!r} is not a wait mode; use auto, block or poll")
     if choice != "auto":
         return choice == "block"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return threads.local_ranks() <= cores
+    return threads.local_ranks() <= threads.cores()
 
 
 # The requests and buffers of ops that timed out, kept until the process ends. MPI may still be

@@ -184,15 +184,23 @@ def _environment(variant: str, o: JobOptions) -> list[str]:
     return lines
 
 
-def _launcher(scheduler: str, o: JobOptions) -> list[str]:
+def _exported(variant: str, o: JobOptions) -> list[str]:
+    """The variables the script exports for the ranks: its environment lines' and the requeue
+    marker's (HPCPAR_REQUEUE_MARKER, set by the templates)."""
+    return [line.split()[1].split("=")[0] for line in _environment(variant, o) if line.startswith("export ")] + [
+        "HPCPAR_REQUEUE_MARKER"]
+
+
+def _launcher(scheduler: str, variant: str, o: JobOptions) -> list[str]:
     if o.launcher == "srun":
         # srun no longer inherits --cpus-per-task from sbatch (Slurm >= 22.05): say it again.
         return ["srun", "--cpu-bind=cores", f"--cpus-per-task={o.cpus_per_task}"]
     ranks = str(o.nodes * o.ranks_per_node)
     if o.launcher == "mpiexec-openmpi":
         # Open MPI: ranks_per_node per node (ppr), PE=cpus cores each, every rank bound to its cores.
+        # Its mpiexec passes no variable to the ranks on other nodes unless -x names it.
         return ["mpiexec", "-n", ranks, "--map-by", f"ppr:{o.ranks_per_node}:node:PE={o.cpus_per_task}",
-                "--bind-to", "core"]
+                "--bind-to", "core"] + [arg for name in _exported(variant, o) for arg in ("-x", name)]
     # MPICH hydra syntax (also Intel MPI): -ppn ranks per node, each bound to its own cores.
     return ["mpiexec", "-n", ranks, "-ppn", str(o.ranks_per_node), "-bind-to", f"core:{o.cpus_per_task}"]
 
@@ -242,7 +250,7 @@ def render(scheduler: str, variant: str = "cpu", **options: object) -> str:
         signal_seconds=o.signal_seconds,
         time=o.time,
         timer_seconds=_time_seconds(o.time) - o.signal_seconds,
-        launcher=shlex.join(_launcher(scheduler, o)),
+        launcher=shlex.join(_launcher(scheduler, variant, o)),
         program=shlex.join(_program(o)),
     )
 

@@ -25,10 +25,14 @@ def local_ranks() -> int:
     return 1
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def set_default_threads() -> int:
     """Set the BLAS/OpenMP thread variables to cores // local ranks where unset."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // local_ranks())
+    threads = max(1, cores() // local_ranks())
     if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
         threads = int(os.environ["OMP_NUM_THREADS"])
     for var in _THREAD_VARS:

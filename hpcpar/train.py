@@ -1102,7 +1102,7 @@ def _measure_peak(mesh: Mesh, dtype: str) -> float:
             gpus = min(mesh.node_comm.size, xp.cuda.runtime.getDeviceCount())
             rate = gpus * metrics.measure_gemm_flops(dtype, n=4096, seconds=0.3, xp=xp, sync=backend.synchronize)
         else:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            cores = threads.cores()
             rate = metrics.measure_gemm_flops(dtype, matmul=blas.matmul) * cores / min(threads.blas_threads(), cores)
     mesh.world.ibarrier().wait()
     return float(mesh.world.all_reduce(np.array([rate]), op="sum")[0])

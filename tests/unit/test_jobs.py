@@ -96,10 +96,17 @@ def test_slurm_mpiexec_launcher():
 
 
 @pytest.mark.parametrize("scheduler", jobs.SCHEDULERS)
-def test_open_mpi_launcher(scheduler):
-    script = jobs.render(scheduler, "cpu", nodes=2, ranks_per_node=3, cpus_per_task=4, launcher="mpiexec-openmpi")
+@pytest.mark.parametrize("variant", jobs.VARIANTS)
+def test_open_mpi_launcher(scheduler, variant):
+    """Open MPI's mpiexec gives the ranks on other nodes only the variables -x names: every one the
+    script exports."""
+    per_node = {"ranks_per_node": 3} if variant == "cpu" else {"gpus_per_node": 3}  # gpu: a rank per GPU
+    script = jobs.render(scheduler, variant, nodes=2, cpus_per_task=4, launcher="mpiexec-openmpi", **per_node)
     launcher, _ = _launch_block(script)
-    assert launcher == ["mpiexec", "-n", "6", "--map-by", "ppr:3:node:PE=4", "--bind-to", "core"]
+    assert launcher[:7] == ["mpiexec", "-n", "6", "--map-by", "ppr:3:node:PE=4", "--bind-to", "core"]
+    exported = sorted(line.split()[1].split("=")[0] for line in script.splitlines() if line.startswith("export "))
+    assert launcher[7::2] == ["-x"] * len(exported) and sorted(launcher[8::2]) == exported
+    assert ("HPCPAR_BACKEND" in exported) == (variant == "gpu") and "HPCPAR_REQUEUE_MARKER" in exported
 
 
 def test_pbs_directives_launcher_and_timer():
