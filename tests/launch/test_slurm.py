@@ -32,6 +32,7 @@ TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_siz
 # for as long as it goes on past that point; two or three runs finish it.
 TIME_LIMIT, SIGNAL_S, TRAIN_S = "00:02:00", 90, 80
 JOB_TIMEOUT_S = 900
+REQUEUE_SETTLE_S = 5
 
 # HPCPAR_SLURM_TEST=0 leaves it out (.ci/run runs it once, in its Open MPI lane, not in every lane).
 _missing = "HPCPAR_SLURM_TEST=0" if os.environ.get("HPCPAR_SLURM_TEST") == "0" else slurm_cluster.missing()
@@ -64,14 +65,19 @@ def _args(run_dir, steps: int, corpus) -> list[str]:
 
 def _wait_for(cluster, job_id: str, log) -> dict[str, str]:
     """Poll the job until it has ended; returns its last `scontrol show job` record. Slurm makes a
-    requeued job wait about two minutes before it may start again: that wait is cut short."""
+    requeued job wait about two minutes before it may start again: that wait is cut short, but only
+    after REQUEUE_SETTLE_S, once slurmd has finished killing the previous run's batch step (started
+    at once, the job was killed with "Job credential revoked" now and then)."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
+    pending_since: dict[str, float] = {}  # Restarts -> when this requeue was first seen pending
     while True:
         info = cluster.job(job_id)
         if info["JobState"] in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY"):
             return info
         if info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime" and info.get("Restarts") != "0":
-            cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+            since = pending_since.setdefault(info.get("Restarts", ""), time.monotonic())
+            if time.monotonic() - since >= REQUEUE_SETTLE_S:
+                cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
         if time.monotonic() > deadline:
             cluster.run("scancel", job_id, check=False)
             text = log.read_text() if log.exists() else "(no job log)"
