@@ -11,6 +11,8 @@ product in a different order, so results agree to rounding, and every rank of a 
                                   transposed view of one, or a view with strided rows (a column block)
     single_threaded()             called on a thread that runs GEMMs of its own (the kernel pool):
                                   MKL gives that thread's calls one thread, not the process's count
+    compiled_gemm(dtype)          the address of an ILP64 cblas_?gemm that compiled loops call directly
+                                  (jit_attention): MKL's, else the OpenBLAS inside NumPy's wheel
 
 Threads: MKL takes the rank's BLAS threads (MKL_NUM_THREADS, which `threads.py` sets like
 OMP_NUM_THREADS); one thread runs MKL's sequential layer, which starts no OpenMP runtime.
@@ -117,9 +119,28 @@ def one_thread():
         lib.MKL_Set_Num_Threads_Local(0)  # 0: back to the process-wide count
 
 
-def _numpy_openblas(*names: str):
+_compiled: dict = {}
+
+
+def compiled_gemm(dtype) -> int | None:
+    """The address of a row-major CBLAS ?gemm with 64-bit integer arguments (ILP64) for float32 /
+    float64, for compiled code to call without the GIL (jit_attention): MKL's `cblas_?gemm_64` where
+    MKL is loaded (oneMKL 2023 on), else the one in the OpenBLAS that NumPy's wheel bundles, else
+    None (the callers take their NumPy path)."""
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        return None
+    if dtype not in _compiled:
+        letter = "s" if dtype == np.float32 else "d"
+        fn = getattr(_load(), f"cblas_{letter}gemm_64", None) if _load() is not None else \
+            _numpy_openblas(f"scipy_cblas_{letter}gemm64_", f"cblas_{letter}gemm64_", argtypes=None)
+        _compiled[dtype] = ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
+    return _compiled[dtype]
+
+
+def _numpy_openblas(*names: str, argtypes=(ctypes.c_int,)):
     """The first of `names` in the OpenBLAS that NumPy's wheel bundles (numpy.libs/), or None (a NumPy
-    built otherwise: conda's MKL, a system BLAS)."""
+    built otherwise: conda's MKL, a system BLAS); `argtypes` set when given (None: the caller's)."""
     libs = glob.glob(os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs", "*openblas*.so*"))
     for path in libs:
         try:
@@ -129,8 +150,9 @@ def _numpy_openblas(*names: str):
         for name in names:
             fn = getattr(lib, name, None)
             if fn is not None:
-                fn.restype = None
-                fn.argtypes = [ctypes.c_int]
+                if argtypes is not None:
+                    fn.restype = None
+                    fn.argtypes = list(argtypes)
                 return fn
     return None
 

@@ -14,13 +14,15 @@ once.
     add_bias / column_sums                  a linear's bias and its gradient
     sum_of_squares                          a gradient norm's share, in float64
     layer_norm_forward / _backward_input    rows of [N, C]; _weight: dweight, dbias
-    causal_attention_forward / _backward    per (batch group, query block), causal blocks skipped
+    causal_attention_forward / _backward    per (batch group, query block), causal blocks skipped;
+                                            with Numba, per (sample, head) in compiled calls
+                                            (jit_attention)
     cross_entropy_forward / _backward       rows of logits [N, V]
     adamw_update                            every parameter of a step in place, blockwise
 
 The elementwise kernels compute what the plain NumPy composition computes (the same operations on
 each element in the same order; tests/unit/test_cpu_kernels.py holds them to it); LayerNorm's row
-statistics and the attention's softmax are rearranged (row sums by einsum or in eight lanes,
+statistics and the attention's softmax are rearranged (row sums by einsum or in vectorized lanes,
 exponentials without the max shift, normalisation after P V: see each docstring) and equal the
 textbook formulas to rounding. 16-bit inputs (bf16/fp16 activations, `precision.py`) are taken up
 to float32 block by block and the results rounded once. Results do not depend on the thread
@@ -90,7 +92,9 @@ class _Worker:
                 _run_part(fn, part)
             except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
                 self.error = e
-            self.task = None
+            # Drop the task before sleeping: a kernel's closure holds its arrays (attention's saved
+            # probabilities), which would otherwise stay alive until the next task.
+            self.task = fn = part = None
             self.done.release()
 
     def start(self, fn, part: list) -> None:
@@ -608,15 +612,19 @@ class AttentionSaved:
 
     probs: per (batch group, query block), in the order of the loops (group-major), the block's
         exponentiated scores E = exp(S) [nb, H, q, keys] (full precision; see `_exp_scores`), or its
-        probabilities P rounded to 16 bits (bf16/fp16); None when backward recomputes them.
+        probabilities P rounded to 16 bits (bf16/fp16); with the compiled kernels (`compiled`) one
+        array [B H, K] of every (sample, head)'s blocks (`jit_attention`); None when backward
+        recomputes them.
     rowsum: l = the row sums of E [B, H, T, 1] (full precision; None in 16 bits, where P = E / l).
+    compiled: forward ran `jit_attention`'s kernels, and so does backward (the layout of probs).
     """
 
-    __slots__ = ("probs", "rowsum")
+    __slots__ = ("probs", "rowsum", "compiled")
 
-    def __init__(self, blocks: int, keep: bool):
+    def __init__(self, blocks: int, keep: bool, compiled: bool = False):
         self.probs: list | None = [None] * blocks if keep else None
         self.rowsum = None
+        self.compiled = compiled
 
 
 def _exp_scores(qs, kt, a: int, e: int, dt, out):
@@ -677,6 +685,77 @@ def _scaled_queries(q, scale: float, cd):
     return qs
 
 
+def _compiled_attention(dtype):
+    """(jit_attention, cblas gemm) where attention runs as compiled kernels (the `fast` extra, a
+    float32/float64 model and a GEMM compiled code can call: `blas.compiled_gemm`), else None."""
+    if is_low(dtype) or _jit() is None:
+        return None
+    gemm = blas.compiled_gemm(dtype)
+    if gemm is None:
+        return None
+    from hpcpar import jit_attention
+    return jit_attention, gemm
+
+
+def _unit_blocks(units: int) -> list:
+    """(sample, head) units in two runs per kernel thread (one run without threads): each run is one
+    compiled call that holds no GIL."""
+    threads = num_threads()
+    parts = 1 if threads == 1 else min(units, 2 * threads)
+    per = -(-units // parts)
+    return [(a, min(a + per, units)) for a in range(0, units, per)]
+
+
+def _block_offsets(t: int) -> np.ndarray:
+    """[blocks + 1] int64: where each query block's E starts in a unit's row of probs, then K."""
+    return np.cumsum([0] + [(e - a) * e for a, e in _query_blocks(t)], dtype=np.int64)
+
+
+def _compiled_forward(compiled, qkv, n_head: int, keep_probs: bool):
+    jit, gemm = compiled
+    qkv = np.ascontiguousarray(qkv)
+    b, t, three_c = qkv.shape
+    c = three_c // 3
+    dt = qkv.dtype.type
+    offsets = _block_offsets(t)
+    out = np.empty((b, t, c), dtype=qkv.dtype)
+    saved = AttentionSaved(0, False, compiled=True)
+    saved.rowsum = np.empty((b, n_head, t, 1), dtype=qkv.dtype)
+    probs = np.empty((b * n_head, int(offsets[-1])) if keep_probs else (1, 1), dtype=qkv.dtype)
+    if keep_probs:
+        saved.probs = [probs]
+    tiny, huge = _exp_range(qkv.dtype)
+    scale = dt(1.0 / math.sqrt(c // n_head))
+
+    def run(u0, u1):
+        jit.attention_forward(gemm, qkv, n_head, scale, dt(0), QUERY_BLOCK, offsets, u0, u1, out, saved.rowsum,
+                              probs, keep_probs, dt(tiny), dt(huge))
+    with blas.one_thread():  # (the products of a unit run on its thread alone, whatever the thread count)
+        _run(run, _unit_blocks(b * n_head))
+    return out, saved
+
+
+def _compiled_backward(compiled, qkv, n_head: int, saved: AttentionSaved, g):
+    jit, gemm = compiled
+    qkv, g = np.ascontiguousarray(qkv), np.ascontiguousarray(g)
+    b, t, three_c = qkv.shape
+    c = three_c // 3
+    dt = qkv.dtype.type
+    keep = saved.probs is not None
+    probs = saved.probs[0] if keep else np.empty((1, 1), dtype=qkv.dtype)
+    grad = np.empty((b, t, three_c), dtype=qkv.dtype)
+    tiny, huge = _exp_range(qkv.dtype)
+    scale = dt(1.0 / math.sqrt(c // n_head))
+    offsets = _block_offsets(t)
+
+    def run(u0, u1):
+        jit.attention_backward(gemm, qkv, g, n_head, scale, dt(0), QUERY_BLOCK, offsets, u0, u1, grad,
+                               saved.rowsum, probs, keep, dt(tiny), dt(huge))
+    with blas.one_thread():
+        _run(run, _unit_blocks(b * n_head))
+    return grad
+
+
 def causal_attention_forward(qkv, n_head: int, keep_probs: bool = True):
     """Causal self-attention of qkv [B, T, 3 H D] -> (y [B, T, H D] in qkv's dtype, saved).
 
@@ -685,7 +764,12 @@ def causal_attention_forward(qkv, n_head: int, keep_probs: bool = True):
     never the [q, e] block, and backward needs no normalised P either (`causal_attention_backward`).
     In 16 bits P = E / l is formed and rounded to 16 bits first, as a 16-bit model stores it.
     `keep_probs`: keep each block's E (P) for backward; else backward recomputes them with the same
-    operations (selective recomputation: the same bits)."""
+    operations (selective recomputation: the same bits). With the `fast` extra, float32/float64
+    attention runs as compiled kernels instead (`jit_attention`: the same formulas, one GIL-free call
+    per run of (sample, head) pairs)."""
+    compiled = _compiled_attention(qkv.dtype)
+    if compiled is not None:
+        return _compiled_forward(compiled, qkv, n_head, keep_probs)
     b, t, three_c = qkv.shape
     c = three_c // 3
     d = c // n_head
@@ -733,6 +817,8 @@ def causal_attention_backward(qkv, n_head: int, saved: AttentionSaved, g):
     (l = 1, E = the rounded P) these are the textbook formulas.
     The query blocks run last to first: the last one sees every key, so it writes the dK and dV
     accumulators of its group whole and the others add to their leading rows."""
+    if saved.compiled:
+        return _compiled_backward(_compiled_attention(qkv.dtype), qkv, n_head, saved, g)
     b, t, three_c = qkv.shape
     c = three_c // 3
     d = c // n_head

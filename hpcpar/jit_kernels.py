@@ -11,7 +11,9 @@ y = 0.5 x (1 + t) here.
 Each elementwise loop performs the NumPy chain's operations on each element in the same order
 with the same constants (rounded to the array's dtype, as NumPy does with a Python float), so
 GELU and AdamW give the NumPy path's bits. LayerNorm's row sums run in eight interleaved lanes
-instead of einsum's order: equal to rounding. Float32 and float64 arrays only (16-bit activations
+instead of einsum's order: equal to rounding. The gradient norm's sum of squares is vectorized by
+LLVM in its own lane order (reassociation allowed in that sum alone: 4x faster than eight scalar
+lanes), fixed by the array's length and the build. Float32 and float64 arrays only (16-bit activations
 take the NumPy path). This module imports Numba: `cpu_kernels` imports it on first use, and goes
 without it when Numba is not installed or HPCPAR_JIT=0.
 """
@@ -95,6 +97,12 @@ def _row_sum(a, zero):
         total += a[i]
         i += 1
     return total
+
+
+# The gradient norm's sum of squares with reassociation allowed: LLVM then vectorizes it in its own
+# lane order (4x faster than eight scalar lanes), fixed by the array's length and this build. Only
+# that sum carries the flag.
+_sum_jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc"})
 
 
 @jit
@@ -183,24 +191,12 @@ def column_sums(a, out):
             out[j] += a[i, j]
 
 
-@jit
+@_sum_jit
 def sum_of_squares(a):
-    """The sum of a's squares (1-D, float32 or float64) accumulated in float64, in eight lanes."""
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    n = a.size
-    i = 0
-    while i + 8 <= n:
-        s0 += np.float64(a[i]) * np.float64(a[i])
-        s1 += np.float64(a[i + 1]) * np.float64(a[i + 1])
-        s2 += np.float64(a[i + 2]) * np.float64(a[i + 2])
-        s3 += np.float64(a[i + 3]) * np.float64(a[i + 3])
-        s4 += np.float64(a[i + 4]) * np.float64(a[i + 4])
-        s5 += np.float64(a[i + 5]) * np.float64(a[i + 5])
-        s6 += np.float64(a[i + 6]) * np.float64(a[i + 6])
-        s7 += np.float64(a[i + 7]) * np.float64(a[i + 7])
-        i += 8
-    total = ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))
-    while i < n:
-        total += np.float64(a[i]) * np.float64(a[i])
-        i += 1
-    return total
+    """The sum of a's squares (1-D, float32 or float64) accumulated in float64, in the lanes LLVM
+    vectorizes it into (reassociation allowed: 4-8x the eight scalar lanes' speed)."""
+    s = 0.0
+    for i in range(a.size):
+        v = np.float64(a[i])
+        s += v * v
+    return s

@@ -213,6 +213,46 @@ def test_attention_equals_the_dense_reference(blocking, t):
     np.testing.assert_allclose(ck.causal_attention_backward(qkv, 4, saved, g), rgrad(g), rtol=1e-11, atol=1e-12)
 
 
+needs_numba = pytest.mark.skipif("numba" not in LOOPS, reason="the compiled kernels need the `fast` extra")
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_exp_is_within_an_ulp(dtype):
+    """jit_attention's vectorized exp against float64's exp over the range softmax meets, and at the
+    edges: NaN stays NaN, overflow gives inf, underflow below the smallest normal number gives 0."""
+    from hpcpar import jit_attention
+    x = np.concatenate([RNG.uniform(-80, 80, 200_000), RNG.standard_normal(10_000)]).astype(dtype)
+    y = x.copy()
+    jit_attention._exp_row(y, y.size)
+    exact = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(y - exact) / exact) <= 1.5 * np.finfo(dtype).eps
+    edges = np.array([np.nan, np.inf, -np.inf, 1e4, -1e4, 0.0], dtype=dtype)
+    jit_attention._exp_row(edges, edges.size)
+    assert np.isnan(edges[0]) and edges[1] == np.inf and edges[2] == 0 and edges[3] == np.inf
+    assert edges[4] == 0 and edges[5] == 1
+
+
+@needs_numba
+def test_compiled_attention_with_the_openblas_gemm_equals_the_reference(monkeypatch):
+    """The compiled attention through the OpenBLAS in NumPy's wheel (used when MKL is not installed)
+    as well as through MKL: the dense reference, 1e-12 in float64."""
+    from hpcpar import blas
+    import ctypes
+    fn = blas._numpy_openblas("scipy_cblas_dgemm64_", "cblas_dgemm64_", argtypes=None)
+    if fn is None:
+        pytest.skip("this NumPy bundles no ILP64 OpenBLAS")
+    monkeypatch.setattr(ck, "_jit_module", None)
+    monkeypatch.setattr(blas, "compiled_gemm", lambda dtype: ctypes.cast(fn, ctypes.c_void_p).value)
+    qkv = RNG.standard_normal((3, 70, 3 * 4 * 6))
+    g = RNG.standard_normal((3, 70, 4 * 6))
+    y, saved = ck.causal_attention_forward(qkv, 4)
+    assert saved.compiled
+    ry, rgrad = attention_reference(qkv, 4)
+    np.testing.assert_allclose(y, ry, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ck.causal_attention_backward(qkv, 4, saved, g), rgrad(g), rtol=1e-11, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_attention_rows_whose_exponentials_leave_the_range_are_recomputed_shifted(dtype):
     """Scores in the thousands overflow exp (and below -1000 underflow it) unshifted: those rows are

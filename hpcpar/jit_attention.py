@@ -1,0 +1,288 @@
+"""Causal self-attention as one compiled call per run of (sample, head) pairs (Numba + the GEMM's C
+entry point), when the `fast` extra is installed.
+
+`cpu_kernels.causal_attention_forward/_backward` without Numba run a (batch group, query block) as
+a dozen NumPy calls. Each holds the GIL for its Python part, and with two kernel threads every
+call also waits for the other thread's GIL hand-off (tens of microseconds of thread wake-ups on a
+VM): two threads ran the default model's attention 1.1x faster than one, where two processes run
+it 2x faster. Here a thread's whole share is one call that holds no GIL: the products go straight
+to `cblas_?gemm` (MKL's, or the OpenBLAS NumPy bundles: `blas.compiled_gemm`) on the strided q, k,
+v columns of qkv, with no copies; exp, the row sums, the normalisation and softmax's gradient are
+loops over rows that stay in L1.
+
+Layouts. qkv [B, T, 3 C] (rows [q; k; v] of c_attn, head h in columns h D .. h D + D of each),
+C = H D. A unit u = b H + h is one (sample, head) pair; query blocks [a, e) of `qblock` rows (the
+last one shorter) see keys [0, e). probs [B H, K] keeps E = exp(S) of every block of a unit, block
+j at `offsets[j]` as a C-ordered [e - a, e] matrix (K = cpu_kernels.kept_probabilities(T));
+rowsum [B, H, T, 1] holds l = rowsum(E). The arithmetic of a unit never depends on the other units
+in the call, the thread it runs on or the memory around it (same products, same loops), which is
+what lets every mesh (dp rows, tp heads) reproduce the single-process model bit for bit.
+
+exp is computed here, not by libm (a scalar call per element, 4x slower than NumPy's SIMD exp):
+exp(x) = 2^r exp(g) with r = round(x / ln 2) put in the exponent's bits and exp(g), |g| <= ln(2)/2,
+a Taylor polynomial of degree 7 in float32 (truncation 5e-9) and 13 in float64 (4e-18): within an
+ulp of the exact value (measured over 590k values of each dtype); results below the smallest normal
+number are 0. The loop vectorizes: float32 runs at NumPy's speed. A row whose sum leaves the range where E keeps full precision is
+recomputed with its maximum subtracted, as in cpu_kernels._exp_scores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from hpcpar.jit_kernels import _row_sum, jit
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+
+
+@intrinsic
+def _as_float(typingctx, bits):
+    """The float whose bits are `bits`: int32 -> float32, int64 -> float64 (LLVM's bitcast)."""
+    target = {types.int32: types.float32, types.int64: types.float64}.get(bits)
+    if target is None:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(target))
+    return target(bits), codegen
+
+
+@intrinsic
+def _gemm(typingctx, address, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """cblas_?gemm(row-major, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc) through
+    the function at `address` (blas.compiled_gemm: ILP64, so 64-bit dimensions); a, b, c are the
+    matrices' addresses, alpha and beta in the matrices' dtype (float32: sgemm, float64: dgemm).
+    Taking the address as data (not a ctypes object) keeps the kernels cacheable and their calls
+    free of per-call typing."""
+    if alpha not in (types.float32, types.float64) or beta != alpha:
+        return None
+    i64, i32 = types.int64, types.int32
+    sig = types.void(i64, i32, i32, i64, i64, i64, alpha, i64, i64, i64, i64, alpha, i64, i64)
+
+    def codegen(context, builder, signature, args):
+        i32_t, i64_t, ptr = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
+        f = context.get_value_type(alpha)
+        fnty = ir.FunctionType(ir.VoidType(), [i32_t, i32_t, i32_t, i64_t, i64_t, i64_t, f, ptr, i64_t, ptr, i64_t,
+                                              f, ptr, i64_t])
+        fn = builder.inttoptr(args[0], fnty.as_pointer())
+        (_, ta, tb, m_, n_, k_, al, pa, la, pb, lb, be, pc, lc) = args
+        builder.call(fn, [ir.Constant(i32_t, _ROW_MAJOR), ta, tb, m_, n_, k_, al, builder.inttoptr(pa, ptr), la,
+                          builder.inttoptr(pb, ptr), lb, be, builder.inttoptr(pc, ptr), lc])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+# exp(g) = sum g^k / k!, |g| <= ln(2) / 2: the Taylor coefficients 1 / k!, k = 2..13.
+_C = tuple(1.0 / float(np.prod(np.arange(1, k + 1))) for k in range(2, 14))
+# ln 2 = hi + lo with hi's few significant bits, so r hi is exact for the r that occur (Cody and
+# Waite): the reduced argument g = (x - r hi) - r lo is then good to an ulp of g.
+_LN2_HI32, _LN2_LO32 = 0.693359375, -2.12194440e-4
+_LN2_HI64, _LN2_LO64 = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+
+
+@jit
+def _exp_row(s, n):
+    """s[:n] = exp(s[:n]) in place (s 1-D, float32 or float64): 2^r exp(g), r = round(x / ln 2),
+    g = x - r ln 2, within an ulp of the exact value. NaN stays NaN; x / ln 2 above 127 (1023) gives
+    a value no row sum accepts (inf, or finite and far too large: the row is recomputed shifted);
+    below -126 (-1022) the result is 0."""
+    if s.itemsize == 4:
+        l2e, lo, hi = np.float32(1.4426950408889634), np.float32(-126.0), np.float32(127.0)
+        magic, zero, one = np.float32(12582912.0), np.float32(0.0), np.float32(1.0)  # 1.5 2^23 rounds
+        ln2_hi, ln2_lo = np.float32(_LN2_HI32), np.float32(_LN2_LO32)
+        c2, c3, c4, c5 = np.float32(_C[0]), np.float32(_C[1]), np.float32(_C[2]), np.float32(_C[3])
+        c6, c7 = np.float32(_C[4]), np.float32(_C[5])
+        for i in range(n):
+            x = s[i]
+            t = x * l2e
+            t = hi if t > hi else t
+            under = t < lo
+            t = lo if under else t
+            r = (t + magic) - magic
+            g = (x - r * ln2_hi) - r * ln2_lo
+            p = ((((((c7 * g + c6) * g + c5) * g + c4) * g + c3) * g + c2) * g + one) * g + one
+            y = p * _as_float(np.int32((np.int32(r) + np.int32(127)) << np.int32(23)))
+            y = zero if under else y
+            s[i] = x if x != x else y
+    else:
+        c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13 = _C
+        for i in range(n):
+            x = s[i]
+            t = x * 1.4426950408889634
+            t = 1023.0 if t > 1023.0 else t
+            under = t < -1022.0
+            t = -1022.0 if under else t
+            r = (t + 6755399441055744.0) - 6755399441055744.0                  # 1.5 2^52 rounds
+            g = (x - r * _LN2_HI64) - r * _LN2_LO64
+            p = c13 * g + c12
+            p = p * g + c11
+            p = p * g + c10
+            p = p * g + c9
+            p = p * g + c8
+            p = p * g + c7
+            p = p * g + c6
+            p = p * g + c5
+            p = p * g + c4
+            p = p * g + c3
+            p = p * g + c2
+            p = p * g + 1.0
+            p = p * g + 1.0
+            y = p * _as_float(np.int64((np.int64(r) + np.int64(1023)) << np.int64(52)))
+            y = 0.0 if under else y
+            s[i] = x if x != x else y
+
+
+@jit
+def _row_dot(x, y, zero):
+    """sum x y over two 1-D rows of equal length, in eight interleaved lanes (as _row_sum); `zero`
+    in their dtype."""
+    n = x.size
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
+    i = 0
+    while i + 8 <= n:
+        s0 += x[i] * y[i]
+        s1 += x[i + 1] * y[i + 1]
+        s2 += x[i + 2] * y[i + 2]
+        s3 += x[i + 3] * y[i + 3]
+        s4 += x[i + 4] * y[i + 4]
+        s5 += x[i + 5] * y[i + 5]
+        s6 += x[i + 6] * y[i + 6]
+        s7 += x[i + 7] * y[i + 7]
+        i += 8
+    total = ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))
+    while i < n:
+        total += x[i] * y[i]
+        i += 1
+    return total
+
+
+@jit
+def _scores_row_shifted(qkv, qrow, krow0, valid, d, scale, zero, row):
+    """row[:valid] = exp(S - max S) for one query against keys krow0.. (the rare row whose unshifted
+    sum left the range); returns its sum. qrow, krow0: flat offsets of the query's and the first
+    key's D values in qkv (keys `three_c` apart)."""
+    flat = qkv.reshape(-1)
+    three_c = qkv.shape[2]
+    for j in range(valid):
+        acc = zero
+        for i in range(d):
+            acc += flat[qrow + i] * flat[krow0 + j * three_c + i]
+        row[j] = acc * scale
+    top = row[0]
+    for j in range(1, valid):
+        top = row[j] if row[j] > top else top
+    for j in range(valid):
+        row[j] -= top
+    _exp_row(row, valid)
+    return _row_sum(row[:valid], zero)
+
+
+@jit
+def _block_scores(gemm, qkv, b, h, a, e, d, scale, zero, tiny, huge, s, sums):
+    """Query block [a, e) of unit (b, h): s [e - a, e] (C-ordered, `s` 1-D of (e - a) e) = E =
+    exp(S), S = q k^T scale, zero past each query's causal edge; sums [e - a] = its row sums."""
+    t, three_c = qkv.shape[1], qkv.shape[2]
+    c = three_c // 3
+    m = e - a
+    size = qkv.itemsize
+    q0 = (b * t * three_c) + h * d                       # flat offset of (b, 0, q head h)
+    base = qkv.ctypes.data
+    _gemm(gemm, _NO_TRANS, _TRANS, m, e, d, scale, base + (q0 + a * three_c) * size, three_c,
+         base + (q0 + c) * size, three_c, zero, s.ctypes.data, e)
+    for r in range(m):
+        row = s[r * e:(r + 1) * e]
+        valid = a + r + 1
+        _exp_row(row, valid)
+        row[valid:] = zero
+        total = _row_sum(row[:valid], zero)
+        if not (total > tiny and total < huge) and total == total:
+            total = _scores_row_shifted(qkv, q0 + (a + r) * three_c, q0 + c, valid, d, scale, zero, row)
+        sums[r] = total
+
+
+@jit
+def attention_forward(gemm, qkv, n_head, scale, zero, qblock, offsets, u0, u1, out, rowsum, probs, keep,
+                      tiny, huge):
+    """Units u0..u1-1: out [B, T, C] (their heads' columns) = softmax(S) V, rowsum [B, H, T, 1] = l,
+    and with `keep` probs[u] = each block's E (else nothing is kept). `scale` (1/sqrt(D)), `zero`,
+    `tiny` and `huge` (cpu_kernels._exp_range) in qkv's dtype; offsets [blocks + 1] int64."""
+    t, three_c = qkv.shape[1], qkv.shape[2]
+    c = three_c // 3
+    d = c // n_head
+    size = qkv.itemsize
+    scratch = np.empty(qblock * t, dtype=qkv.dtype)
+    sums = np.empty(qblock, dtype=qkv.dtype)
+    one = np.ones(1, dtype=qkv.dtype)[0]                  # (alpha and beta in the matrices' dtype)
+    base, obase = qkv.ctypes.data, out.ctypes.data
+    for u in range(u0, u1):
+        b, h = u // n_head, u % n_head
+        v0 = (b * t * three_c) + 2 * c + h * d
+        for j in range(offsets.size - 1):
+            a = j * qblock
+            e = min(a + qblock, t)
+            m = e - a
+            s = probs[u, offsets[j]:offsets[j] + m * e] if keep else scratch[:m * e]
+            _block_scores(gemm, qkv, b, h, a, e, d, scale, zero, tiny, huge, s, sums)
+            o0 = (b * t + a) * c + h * d
+            _gemm(gemm, _NO_TRANS, _NO_TRANS, m, d, e, one, s.ctypes.data, e, base + v0 * size, three_c,
+                 zero, obase + o0 * size, c)
+            for r in range(m):
+                rowsum[b, h, a + r, 0] = sums[r]
+                o = out[b, a + r, h * d:(h + 1) * d]
+                for i in range(d):
+                    o[i] = o[i] / sums[r]
+
+
+@jit
+def attention_backward(gemm, qkv, g, n_head, scale, zero, qblock, offsets, u0, u1, grad, rowsum, probs,
+                       keep, tiny, huge):
+    """Units u0..u1-1 of dqkv = grad [B, T, 3 C] for dy = g [B, T, C], as
+    cpu_kernels.causal_attention_backward: with dY' = dY / l, per query block (last to first, so the
+    first writes dK and dV whole and the others add to their leading rows) dV += E^T dY',
+    dP' = dY' V^T, dS = E (dP' - rowsum(dP' E) / l), dQ = dS K scale, dK += dS^T Q scale."""
+    t, three_c = qkv.shape[1], qkv.shape[2]
+    c = three_c // 3
+    d = c // n_head
+    size = qkv.itemsize
+    gy = np.empty(t * d, dtype=qkv.dtype)
+    gs = np.empty(qblock * t, dtype=qkv.dtype)
+    scratch = np.empty(qblock * t, dtype=qkv.dtype)
+    sums = np.empty(qblock, dtype=qkv.dtype)
+    one = np.ones(1, dtype=qkv.dtype)[0]
+    base, gbase = qkv.ctypes.data, grad.ctypes.data
+    nblocks = offsets.size - 1
+    for u in range(u0, u1):
+        b, h = u // n_head, u % n_head
+        q0 = (b * t * three_c) + h * d
+        for r in range(t):
+            l_r = rowsum[b, h, r, 0]
+            for i in range(d):
+                gy[r * d + i] = g[b, r, h * d + i] / l_r
+        for j in range(nblocks - 1, -1, -1):
+            a = j * qblock
+            e = min(a + qblock, t)
+            m = e - a
+            if keep:
+                p = probs[u, offsets[j]:offsets[j] + m * e]
+            else:
+                p = scratch[:m * e]
+                _block_scores(gemm, qkv, b, h, a, e, d, scale, zero, tiny, huge, p, sums)
+            beta = zero if e == t else one
+            pp, gya, gsp = p.ctypes.data, gy.ctypes.data + a * d * size, gs.ctypes.data
+            _gemm(gemm, _TRANS, _NO_TRANS, e, d, m, one, pp, e, gya, d, beta,
+                 gbase + (q0 + 2 * c) * size, three_c)                                   # dV[:e] += E^T dY'
+            _gemm(gemm, _NO_TRANS, _TRANS, m, e, d, one, gya, d, base + (q0 + 2 * c) * size, three_c,
+                 zero, gsp, e)                                                            # dP' = dY' V^T
+            for r in range(m):
+                grow = gs[r * e:(r + 1) * e]
+                prow = p[r * e:(r + 1) * e]
+                delta = _row_dot(grow, prow, zero) / rowsum[b, h, a + r, 0]
+                for i in range(e):
+                    grow[i] = (grow[i] - delta) * prow[i]
+            _gemm(gemm, _NO_TRANS, _NO_TRANS, m, d, e, scale, gsp, e, base + (q0 + c) * size, three_c,
+                 zero, gbase + (q0 + a * three_c) * size, three_c)                       # dQ = dS K scale
+            _gemm(gemm, _TRANS, _NO_TRANS, e, d, m, scale, gsp, e, base + (q0 + a * three_c) * size,
+                 three_c, beta, gbase + (q0 + c) * size, three_c)                        # dK[:e] += dS^T Q scale
