@@ -15,7 +15,16 @@ from hpcpar import threads
 # Must run before NumPy loads its BLAS: one thread per rank when ranks share cores.
 threads.set_default_threads()
 
-from hpcpar.errors import HpcparError  # noqa: E402
+from hpcpar.errors import HpcparError, UsageError  # noqa: E402
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a UsageError where it would print its usage and exit: under mpiexec
+    every rank parses the same command line, and an error must be printed once, not once a rank
+    (`failure.report_user_error`). Sub-commands' parsers are of this class too."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see: {self.prog} --help)")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -25,7 +34,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hpcpar", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="hpcpar", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
@@ -187,13 +196,13 @@ def _server_ranges(servers: int, overrides: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     from hpcpar import failure
     failure.install()
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        status = run(args)
+        status = run(build_parser().parse_args(argv))
     except HpcparError as err:
-        failure.report_user_error(err, debug=args.debug)
+        failure.report_user_error(err, debug="--debug" in argv)
         status = err.exit_status
     return int(status or 0)
 

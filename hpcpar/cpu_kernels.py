@@ -366,7 +366,11 @@ def bias_gelu_backward(pre, t, g, bias: bool):
             grad[a:e] = s
             s[...] = grad[a:e]  # the bias gradient of the rounded values, as a separate linear sums them
         if db is not None:
-            np.einsum("ij->j", s, out=db[index[(a, e)]])
+            if jit is not None and s.flags.c_contiguous:
+                jit.column_sums(s, db[index[(a, e)]])                         # (einsum holds the GIL)
+            else:
+                np.einsum("ij->j", s, out=db[index[(a, e)]])
+    jit = _jit()
     _run(block, blocks)
     return grad, (_sum_partials(db) if db is not None else None)
 

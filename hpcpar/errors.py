@@ -13,6 +13,10 @@ class HpcparError(Exception):
     exit_status = 2
 
 
+class UsageError(HpcparError):
+    """A command line that does not parse (an unknown flag, a missing value)."""
+
+
 class ConfigError(HpcparError):
     """A configuration value or combination that cannot work."""
 

@@ -33,21 +33,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from hpcpar.jit_kernels import _row_sum, jit
+from hpcpar.jit_kernels import _row_sum, exp32, exp64, jit
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
-
-
-@intrinsic
-def _as_float(typingctx, bits):
-    """The float whose bits are `bits`: int32 -> float32, int64 -> float64 (LLVM's bitcast)."""
-    target = {types.int32: types.float32, types.int64: types.float64}.get(bits)
-    if target is None:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(target))
-    return target(bits), codegen
 
 
 @intrinsic
@@ -75,64 +63,15 @@ def _gemm(typingctx, address, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, 
     return sig, codegen
 
 
-# exp(g) = sum g^k / k!, |g| <= ln(2) / 2: the Taylor coefficients 1 / k!, k = 2..13.
-_C = tuple(1.0 / float(np.prod(np.arange(1, k + 1))) for k in range(2, 14))
-# ln 2 = hi + lo with hi's few significant bits, so r hi is exact for the r that occur (Cody and
-# Waite): the reduced argument g = (x - r hi) - r lo is then good to an ulp of g.
-_LN2_HI32, _LN2_LO32 = 0.693359375, -2.12194440e-4
-_LN2_HI64, _LN2_LO64 = 6.93147180369123816490e-01, 1.90821492927058770002e-10
-
-
 @jit
 def _exp_row(s, n):
-    """s[:n] = exp(s[:n]) in place (s 1-D, float32 or float64): 2^r exp(g), r = round(x / ln 2),
-    g = x - r ln 2, within an ulp of the exact value. NaN stays NaN; x / ln 2 above 127 (1023) gives
-    a value no row sum accepts (inf, or finite and far too large: the row is recomputed shifted);
-    below -126 (-1022) the result is 0."""
+    """s[:n] = exp(s[:n]) in place (s 1-D, float32 or float64): jit_kernels.exp32 / exp64."""
     if s.itemsize == 4:
-        l2e, lo, hi = np.float32(1.4426950408889634), np.float32(-126.0), np.float32(127.0)
-        magic, zero, one = np.float32(12582912.0), np.float32(0.0), np.float32(1.0)  # 1.5 2^23 rounds
-        ln2_hi, ln2_lo = np.float32(_LN2_HI32), np.float32(_LN2_LO32)
-        c2, c3, c4, c5 = np.float32(_C[0]), np.float32(_C[1]), np.float32(_C[2]), np.float32(_C[3])
-        c6, c7 = np.float32(_C[4]), np.float32(_C[5])
         for i in range(n):
-            x = s[i]
-            t = x * l2e
-            t = hi if t > hi else t
-            under = t < lo
-            t = lo if under else t
-            r = (t + magic) - magic
-            g = (x - r * ln2_hi) - r * ln2_lo
-            p = ((((((c7 * g + c6) * g + c5) * g + c4) * g + c3) * g + c2) * g + one) * g + one
-            y = p * _as_float(np.int32((np.int32(r) + np.int32(127)) << np.int32(23)))
-            y = zero if under else y
-            s[i] = x if x != x else y
+            s[i] = exp32(s[i])
     else:
-        c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13 = _C
         for i in range(n):
-            x = s[i]
-            t = x * 1.4426950408889634
-            t = 1023.0 if t > 1023.0 else t
-            under = t < -1022.0
-            t = -1022.0 if under else t
-            r = (t + 6755399441055744.0) - 6755399441055744.0                  # 1.5 2^52 rounds
-            g = (x - r * _LN2_HI64) - r * _LN2_LO64
-            p = c13 * g + c12
-            p = p * g + c11
-            p = p * g + c10
-            p = p * g + c9
-            p = p * g + c8
-            p = p * g + c7
-            p = p * g + c6
-            p = p * g + c5
-            p = p * g + c4
-            p = p * g + c3
-            p = p * g + c2
-            p = p * g + 1.0
-            p = p * g + 1.0
-            y = p * _as_float(np.int64((np.int64(r) + np.int64(1023)) << np.int64(52)))
-            y = 0.0 if under else y
-            s[i] = x if x != x else y
+            s[i] = exp64(s[i])
 
 
 @jit

@@ -6,7 +6,8 @@ a chain is one loop per block, compiled once (Numba, cached on disk) and run wit
 the kernel pool's threads compute at once: GELU's backward and AdamW's update 2.5-4x faster per
 thread, LayerNorm 2-3x. Transcendentals stay NumPy's (its SIMD tanh and exp; Numba's are scalar
 libm calls, several times slower): GELU's forward is u = poly(x) here, tanh(u) in NumPy, then
-y = 0.5 x (1 + t) here.
+y = 0.5 x (1 + t) here. The exception is `exp32`/`exp64`, a range reduction and a polynomial that
+vectorize (within an ulp), for the compiled attention (jit_attention), which runs without NumPy.
 
 Each elementwise loop performs the NumPy chain's operations on each element in the same order
 with the same constants (rounded to the array's dtype, as NumPy does with a Python float), so
@@ -22,8 +23,79 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
 jit = numba.njit(nogil=True, cache=True, error_model="numpy")
+
+@intrinsic
+def _as_float(typingctx, bits):
+    """The float whose bits are `bits`: int32 -> float32, int64 -> float64 (LLVM's bitcast)."""
+    target = {types.int32: types.float32, types.int64: types.float64}.get(bits)
+    if target is None:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(target))
+    return target(bits), codegen
+
+
+# exp(g) = sum g^k / k!, |g| <= ln(2) / 2: the Taylor coefficients 1 / k!, k = 2..13.
+_C = tuple(1.0 / float(np.prod(np.arange(1, k + 1))) for k in range(2, 14))
+# ln 2 = hi + lo with hi's few significant bits, so r hi is exact for the r that occur (Cody and
+# Waite): the reduced argument g = (x - r hi) - r lo is then good to an ulp of g.
+_LN2_HI32, _LN2_LO32 = 0.693359375, -2.12194440e-4
+_LN2_HI64, _LN2_LO64 = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+_C32 = tuple(np.float32(c) for c in _C[:6])
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def exp32(x):
+    """exp of a float32 as 2^r exp(g), r = round(x / ln 2), g = x - r ln 2 (exp(g) a Taylor
+    polynomial of degree 7, truncation 5e-9): within an ulp of the exact value, and a loop of it
+    vectorizes (libm's expf is a scalar call, 4x slower than NumPy's SIMD exp). NaN stays NaN;
+    x / ln 2 above 127 gives inf or a finite value far too large (callers treat both as overflow),
+    below -126 gives 0."""
+    c2, c3, c4, c5, c6, c7 = _C32
+    t = x * np.float32(1.4426950408889634)
+    t = np.float32(127.0) if t > np.float32(127.0) else t
+    under = t < np.float32(-126.0)
+    t = np.float32(-126.0) if under else t
+    r = (t + np.float32(12582912.0)) - np.float32(12582912.0)          # 1.5 2^23: rounds to an integer
+    g = (x - r * np.float32(_LN2_HI32)) - r * np.float32(_LN2_LO32)
+    p = ((((((c7 * g + c6) * g + c5) * g + c4) * g + c3) * g + c2) * g + np.float32(1.0)) * g + np.float32(1.0)
+    y = p * _as_float(np.int32((np.int32(r) + np.int32(127)) << np.int32(23)))
+    y = np.float32(0.0) if under else y
+    return x if x != x else y
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def exp64(x):
+    """exp32's float64 twin: exp(g) of degree 13 (truncation 4e-18), r in [-1022, 1023]."""
+    c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13 = _C
+    t = x * 1.4426950408889634
+    t = 1023.0 if t > 1023.0 else t
+    under = t < -1022.0
+    t = -1022.0 if under else t
+    r = (t + 6755399441055744.0) - 6755399441055744.0                  # 1.5 2^52
+    g = (x - r * _LN2_HI64) - r * _LN2_LO64
+    p = c13 * g + c12
+    p = p * g + c11
+    p = p * g + c10
+    p = p * g + c9
+    p = p * g + c8
+    p = p * g + c7
+    p = p * g + c6
+    p = p * g + c5
+    p = p * g + c4
+    p = p * g + c3
+    p = p * g + c2
+    p = p * g + 1.0
+    p = p * g + 1.0
+    y = p * _as_float(np.int64((np.int64(r) + np.int64(1023)) << np.int64(52)))
+    y = 0.0 if under else y
+    return x if x != x else y
+
 
 # Every constant comes in as an argument of the arrays' dtype (cpu_kernels makes them): a literal
 # would make Numba compute a float32 expression in float64 and round once, not as NumPy does.

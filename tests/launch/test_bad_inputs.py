@@ -38,6 +38,8 @@ def train(*overrides: str) -> list[str]:
 
 # (id, hpcpar arguments, ranks, expected text in the one error line)
 CASES = [
+    ("unknown-flag-4-ranks", ["train", "--steps", "5"], 4, "unrecognized arguments: --steps (see: hpcpar --help)"),
+    ("unknown-verb", ["trian"], 1, "invalid choice: 'trian'"),
     ("mesh-product", train("mesh.dp=3", "mesh.tp=1", "mesh.pp=1"), 4,
      "product 3 != world size 4"),
     ("mesh-product-1-rank", train("mesh.dp=2"), 1,
