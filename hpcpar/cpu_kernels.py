@@ -22,7 +22,7 @@ once.
 
 The elementwise kernels compute what the plain NumPy composition computes (the same operations on
 each element in the same order; tests/unit/test_cpu_kernels.py holds them to it); LayerNorm's row
-statistics and the attention's softmax are rearranged (row sums by einsum or in vectorized lanes,
+statistics and the attention's softmax are rearranged (row sums by einsum or in eight lanes,
 exponentials without the max shift, normalisation after P V: see each docstring) and equal the
 textbook formulas to rounding. 16-bit inputs (bf16/fp16 activations, `precision.py`) are taken up
 to float32 block by block and the results rounded once. Results do not depend on the thread
@@ -358,6 +358,7 @@ def bias_gelu_backward(pre, t, g, bias: bool):
     blocks = _blocks(n, cols * cd.itemsize)
     db = np.empty((len(blocks), cols), dtype=cd) if bias else None
     index = {blk: i for i, blk in enumerate(blocks)}
+    jit = _jit()
 
     def block(a, e):
         s = _scratch("bg_s", (e - a, cols), cd) if low else grad[a:e]
@@ -370,7 +371,6 @@ def bias_gelu_backward(pre, t, g, bias: bool):
                 jit.column_sums(s, db[index[(a, e)]])                         # (einsum holds the GIL)
             else:
                 np.einsum("ij->j", s, out=db[index[(a, e)]])
-    jit = _jit()
     _run(block, blocks)
     return grad, (_sum_partials(db) if db is not None else None)
 
