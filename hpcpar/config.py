@@ -327,8 +327,10 @@ def _read_toml(path: str | os.PathLike) -> dict:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
+        # `--set a=1 b=2` leaves b=2 where the config file goes: say how to give several overrides.
+        hint = f" (an override? each takes its own --set: --set {shown})" if "=" in shown else ""
         raise ConfigError(f"config file {shown!r} not found; give an existing TOML file, "
-                          "or none to use the defaults") from None
+                          f"or none to use the defaults{hint}") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {shown!r}: {e.strerror or e}") from None
     try:

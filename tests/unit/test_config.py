@@ -435,6 +435,11 @@ def test_missing_file(tmp_path):
     assert str(path) in str(info.value)
 
 
+def test_an_override_where_the_config_file_goes_says_how_to_repeat_set():
+    with pytest.raises(ConfigError, match=r"\(an override\? each takes its own --set: --set train.steps=5\)"):
+        load_config("train.steps=5", [])
+
+
 def test_directory_and_non_utf8_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(str(tmp_path), [])
