@@ -14,8 +14,12 @@ product in a different order, so results agree to rounding, and every rank of a 
     compiled_gemm(dtype)          the address of an ILP64 cblas_?gemm that compiled loops call directly
                                   (jit_attention): MKL's, else the OpenBLAS inside NumPy's wheel
 
-Threads: MKL takes the rank's BLAS threads (MKL_NUM_THREADS, which `threads.py` sets like
-OMP_NUM_THREADS); one thread runs MKL's sequential layer, which starts no OpenMP runtime.
+Threads: the rank's BLAS threads (MKL_NUM_THREADS, which `threads.py` sets like OMP_NUM_THREADS).
+One thread runs MKL's sequential layer, which starts no OpenMP runtime. Two or more with Numba
+(`kernel_pool.splits_gemms()`): MKL's sequential layer too, and each single product is cut into
+pieces of whole rows (or columns) of C that the kernel pool's threads compute at once (`_pieces`,
+`kernel_pool.split_gemm`): one pool of threads spinning between GEMMs and kernels, where MKL's
+OpenMP threads had to sleep after every call. Otherwise MKL's OpenMP layer with that many threads.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import sys
 
 import numpy as np
 
+from hpcpar import kernel_pool
 from hpcpar import threads as _threads
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -38,6 +43,7 @@ _lib = None            # the loaded libmkl_rt, or None
 _gemm = {}             # numpy dtype -> cblas ?gemm
 _gemm_batch = {}       # numpy dtype -> cblas ?gemm_batch_strided
 _loaded = False
+_split = False         # MKL runs sequentially; the kernel pool's threads share each product
 
 
 def _candidates() -> list[str]:
@@ -67,7 +73,10 @@ def _load():
         except (OSError, AttributeError):
             continue
         n = _threads.blas_threads()
-        lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL if n == 1 else _MKL_THREADING_INTEL)
+        # With Numba the kernel pool splits each product among its threads (kernel_pool: one pool
+        # whose threads spin between calls, as PyTorch's OpenMP pool does) and MKL runs sequentially.
+        split = n > 1 and kernel_pool.splits_gemms() and compiled_gemm(np.float32, lib) is not None
+        lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL if n == 1 or split else _MKL_THREADING_INTEL)
         lib.MKL_Set_Num_Threads(ctypes.c_int(n))
         vp, i = ctypes.c_void_p, ctypes.c_int
         for dtype, fn, batched, scalar in (
@@ -80,6 +89,10 @@ def _load():
             _gemm_batch[np.dtype(dtype)] = batched
         lib.MKL_Set_Num_Threads_Local.argtypes = [i]
         _lib = lib
+        if split:
+            global _split
+            _split = True
+            kernel_pool.allow_spinning()
         # NumPy's OpenBLAS is left the products below MIN_MKL_WORK: one thread, so its workers do
         # not spin (as they do after each call) on the cores the kernels' threads need.
         one = _numpy_openblas("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
@@ -122,17 +135,18 @@ def one_thread():
 _compiled: dict = {}
 
 
-def compiled_gemm(dtype) -> int | None:
+def compiled_gemm(dtype, lib=None) -> int | None:
     """The address of a row-major CBLAS ?gemm with 64-bit integer arguments (ILP64) for float32 /
     float64, for compiled code to call without the GIL (jit_attention): MKL's `cblas_?gemm_64` where
     MKL is loaded (oneMKL 2023 on), else the one in the OpenBLAS that NumPy's wheel bundles, else
-    None (the callers take their NumPy path)."""
+    None (the callers take their NumPy path). `lib`: libmkl_rt while `_load` sets it up."""
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         return None
     if dtype not in _compiled:
         letter = "s" if dtype == np.float32 else "d"
-        fn = getattr(_load(), f"cblas_{letter}gemm_64", None) if _load() is not None else \
+        lib = lib or _load()
+        fn = getattr(lib, f"cblas_{letter}gemm_64", None) if lib is not None else \
             _numpy_openblas(f"scipy_cblas_{letter}gemm64_", f"cblas_{letter}gemm64_", argtypes=None)
         _compiled[dtype] = ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
     return _compiled[dtype]
@@ -195,7 +209,7 @@ def matmul(a, b, out=None):
     if _lib is None:
         return np.matmul(a, b, out=out)
     key = (a.dtype, a.shape, a.strides, b.dtype, b.shape, b.strides,
-           None if out is None else (out.dtype, out.shape, out.strides))
+           None if out is None else (out.dtype, out.shape, out.strides), _split and kernel_pool.num_threads())
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= 4096:  # (shapes change only with the model or batch: a bound, not a policy)
@@ -210,6 +224,10 @@ def matmul(a, b, out=None):
     if out is None:
         out = np.empty(plan.shape, dtype=a.dtype)
     pa, pb, pc = a.ctypes.data, b.ctypes.data, out.ctypes.data
+    if plan.split is not None:
+        address, f64, pieces, ta, tb, k, lda, ldb, ldc = plan.split
+        if kernel_pool.split_gemm(address, f64, pieces, ta, tb, k, pa, lda, pb, ldb, pc, ldc):
+            return out
     for fn, head, lda, ldb, tail, oa, ob, oc in plan.calls:
         fn(*head, pa + oa, *lda, pb + ob, *ldb, 0.0, pc + oc, *tail)
     return out
@@ -222,7 +240,33 @@ _plans: dict = {}
 
 
 class _Plan:
-    __slots__ = ("shape", "copy_a", "copy_b", "calls")
+    __slots__ = ("shape", "copy_a", "copy_b", "calls", "split")
+
+
+# Rows (or columns) of a piece of a split product are a multiple of this: whole register tiles of
+# the GEMM's kernels, so a piece runs as fast per element as the whole product.
+_PIECE_ALIGN = 16
+
+
+def _pieces(m: int, n: int, oa: tuple, ob: tuple, ldc: int, item: int, threads: int) -> np.ndarray:
+    """How `kernel_pool.split_gemm` cuts C [m, n] = op(A) op(B) among `threads` threads: int64
+    [pieces, 5] of (rows, columns, byte offsets into A, B, C), whole rows of C when m >= n (each
+    piece reads all of B), else whole columns; at most `threads` pieces, each a multiple of
+    _PIECE_ALIGN but the last. oa, ob: (transpose flag, leading dimension) of A and B."""
+    rows = m >= n
+    size = m if rows else n
+    per = -(-size // threads)
+    per = -(-per // _PIECE_ALIGN) * _PIECE_ALIGN
+    pieces = []
+    for lo in range(0, size, per):
+        hi = min(lo + per, size)
+        if rows:  # rows lo..hi of op(A): its rows (no transpose) or its columns (transposed)
+            step_a = oa[1] * item if oa[0] == _NO_TRANS else item
+            pieces.append((hi - lo, n, lo * step_a, 0, lo * ldc * item))
+        else:     # columns lo..hi of op(B): its columns (no transpose) or its rows (transposed)
+            step_b = item if ob[0] == _NO_TRANS else ob[1] * item
+            pieces.append((m, hi - lo, 0, lo * step_b, lo * item))
+    return np.array(pieces, dtype=np.int64)
 
 
 def _plan(a, b, out):
@@ -257,8 +301,14 @@ def _plan(a, b, out):
     head = (_ROW_MAJOR, oa[0], ob[0], m, n, k, 1.0)
     count = math.prod(batch)
     sa, sb, sc = _batch_stride(a), _batch_stride(b), _batch_stride(c)
+    plan.split = None
     if count == 1:
         plan.calls = [(fn, head, (oa[1],), (ob[1],), (oc[1],), 0, 0, 0)]
+        threads = kernel_pool.num_threads() if _split else 1
+        if threads > 1:
+            pieces = _pieces(m, n, oa, ob, oc[1], a.itemsize, threads)
+            if len(pieces) > 1:
+                plan.split = (compiled_gemm(dtype), dtype == np.float64, pieces, oa[0], ob[0], k, oa[1], ob[1], oc[1])
     elif sa is not None and sb is not None and sc:
         plan.calls = [(_gemm_batch[dtype], head, (oa[1], sa), (ob[1], sb), (oc[1], sc, count), 0, 0, 0)]
     else:

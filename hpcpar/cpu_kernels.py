@@ -6,9 +6,9 @@ runs over blocks small enough (`BLOCK_BYTES`) that all its intermediates stay in
 cache, in scratch arrays reused from block to block and step to step, so memory sees each input
 and output about once. With the `fast` extra a block's chain is one compiled loop instead
 (`jit_kernels`, Numba: NumPy keeps tanh and exp). With more than one thread per rank
-(`threads.blas_threads()`, or `set_threads`) the blocks are shared out to a small pool of threads,
-the caller included: NumPy calls and the compiled loops release the GIL, so the threads compute at
-once.
+(`threads.blas_threads()`, or `set_threads`) the blocks are shared out to the rank's compute threads
+(`kernel_pool`), the caller included: NumPy calls and the compiled loops release the GIL, so the
+threads compute at once.
 
     gelu_forward / gelu_backward            elementwise, tanh form (bias_gelu_*: with a linear's bias)
     add_bias / column_sums                  a linear's bias and its gradient
@@ -41,8 +41,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hpcpar import blas
-from hpcpar import threads as _threads
+from hpcpar import blas, kernel_pool
+from hpcpar.kernel_pool import num_threads, set_threads  # noqa: F401 - this module's thread knobs
 from hpcpar.precision import down, is_low, up, up_dtype
 
 # Bytes of one block's main array: the three or four arrays of a chain fit a 2 MiB L2 cache
@@ -62,65 +62,11 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 # -- blocks and threads ------------------------------------------------------------------------
 
-_workers: list = []
-# Blocks a thread takes at least: handing a part to a thread and waiting for it costs 60-80 us on
-# the benchmark VM (waking a sleeping thread there takes tens of microseconds), as much as a
-# 384 KiB block's arithmetic, so a kernel of two or three blocks runs on the caller alone.
+# Blocks a thread takes at least: handing a part to a sleeping thread and waiting for it costs
+# 60-80 us on the benchmark VM (waking a sleeping thread there takes tens of microseconds), as much
+# as a 384 KiB block's arithmetic, so a kernel of two or three blocks runs on the caller alone.
 _MIN_BLOCKS_PER_THREAD = 2
-_threads_set: int | None = None
 _local = threading.local()
-
-
-class _Worker:
-    """A kernel thread: blocks on `go` until handed a part, runs it, releases `done`. Two lock
-    hand-offs per part: a thread pool's futures and queue cost a kernel of 0.2 ms half its time."""
-
-    def __init__(self, index: int):
-        self.go, self.done = threading.Lock(), threading.Lock()
-        self.go.acquire()
-        self.done.acquire()
-        self.task: tuple | None = None
-        self.error: BaseException | None = None
-        threading.Thread(target=self._loop, name=f"hpcpar-kernel-{index}", daemon=True).start()
-
-    def _loop(self) -> None:
-        blas.single_threaded()  # its GEMMs (attention's) run on it alone: the threads are the cores
-        while True:
-            self.go.acquire()
-            fn, part = self.task
-            try:
-                _run_part(fn, part)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
-                self.error = e
-            # Drop the task before sleeping: a kernel's closure holds its arrays (attention's saved
-            # probabilities), which would otherwise stay alive until the next task.
-            self.task = fn = part = None
-            self.done.release()
-
-    def start(self, fn, part: list) -> None:
-        self.task = (fn, part)
-        self.go.release()
-
-    def wait(self) -> None:
-        self.done.acquire()
-        error, self.error = self.error, None
-        if error is not None:
-            raise error
-
-
-def set_threads(n: int | None) -> None:
-    """Threads the kernels use (None: this rank's BLAS threads, `threads.blas_threads()`)."""
-    global _threads_set
-    if n is not None and n < 1:
-        raise ValueError(f"kernel threads must be >= 1, got {n}")
-    _threads_set = n if n is not None else _threads.blas_threads()
-
-
-def num_threads() -> int:
-    """The threads the kernels use now."""
-    if _threads_set is None:
-        set_threads(None)
-    return _threads_set
 
 
 def _run(fn, blocks: list, gemms: bool = False) -> None:
@@ -133,34 +79,19 @@ def _run(fn, blocks: list, gemms: bool = False) -> None:
         for a, e in blocks:
             fn(a, e)
         return
-    while len(_workers) < n - 1:
-        _workers.append(_Worker(len(_workers)))
     per = -(-len(blocks) // n)
     parts = [blocks[i:i + per] for i in range(0, len(blocks), per)]
-    started = []
-    try:
-        for worker, part in zip(_workers, parts[1:]):
-            worker.start(fn, part)
-            started.append(worker)
-        if gemms:
-            with blas.one_thread():
-                _run_part(fn, parts[0])
-        else:
-            _run_part(fn, parts[0])
-    finally:
-        errors = []
-        for worker in started:  # every part is waited for; the first error is raised
-            try:
-                worker.wait()
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-        if errors:
-            raise errors[0]
+    kernel_pool.run(functools.partial(_run_gemm_part if gemms else _run_part, fn), parts)
 
 
 def _run_part(fn, part: list) -> None:
     for a, e in part:
         fn(a, e)
+
+
+def _run_gemm_part(fn, part: list) -> None:
+    with blas.one_thread():
+        _run_part(fn, part)
 
 
 def _blocks(n: int, item_bytes: int, block_bytes: int = 0) -> list:

@@ -27,38 +27,9 @@ its maximum subtracted, as in cpu_kernels._exp_scores.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
+from hpcpar.jit_kernels import _row_sum, exp32, exp64, gemm as _gemm, jit
 
-from hpcpar.jit_kernels import _row_sum, exp32, exp64, jit
-
-_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
-
-
-@intrinsic
-def _gemm(typingctx, address, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-    """cblas_?gemm(row-major, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc) through
-    the function at `address` (blas.compiled_gemm: ILP64, so 64-bit dimensions); a, b, c are the
-    matrices' addresses, alpha and beta in the matrices' dtype (float32: sgemm, float64: dgemm).
-    Taking the address as data (not a ctypes object) keeps the kernels cacheable and their calls
-    free of per-call typing."""
-    if alpha not in (types.float32, types.float64) or beta != alpha:
-        return None
-    i64, i32 = types.int64, types.int32
-    sig = types.void(i64, i32, i32, i64, i64, i64, alpha, i64, i64, i64, i64, alpha, i64, i64)
-
-    def codegen(context, builder, signature, args):
-        i32_t, i64_t, ptr = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
-        f = context.get_value_type(alpha)
-        fnty = ir.FunctionType(ir.VoidType(), [i32_t, i32_t, i32_t, i64_t, i64_t, i64_t, f, ptr, i64_t, ptr, i64_t,
-                                              f, ptr, i64_t])
-        fn = builder.inttoptr(args[0], fnty.as_pointer())
-        (_, ta, tb, m_, n_, k_, al, pa, la, pb, lb, be, pc, lc) = args
-        builder.call(fn, [ir.Constant(i32_t, _ROW_MAJOR), ta, tb, m_, n_, k_, al, builder.inttoptr(pa, ptr), la,
-                          builder.inttoptr(pb, ptr), lb, be, builder.inttoptr(pc, ptr), lc])
-        return context.get_dummy_value()
-    return sig, codegen
+_NO_TRANS, _TRANS = 111, 112
 
 
 @jit

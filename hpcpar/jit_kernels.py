@@ -7,7 +7,8 @@ the kernel pool's threads compute at once: GELU's backward and AdamW's update 2.
 thread, LayerNorm 2-3x. Transcendentals stay NumPy's (its SIMD tanh and exp; Numba's are scalar
 libm calls, several times slower): GELU's forward is u = poly(x) here, tanh(u) in NumPy, then
 y = 0.5 x (1 + t) here. The exception is `exp32`/`exp64`, a range reduction and a polynomial that
-vectorize (within an ulp), for the compiled attention (jit_attention), which runs without NumPy.
+vectorize (within an ulp), for the compiled attention (jit_attention), which runs without NumPy;
+and `gemm`, a call of the BLAS's ILP64 `cblas_?gemm` from compiled code (jit_attention, jit_pool).
 
 Each elementwise loop performs the NumPy chain's operations on each element in the same order
 with the same constants (rounded to the array's dtype, as NumPy does with a Python float), so
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
@@ -38,6 +40,34 @@ def _as_float(typingctx, bits):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], context.get_value_type(target))
     return target(bits), codegen
+
+
+_ROW_MAJOR = 101
+
+
+@intrinsic
+def gemm(typingctx, address, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """cblas_?gemm(row-major, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc) through
+    the function at `address` (blas.compiled_gemm: ILP64, so 64-bit dimensions); a, b, c are the
+    matrices' addresses, alpha and beta in the matrices' dtype (float32: sgemm, float64: dgemm).
+    Taking the address as data (not a ctypes object) keeps the kernels cacheable and their calls
+    free of per-call typing."""
+    if alpha not in (types.float32, types.float64) or beta != alpha:
+        return None
+    i64, i32 = types.int64, types.int32
+    sig = types.void(i64, i32, i32, i64, i64, i64, alpha, i64, i64, i64, i64, alpha, i64, i64)
+
+    def codegen(context, builder, signature, args):
+        i32_t, i64_t, ptr = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
+        f = context.get_value_type(alpha)
+        fnty = ir.FunctionType(ir.VoidType(), [i32_t, i32_t, i32_t, i64_t, i64_t, i64_t, f, ptr, i64_t, ptr, i64_t,
+                                              f, ptr, i64_t])
+        fn = builder.inttoptr(args[0], fnty.as_pointer())
+        (_, ta, tb, m_, n_, k_, al, pa, la, pb, lb, be, pc, lc) = args
+        builder.call(fn, [ir.Constant(i32_t, _ROW_MAJOR), ta, tb, m_, n_, k_, al, builder.inttoptr(pa, ptr), la,
+                          builder.inttoptr(pb, ptr), lb, be, builder.inttoptr(pc, ptr), lc])
+        return context.get_dummy_value()
+    return sig, codegen
 
 
 # exp(g) = sum g^k / k!, |g| <= ln(2) / 2: the Taylor coefficients 1 / k!, k = 2..13.

@@ -22,7 +22,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "hpcpar"
 LAYERS = [
     {"hpcpar", "errors", "schema", "layout", "threads", "metrics", "trace", "preemption", "data", "jobs", "plot",
      "nn.init", "tokenizer", "datasets", "prepare", "safetensors_file"},
-    {"backend", "precision", "blas", "kernels", "cpu_kernels", "jit_kernels", "jit_attention", "watchdog", "failure"},
+    {"backend", "precision", "blas", "kernels", "cpu_kernels", "kernel_pool", "jit_kernels", "jit_attention", "jit_pool",
+     "watchdog", "failure"},
     {"comm", "mesh"},
     {"tensor", "ops"},
     {"parallel.mappings", "parallel.context", "nn", "nn.module", "nn.layers", "nn.gpt", "nn.tensor_parallel",
