@@ -42,7 +42,7 @@ from hpcpar import threads as _threads
 # kernels (the Python of the autograd between them, tens of microseconds), short enough that a
 # thread of a rank waiting for a collective or a checkpoint gives its core back soon.
 SPIN_S = 0.002
-_MAX_THREADS = 64  # (split_gemm reports sleeping threads as bits of an int64)
+_MAX_THREADS = 64
 
 _threads_set: int | None = None
 _polite = False          # more threads than cores: no spinning, waits yield the core
@@ -55,7 +55,8 @@ _ctrl = _task = None     # the mailbox (jit_pool's docstring): int64 [_MAX_THREA
 
 
 def set_threads(n: int | None) -> None:
-    """Threads the kernels use (None: this rank's BLAS threads, `threads.blas_threads()`)."""
+    """Threads the kernels use (None: this rank's BLAS threads, `threads.blas_threads()`; at most
+    64, the bits of the mask in which `jit_pool.post_gemm` reports sleeping threads)."""
     global _threads_set, _polite
     if n is not None and n < 1:
         raise ValueError(f"kernel threads must be >= 1, got {n}")
