@@ -57,7 +57,7 @@ def _candidates() -> list[str]:
 
 def _load():
     """libmkl_rt set up for this process (threading layer, threads), or None."""
-    global _lib, _loaded
+    global _lib, _loaded, _split
     if _loaded:
         return _lib
     _loaded = True
@@ -90,7 +90,6 @@ def _load():
         lib.MKL_Set_Num_Threads_Local.argtypes = [i]
         _lib = lib
         if split:
-            global _split
             _split = True
             kernel_pool.allow_spinning()
         # NumPy's OpenBLAS is left the products below MIN_MKL_WORK: one thread, so its workers do
