@@ -16,8 +16,8 @@ activations: activation bytes per transformer layer with train.recompute = none 
   dropout > 0. Formula, hpcpar's NumPy ops (B = batch, T = block_size, C = n_embd, H = n_head,
   s = bytes per element, d = 1 when dropout > 0), per layer:
 
-      none        s B T [(24 + 4d) C + 2] + s B H (K(T) + T)
-      selective   s B T [(24 + 4d) C + 2] + s B H T     the probabilities' blocks are recomputed
+      none        s B T [(22 + 4d) C + 4] + s B H (K(T) + T)
+      selective   s B T [(22 + 4d) C + 4] + s B H T     the probabilities' blocks are recomputed
       full        s B T C                               the block's input, nothing else
 
   K(T) = the elements of one head's [T, T] probabilities that the CPU attention keeps: each block of
@@ -26,13 +26,13 @@ activations: activation bytes per transformer layer with train.recompute = none 
 
   `none` term by term (what each op's backward keeps; an op's output is kept by the graph):
 
-      ln_1          output, xhat (B T C each), 1/std (B T)            2 B T C + B T
+      ln_1          output (B T C), mean and 1/std (B T each)         B T C + 2 B T
       c_attn        qkv                                               3 B T C
       attention     heads-merged output; causal blocks of exp(scores) B T C + B H K(T), row sums B H T
       attn.c_proj   output                                            B T C
       dropout       mask and output (both in the model's dtype)       2d B T C
       residual add  h                                                 B T C
-      ln_2          as ln_1                                           2 B T C + B T
+      ln_2          as ln_1                                           B T C + 2 B T
       mlp.c_fc      hidden                                            4 B T C
       gelu          tanh(u) and output                                8 B T C
       mlp.c_proj    output                                            B T C
@@ -44,16 +44,15 @@ activations: activation bytes per transformer layer with train.recompute = none 
   probabilities): 34 B T C + 5 H T^2 B bytes. hpcpar keeps every element in the model's dtype (masks
   too), has no attention dropout (so one [T, T] tensor per head instead of Megatron's softmax output,
   mask and dropout output: 1 instead of 5 bytes-per-2-byte-element), and its fused ops keep what
-  their backward reads (LayerNorm's xhat, GELU's tanh, each linear's output), which makes (24 + 4d)
-  elements per B T C where Megatron's 34 bytes are 17 two-byte elements. The [T, T] term is what
+  their backward reads (LayerNorm's mean and 1/std per row, GELU's tanh, each linear's output), which
+  makes (22 + 4d) elements per B T C where Megatron's 34 bytes are 17 two-byte elements. The [T, T] term is what
   selective recomputation removes in both; full leaves the input alone in both.
   Also reported: the start-up estimate's count for the same model (`config.estimate_memory`:
   Megatron's per-layer terms, one formula for every layout, docs/config.md "Memory estimate"; it
   differs from this exact count), the peak during backward
   above what the forward held (full re-runs one block there; selective one layer's [T, T]), and the
   time of one forward + backward against none (full runs every recomputed forward twice).
-  The fused GPU ops keep less (LayerNorm keeps 1/std and the mean, not xhat; attention only the
-  causal part of the probabilities): bench/gpu.py is where GPU memory is measured.
+  The fused GPU ops keep less (attention only the causal part of the probabilities): bench/gpu.py is where GPU memory is measured.
 
 model_state: model-state bytes per parameter under ZeRO 0/1/2/3, and a model plain data
   parallelism refuses under a memory limit training under ZeRO-3 on the same ranks. The section
@@ -81,7 +80,7 @@ model_state: model-state bytes per parameter under ZeRO 0/1/2/3, and a model pla
 precision: bytes per parameter and activation bytes per layer under train.precision = full
   (float32), bf16 and fp16, one process. Activations measured as in `activations` (recompute none,
   dropout > 0), next to the 16-bit count of what each op keeps (a = 2 bytes; LayerNorm keeps its
-  output and a float32 mean and 1/std per row instead of xhat, GELU its input only, dropout a
+  output and a float32 mean and 1/std per row, GELU its input only, dropout a
   1-byte mask, attention the 16-bit probabilities):
 
       16-bit    a B T 18 C + 16 B T + d (2a + 2) B T C + a B H K(T)
@@ -173,7 +172,7 @@ def activation_formula_bytes(mode: str, batch: int, seq: int, n_embd: int, n_hea
     s, d = DTYPES[dtype], int(dropout > 0)
     if mode == "full":
         return s * batch * seq * n_embd
-    tokens = s * batch * seq * ((24 + 4 * d) * n_embd + 2)
+    tokens = s * batch * seq * ((22 + 4 * d) * n_embd + 4)
     # Attention: the row sums of the exponentials (B H T) always; the causal blocks of the
     # exponentials themselves, K(T) per head (cpu_kernels.kept_probabilities), unless recomputed.
     kept = 0 if mode == "selective" else cpu_kernels.kept_probabilities(seq)
@@ -272,7 +271,7 @@ def activations(args) -> Section:
         header=["recompute", "measured MiB", "formula MiB", "ratio", "saved", "estimate MiB",
                 "bwd peak +MiB", "fwd+bwd time"],
         rows=table, checks=checks,
-        notes=[f"formula: none s B T [(24 + 4d) C + 2] + s B H (K(T) + T); selective without K(T); full s B T C "
+        notes=[f"formula: none s B T [(22 + 4d) C + 4] + s B H (K(T) + T); selective without K(T); full s B T C "
                f"(Korthikanti, 16-bit Megatron: {korthikanti / MiB:.3f} MiB)",
                "estimate: the start-up estimate's per-layer count for the same micro-batch (config.estimate_memory: "
                "Megatron's per-layer terms for every layout, not this exact count; docs/config.md)",
@@ -346,7 +345,7 @@ def precision(args) -> Section:
                f"H={args.n_head}, dropout={args.dropout}) and model state per parameter, float32 masters, one process"),
         header=["precision", "activations MiB", "formula MiB", "ratio", "vs full", "state bytes/param"],
         rows=table, checks=checks,
-        notes=["formula: full s B T [(24 + 4d) C + 2] + s B H (K(T) + T) (s = 4); 16-bit a B T 18 C + 16 B T "
+        notes=["formula: full s B T [(22 + 4d) C + 4] + s B H (K(T) + T) (s = 4); 16-bit a B T 18 C + 16 B T "
                "+ d (2a + 2) B T C + a B H K(T) (a = 2), K(T) the causal blocks' elements",
                "state: masters, gradients and AdamW moments stay float32 (16 bytes/parameter in every precision)"])
 

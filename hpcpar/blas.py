@@ -121,7 +121,7 @@ def one_thread():
     """GEMMs of this thread run on it alone inside (MKL's per-thread setting), as the kernel pool's
     threads do: the caller of a threaded kernel computes a share of its blocks alongside them."""
     lib = _load()
-    if lib is None:
+    if lib is None or _split:  # (split: MKL runs its sequential layer, one thread already)
         yield
         return
     lib.MKL_Set_Num_Threads_Local(1)

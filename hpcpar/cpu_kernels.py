@@ -13,7 +13,7 @@ threads compute at once.
     gelu_forward / gelu_backward            elementwise, tanh form (bias_gelu_*: with a linear's bias)
     add_bias / column_sums                  a linear's bias and its gradient
     sum_of_squares                          a gradient norm's share, in float64
-    layer_norm_forward / _backward_input    rows of [N, C]; _weight: dweight, dbias
+    layer_norm_forward / _backward          rows of [N, C]; with Numba compiled tasks (jit_pool)
     causal_attention_forward / _backward    per (batch group, query block), causal blocks skipped;
                                             with Numba, per (sample, head) in compiled calls
                                             (jit_attention)
@@ -135,6 +135,15 @@ def _jit():
             except ImportError:
                 pass
     return _jit_module or None
+
+
+def _jit_pool():
+    """`jit_pool` (compiled tasks the kernel threads run without Python) when the compiled loops are
+    in use, else None."""
+    if _jit() is None:
+        return None
+    from hpcpar import jit_pool
+    return jit_pool
 
 
 def jit_name() -> str:
@@ -351,36 +360,33 @@ def _row_dot_mean(a, b, out) -> None:
     out /= a.shape[1]
 
 
-def layer_norm_forward(x, w, b, eps: float, keep_xhat: bool = True):
+def layer_norm_forward(x, w, b, eps: float):
     """LayerNorm over the last dim of x [..., C] with weight w [C] (and bias b [C] or None), both
     already in the compute dtype: xhat = (x - mean) / sqrt(var + eps), y = xhat w + b. Returns
-    (y in x's dtype, mean [N, 1], rstd [N, 1], xhat [N, C]): the normalised rows when `keep_xhat`
-    (mean None), else the mean (xhat None), from which backward rebuilds them."""
+    (y in x's dtype, mean [N, 1], rstd [N, 1]) with N = x.size / C: backward rebuilds xhat from them
+    (the same bits as the forward's), as PyTorch and the GPU kernels do, instead of keeping [N, C]."""
     c = x.shape[-1]
     x2 = np.ascontiguousarray(x).reshape(-1, c)
     n = x2.shape[0]
     cd = up_dtype(x2.dtype)
     low = is_low(x2.dtype)
     out = np.empty_like(x2)
-    mean = None if keep_xhat else np.empty((n, 1), dtype=cd)
+    mean = np.empty((n, 1), dtype=cd)
     rstd = np.empty((n, 1), dtype=cd)
-    kept = np.empty((n, c), dtype=cd) if keep_xhat else None
-
-    jit = None if low else _jit()
-    if jit is not None:
-        one, width, eps_t = cd.type(1.0), cd.type(c), cd.type(eps)
-        dummy = np.empty((1, 1), dtype=cd)
+    pool = None if low else _jit_pool()
+    if pool is not None:
+        w = np.ascontiguousarray(w)
+        b = np.ascontiguousarray(b) if b is not None else w
+        kernel_pool.run_tasks(pool.layer_norm_tasks(
+            pool.LN_FORWARD, x2, w, b, mean, rstd, x2, out, mean, mean, pool.HAS_BIAS if b is not w else 0,
+            np.array([c, eps], dtype=cd), _block_rows(c, cd), num_threads()))
+        return out.reshape(x.shape), mean, rstd
 
     def block(a, e):
-        if jit is not None:
-            mu = mean[a:e] if mean is not None else _scratch("ln_mean", (e - a, 1), cd)
-            jit.layer_norm_forward(x2[a:e], w, b if b is not None else w, b is not None, eps_t, width, one,
-                                   out[a:e], mu, rstd[a:e], kept[a:e] if kept is not None else dummy, kept is not None)
-            return
         xs = up(x2[a:e])
-        mu = mean[a:e] if mean is not None else _scratch("ln_mean", (e - a, 1), cd)
+        mu = mean[a:e]
         _row_mean(xs, mu)
-        xh = kept[a:e] if kept is not None else _scratch("ln_xhat", (e - a, c), cd)
+        xh = _scratch("ln_xhat", (e - a, c), cd)
         np.subtract(xs, mu, out=xh)
         rs = rstd[a:e]
         _row_dot_mean(xh, xh, rs)
@@ -395,83 +401,69 @@ def layer_norm_forward(x, w, b, eps: float, keep_xhat: bool = True):
         if low:
             out[a:e] = o
     _run(block, _blocks(n, c * cd.itemsize))
-    return out.reshape(x.shape), mean, rstd, kept
+    return out.reshape(x.shape), mean, rstd
 
 
-def _xhat_rows(x2, mean, rstd, kept, a, e, cd):
-    """Rows a..e of xhat: kept, or rebuilt from x as (x - mean) rstd."""
-    if kept is not None:
-        return kept[a:e]
-    xh = _scratch("ln_xhat", (e - a, x2.shape[1]), cd)
-    np.subtract(up(x2[a:e]), mean[a:e], out=xh)
-    xh *= rstd[a:e]
-    return xh
+def _block_rows(c: int, cd) -> int:
+    """Rows of [N, C] per block (BLOCK_BYTES of the compute dtype): the unit of the weight gradient's
+    per-block partial sums, so that they are the same on any thread count."""
+    return max(1, BLOCK_BYTES // max(1, c * np.dtype(cd).itemsize))
 
 
-def layer_norm_backward_input(x, w, mean, rstd, kept, g):
-    """dx of layer_norm_forward for output gradient g (x's shape): with gxhat = g w,
-    dx = (gxhat - mean(gxhat) - xhat mean(gxhat xhat)) rstd per row, in x's dtype."""
+def layer_norm_backward(x, w, mean, rstd, g, want_dx: bool, want_dw: bool, bias: bool):
+    """LayerNorm's gradients for output gradient g (x's shape), from the forward's mean and rstd
+    (xhat = (x - mean) rstd rebuilt per row): (dx in x's dtype when want_dx, else None;
+    dweight [C] and dbias [C] (None without bias) in the compute dtype when want_dw, else None).
+    With gxhat = g w: dx = (gxhat - mean(gxhat) - xhat mean(gxhat xhat)) rstd per row;
+    dweight = sum over rows of g xhat, dbias = of g, as per-block partial sums added in block order.
+    Both at once read x and g once (a plain backward); a split backward (B, then W) asks for each alone."""
     c = x.shape[-1]
     x2 = np.ascontiguousarray(x).reshape(-1, c)
     g2 = np.ascontiguousarray(g).reshape(-1, c)
     n = x2.shape[0]
     cd = up_dtype(x2.dtype)
     low = is_low(x2.dtype)
-    out = np.empty((n, c), dtype=x2.dtype)
-    jit = None if low else _jit()
-    dummy = np.empty((1, 1), dtype=cd)
-
-    def block(a, e):
-        if jit is not None:
-            jit.layer_norm_backward_input(x2[a:e], w, mean[a:e] if mean is not None else dummy, rstd[a:e],
-                                          kept[a:e] if kept is not None else dummy, kept is not None, g2[a:e],
-                                          cd.type(c), out[a:e])
-            return
-        xh = _xhat_rows(x2, mean, rstd, kept, a, e, cd)
-        gxhat = _scratch("ln_gxhat", (e - a, c), cd)
-        np.multiply(up(g2[a:e]), w, out=gxhat)
-        m1 = _scratch("ln_m1", (e - a, 1), cd)
-        m2 = _scratch("ln_m2", (e - a, 1), cd)
-        _row_mean(gxhat, m1)
-        _row_dot_mean(gxhat, xh, m2)
-        gx = _scratch("ln_gx", (e - a, c), cd) if low else out[a:e]
-        np.subtract(gxhat, m1, out=gx)
-        np.multiply(xh, m2, out=gxhat)
-        gx -= gxhat
-        gx *= rstd[a:e]
-        if low:
-            out[a:e] = gx
-    _run(block, _blocks(n, c * cd.itemsize))
-    return out.reshape(x.shape)
-
-
-def layer_norm_backward_weight(x, mean, rstd, kept, g, bias: bool):
-    """(dweight [C], dbias [C] or None) = (sum over rows of g xhat, of g), in the compute dtype:
-    per-block column sums added in block order."""
-    c = x.shape[-1]
-    x2 = np.ascontiguousarray(x).reshape(-1, c)
-    g2 = np.ascontiguousarray(g).reshape(-1, c)
-    cd = up_dtype(x2.dtype)
-    blocks = _blocks(x2.shape[0], c * cd.itemsize)
-    dw = np.empty((len(blocks), c), dtype=cd)
-    db = np.empty((len(blocks), c), dtype=cd) if bias else None
-    index = {blk: i for i, blk in enumerate(blocks)}
-    jit = None if is_low(x2.dtype) else _jit()
-    dummy = np.empty((1, 1), dtype=cd)
-
-    def block(a, e):
-        i = index[(a, e)]
-        if jit is not None:
-            jit.layer_norm_backward_weight(x2[a:e], mean[a:e] if mean is not None else dummy, rstd[a:e],
-                                           kept[a:e] if kept is not None else dummy, kept is not None, g2[a:e],
-                                           dw[i], db[i] if db is not None else dw[i], db is not None)
-            return
-        gs = up(g2[a:e])
-        np.einsum("ij,ij->j", gs, _xhat_rows(x2, mean, rstd, kept, a, e, cd), out=dw[i])
-        if db is not None:
-            np.einsum("ij->j", gs, out=db[i])
-    _run(block, blocks)
-    return _sum_partials(dw), (_sum_partials(db) if db is not None else None)
+    rows = _block_rows(c, cd)
+    blocks = -(-n // rows)
+    dx = np.empty((n, c), dtype=x2.dtype) if want_dx else None
+    dw = np.empty((blocks, c), dtype=cd) if want_dw else None
+    db = np.empty((blocks, c), dtype=cd) if want_dw and bias else None
+    pool = None if low else _jit_pool()
+    if pool is not None:
+        w = np.ascontiguousarray(w)
+        flags = (pool.WANT_DX if want_dx else 0) | (pool.WANT_DW if want_dw else 0) | (pool.HAS_BIAS if bias else 0)
+        kernel_pool.run_tasks(pool.layer_norm_tasks(
+            pool.LN_BACKWARD, x2, w, w, mean, rstd, g2, dx if dx is not None else x2,
+            dw if dw is not None else mean, db if db is not None else mean, flags,
+            np.array([c, 0], dtype=cd), rows, num_threads()))
+    else:
+        def block(a, e):
+            xh = _scratch("ln_xhat", (e - a, c), cd)
+            np.subtract(up(x2[a:e]), mean[a:e], out=xh)
+            xh *= rstd[a:e]
+            gs = up(g2[a:e])
+            if want_dw:
+                np.einsum("ij,ij->j", gs, xh, out=dw[a // rows])
+                if bias:
+                    np.einsum("ij->j", gs, out=db[a // rows])
+            if not want_dx:
+                return
+            gxhat = _scratch("ln_gxhat", (e - a, c), cd)
+            np.multiply(gs, w, out=gxhat)
+            m1 = _scratch("ln_m1", (e - a, 1), cd)
+            m2 = _scratch("ln_m2", (e - a, 1), cd)
+            _row_mean(gxhat, m1)
+            _row_dot_mean(gxhat, xh, m2)
+            gx = _scratch("ln_gx", (e - a, c), cd) if low else dx[a:e]
+            np.subtract(gxhat, m1, out=gx)
+            np.multiply(xh, m2, out=gxhat)
+            gx -= gxhat
+            gx *= rstd[a:e]
+            if low:
+                dx[a:e] = gx
+        _run(block, _blocks(n, c * cd.itemsize))
+    return (dx.reshape(x.shape) if want_dx else None,
+            _sum_partials(dw) if want_dw else None, _sum_partials(db) if db is not None else None)
 
 
 def _sum_partials(parts):

@@ -207,14 +207,26 @@ def _row_sum(a, zero):
 _sum_jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc"})
 
 
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _private(c, like):
+    """A zeroed work array of c values of `like`'s dtype, 128 bytes clear of any other allocation on
+    both sides: two threads' work arrays allocated at the same time may otherwise share a cache line
+    that both write row after row (measured: a LayerNorm pass on two threads then ran slower than on
+    one)."""
+    pad = 128 // like.itemsize
+    return np.zeros(c + 2 * pad, dtype=like.dtype)[pad:pad + c]
+
+
 @jit
-def layer_norm_forward(x, w, b, has_bias, eps, width, one, out, mean, rstd, xhat, keep_xhat):
-    """Rows of x [n, c]: mean, 1/std, xhat = (x - mean) rstd (kept when keep_xhat), out = xhat w (+ b).
-    `width` is c in x's dtype."""
+def layer_norm_forward(x, w, b, has_bias, consts, out, mean, rstd):
+    """Rows of x [n, c]: mean [n, 1], 1/std rstd [n, 1], out = (x - mean) rstd w (+ b when has_bias).
+    consts [2]: c and eps in x's dtype."""
     n, c = x.shape
-    zero = one - one
-    d = np.empty(c, dtype=x.dtype)
-    sq = np.empty(c, dtype=x.dtype)
+    width, eps = consts[0], consts[1]
+    zero = width - width
+    one = width / width
+    d = _private(c, x)
+    sq = _private(c, x)
     for i in range(n):
         mu = _row_sum(x[i], zero) / width
         for j in range(c):
@@ -224,47 +236,50 @@ def layer_norm_forward(x, w, b, has_bias, eps, width, one, out, mean, rstd, xhat
         mean[i, 0] = mu
         rstd[i, 0] = rs
         for j in range(c):
-            xh = d[j] * rs
-            if keep_xhat:
-                xhat[i, j] = xh
-            o = xh * w[j]
+            o = d[j] * rs * w[j]
             out[i, j] = o + b[j] if has_bias else o
 
 
 @jit
-def layer_norm_backward_input(x, w, mean, rstd, xhat, have_xhat, g, width, dx):
-    """dx = (g w - mean(g w) - xhat mean(g w xhat)) rstd per row."""
+def layer_norm_backward(x, w, mean, rstd, g, consts, dx, dw, db, want_dx, want_dw, has_bias, block_rows):
+    """LayerNorm's gradients for rows of x [n, c] (saved mean, rstd [n, 1]; output gradient g [n, c];
+    xhat = (x - mean) rstd rebuilt per row): dx [n, c] = (g w - mean(g w) - xhat mean(g w xhat)) rstd
+    when want_dx; when want_dw, for each block of `block_rows` rows its partial sums dw[k] [c] of
+    g xhat and db[k] of g (db when has_bias), row by row. consts [2]: c (and eps) in x's dtype."""
     n, c = x.shape
+    width = consts[0]
     zero = width - width
-    gw = np.empty(c, dtype=x.dtype)
-    gwx = np.empty(c, dtype=x.dtype)
-    xh = np.empty(c, dtype=x.dtype)
+    gw, gwx, xh = _private(c, x), _private(c, x), _private(c, x)
+    # The block's sums build up in this thread's own arrays and are stored once per block: rows of dw
+    # next to each other share a cache line at their ends, which two threads adding row by row into
+    # neighbouring blocks would pass back and forth.
+    sum_w, sum_b = _private(c, x), _private(c, x)
     for i in range(n):
-        rs = rstd[i, 0]
+        gi = g[i]
+        rs, mu = rstd[i, 0], mean[i, 0]
         for j in range(c):
-            xh[j] = xhat[i, j] if have_xhat else (x[i, j] - mean[i, 0]) * rs
-            gw[j] = g[i, j] * w[j]
-            gwx[j] = gw[j] * xh[j]
-        m1 = _row_sum(gw, zero) / width
-        m2 = _row_sum(gwx, zero) / width
-        for j in range(c):
-            dx[i, j] = ((gw[j] - m1) - xh[j] * m2) * rs
-
-
-@jit
-def layer_norm_backward_weight(x, mean, rstd, xhat, have_xhat, g, dw, db, has_bias):
-    """dw [c] = sum over rows of g xhat, db [c] = of g (this block's partial sums, row by row)."""
-    n, c = x.shape
-    dw[:] = 0
-    if has_bias:
-        db[:] = 0
-    for i in range(n):
-        rs = rstd[i, 0]
-        for j in range(c):
-            xh = xhat[i, j] if have_xhat else (x[i, j] - mean[i, 0]) * rs
-            dw[j] += g[i, j] * xh
+            xh[j] = (x[i, j] - mu) * rs
+        if want_dw:
+            for j in range(c):
+                sum_w[j] += gi[j] * xh[j]
             if has_bias:
-                db[j] += g[i, j]
+                for j in range(c):
+                    sum_b[j] += gi[j]
+        if want_dx:
+            for j in range(c):
+                gw[j] = gi[j] * w[j]
+                gwx[j] = gw[j] * xh[j]
+            m1 = _row_sum(gw, zero) / width
+            m2 = _row_sum(gwx, zero) / width
+            for j in range(c):
+                dx[i, j] = ((gw[j] - m1) - xh[j] * m2) * rs
+        if want_dw:
+            if (i + 1) % block_rows == 0 or i == n - 1:
+                dw[i // block_rows, :] = sum_w
+                sum_w[:] = zero
+                if has_bias:
+                    db[i // block_rows, :] = sum_b
+                    sum_b[:] = zero
 
 
 @jit

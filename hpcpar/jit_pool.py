@@ -1,20 +1,21 @@
-"""The kernel threads' compiled side (Numba): waiting by spinning without the GIL, and GEMMs run by a
-kernel thread without returning to Python. Used by `kernel_pool` when the `fast` extra is installed.
+"""The kernel threads' compiled side (Numba): waiting by spinning without the GIL, and compiled tasks
+(GEMM pieces, LayerNorm row ranges) run by a kernel thread without returning to Python. Used by `kernel_pool` when the `fast` extra is installed.
 
 Waking a thread that sleeps on a lock costs 70-95 us a round trip on the benchmark VM, as long as a
 [1536, 128] x [128, 128] product takes on one core; Intel OpenMP's GEMM threads pay the same
 wake-up per call when they sleep at once (`KMP_BLOCKTIME=0`, which the kernel threads needed while
 they were a second set of threads on the same cores). So an idle kernel thread spins here for a
-while (`serve`), reading its mailbox with acquire loads and a `pause` between reads, and runs a GEMM
-piece posted to it right there: a split GEMM (`kernel_pool.split_gemm`: `post_gemm`, then
-`gemm_and_wait`) costs the caller a few stores, and waiting for the pieces is a spin too. A Python
-part makes `serve` return to its thread's Python loop.
+while (`serve`), reading its mailbox with acquire loads and a `pause` between reads, and runs a
+compiled task posted to it right there: a split GEMM or LayerNorm pass (`kernel_pool.run_tasks`:
+`post_tasks`, then `run_and_wait`) costs the caller a few stores, and waiting for the pieces is a
+spin too. A Python part makes `serve` return to its thread's Python loop.
 
 Mailbox: `ctrl`, int64 [threads - 1, 16] (a row per kernel thread, 128 bytes apart: no false
 sharing): POSTED (sequence number of the last task posted), DONE (of the last task finished), SLEEP
 (1 while the thread sleeps on its lock, or is about to). `task`, int64 [threads - 1, 16]: KIND
-(GEMM_F32, GEMM_F64, PYTHON), then a GEMM's address, trans_a, trans_b, m, n, k, a, lda, b, ldb, c,
-ldc. Stores to POSTED and DONE are releases, their loads acquires, SLEEP's accesses sequentially
+(GEMM_F32, GEMM_F64, LN_FORWARD, LN_BACKWARD, PYTHON), then a GEMM's address, trans_a, trans_b, m,
+n, k, a, lda, b, ldb, c, ldc, or a LayerNorm pass's slots (F64 ... BLOCK_ROWS below); the rows
+`gemm_tasks` and `layer_norm_tasks` build are copied in. Stores to POSTED and DONE are releases, their loads acquires, SLEEP's accesses sequentially
 consistent (a Dekker handshake with POSTED: `kernel_pool` explains), so this holds on any CPU, not
 only on x86's ordered stores.
 """
@@ -23,18 +24,24 @@ from __future__ import annotations
 
 import platform
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from hpcpar.jit_kernels import gemm, jit
+from hpcpar.jit_kernels import gemm, jit, layer_norm_backward, layer_norm_forward
 
 POSTED, DONE, SLEEP = 0, 1, 2
 KIND = 0
-GEMM_F32, GEMM_F64, PYTHON = 1, 2, 3
+GEMM_F32, GEMM_F64, PYTHON, LN_FORWARD, LN_BACKWARD = 1, 2, 3, 4, 5
 ROW = 16  # int64s per row of ctrl and task
+# A LayerNorm task's row: its dtype, rows and width, the arrays' addresses (at the task's first row),
+# FLAGS (HAS_BIAS | WANT_DX | WANT_DW), the address of consts [c, eps] in the dtype, rows per
+# partial sum of dw and db. OUT is y (forward) or dx (backward).
+F64, N, C, X, W, B, MEAN, RSTD, G, OUT, DW, DB, FLAGS, CONSTS, BLOCK_ROWS = range(1, 16)
+HAS_BIAS, WANT_DX, WANT_DW = 1, 2, 4
 
 # The CPU's spin-wait hint as an LLVM intrinsic (Numba's LLVM takes no inline assembly): x86's
 # `pause`, Arm's `yield` (hint #1); none elsewhere.
@@ -102,16 +109,58 @@ def _sched_yield(typingctx):
     return types.void(), codegen
 
 
+@intrinsic
+def _pointer_to(typingctx, address, like):
+    """`address` as a pointer to values of `like`'s type (for numba.carray)."""
+    target = types.CPointer(like)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(target))
+    return target(types.int64, like), codegen
+
+
 @jit
-def _run_gemm(task, t):
-    """The GEMM part in row `t` of `task` (C = op(A) op(B), alpha 1, beta 0)."""
-    if task[t, KIND] == GEMM_F32:
-        gemm(task[t, 1], np.int32(task[t, 2]), np.int32(task[t, 3]), task[t, 4], task[t, 5], task[t, 6],
-             np.float32(1.0), task[t, 7], task[t, 8], task[t, 9], task[t, 10], np.float32(0.0), task[t, 11],
-             task[t, 12])
+def _run_gemm(row):
+    """The GEMM part a task row holds (C = op(A) op(B), alpha 1, beta 0)."""
+    if row[KIND] == GEMM_F32:
+        gemm(row[1], np.int32(row[2]), np.int32(row[3]), row[4], row[5], row[6], np.float32(1.0), row[7], row[8],
+             row[9], row[10], np.float32(0.0), row[11], row[12])
     else:
-        gemm(task[t, 1], np.int32(task[t, 2]), np.int32(task[t, 3]), task[t, 4], task[t, 5], task[t, 6],
-             1.0, task[t, 7], task[t, 8], task[t, 9], task[t, 10], 0.0, task[t, 11], task[t, 12])
+        gemm(row[1], np.int32(row[2]), np.int32(row[3]), row[4], row[5], row[6], 1.0, row[7], row[8], row[9],
+             row[10], 0.0, row[11], row[12])
+
+
+@jit
+def _run_layer_norm(row, one):
+    """The LayerNorm part a task row holds, on arrays of `one`'s dtype (jit_kernels' kernels)."""
+    n, c, flags = row[N], row[C], row[FLAGS]
+    x = numba.carray(_pointer_to(row[X], one), (n, c))
+    w = numba.carray(_pointer_to(row[W], one), c)
+    mean = numba.carray(_pointer_to(row[MEAN], one), (n, 1))
+    rstd = numba.carray(_pointer_to(row[RSTD], one), (n, 1))
+    out = numba.carray(_pointer_to(row[OUT], one), (n, c))
+    consts = numba.carray(_pointer_to(row[CONSTS], one), 2)
+    has_bias = flags & HAS_BIAS != 0
+    if row[KIND] == LN_FORWARD:
+        layer_norm_forward(x, w, numba.carray(_pointer_to(row[B], one), c), has_bias, consts, out, mean, rstd)
+        return
+    blocks = (n + row[BLOCK_ROWS] - 1) // row[BLOCK_ROWS]
+    layer_norm_backward(x, w, mean, rstd, numba.carray(_pointer_to(row[G], one), (n, c)), consts, out,
+                        numba.carray(_pointer_to(row[DW], one), (blocks, c)),
+                        numba.carray(_pointer_to(row[DB], one), (blocks, c)),
+                        flags & WANT_DX != 0, flags & WANT_DW != 0, has_bias, row[BLOCK_ROWS])
+
+
+@jit
+def run_task(row):
+    """Run the compiled task a row of `task` (or of a caller's rows) describes."""
+    kind = row[KIND]
+    if kind == GEMM_F32 or kind == GEMM_F64:
+        _run_gemm(row)
+    elif row[F64]:
+        _run_layer_norm(row, 1.0)
+    else:
+        _run_layer_norm(row, np.float32(1.0))
 
 
 @jit
@@ -126,7 +175,7 @@ def serve(ctrl, task, t, spins):
         seq = _load_acquire(base + POSTED * 8)
         if seq != seen:
             if task[t, KIND] != PYTHON:
-                _run_gemm(task, t)
+                run_task(task[t])
                 _store_release(base + DONE * 8, seq)
                 seen = seq
                 idle = 0
@@ -170,43 +219,70 @@ def post(ctrl, task, t, kind):
 
 
 @jit
-def post_gemm(ctrl, task, address, f64, parts, trans_a, trans_b, k, a, lda, b, ldb, c, ldc):
-    """Post pieces 1.. of C = op(A) op(B) (alpha 1, beta 0) to kernel threads 0.. (piece p to thread
-    p - 1). parts [n, 5]: each piece's rows m, columns n and byte offsets into A, B and C (whole rows
-    or whole columns of C). Returns a mask of the threads that sleep (bit t: the caller releases
-    thread t's lock), before it computes piece 0 (`gemm_and_wait`)."""
+def gemm_tasks(address, f64, parts, trans_a, trans_b, k, a, lda, b, ldb, c, ldc):
+    """Task rows [len(parts), ROW] of C = op(A) op(B) (alpha 1, beta 0) in pieces. parts [n, 5]: each
+    piece's rows m, columns n and byte offsets into A, B and C (whole rows or whole columns of C)."""
+    rows = np.zeros((parts.shape[0], ROW), dtype=np.int64)
+    for p in range(parts.shape[0]):
+        r = rows[p]
+        r[KIND] = GEMM_F64 if f64 else GEMM_F32
+        r[1], r[2], r[3], r[4], r[5], r[6] = address, trans_a, trans_b, parts[p, 0], parts[p, 1], k
+        r[7], r[8], r[9], r[10], r[11], r[12] = a + parts[p, 2], lda, b + parts[p, 3], ldb, c + parts[p, 4], ldc
+    return rows
+
+
+@jit
+def layer_norm_tasks(kind, x, w, b, mean, rstd, g, out, dw, db, flags, consts, block_rows, pieces):
+    """Task rows of a LayerNorm pass (LN_FORWARD or LN_BACKWARD) over x [n, c] in at most `pieces`
+    pieces, each a run of whole blocks of `block_rows` rows (so dw's and db's [blocks, c] partial sums
+    are those of the blocks, whatever the pieces). Arrays C-contiguous; mean, rstd [n, 1]; arrays a
+    pass does not use may be any array (never read)."""
+    n, c = x.shape
+    blocks = (n + block_rows - 1) // block_rows
+    per = (blocks + pieces - 1) // pieces
+    count = (blocks + per - 1) // per
+    rows = np.zeros((count, ROW), dtype=np.int64)
+    item = x.itemsize
+    for p in range(count):
+        first = p * per * block_rows
+        r = rows[p]
+        r[KIND], r[F64], r[N], r[C] = kind, item == 8, min(n, first + per * block_rows) - first, c
+        r[X], r[G], r[OUT] = x.ctypes.data + first * c * item, g.ctypes.data + first * c * item, \
+            out.ctypes.data + first * c * item
+        r[W], r[B], r[CONSTS] = w.ctypes.data, b.ctypes.data, consts.ctypes.data
+        r[MEAN], r[RSTD] = mean.ctypes.data + first * item, rstd.ctypes.data + first * item
+        r[DW], r[DB] = dw.ctypes.data + p * per * c * item, db.ctypes.data + p * per * c * item
+        r[FLAGS], r[BLOCK_ROWS] = flags, block_rows
+    return rows
+
+
+@jit
+def post_tasks(ctrl, task, rows):
+    """Post rows 1.. to kernel threads 0.. (row p to thread p - 1). Returns a mask of the threads that
+    sleep (bit t: the caller releases thread t's lock), before it runs row 0 (`run_and_wait`)."""
     sleepers = 0
-    for p in range(1, parts.shape[0]):
+    for p in range(1, rows.shape[0]):
         t = p - 1
-        task[t, 1] = address
-        task[t, 2] = trans_a
-        task[t, 3] = trans_b
-        task[t, 4] = parts[p, 0]
-        task[t, 5] = parts[p, 1]
-        task[t, 6] = k
-        task[t, 7] = a + parts[p, 2]
-        task[t, 8] = lda
-        task[t, 9] = b + parts[p, 3]
-        task[t, 10] = ldb
-        task[t, 11] = c + parts[p, 4]
-        task[t, 12] = ldc
-        _, asleep = post(ctrl, task, t, GEMM_F64 if f64 else GEMM_F32)
+        task[t, 1:] = rows[p, 1:]
+        _, asleep = post(ctrl, task, t, rows[p, KIND])
         if asleep:
             sleepers |= 1 << t
     return sleepers
 
 
 @jit
-def gemm_and_wait(ctrl, address, f64, parts, trans_a, trans_b, k, a, lda, b, ldb, c, ldc, polite):
-    """Piece 0 of the GEMM `post_gemm` posted, here; then wait for the other pieces."""
-    if f64:
-        gemm(address, np.int32(trans_a), np.int32(trans_b), parts[0, 0], parts[0, 1], k, 1.0, a + parts[0, 2], lda,
-             b + parts[0, 3], ldb, 0.0, c + parts[0, 4], ldc)
-    else:
-        gemm(address, np.int32(trans_a), np.int32(trans_b), parts[0, 0], parts[0, 1], k, np.float32(1.0),
-             a + parts[0, 2], lda, b + parts[0, 3], ldb, np.float32(0.0), c + parts[0, 4], ldc)
-    for t in range(parts.shape[0] - 1):
+def run_and_wait(ctrl, rows, polite):
+    """Row 0 of the tasks `post_tasks` posted, here; then wait for the others."""
+    run_task(rows[0])
+    for t in range(rows.shape[0] - 1):
         wait(ctrl, t, polite)
+
+
+@jit
+def run_here(rows):
+    """Every row, in order, on this thread (the pool is busy or has one thread)."""
+    for p in range(rows.shape[0]):
+        run_task(rows[p])
 
 
 @jit

@@ -4,6 +4,8 @@
     run(fn, parts)                   fn(part) for every part, parts[0] on the caller, parts[i] on
                                      kernel thread i - 1 (cpu_kernels' blocks)
     split_gemm(...)                  one matrix product in pieces, piece 0 on the caller (blas.matmul)
+    run_tasks(rows)                  compiled tasks (jit_pool's rows: LayerNorm's passes), row 0 on
+                                     the caller
     splits_gemms()                   whether split_gemm is available (Numba), so that the BLAS may
                                      run sequentially and leave its threads to this pool
 
@@ -56,7 +58,7 @@ _ctrl = _task = None     # the mailbox (jit_pool's docstring): int64 [_MAX_THREA
 
 def set_threads(n: int | None) -> None:
     """Threads the kernels use (None: this rank's BLAS threads, `threads.blas_threads()`; at most
-    64, the bits of the mask in which `jit_pool.post_gemm` reports sleeping threads)."""
+    64, the bits of the mask in which `jit_pool.post_tasks` reports sleeping threads)."""
     global _threads_set, _polite
     if n is not None and n < 1:
         raise ValueError(f"kernel threads must be >= 1, got {n}")
@@ -114,6 +116,19 @@ def _spins() -> int:
     return max(1, int(SPIN_S * _spins_per_s))
 
 
+def _run_task(thread) -> None:
+    """A kernel thread's Python part: fn(part) from `thread.task`, its error kept in `thread.error` for
+    the caller to raise. The task is dropped before the thread waits again (and this frame's names
+    with it): a kernel's closure holds its arrays (attention's saved probabilities), which would
+    otherwise stay alive until the next task."""
+    fn, part = thread.task
+    thread.task = None
+    try:
+        fn(part)
+    except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
+        thread.error = e
+
+
 class _SpinningThread:
     """A kernel thread that waits in `jit_pool.serve` (spinning, then on its lock `wake`)."""
 
@@ -135,14 +150,7 @@ class _SpinningThread:
                     continue
                 self.wake.acquire()  # released by the poster that swapped SLEEP from 1
                 continue
-            fn, part = self.task
-            try:
-                fn(part)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
-                self.error = e
-            # Drop the task before waiting: a kernel's closure holds its arrays (attention's saved
-            # probabilities), which would otherwise stay alive until the next task.
-            self.task = fn = part = None
+            _run_task(self)
             jit.finish(_ctrl, t, seq)
 
     def start(self, fn, part) -> None:
@@ -174,12 +182,7 @@ class _LockedThread:
     def _loop(self) -> None:
         while True:
             self.go.acquire()
-            fn, part = self.task
-            try:
-                fn(part)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
-                self.error = e
-            self.task = fn = part = None  # (as _SpinningThread)
+            _run_task(self)
             self.done.release()
 
     def start(self, fn, part) -> None:
@@ -237,12 +240,32 @@ def split_gemm(address: int, f64: bool, pieces: np.ndarray, trans_a: int, trans_
     if jit is None or not _busy.acquire(blocking=False):
         return False
     try:
-        workers = _kernel_threads(len(pieces) - 1)
-        sleepers = jit.post_gemm(_ctrl, _task, address, f64, pieces, trans_a, trans_b, k, a, lda, b, ldb, c, ldc)
-        for t in range(len(workers)):
-            if sleepers >> t & 1:
-                workers[t].wake.release()
-        jit.gemm_and_wait(_ctrl, address, f64, pieces, trans_a, trans_b, k, a, lda, b, ldb, c, ldc, _polite)
+        _post_and_run(jit, jit.gemm_tasks(address, f64, pieces, trans_a, trans_b, k, a, lda, b, ldb, c, ldc))
     finally:
         _busy.release()
     return True
+
+
+def run_tasks(rows: np.ndarray) -> None:
+    """Compiled tasks (`jit_pool` task rows, int64 [n, 16]: `jit_pool.layer_norm_tasks`) at once,
+    rows[0] on this thread, rows[i] on kernel thread i - 1; all on this thread, in order, when the
+    pool is busy or its threads wait on locks (no compiled side)."""
+    jit = _compiled()
+    if jit is None or len(rows) < 2 or not _busy.acquire(blocking=False):
+        from hpcpar import jit_pool
+        jit_pool.run_here(rows)
+        return
+    try:
+        _post_and_run(jit, rows)
+    finally:
+        _busy.release()
+
+
+def _post_and_run(jit, rows: np.ndarray) -> None:
+    """Post rows 1.. to the kernel threads, wake those asleep, run row 0 here and wait for the rest."""
+    workers = _kernel_threads(len(rows) - 1)
+    sleepers = jit.post_tasks(_ctrl, _task, rows)
+    for t in range(len(workers)):
+        if sleepers >> t & 1:
+            workers[t].wake.release()
+    jit.run_and_wait(_ctrl, rows, _polite)

@@ -25,7 +25,7 @@ import numpy as np
 from hpcpar import blas, cpu_kernels, kernels
 from hpcpar.backend import array_module, is_device_array
 from hpcpar.precision import down, is_low, rounded, up
-from hpcpar.tensor import Tensor, enable_grad, is_grad_enabled, no_grad, weight_grad
+from hpcpar.tensor import Tensor, defers_weight_grads, enable_grad, is_grad_enabled, no_grad, weight_grad
 
 
 def _fused(a) -> bool:
@@ -502,32 +502,35 @@ def softmax(x: Tensor, axis: int = -1) -> Tensor:
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
-    """LayerNorm over the last dim. x [..., C], weight/bias [C]. Split backward (B/W): dx in B,
-    dweight = sum(g xhat) and dbias = sum(g) in W (`weight_grad`). Keeps xhat; with 16-bit x the
-    per-row mean and 1/std instead (xhat is recomputed from x in float32). On the CPU each pass is
-    one cache-blocked kernel (`cpu_kernels`)."""
+    """LayerNorm over the last dim. x [..., C], weight/bias [C]. Keeps the per-row mean and 1/std
+    (xhat is rebuilt from x in backward, in float32 for 16-bit x). A plain backward computes dx,
+    dweight = sum(g xhat) and dbias = sum(g) in one pass; a split one (B/W) dx in B and the other two
+    in W (`weight_grad`). On the CPU each pass is one cache-blocked kernel (`cpu_kernels`)."""
     stored, dt = x.data, x.data.dtype
     if is_device_array(stored):
         return _layer_norm_fused(x, weight, bias, eps)
     w = rounded(weight.data, dt)
     b = rounded(bias.data, dt) if bias is not None else None
-    out, mu, rstd, kept = cpu_kernels.layer_norm_forward(stored, w, b, eps, keep_xhat=not is_low(dt))
+    out, mu, rstd = cpu_kernels.layer_norm_forward(stored, w, b, eps)
     del w, b
 
     def backward(g):
-        def dweight_dbias():
-            return cpu_kernels.layer_norm_backward_weight(stored, mu, rstd, kept, g, bias is not None)
-        both = [None]  # dweight and dbias come from one pass over g; the first of the two asks
+        w, has_bias = rounded(weight.data, dt), bias is not None
+        want_w = weight.requires_grad or (has_bias and bias.requires_grad)
+        now_w = want_w and not defers_weight_grads()
+        gx = dw = db = None
+        if x.requires_grad or now_w:
+            gx, dw, db = cpu_kernels.layer_norm_backward(stored, w, mu, rstd, g, x.requires_grad, now_w, has_bias)
+        late = [None]  # split backward: dweight and dbias from one pass over g in W, the first to ask runs it
 
         def part(i):
-            if both[0] is None:
-                both[0] = dweight_dbias()
-            return both[0][i]
+            if now_w:
+                return (dw, db)[i]
+            if late[0] is None:
+                late[0] = cpu_kernels.layer_norm_backward(stored, w, mu, rstd, g, False, True, has_bias)[1:]
+            return late[0][i]
         gw = weight_grad(lambda: part(0)) if weight.requires_grad else None
-        gb = weight_grad(lambda: part(1)) if bias is not None and bias.requires_grad else None
-        gx = None
-        if x.requires_grad:
-            gx = cpu_kernels.layer_norm_backward_input(stored, rounded(weight.data, dt), mu, rstd, kept, g)
+        gb = weight_grad(lambda: part(1)) if has_bias and bias.requires_grad else None
         return gx, gw, gb
     return Tensor.from_op(out, (x, weight, bias), backward)
 

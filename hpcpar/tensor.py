@@ -316,6 +316,12 @@ def weight_grad(fn: Callable):
     return fn() if _deferring is None else Deferred(fn)
 
 
+def defers_weight_grads() -> bool:
+    """Whether the backward running now defers its dW (`weight_grad` returns `Deferred`s): an op
+    whose dX and dW come cheapest from one pass computes both at once when it does not."""
+    return _deferring is not None
+
+
 def _value(c):
     """A contribution's array: computed now if it was deferred, the late node's result if a slot."""
     if isinstance(c, Deferred):

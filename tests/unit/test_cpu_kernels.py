@@ -122,65 +122,73 @@ def layer_norm_reference(x, w, b, eps):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_layer_norm_is_bitwise_the_plain_formula(blocking, dtype):
-    """The NumPy chain bitwise; Numba's loops add each row in eight lanes instead: equal to rounding."""
+    """The NumPy chain bitwise; Numba's loops add each row in eight lanes instead: equal to rounding.
+    The backward's passes (dx and the weight's sums together, or each alone) give the same bits."""
     x = (RNG.standard_normal((3, 41, 16)) * 3 + 1).astype(dtype)
     w, b = RNG.standard_normal(16).astype(dtype), RNG.standard_normal(16).astype(dtype)
     g = RNG.standard_normal(x.shape).astype(dtype)
-    y, mean, rstd, xhat = ck.layer_norm_forward(x, w, b, 1e-5)
+    y, mean, rstd = ck.layer_norm_forward(x, w, b, 1e-5)
     ry, rxhat, rrstd = layer_norm_reference(x, w, b, 1e-5)
     gxhat = g * w
     rgx = gxhat - row_mean(gxhat)
     rgx -= rxhat * row_mean(gxhat, rxhat)
     rgx *= rrstd
-    gx = ck.layer_norm_backward_input(x, w, mean, rstd, xhat, g)
-    assert mean is None
+    gx, dw, db = ck.layer_norm_backward(x, w, mean, rstd, g, True, True, True)
     if blocking == "numpy":
-        assert np.array_equal(y, ry) and np.array_equal(xhat.reshape(x.shape), rxhat)
-        assert np.array_equal(rstd.reshape(rrstd.shape), rrstd)
+        assert np.array_equal(y, ry) and np.array_equal(rstd.reshape(rrstd.shape), rrstd)
         assert np.array_equal(gx, rgx)
     else:
         tol = 1e-12 if dtype == np.float64 else 2e-5
-        for got, want in ((y, ry), (xhat.reshape(x.shape), rxhat), (rstd.reshape(rrstd.shape), rrstd), (gx, rgx)):
+        for got, want in ((y, ry), (rstd.reshape(rrstd.shape), rrstd), (gx, rgx)):
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
-    dw, db = ck.layer_norm_backward_weight(x, mean, rstd, xhat, g, bias=True)
     rows = (g * rxhat).reshape(-1, 16)
     tol = 1e-12 if dtype == np.float64 else 1e-5
     np.testing.assert_allclose(dw, rows.sum(axis=0), rtol=tol, atol=tol)
     np.testing.assert_allclose(db, g.reshape(-1, 16).sum(axis=0), rtol=tol, atol=tol)
+    alone_dx = ck.layer_norm_backward(x, w, mean, rstd, g, True, False, True)
+    alone_dw = ck.layer_norm_backward(x, w, mean, rstd, g, False, True, True)
+    assert alone_dx[1] is None and alone_dw[0] is None and alone_dw[2] is not None
+    assert np.array_equal(alone_dx[0], gx) and np.array_equal(alone_dw[1], dw) and np.array_equal(alone_dw[2], db)
+    assert ck.layer_norm_backward(x, w, mean, rstd, g, False, True, False)[2] is None
 
 
 def test_layer_norm_rows_do_not_depend_on_their_neighbours(loops):
     x, g = RNG.standard_normal((37, 24)), RNG.standard_normal((37, 24))
     w, b = RNG.standard_normal(24), RNG.standard_normal(24)
-    y, mean, rstd, xhat = ck.layer_norm_forward(x, w, b, 1e-5)
-    gx = ck.layer_norm_backward_input(x, w, mean, rstd, xhat, g)
+    y, mean, rstd = ck.layer_norm_forward(x, w, b, 1e-5)
+    gx = ck.layer_norm_backward(x, w, mean, rstd, g, True, False, True)[0]
     for rows in (slice(5, 6), slice(10, 31)):
-        y1, m1, r1, xh1 = ck.layer_norm_forward(x[rows], w, b, 1e-5)
+        y1, m1, r1 = ck.layer_norm_forward(x[rows], w, b, 1e-5)
         assert np.array_equal(y1, y[rows])
-        assert np.array_equal(ck.layer_norm_backward_input(x[rows], w, m1, r1, xh1, g[rows]), gx[rows])
+        assert np.array_equal(ck.layer_norm_backward(x[rows], w, m1, r1, g[rows], True, False, True)[0], gx[rows])
 
 
-def test_layer_norm_weight_gradient_does_not_depend_on_threads(monkeypatch, loops):
-    x, g = RNG.standard_normal((300, 8)), RNG.standard_normal((300, 8))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_layer_norm_does_not_depend_on_threads(monkeypatch, loops, dtype):
+    """Every output bitwise the same on 1, 2 and 5 threads (with Numba the passes run as compiled
+    tasks on the kernel threads, a run of whole blocks each; the weight's partial sums are the
+    blocks'), with blocks that do not divide the rows."""
+    x, g = RNG.standard_normal((300, 8)).astype(dtype), RNG.standard_normal((300, 8)).astype(dtype)
+    w, b = RNG.standard_normal(8).astype(dtype), RNG.standard_normal(8).astype(dtype)
     monkeypatch.setattr(ck, "BLOCK_BYTES", 256)
     results = []
     for threads in (1, 2, 5):
         ck.set_threads(threads)
-        _, mean, rstd, xhat = ck.layer_norm_forward(x, np.ones(8), None, 1e-5)
-        results.append(ck.layer_norm_backward_weight(x, mean, rstd, xhat, g, bias=True))
+        y, mean, rstd = ck.layer_norm_forward(x, w, b, 1e-5)
+        results.append((y, mean, rstd) + ck.layer_norm_backward(x, w, mean, rstd, g, True, True, True))
     ck.set_threads(None)
-    assert all(np.array_equal(r[0], results[0][0]) and np.array_equal(r[1], results[0][1]) for r in results)
+    assert all(np.array_equal(a, c) for r in results[1:] for a, c in zip(r, results[0]))
 
 
 def test_layer_norm_in_16_bits_keeps_the_statistics_and_rebuilds_xhat(blocking):
     x = down((RNG.standard_normal((9, 16)) * 2).astype(np.float32), np.dtype("float16"))
     w, b = RNG.standard_normal(16).astype(np.float32), RNG.standard_normal(16).astype(np.float32)
     g = down(RNG.standard_normal(x.shape).astype(np.float32), np.dtype("float16"))
-    y, mean, rstd, xhat = ck.layer_norm_forward(x, w, b, 1e-5, keep_xhat=False)
+    y, mean, rstd = ck.layer_norm_forward(x, w, b, 1e-5)
     ry, rxhat, _ = layer_norm_reference(up(x), w, b, 1e-5)
-    assert xhat is None and mean is not None and np.array_equal(y, down(ry, x.dtype))
-    full = ck.layer_norm_backward_input(up(x), w, None, *ck.layer_norm_forward(up(x), w, b, 1e-5)[2:], up(g))
-    assert np.array_equal(ck.layer_norm_backward_input(x, w, mean, rstd, None, g), down(full, x.dtype))
+    assert mean.dtype == rstd.dtype == np.float32 and np.array_equal(y, down(ry, x.dtype))
+    full = ck.layer_norm_backward(up(x), w, *ck.layer_norm_forward(up(x), w, b, 1e-5)[1:], up(g), True, False, True)[0]
+    assert np.array_equal(ck.layer_norm_backward(x, w, mean, rstd, g, True, False, True)[0], down(full, x.dtype))
 
 
 def attention_reference(qkv, n_head):

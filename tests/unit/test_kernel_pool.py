@@ -1,5 +1,6 @@
 """The kernel threads (hpcpar/kernel_pool.py): parts on every thread, errors, calls while busy, sleeping
-threads woken, and GEMMs split among the threads equal to the product in one piece.
+threads woken, compiled tasks (LayerNorm's), and GEMMs split among the threads equal to the product
+in one piece.
 
 Run with the compiled waits (Numba's jit_pool: spinning, then sleeping on a lock) and with the locks
 alone; the split GEMMs need Numba and MKL (the `fast` and `mkl` extras) and are skipped without.
@@ -109,6 +110,41 @@ def test_threads_that_went_to_sleep_are_woken(pool, monkeypatch):
             assert sorted(out) == [0, 1]
             time.sleep(0.002 if rep % 2 else 0.0)
     _within(60, go)
+
+
+@pytest.mark.skipif(not kernel_pool.splits_gemms(), reason="compiled tasks need Numba (the fast extra)")
+@pytest.mark.parametrize("threads", [2, 3])
+def test_compiled_tasks_run_once_each_from_the_caller_and_from_inside_a_part(pool, threads):
+    """LayerNorm's compiled tasks (jit_pool rows) posted to the threads, or run on the calling thread
+    when the pool is busy (called from inside a Python part) or waits on locks: each row's rows
+    computed once, the same bits as all rows run in order on one thread."""
+    from hpcpar import jit_pool
+    pool.set_threads(threads)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((300, 24))
+    w, b = rng.standard_normal(24), rng.standard_normal(24)
+    consts = np.array([24.0, 1e-5])
+
+    def forward():
+        out, mean, rstd = np.full_like(x, np.nan), np.full((300, 1), np.nan), np.full((300, 1), np.nan)
+        rows = jit_pool.layer_norm_tasks(jit_pool.LN_FORWARD, x, w, b, mean, rstd, x, out, mean, mean,
+                                         jit_pool.HAS_BIAS, consts, 40, threads)
+        return rows, (out, mean, rstd)
+    rows, want = forward()
+    assert len(rows) == threads and rows[:, jit_pool.N].sum() == 300
+    jit_pool.run_here(rows)
+    got: list = []
+
+    def go():
+        rows, outs = forward()
+        pool.run_tasks(rows)
+        got.append(outs)
+        inner = [forward() for _ in range(threads)]
+        pool.run(lambda i: pool.run_tasks(inner[i][0]), list(range(threads)))
+        got.extend(outs for _, outs in inner)
+    _within(30, go)
+    assert len(got) == threads + 1
+    assert all(np.array_equal(a, c) for outs in got for a, c in zip(outs, want))
 
 
 needs_split = pytest.mark.skipif(not kernel_pool.splits_gemms() or blas.name() != "mkl",
