@@ -8,12 +8,13 @@ and output about once. With the `fast` extra a block's chain is one compiled loo
 (`jit_kernels`, Numba: NumPy keeps tanh and exp). With more than one thread per rank
 (`threads.blas_threads()`, or `set_threads`) the blocks are shared out to the rank's compute threads
 (`kernel_pool`), the caller included: NumPy calls and the compiled loops release the GIL, so the
-threads compute at once.
+threads compute at once. With Numba, LayerNorm, large bias adds and column sums, and AdamW's step
+go to the threads as compiled tasks (`jit_pool`: runs of whole blocks, no Python on the threads).
 
     gelu_forward / gelu_backward            elementwise, tanh form (bias_gelu_*: with a linear's bias)
     add_bias / column_sums                  a linear's bias and its gradient
     sum_of_squares                          a gradient norm's share, in float64
-    layer_norm_forward / _backward          rows of [N, C]; with Numba compiled tasks (jit_pool)
+    layer_norm_forward / _backward          rows of [N, C]
     causal_attention_forward / _backward    per (batch group, query block), causal blocks skipped;
                                             with Numba, per (sample, head) in compiled calls
                                             (jit_attention)
@@ -37,6 +38,7 @@ import functools
 import math
 import os
 import threading
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -315,23 +317,49 @@ def bias_gelu_backward(pre, t, g, bias: bool):
     return grad, (_sum_partials(db) if db is not None else None)
 
 
-def add_bias(y, b) -> None:
-    """y [N, n] += b [n] in place (a linear's bias: a broadcast over short rows is a slow NumPy loop)."""
+def _compiled_rows(a):
+    """(jit_kernels, jit_pool or None, rows per block) for a [N, n] that the compiled loops take
+    (C-contiguous, float32 or float64), else None. jit_pool (row tasks on the kernel threads) only
+    with several threads and more than two blocks: below that a task's set-up costs more than the
+    second thread gains."""
     jit = _jit()
-    if jit is not None and y.flags.c_contiguous and y.dtype == b.dtype and y.ndim == 2:
-        jit.add_bias_rows(y, np.ascontiguousarray(b))
-    else:
+    if jit is None or a.ndim != 2 or not a.flags.c_contiguous or a.dtype not in (np.float32, np.float64):
+        return None
+    rows = _block_rows(a.shape[1], a.dtype)
+    pool = _jit_pool() if num_threads() > 1 and a.shape[0] > 2 * rows else None
+    return jit, pool, rows
+
+
+def add_bias(y, b) -> None:
+    """y [N, n] += b [n] in place (a linear's bias: a broadcast over short rows is a slow NumPy loop);
+    large ones in runs of whole rows on the kernel threads."""
+    compiled = _compiled_rows(y) if y.dtype == b.dtype else None
+    if compiled is None:
         y += b
+        return
+    jit, pool, rows = compiled
+    b = np.ascontiguousarray(b)
+    if pool is None:
+        jit.add_bias_rows(y, b)
+    else:
+        kernel_pool.run_tasks(pool.row_tasks(pool.ADD_BIAS, y, b, b, b, b, y, y, b, b, 0, b, rows, num_threads()))
 
 
 def column_sums(a):
-    """The sum over rows of a [N, n] (a bias's gradient), row by row."""
-    jit = _jit()
-    if jit is not None and a.flags.c_contiguous and a.dtype.kind == "f" and not is_low(a.dtype):
-        out = np.empty(a.shape[1], dtype=a.dtype)
-        jit.column_sums(a, out)
-        return out
-    return a.sum(axis=0)
+    """The sum over rows of a [N, n] (a bias's gradient): with the compiled loops, each block's
+    (`_block_rows`) sum row by row, the blocks' sums added in block order (the same bits on any
+    thread count; large ones with the blocks' runs on the kernel threads); else NumPy's."""
+    compiled = _compiled_rows(a)
+    if compiled is None:
+        return a.sum(axis=0)
+    jit, pool, rows = compiled
+    parts = np.empty((-(-a.shape[0] // rows), a.shape[1]), dtype=a.dtype)
+    if pool is None:
+        jit.column_sums_blocks(a, parts, rows)
+    else:
+        kernel_pool.run_tasks(pool.row_tasks(pool.COLUMN_SUMS, a, parts, parts, parts, parts, a, a, parts, parts, 0,
+                                             parts, rows, num_threads()))
+    return _sum_partials(parts)
 
 
 def sum_of_squares(a) -> float:
@@ -377,7 +405,7 @@ def layer_norm_forward(x, w, b, eps: float):
     if pool is not None:
         w = np.ascontiguousarray(w)
         b = np.ascontiguousarray(b) if b is not None else w
-        kernel_pool.run_tasks(pool.layer_norm_tasks(
+        kernel_pool.run_tasks(pool.row_tasks(
             pool.LN_FORWARD, x2, w, b, mean, rstd, x2, out, mean, mean, pool.HAS_BIAS if b is not w else 0,
             np.array([c, eps], dtype=cd), _block_rows(c, cd), num_threads()))
         return out.reshape(x.shape), mean, rstd
@@ -432,7 +460,7 @@ def layer_norm_backward(x, w, mean, rstd, g, want_dx: bool, want_dw: bool, bias:
     if pool is not None:
         w = np.ascontiguousarray(w)
         flags = (pool.WANT_DX if want_dx else 0) | (pool.WANT_DW if want_dw else 0) | (pool.HAS_BIAS if bias else 0)
-        kernel_pool.run_tasks(pool.layer_norm_tasks(
+        kernel_pool.run_tasks(pool.row_tasks(
             pool.LN_BACKWARD, x2, w, w, mean, rstd, g2, dx if dx is not None else x2,
             dw if dw is not None else mean, db if db is not None else mean, flags,
             np.array([c, 0], dtype=cd), rows, num_threads()))
@@ -860,6 +888,8 @@ def adamw_update(params: list, b1: float, b2: float, eps: float, step_size: floa
     in the order of `optim.AdamW.step`: decay (`decay` = 1 - lr wd, or 1), the moments, then
     p -= step_size m / (sqrt(v) inv_bias2_sqrt + eps). All parameters' blocks form one list, which
     the threads share out (one parameter's blocks would leave small parameters to one thread)."""
+    if _adamw_tasks(params, b1, b2, eps, step_size, inv_bias2_sqrt):
+        return
     work = []
     for p, g, m, v, decay in params:
         arrays = (p, g, m, v)
@@ -880,6 +910,35 @@ def adamw_update(params: list, b1: float, b2: float, eps: float, step_size: floa
             else:
                 _adamw_block(*arrays, decay, b1, b2, eps, step_size, inv_bias2_sqrt)
     _run(block, [(i, i + 1) for i in range(len(work))])
+
+
+_adam_table: dict = {"arrays": (), "table": None}
+
+
+def _adamw_tasks(params: list, b1, b2, eps, step_size, inv_bias2_sqrt) -> bool:
+    """adamw_update as compiled tasks (`jit_pool.adamw_tasks`: the threads take equal runs of all the
+    parameters' elements, no Python per block), when the compiled loops are in use and every array is
+    C-contiguous in one float32/float64 dtype; False (nothing done) otherwise. The table of addresses
+    is kept while the same arrays come back (the optimizer's weights, moments and gradient buffers
+    live across steps), checked through weak references to them: an array freed since cannot be
+    mistaken for a new one at its address, and the table keeps no memory alive."""
+    pool = _jit_pool()
+    if pool is None or not params:
+        return False
+    arrays = tuple(a for p, g, m, v, _ in params for a in (p, g, m, v))
+    dt = arrays[0].dtype
+    old = _adam_table["arrays"]
+    if len(old) != len(arrays) or not all(ref() is a for ref, a in zip(old, arrays)):
+        if dt not in (np.float32, np.float64) or not all(a.dtype == dt and a.flags.c_contiguous for a in arrays):
+            return False
+        _adam_table["table"] = np.array([[a.ctypes.data for a in arrays[i:i + 4]] + [arrays[i].size]
+                                         for i in range(0, len(arrays), 4)], dtype=np.int64)
+        _adam_table["arrays"] = tuple(weakref.ref(a) for a in arrays)
+    decays = np.array([decay for *_, decay in params], dtype=dt)
+    # The constants rounded to the arrays' dtype, as NumPy does with a Python float operand.
+    consts = np.array([b1, b2, 1.0 - b1, 1.0 - b2, eps, -step_size, inv_bias2_sqrt], dtype=dt)
+    kernel_pool.run_tasks(pool.adamw_tasks(_adam_table["table"], decays, consts, num_threads()))
+    return True
 
 
 def _adamw_block(pp, gg, mm, vv, decay, b1, b2, eps, step_size, inv_bias2_sqrt) -> None:

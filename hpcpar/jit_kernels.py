@@ -308,6 +308,20 @@ def column_sums(a, out):
             out[j] += a[i, j]
 
 
+@jit
+def column_sums_blocks(a, out, block_rows):
+    """out [k] [c] = the sum over the rows of block k of a [n, c] (`block_rows` rows each), row by row
+    (a bias's gradient in partial sums), built up in a private array and stored once per block."""
+    n, c = a.shape
+    acc = _private(c, a)
+    for i in range(n):
+        for j in range(c):
+            acc[j] += a[i, j]
+        if (i + 1) % block_rows == 0 or i == n - 1:
+            out[i // block_rows, :] = acc
+            acc[:] = 0
+
+
 @_sum_jit
 def sum_of_squares(a):
     """The sum of a's squares (1-D, float32 or float64) accumulated in float64, in the lanes LLVM

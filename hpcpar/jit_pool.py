@@ -13,9 +13,9 @@ spin too. A Python part makes `serve` return to its thread's Python loop.
 Mailbox: `ctrl`, int64 [threads - 1, 16] (a row per kernel thread, 128 bytes apart: no false
 sharing): POSTED (sequence number of the last task posted), DONE (of the last task finished), SLEEP
 (1 while the thread sleeps on its lock, or is about to). `task`, int64 [threads - 1, 16]: KIND
-(GEMM_F32, GEMM_F64, LN_FORWARD, LN_BACKWARD, PYTHON), then a GEMM's address, trans_a, trans_b, m,
-n, k, a, lda, b, ldb, c, ldc, or a LayerNorm pass's slots (F64 ... BLOCK_ROWS below); the rows
-`gemm_tasks` and `layer_norm_tasks` build are copied in. Stores to POSTED and DONE are releases, their loads acquires, SLEEP's accesses sequentially
+(GEMM_F32, GEMM_F64, LN_FORWARD, LN_BACKWARD, ADD_BIAS, COLUMN_SUMS, ADAMW, PYTHON), then a GEMM's
+address, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, or a row task's or an AdamW step's slots
+(below); the rows `gemm_tasks`, `row_tasks` and `adamw_tasks` build are copied in. Stores to POSTED and DONE are releases, their loads acquires, SLEEP's accesses sequentially
 consistent (a Dekker handshake with POSTED: `kernel_pool` explains), so this holds on any CPU, not
 only on x86's ordered stores.
 """
@@ -31,17 +31,24 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from hpcpar.jit_kernels import gemm, jit, layer_norm_backward, layer_norm_forward
+from hpcpar.jit_kernels import (adamw, add_bias_rows, column_sums_blocks, gemm, jit, layer_norm_backward,
+                                 layer_norm_forward)
 
 POSTED, DONE, SLEEP = 0, 1, 2
 KIND = 0
-GEMM_F32, GEMM_F64, PYTHON, LN_FORWARD, LN_BACKWARD = 1, 2, 3, 4, 5
+GEMM_F32, GEMM_F64, PYTHON, LN_FORWARD, LN_BACKWARD, ADAMW, ADD_BIAS, COLUMN_SUMS = 1, 2, 3, 4, 5, 6, 7, 8
 ROW = 16  # int64s per row of ctrl and task
-# A LayerNorm task's row: its dtype, rows and width, the arrays' addresses (at the task's first row),
-# FLAGS (HAS_BIAS | WANT_DX | WANT_DW), the address of consts [c, eps] in the dtype, rows per
-# partial sum of dw and db. OUT is y (forward) or dx (backward).
+# A row task's row (LayerNorm's passes, a bias added to rows, a bias's gradient): its dtype, rows and
+# width, the arrays' addresses (at the task's first row), FLAGS (HAS_BIAS | WANT_DX | WANT_DW), the
+# address of consts [c, eps] in the dtype, rows per partial sum of dw and db. OUT is LayerNorm's y
+# (forward) or dx (backward); ADD_BIAS adds B to the rows of X, COLUMN_SUMS puts X's block sums in DW.
 F64, N, C, X, W, B, MEAN, RSTD, G, OUT, DW, DB, FLAGS, CONSTS, BLOCK_ROWS = range(1, 16)
 HAS_BIAS, WANT_DX, WANT_DW = 1, 2, 4
+# An AdamW task's row: F64 and N (as above: the dtype, the parameters), the address of the table
+# int64 [N, 5] (each parameter's p, g, m, v addresses and size), of decays [N] and of consts [7]
+# (b1, b2, 1 - b1, 1 - b2, eps, -step_size, inv_bias2_sqrt) in the dtype, and the task's elements
+# [START, END) of all the parameters' elements in table order.
+TABLE, DECAYS, ADAM_CONSTS, START, END = 3, 4, 5, 6, 7
 
 # The CPU's spin-wait hint as an LLVM intrinsic (Numba's LLVM takes no inline assembly): x86's
 # `pause`, Arm's `yield` (hint #1); none elsewhere.
@@ -131,24 +138,54 @@ def _run_gemm(row):
 
 
 @jit
-def _run_layer_norm(row, one):
-    """The LayerNorm part a task row holds, on arrays of `one`'s dtype (jit_kernels' kernels)."""
-    n, c, flags = row[N], row[C], row[FLAGS]
+def _run_rows(row, one):
+    """The row task a task row holds, on arrays of `one`'s dtype (jit_kernels' kernels)."""
+    kind, n, c, flags = row[KIND], row[N], row[C], row[FLAGS]
     x = numba.carray(_pointer_to(row[X], one), (n, c))
+    if kind == ADD_BIAS:
+        add_bias_rows(x, numba.carray(_pointer_to(row[B], one), c))
+        return
+    blocks = (n + row[BLOCK_ROWS] - 1) // row[BLOCK_ROWS]
+    if kind == COLUMN_SUMS:
+        column_sums_blocks(x, numba.carray(_pointer_to(row[DW], one), (blocks, c)), row[BLOCK_ROWS])
+        return
     w = numba.carray(_pointer_to(row[W], one), c)
     mean = numba.carray(_pointer_to(row[MEAN], one), (n, 1))
     rstd = numba.carray(_pointer_to(row[RSTD], one), (n, 1))
     out = numba.carray(_pointer_to(row[OUT], one), (n, c))
     consts = numba.carray(_pointer_to(row[CONSTS], one), 2)
     has_bias = flags & HAS_BIAS != 0
-    if row[KIND] == LN_FORWARD:
+    if kind == LN_FORWARD:
         layer_norm_forward(x, w, numba.carray(_pointer_to(row[B], one), c), has_bias, consts, out, mean, rstd)
         return
-    blocks = (n + row[BLOCK_ROWS] - 1) // row[BLOCK_ROWS]
     layer_norm_backward(x, w, mean, rstd, numba.carray(_pointer_to(row[G], one), (n, c)), consts, out,
                         numba.carray(_pointer_to(row[DW], one), (blocks, c)),
                         numba.carray(_pointer_to(row[DB], one), (blocks, c)),
                         flags & WANT_DX != 0, flags & WANT_DW != 0, has_bias, row[BLOCK_ROWS])
+
+
+@jit
+def _run_adamw(row, one):
+    """The AdamW part a task row holds: the elements [START, END) of the parameters in its table, on
+    arrays of `one`'s dtype (jit_kernels.adamw, one call per parameter the range covers)."""
+    n, start, end = row[N], row[START], row[END]
+    table = numba.carray(_pointer_to(row[TABLE], np.int64(0)), (n, 5))
+    decays = numba.carray(_pointer_to(row[DECAYS], one), n)
+    k = numba.carray(_pointer_to(row[ADAM_CONSTS], one), 7)
+    item = 8 if row[F64] else 4
+    offset = np.int64(0)
+    for i in range(n):
+        size = table[i, 4]
+        a, e = max(start, offset) - offset, min(end, offset + size) - offset
+        if a < e:
+            p = numba.carray(_pointer_to(table[i, 0] + a * item, one), e - a)
+            g = numba.carray(_pointer_to(table[i, 1] + a * item, one), e - a)
+            m = numba.carray(_pointer_to(table[i, 2] + a * item, one), e - a)
+            v = numba.carray(_pointer_to(table[i, 3] + a * item, one), e - a)
+            adamw(p, g, m, v, decays[i] != one, decays[i], k[0], k[1], k[2], k[3], k[4], k[5], k[6])
+        offset += size
+        if offset >= end:
+            return
 
 
 @jit
@@ -157,10 +194,15 @@ def run_task(row):
     kind = row[KIND]
     if kind == GEMM_F32 or kind == GEMM_F64:
         _run_gemm(row)
+    elif kind == ADAMW:
+        if row[F64]:
+            _run_adamw(row, 1.0)
+        else:
+            _run_adamw(row, np.float32(1.0))
     elif row[F64]:
-        _run_layer_norm(row, 1.0)
+        _run_rows(row, 1.0)
     else:
-        _run_layer_norm(row, np.float32(1.0))
+        _run_rows(row, np.float32(1.0))
 
 
 @jit
@@ -232,8 +274,8 @@ def gemm_tasks(address, f64, parts, trans_a, trans_b, k, a, lda, b, ldb, c, ldc)
 
 
 @jit
-def layer_norm_tasks(kind, x, w, b, mean, rstd, g, out, dw, db, flags, consts, block_rows, pieces):
-    """Task rows of a LayerNorm pass (LN_FORWARD or LN_BACKWARD) over x [n, c] in at most `pieces`
+def row_tasks(kind, x, w, b, mean, rstd, g, out, dw, db, flags, consts, block_rows, pieces):
+    """Task rows of a row task (LN_FORWARD, LN_BACKWARD, ADD_BIAS, COLUMN_SUMS) over x [n, c] in at most `pieces`
     pieces, each a run of whole blocks of `block_rows` rows (so dw's and db's [blocks, c] partial sums
     are those of the blocks, whatever the pieces). Arrays C-contiguous; mean, rstd [n, 1]; arrays a
     pass does not use may be any array (never read)."""
@@ -253,6 +295,23 @@ def layer_norm_tasks(kind, x, w, b, mean, rstd, g, out, dw, db, flags, consts, b
         r[MEAN], r[RSTD] = mean.ctypes.data + first * item, rstd.ctypes.data + first * item
         r[DW], r[DB] = dw.ctypes.data + p * per * c * item, db.ctypes.data + p * per * c * item
         r[FLAGS], r[BLOCK_ROWS] = flags, block_rows
+    return rows
+
+
+@jit
+def adamw_tasks(table, decays, consts, pieces):
+    """Task rows of one AdamW step over the parameters of `table` (int64 [n, 5]: p, g, m, v addresses
+    and size; decays [n] and consts [7] in the parameters' dtype): their elements in table order cut
+    into at most `pieces` equal runs, at multiples of 16 elements."""
+    total = table[:, 4].sum()
+    per = ((total + pieces - 1) // pieces + 15) // 16 * 16
+    count = max(1, (total + per - 1) // per)
+    rows = np.zeros((count, ROW), dtype=np.int64)
+    for p in range(count):
+        r = rows[p]
+        r[KIND], r[F64], r[N] = ADAMW, decays.itemsize == 8, table.shape[0]
+        r[TABLE], r[DECAYS], r[ADAM_CONSTS] = table.ctypes.data, decays.ctypes.data, consts.ctypes.data
+        r[START], r[END] = p * per, min(total, (p + 1) * per)
     return rows
 
 

@@ -247,7 +247,7 @@ def split_gemm(address: int, f64: bool, pieces: np.ndarray, trans_a: int, trans_
 
 
 def run_tasks(rows: np.ndarray) -> None:
-    """Compiled tasks (`jit_pool` task rows, int64 [n, 16]: `jit_pool.layer_norm_tasks`) at once,
+    """Compiled tasks (`jit_pool` task rows, int64 [n, 16]: `jit_pool.row_tasks`, `adamw_tasks`) at once,
     rows[0] on this thread, rows[i] on kernel thread i - 1; all on this thread, in order, when the
     pool is busy or its threads wait on locks (no compiled side)."""
     jit = _compiled()

@@ -363,6 +363,61 @@ def test_adamw_is_the_order_of_the_formula(blocking, contiguous):
     np.testing.assert_allclose(p, rp, rtol=1e-15)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_adamw_gives_the_same_bits_on_any_thread_count_and_follows_new_arrays(loops, dtype):
+    """With the compiled loops the step runs as tasks over all parameters' elements (equal runs per
+    thread) from a table of addresses kept while the same arrays come back: the bits of the NumPy
+    chain on 1, 2 and 5 threads, and a call with other arrays (the same count) updates those, not
+    the arrays of the table before."""
+    def params():
+        out = []
+        for shape in ((300, 7), (5,), (1000, 40), (3,)):
+            p, g, m, v = (RNG.standard_normal(shape).astype(dtype) for _ in range(4))
+            out.append([p, g, m, np.abs(v)])
+        return out
+
+    def reference(ps, decays):
+        ref = [[a.copy() for a in p] for p in ps]
+        for (p, g, m, v), d in zip(ref, decays):
+            ck._adamw_block(p, g, m, v, d, 0.9, 0.95, 1e-8, 0.01, 1.3)
+        return ref
+    decays = [0.99, 1.0, 0.98, 1.0]
+    first = params()
+    want_first = reference(first, decays)
+    for threads in (1, 2, 5):
+        ck.set_threads(threads)
+        ps = [[a.copy() for a in p] for p in first]
+        ck.adamw_update([(*p, d) for p, d in zip(ps, decays)], 0.9, 0.95, 1e-8, 0.01, 1.3)
+        assert all(np.array_equal(a, b) for p, q in zip(ps, want_first) for a, b in zip(p, q))
+        before = [[a.copy() for a in p] for p in ps]
+        other = params()
+        want_other = reference(other, decays)
+        ck.adamw_update([(*p, d) for p, d in zip(other, decays)], 0.9, 0.95, 1e-8, 0.01, 1.3)
+        assert all(np.array_equal(a, b) for p, q in zip(other, want_other) for a, b in zip(p, q))
+        assert all(np.array_equal(a, b) for p, q in zip(ps, before) for a, b in zip(p, q))
+    ck.set_threads(None)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bias_add_and_column_sums_give_the_same_bits_on_any_thread_count(loops, monkeypatch, dtype):
+    """A linear's bias add (elementwise) and its gradient's column sums (per-block sums added in block
+    order) on 1, 2 and 5 threads, with blocks that do not divide the rows (row tasks on the kernel
+    threads with the compiled loops): the same bits, equal to NumPy's to rounding."""
+    monkeypatch.setattr(ck, "BLOCK_BYTES", 512)
+    a = RNG.standard_normal((301, 24)).astype(dtype)
+    b = RNG.standard_normal(24).astype(dtype)
+    results = []
+    for threads in (1, 2, 5):
+        ck.set_threads(threads)
+        y = a.copy()
+        ck.add_bias(y, b)
+        results.append((y, ck.column_sums(a)))
+    ck.set_threads(None)
+    assert np.array_equal(results[0][0], a + b)
+    np.testing.assert_allclose(results[0][1], a.sum(axis=0), rtol=1e-12 if dtype == np.float64 else 1e-5, atol=1e-5)
+    assert all(np.array_equal(x, y) for r in results[1:] for x, y in zip(r, results[0]))
+
+
 def test_kept_probabilities_count_the_causal_blocks():
     assert ck.kept_probabilities(128) == 64 * 64 + 64 * 128
     assert ck.kept_probabilities(5) == 25

@@ -127,7 +127,7 @@ def test_compiled_tasks_run_once_each_from_the_caller_and_from_inside_a_part(poo
 
     def forward():
         out, mean, rstd = np.full_like(x, np.nan), np.full((300, 1), np.nan), np.full((300, 1), np.nan)
-        rows = jit_pool.layer_norm_tasks(jit_pool.LN_FORWARD, x, w, b, mean, rstd, x, out, mean, mean,
+        rows = jit_pool.row_tasks(jit_pool.LN_FORWARD, x, w, b, mean, rstd, x, out, mean, mean,
                                          jit_pool.HAS_BIAS, consts, 40, threads)
         return rows, (out, mean, rstd)
     rows, want = forward()
