@@ -403,11 +403,13 @@ def layer_norm_forward(x, w, b, eps: float):
     rstd = np.empty((n, 1), dtype=cd)
     pool = None if low else _jit_pool()
     if pool is not None:
+        # Task rows hold addresses only: every array they name is bound to a name here until they ran.
         w = np.ascontiguousarray(w)
         b = np.ascontiguousarray(b) if b is not None else w
+        consts = np.array([c, eps], dtype=cd)
         kernel_pool.run_tasks(pool.row_tasks(
             pool.LN_FORWARD, x2, w, b, mean, rstd, x2, out, mean, mean, pool.HAS_BIAS if b is not w else 0,
-            np.array([c, eps], dtype=cd), _block_rows(c, cd), num_threads()))
+            consts, _block_rows(c, cd), num_threads()))
         return out.reshape(x.shape), mean, rstd
 
     def block(a, e):
@@ -458,12 +460,12 @@ def layer_norm_backward(x, w, mean, rstd, g, want_dx: bool, want_dw: bool, bias:
     db = np.empty((blocks, c), dtype=cd) if want_dw and bias else None
     pool = None if low else _jit_pool()
     if pool is not None:
-        w = np.ascontiguousarray(w)
+        w = np.ascontiguousarray(w)  # (bound to names until the tasks ran, as in layer_norm_forward)
+        consts = np.array([c, 0], dtype=cd)
         flags = (pool.WANT_DX if want_dx else 0) | (pool.WANT_DW if want_dw else 0) | (pool.HAS_BIAS if bias else 0)
         kernel_pool.run_tasks(pool.row_tasks(
             pool.LN_BACKWARD, x2, w, w, mean, rstd, g2, dx if dx is not None else x2,
-            dw if dw is not None else mean, db if db is not None else mean, flags,
-            np.array([c, 0], dtype=cd), rows, num_threads()))
+            dw if dw is not None else mean, db if db is not None else mean, flags, consts, rows, num_threads()))
     else:
         def block(a, e):
             xh = _scratch("ln_xhat", (e - a, c), cd)

@@ -1,13 +1,14 @@
 """The kernel threads' compiled side (Numba): waiting by spinning without the GIL, and compiled tasks
-(GEMM pieces, LayerNorm row ranges) run by a kernel thread without returning to Python. Used by `kernel_pool` when the `fast` extra is installed.
+(GEMM pieces, runs of rows of LayerNorm and the bias kernels, runs of AdamW's elements) run by a
+kernel thread without returning to Python. Used by `kernel_pool` when the `fast` extra is installed.
 
 Waking a thread that sleeps on a lock costs 70-95 us a round trip on the benchmark VM, as long as a
 [1536, 128] x [128, 128] product takes on one core; Intel OpenMP's GEMM threads pay the same
 wake-up per call when they sleep at once (`KMP_BLOCKTIME=0`, which the kernel threads needed while
 they were a second set of threads on the same cores). So an idle kernel thread spins here for a
 while (`serve`), reading its mailbox with acquire loads and a `pause` between reads, and runs a
-compiled task posted to it right there: a split GEMM or LayerNorm pass (`kernel_pool.run_tasks`:
-`post_tasks`, then `run_and_wait`) costs the caller a few stores, and waiting for the pieces is a
+compiled task posted to it right there: a split GEMM or a LayerNorm pass (`kernel_pool.split_gemm`,
+`run_tasks`: `post_tasks`, then `run_and_wait`) costs the caller a few stores, and waiting for the pieces is a
 spin too. A Python part makes `serve` return to its thread's Python loop.
 
 Mailbox: `ctrl`, int64 [threads - 1, 16] (a row per kernel thread, 128 bytes apart: no false
@@ -15,9 +16,10 @@ sharing): POSTED (sequence number of the last task posted), DONE (of the last ta
 (1 while the thread sleeps on its lock, or is about to). `task`, int64 [threads - 1, 16]: KIND
 (GEMM_F32, GEMM_F64, LN_FORWARD, LN_BACKWARD, ADD_BIAS, COLUMN_SUMS, ADAMW, PYTHON), then a GEMM's
 address, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, or a row task's or an AdamW step's slots
-(below); the rows `gemm_tasks`, `row_tasks` and `adamw_tasks` build are copied in. Stores to POSTED and DONE are releases, their loads acquires, SLEEP's accesses sequentially
-consistent (a Dekker handshake with POSTED: `kernel_pool` explains), so this holds on any CPU, not
-only on x86's ordered stores.
+(below); the rows `gemm_tasks`, `row_tasks` and `adamw_tasks` build are copied in. A task's arrays
+are the caller's, alive until it has waited for every task. Stores to POSTED and DONE are releases,
+their loads acquires, SLEEP's accesses sequentially consistent (a Dekker handshake with POSTED:
+`kernel_pool` explains), so this holds on any CPU, not only on x86's ordered stores.
 """
 
 from __future__ import annotations
@@ -275,10 +277,11 @@ def gemm_tasks(address, f64, parts, trans_a, trans_b, k, a, lda, b, ldb, c, ldc)
 
 @jit
 def row_tasks(kind, x, w, b, mean, rstd, g, out, dw, db, flags, consts, block_rows, pieces):
-    """Task rows of a row task (LN_FORWARD, LN_BACKWARD, ADD_BIAS, COLUMN_SUMS) over x [n, c] in at most `pieces`
-    pieces, each a run of whole blocks of `block_rows` rows (so dw's and db's [blocks, c] partial sums
+    """Task rows of a row task (LN_FORWARD, LN_BACKWARD, ADD_BIAS, COLUMN_SUMS) over x [n, c] in at
+    most `pieces` pieces, each a run of whole blocks of `block_rows` rows (so dw's and db's [blocks, c] partial sums
     are those of the blocks, whatever the pieces). Arrays C-contiguous; mean, rstd [n, 1]; arrays a
-    pass does not use may be any array (never read)."""
+    pass does not use may be any array (never read). The rows hold the arrays' addresses, not the
+    arrays: the caller keeps every one of them alive (bound to a name) until the tasks ran."""
     n, c = x.shape
     blocks = (n + block_rows - 1) // block_rows
     per = (blocks + pieces - 1) // pieces
@@ -302,7 +305,8 @@ def row_tasks(kind, x, w, b, mean, rstd, g, out, dw, db, flags, consts, block_ro
 def adamw_tasks(table, decays, consts, pieces):
     """Task rows of one AdamW step over the parameters of `table` (int64 [n, 5]: p, g, m, v addresses
     and size; decays [n] and consts [7] in the parameters' dtype): their elements in table order cut
-    into at most `pieces` equal runs, at multiples of 16 elements."""
+    into at most `pieces` equal runs, at multiples of 16 elements. The caller keeps the arrays alive
+    until the tasks ran (as for `row_tasks`)."""
     total = table[:, 4].sum()
     per = ((total + pieces - 1) // pieces + 15) // 16 * 16
     count = max(1, (total + per - 1) // per)

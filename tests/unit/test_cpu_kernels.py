@@ -187,7 +187,8 @@ def test_layer_norm_in_16_bits_keeps_the_statistics_and_rebuilds_xhat(blocking):
     y, mean, rstd = ck.layer_norm_forward(x, w, b, 1e-5)
     ry, rxhat, _ = layer_norm_reference(up(x), w, b, 1e-5)
     assert mean.dtype == rstd.dtype == np.float32 and np.array_equal(y, down(ry, x.dtype))
-    full = ck.layer_norm_backward(up(x), w, *ck.layer_norm_forward(up(x), w, b, 1e-5)[1:], up(g), True, False, True)[0]
+    stats = ck.layer_norm_forward(up(x), w, b, 1e-5)[1:]
+    full = ck.layer_norm_backward(up(x), w, *stats, up(g), True, False, True)[0]
     assert np.array_equal(ck.layer_norm_backward(x, w, mean, rstd, g, True, False, True)[0], down(full, x.dtype))
 
 
@@ -414,7 +415,8 @@ def test_bias_add_and_column_sums_give_the_same_bits_on_any_thread_count(loops, 
         results.append((y, ck.column_sums(a)))
     ck.set_threads(None)
     assert np.array_equal(results[0][0], a + b)
-    np.testing.assert_allclose(results[0][1], a.sum(axis=0), rtol=1e-12 if dtype == np.float64 else 1e-5, atol=1e-5)
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    np.testing.assert_allclose(results[0][1], a.sum(axis=0), rtol=tol, atol=tol)
     assert all(np.array_equal(x, y) for r in results[1:] for x, y in zip(r, results[0]))
 
 
