@@ -889,7 +889,8 @@ def adamw_update(params: list, b1: float, b2: float, eps: float, step_size: floa
     """One AdamW step of every parameter in `params`, [(p, g, m, v, decay), ...], in place (p, m, v),
     in the order of `optim.AdamW.step`: decay (`decay` = 1 - lr wd, or 1), the moments, then
     p -= step_size m / (sqrt(v) inv_bias2_sqrt + eps). All parameters' blocks form one list, which
-    the threads share out (one parameter's blocks would leave small parameters to one thread)."""
+    the threads share out (one parameter's blocks would leave small parameters to one thread); with
+    the compiled loops, all parameters' elements in equal runs of compiled tasks (`_adamw_tasks`)."""
     if _adamw_tasks(params, b1, b2, eps, step_size, inv_bias2_sqrt):
         return
     work = []

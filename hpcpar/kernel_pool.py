@@ -4,8 +4,8 @@
     run(fn, parts)                   fn(part) for every part, parts[0] on the caller, parts[i] on
                                      kernel thread i - 1 (cpu_kernels' blocks)
     split_gemm(...)                  one matrix product in pieces, piece 0 on the caller (blas.matmul)
-    run_tasks(rows)                  compiled tasks (jit_pool's rows: LayerNorm's passes), row 0 on
-                                     the caller
+    run_tasks(rows)                  compiled tasks (jit_pool's rows: LayerNorm's passes, the bias
+                                     kernels, AdamW's step), row 0 on the caller
     splits_gemms()                   whether split_gemm is available (Numba), so that the BLAS may
                                      run sequentially and leave its threads to this pool
 
