@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from hpcpar import comm as comm_module
 from hpcpar import watchdog
 from hpcpar.comm import Communicator
 
@@ -60,6 +61,46 @@ def test_all_reduce(world, dtype, op, shape):
     got = world.all_reduce(mine, op=op)
     assert_matches(got, reference_reduce(parts, op, dtype), dtype)
     assert np.array_equal(mine, parts[world.rank])  # the input is left alone
+
+
+@pytest.fixture
+def split_world(monkeypatch):
+    """(a polling Communicator whose every all_reduce into a new result of at least one element
+    per rank runs as reduce-scatter + all-gather, the list of those split all-reduces)."""
+    monkeypatch.setenv("HPCPAR_MPI_WAIT", "poll")  # blocking waits keep MPI's own all-reduce
+    monkeypatch.setattr(comm_module, "_SPLIT_ALL_REDUCE_BYTES", 1)
+    splits = []
+
+    class Counted(comm_module._SplitAllReduce):
+        __slots__ = ()
+
+        def __init__(self, *args):
+            splits.append(args[1].shape)
+            super().__init__(*args)
+    monkeypatch.setattr(comm_module, "_SplitAllReduce", Counted)
+    comm = Communicator(MPI.COMM_WORLD.Dup(), "split")
+    yield comm, splits
+    comm.free()
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16, np.int32, np.uint8])
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+@pytest.mark.parametrize("shape", [(N,), (2 * N + 3,), (3, 5), (2, 3, 4), (max(N - 1, 0),), ()])
+def test_all_reduce_split_into_reduce_scatter_and_all_gather(split_world, dtype, op, shape):
+    # The parts of 2N+3 elements differ in length (the longer first); fewer elements than ranks,
+    # and 16-bit floats (reduced in place on a float32 copy) keep MPI's all-reduce.
+    if op == "avg" and np.issubdtype(dtype, np.integer):
+        pytest.skip("avg needs a floating dtype")
+    comm, splits = split_world
+    parts = everyone(shape, dtype, seed=7)
+    mine = parts[comm.rank].copy()
+    got = comm.all_reduce(mine, op=op)
+    assert_matches(got, reference_reduce(parts, op, dtype), dtype)
+    assert np.array_equal(mine, parts[comm.rank])
+    every = comm.all_gather(np.ascontiguousarray(got).reshape(1, -1).view(np.uint8))
+    assert all(np.array_equal(every[0], row) for row in every)  # the same bits on every rank
+    split = N > 1 and int(np.prod(shape)) >= N and dtype != np.float16
+    assert len(splits) == split
 
 
 def test_all_reduce_non_contiguous(world):

@@ -106,6 +106,33 @@ def test_gpt_loss_logits_and_grads_match_single_process(groups, sp, dropout):
     compare_grads(model, reference, tp_comm, f"tp={tp_comm.size} sp={sp} dropout={dropout}")
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_split_all_reduces_match_single_process(tp, sp, monkeypatch):
+    # Every tp all-reduce of activations and their gradients as reduce-scatter + all-gather
+    # (hpcpar.comm._SplitAllReduce, normally from 1 MiB up and when polling).
+    if SIZE % tp:
+        pytest.skip(f"tp={tp} does not divide {SIZE} ranks")
+    import hpcpar.comm
+    monkeypatch.setenv("HPCPAR_MPI_WAIT", "poll")
+    monkeypatch.setattr(hpcpar.comm, "_SPLIT_ALL_REDUCE_BYTES", 1)
+    made = []
+    monkeypatch.setattr(hpcpar.comm, "_SplitAllReduce",
+                        lambda *args, split=hpcpar.comm._SplitAllReduce: made.append(1) or split(*args))
+    mesh = Mesh(dp=SIZE // tp, tp=tp, comm=WORLD)
+    x, y = batch(3, seed=12)
+    reference = GPT(CFG, seed=SEED)
+    model = GPT(CFG, tp_comm=mesh.comm("tp"), sequence_parallel=sp, seed=SEED)
+    ref_loss, loss = reference(x, y), model(x, y)
+    collective_assert(abs(loss.item() - ref_loss.item()) < REL * abs(ref_loss.item()),
+                      f"loss {loss.item()!r} vs {ref_loss.item()!r}")
+    ref_loss.backward()
+    loss.backward()
+    collective_assert(bool(made), "no all-reduce was split")
+    compare_grads(model, reference, mesh.comm("tp"), f"split all-reduce, tp={tp} sp={sp}")
+    mesh.free()
+
+
 @pytest.mark.parametrize("groups", [2, 4], indirect=True)
 @pytest.mark.parametrize("sp", [False, True])
 def test_pipeline_style_stages_with_sharded_tied_head(groups, sp):
@@ -279,22 +306,25 @@ def _counts(n_layer: int, tp_comm: Communicator, sp: bool, partial: bool = False
     return forward, backward
 
 
+def _op(name: str) -> str:
+    """An mpi4py method's collective: blocking ops call MPI's blocking form (Allreduce,
+    Reduce_scatter_block) when the watchdog's monitor runs, else the non-blocking one (Iallreduce,
+    Ireduce_scatter): counted alike."""
+    return name.lower().removeprefix("i").removesuffix("_block")
+
+
 @pytest.mark.parametrize("groups", [2, 4], indirect=True)
 @pytest.mark.parametrize("sp", [False, True])
 def test_collectives_per_layer_and_microbatch(groups, sp):
     tp_comm, _ = groups
     f1, b1 = _counts(1, tp_comm, sp)
     f2, b2 = _counts(2, tp_comm, sp)
-    # Blocking ops call MPI's blocking form (Allreduce) when the watchdog's monitor runs, else the
-    # non-blocking one (Iallreduce): count them alike.
-    def op(name):
-        return name.lower().removeprefix("i")
-    per_layer_fwd, per_layer_bwd = ({op(k): v for k, v in (c2 - c1).items()} for c1, c2 in ((f1, f2), (b1, b2)))
+    per_layer_fwd, per_layer_bwd = ({_op(k): v for k, v in (c2 - c1).items()} for c1, c2 in ((f1, f2), (b1, b2)))
     if sp:
         # f/g become all-gather/reduce-scatter along T; the 6 all-reduces in backward sum the
         # sequence-shard gradients of ln_1, ln_2 (weight, bias) and both row-parallel biases.
-        want_fwd = {"allgather": 2, "reduce_scatter_block": 2}
-        want_bwd = {"allgather": 2, "reduce_scatter_block": 2, "allreduce": 6}
+        want_fwd = {"allgather": 2, "reduce_scatter": 2}
+        want_bwd = {"allgather": 2, "reduce_scatter": 2, "allreduce": 6}
     else:
         want_fwd, want_bwd = {"allreduce": 2}, {"allreduce": 2}   # Megatron: g twice, f twice
     names = set(f2) | set(b2)
@@ -313,7 +343,7 @@ def test_sequence_parallel_gradients_left_to_the_step_cost_nothing_per_layer(gro
     tp_comm, _ = groups
     f1, b1 = _counts(1, tp_comm, True, partial=True)
     f2, b2 = _counts(2, tp_comm, True, partial=True)
-    per_layer = {k.lower().removeprefix("i"): v for k, v in (b2 - b1).items()}
-    want = {"allgather": 2, "reduce_scatter_block": 2}
+    per_layer = {_op(k): v for k, v in (b2 - b1).items()}
+    want = {"allgather": 2, "reduce_scatter": 2}
     collective_assert(per_layer == want and f2 - f1 == _counts(2, tp_comm, True)[0] - _counts(1, tp_comm, True)[0],
                       f"per layer backward {per_layer} (want {want})")
