@@ -279,12 +279,14 @@ def _collectives_table(d: dict) -> list[str]:
                      f"<= {s['overhead_goal']}: {verdict(s['overhead_ok'])} |")
     lines += ["", "From 1 MiB up, hpcpar's polled all_reduce into a new array is a reduce-scatter into this rank's part of "
               "the result and an in-place all-gather (hpcpar/comm.py, `_SplitAllReduce`): MPI's out-of-place "
-              "all-reduce first copies the input into the result, the reduce-scatter reads it where it is. Where the "
-              "bandwidth goal is still missed (about 256 KiB to 2 MiB): with 4 ranks on 2 cores, whatever a call does "
-              "in the interpreter besides the MPI call (Python frames, the result array, the flight record) costs "
-              "about twice its own time, because the rank sharing the core waits for it: 5 µs of busy work before a "
-              "raw Iallreduce of 256 KiB made it 14-18 µs slower, 20 µs made it 48 µs slower (side by side in one "
-              "run). Smaller messages are latency-bound (the overhead goal).", "", "all_reduce by size:", "",
+              "all-reduce first copies the input into the result, the reduce-scatter reads it where it is. With 4 "
+              "ranks on 2 cores, whatever a call does in the interpreter before it enters the MPI op delays every "
+              "rank many times over (5 µs of busy work before a raw Iallreduce of 256 KiB made it 14-18 µs slower, "
+              "20 µs 48 µs slower; 3 µs of list arithmetic before a 1 MiB split all-reduce 70 µs), so an op enters "
+              "MPI first and is recorded after. What is left below 1 MiB, and for the other ops, is that cost of the "
+              "interpreter's work per call, and for reduce_scatter MPICH's non-blocking reduce-scatter (0.86-0.93x "
+              "its blocking one at 512 KiB - 1 MiB). Smaller messages are latency-bound (the overhead goal).", "",
+              "all_reduce by size:", "",
               "| bytes | raw µs | hpcpar µs | before µs | raw busbw GB/s | hpcpar busbw GB/s | ratio | ratio before |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in (r for r in d["rows"] if r["op"] == "all_reduce"):

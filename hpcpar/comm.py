@@ -178,6 +178,20 @@ class MpiTransport:
     def __init__(self, mpi_comm: MPI.Comm):
         self.comm = mpi_comm
         self.size, self.rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+        self._parts: dict[int, tuple] = {}  # elements -> parts (see `parts`)
+
+    def parts(self, elements: int) -> tuple[list, list, int, int]:
+        """`elements` split into one part per rank in rank order, the longer parts first: (counts,
+        starts, this rank's first element, its end), worked out once per size (an op's path)."""
+        found = self._parts.get(elements)
+        if found is None:
+            base, longer = divmod(elements, self.size)
+            counts = [base + 1] * longer + [base] * (self.size - longer)
+            starts = _displacements(counts)
+            if len(self._parts) >= 64:  # sizes come and go (evaluation, a changed batch): keep the recent
+                self._parts.clear()
+            found = self._parts[elements] = (counts, starts, starts[self.rank], starts[self.rank] + counts[self.rank])
+        return found
 
     def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
               blocking: bool = False, counts: tuple | None = None):
@@ -216,13 +230,10 @@ class _SplitAllReduce:
     __slots__ = ("_request", "_gather")
 
     def __init__(self, transport: MpiTransport, send, recv, datatype, op):
-        comm, n, rank = transport.comm, transport.size, transport.rank
         flat = recv.reshape(-1)
-        base, longer = divmod(flat.size, n)
-        counts = [base + 1] * longer + [base] * (n - longer)
-        starts = _displacements(counts)
-        mine = flat[starts[rank]:starts[rank] + counts[rank]]
-        self._request = comm.Ireduce_scatter([send, datatype], [mine, datatype], counts, op)
+        counts, starts, first, end = transport.parts(flat.size)
+        comm = transport.comm
+        self._request = comm.Ireduce_scatter([send, datatype], [flat[first:end], datatype], counts, op)
         self._gather = (comm, [flat, (counts, starts), datatype])  # started by the Test that sees phase 1 done
 
     def Test(self) -> bool:  # noqa: N802 - mirrors mpi4py's Request.Test
@@ -506,14 +517,21 @@ class Communicator:
         # waits in MPI's blocking call or polls (`mpi_waits_block`).
         blocking = now and self._watched and transport is self._host
         in_mpi = blocking and self._in_mpi
-        record = self._begin(kind, a, peer, blocking, in_mpi, sent)
+        if kind != "send" and kind != "recv" and watchdog.check_every():
+            # all_to_all_v's shapes differ between ranks by design: the check compares its name only.
+            self._check_sequence(kind, a if kind != "all_to_all_v" else None)
         if in_mpi:
+            record = self._begin(kind, a, peer, True, True, sent)
             try:
                 transport.start(kind, send, recv, op, peer, tag, True, counts)
             finally:  # an MPI error must not leave the op pending for the monitor to time out
                 watchdog.recorder.leave(record)
             return recv if finish is None else finish(*args)
+        # A non-blocking start returns at once: the op is recorded after it, because with ranks
+        # sharing cores whatever a rank does before it enters an op delays every rank many times
+        # over (bench/allreduce.py: 3 us more before a 1 MiB all-reduce cost 70 us).
         request = transport.start(kind, send, recv, op, peer, tag, False, counts)
+        record = self._begin(kind, a, peer, blocking, False, sent)
         if now:
             return self._complete(request, record, send, recv, finish, args)
         # MPI (or NCCL) reads and writes the buffers until the op completes: the handle keeps them.
@@ -556,13 +574,7 @@ class Communicator:
         turns into an abort; `in_mpi`: waited for in MPI's blocking call, recorded with
         `recorder.enter` (the entry `recorder.leave` takes); else an OpRecord (`recorder.begin`).
         The record keeps a send's or receive's `peer`. Every op passes here: it is kept short."""
-        if op == "send" or op == "recv":
-            record_peer = peer
-        else:
-            record_peer = None
-            if watchdog.check_every():
-                # all_to_all_v's shapes differ between ranks by design: the check compares its name only.
-                self._check_sequence(op, a if op != "all_to_all_v" else None)
+        record_peer = peer if op == "send" or op == "recv" else None
         seq = self._seq
         self._seq = seq + 1
         if a is None:
