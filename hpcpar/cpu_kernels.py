@@ -310,7 +310,8 @@ def bias_gelu_backward(pre, t, g, bias: bool):
             s[...] = grad[a:e]  # the bias gradient of the rounded values, as a separate linear sums them
         if db is not None:
             if jit is not None and s.flags.c_contiguous:
-                jit.column_sums(s, db[index[(a, e)]])                         # (einsum holds the GIL)
+                k = index[(a, e)]                                            # (einsum holds the GIL)
+                jit.column_sums_blocks(s, db[k:k + 1], e - a)
             else:
                 np.einsum("ij->j", s, out=db[index[(a, e)]])
     _run(block, blocks)

@@ -299,16 +299,6 @@ def softmax_grad_rows(gs, p, rowsum, has_rowsum, zero):
 
 
 @jit
-def column_sums(a, out):
-    """out [c] = the sum over rows of a [n, c], row by row (a bias's gradient)."""
-    n, c = a.shape
-    out[:] = 0
-    for i in range(n):
-        for j in range(c):
-            out[j] += a[i, j]
-
-
-@jit
 def column_sums_blocks(a, out, block_rows):
     """out [k] [c] = the sum over the rows of block k of a [n, c] (`block_rows` rows each), row by row
     (a bias's gradient in partial sums), built up in a private array and stored once per block."""
