@@ -81,6 +81,24 @@ def test_pipeline_messages_through_host_match_single_process():
     check_training(1, 1, SIZE, "interleaved", 2 * SIZE, 2, False, host_messages=True)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(SIZE != 4, reason="the meshes of 4 ranks")
+@pytest.mark.parametrize("dp,tp,pp,name,m,sp", [(2, 1, 2, "zbh1", 2, False), (1, 2, 2, "1f1b", 3, True),
+                                                (2, 2, 1, "1f1b", 2, False)])
+def test_training_with_every_all_reduce_split_matches_single_process(dp, tp, pp, name, m, sp, monkeypatch):
+    # Every polled all-reduce into a new array (tensor-parallel activations and gradients, the
+    # step's reductions) as reduce-scatter + all-gather (hpcpar.comm._SplitAllReduce), which runs
+    # from 1 MiB up otherwise: at this size never.
+    import hpcpar.comm
+    monkeypatch.setenv("HPCPAR_MPI_WAIT", "poll")
+    monkeypatch.setattr(hpcpar.comm, "_SPLIT_ALL_REDUCE_BYTES", 1)
+    made = []
+    monkeypatch.setattr(hpcpar.comm, "_SplitAllReduce",
+                        lambda *args, split=hpcpar.comm._SplitAllReduce: made.append(1) or split(*args))
+    check_training(dp, tp, pp, name, m, 1, sp)
+    collective_assert(bool(made), "no all-reduce was split")
+
+
 def check_training(dp, tp, pp, name, m, chunks, sp, host_messages=False):
     overrides = [f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"pipeline.schedule={name}",
                  f"pipeline.chunks={chunks}", f"train.microbatches={m}",
