@@ -121,6 +121,7 @@ def check_training(dp, tp, pp, name, m, chunks, sp, host_messages=False):
                 want = p.layout.take(ref_params[p.tied_to])
                 if rel_err(p.data, want) > RTOL:
                     problems.append(f"{pname} (tied to {p.tied_to}): relative error {rel_err(p.data, want):.2e}")
+    trainer.mesh.free()  # MPI has a few thousand communicators per process, and the suite makes many
     collective_assert(not problems, "; ".join(problems[:3]))
 
 
@@ -133,7 +134,9 @@ def test_evaluate_matches_single_process(name, chunks):
     m = SIZE * chunks
     cfg = load_config(None, BASE + ["mesh.dp=1", "mesh.tp=1", f"mesh.pp={SIZE}", f"pipeline.schedule={name}",
                                     f"pipeline.chunks={chunks}", f"train.microbatches={m}"])
-    got = Trainer(cfg, comm=WORLD, tokens=TOKENS).evaluate(3)
+    trainer = Trainer(cfg, comm=WORLD, tokens=TOKENS)
+    got = trainer.evaluate(3)
+    trainer.mesh.free()
     ref_cfg = load_config(None, BASE + ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1", f"train.microbatches={m}"])
     want = Trainer(ref_cfg, comm=MPI.COMM_SELF, tokens=TOKENS).evaluate(3)
     collective_assert(rel_err(got, want) <= RTOL, f"eval loss {got!r} vs {want!r}")
