@@ -771,8 +771,10 @@ class Communicator:
         work = self._work_buffer(send, transport)
         if work is not send:  # reduce the upcast copy in place, cast back when finished
             send = recv = work
-        else:  # in place on `a` when asked, or on the copy a strided `a` needed anyway
-            recv = send if in_place or send is not a else self._result(send.shape, send.dtype, transport.xp)
+        else:  # in place on `a` (or the copy a strided `a` needed) when asked, else into a new result:
+            # out of place whatever `a`'s layout, since that decides the MPI calls (a large one is
+            # split, `MpiTransport.start`) and every rank must issue the same ones
+            recv = send if in_place else self._result(send.shape, send.dtype, transport.xp)
         finish = None if op != "avg" and recv.dtype == a.dtype else self._reduced
         return self._start("all_reduce", a, send, recv, transport, now, finish, (recv, a, op, in_place), op)
 

@@ -103,6 +103,18 @@ def test_all_reduce_split_into_reduce_scatter_and_all_gather(split_world, dtype,
     assert len(splits) == split
 
 
+@pytest.mark.parametrize("strided_ranks", [(0,), (1, 2, 3)])
+def test_split_all_reduce_with_layouts_that_differ_between_ranks(split_world, strided_ranks):
+    # Whether an all-reduce is split must not depend on a rank's layout of its input (a strided
+    # input is copied first): ranks issuing different MPI calls would hang.
+    comm, splits = split_world
+    parts = everyone((6, 8), np.float64, seed=3)
+    mine = np.asfortranarray(parts[comm.rank]) if comm.rank in strided_ranks else parts[comm.rank].copy()
+    got = comm.all_reduce(mine, op="sum")
+    assert_matches(got, reference_reduce(parts, "sum", np.float64), np.float64)
+    assert len(splits) == (N > 1)
+
+
 def test_all_reduce_non_contiguous(world):
     full = [make((6, 8), np.float64, r) for r in range(N)]
     got = world.all_reduce(full[world.rank][::2, 1::3], op="sum")
