@@ -877,15 +877,25 @@ def _step_dirs(directory: str) -> list[str]:
     return sorted(names, key=lambda e: int(_STEP_DIR.match(e).group(1)))
 
 
-def latest(directory: str) -> str | None:
-    """The checkpoint `latest` points to in `directory`, or None when there is none yet."""
+def pointer(directory: str) -> str | None:
+    """The name `latest` in `directory` holds ("step-0000200"), or None when it has none."""
     try:
         with open(os.path.join(directory, LATEST)) as f:
-            name = f.read().strip()
+            return f.read().strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    path = os.path.join(directory, name)
-    return path if _STEP_DIR.match(name) and os.path.isdir(path) else None
+
+
+def latest(directory: str) -> str | None:
+    """The checkpoint `latest` points to in `directory`; when the pointer is missing or names no
+    committed checkpoint (deleted by hand, or a save killed between its rename and the pointer:
+    a `step-NNNNNNN` directory is complete once it has its name), the newest committed one; None
+    when there is none yet."""
+    name = pointer(directory)
+    if name is not None and _STEP_DIR.match(name) and os.path.isdir(os.path.join(directory, name)):
+        return os.path.join(directory, name)
+    steps = _step_dirs(directory) if os.path.isdir(directory) else []
+    return os.path.join(directory, steps[-1]) if steps else None
 
 
 # ----------------------------------------------------------------------------------------

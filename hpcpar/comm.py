@@ -458,6 +458,7 @@ class Communicator:
         self._group = ",".join(map(str, MPI.Group.Translate_ranks(group, list(range(self.size)), world)))
         group.Free()
         world.Free()
+        watchdog.timeout()  # a bad $HPCPAR_TIMEOUT fails here, on every rank alike, not inside some wait
         self._watched = watchdog.monitor()  # a monitor thread watches this rank's waits
         self._in_mpi = self._watched and mpi_waits_block()  # blocking ops wait in MPI's blocking calls
         self._checked: list = []  # debug mode: collectives since the last sequence check

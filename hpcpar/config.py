@@ -24,7 +24,6 @@ saying what is wrong and what would be right.
 import dataclasses
 import difflib
 import functools
-import logging
 import math
 import os
 import textwrap
@@ -43,7 +42,6 @@ from hpcpar.nn.gpt import DTYPES, PRESETS, RECOMPUTE_MODES, GPTConfig, recompute
 from hpcpar.precision import PRECISIONS
 from hpcpar.schema import divisors, field as _field, require_divisible
 
-log = logging.getLogger(__name__)
 
 # train.grad_compression's choices (hpcpar.parallel.compression.KINDS, which imports MPI: loading a
 # config must not) and the old 16-bit wire key it replaces, kept as an alias: every config.toml
@@ -938,10 +936,24 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
         raise ConfigError(f"model.n_layer={cfg.model.n_layer} is fewer than mesh.pp={pp} x pipeline.chunks="
                           f"{chunks}{fixed} = {stages} virtual stages (each needs a layer); use n_layer >= {stages} "
                           + ("or fewer stages" if cfg.mesh.pp else "or mesh.pp=1 (pp=2 is the auto default)"))
-    if t.microbatches < pp:
-        log.warning("train.microbatches=%d < mesh.pp=%d: most of each step is pipeline bubble, "
-                    "(p-1)/(m+p-1) = %.0f%%; use microbatches >= %d (4 x pp is better)",
-                    t.microbatches, pp, 100 * (pp - 1) / (t.microbatches + pp - 1), pp)
+
+
+def doubts(cfg: Config) -> list[str]:
+    """Legal but doubtful settings of a validated config (mesh resolved), a line each: what a run
+    warns about once, on rank 0 (not `validate`, which the planner runs for every candidate and a
+    run more than once)."""
+    m, t = cfg.mesh, cfg.train
+    out = []
+    if t.microbatches < m.pp:
+        out.append(f"train.microbatches={t.microbatches} < mesh.pp={m.pp}: most of each step is pipeline bubble, "
+                   f"(p-1)/(m+p-1) = {100 * (m.pp - 1) / (t.microbatches + m.pp - 1):.0f}%; use microbatches >= "
+                   f"{m.pp} (4 x pp is better)")
+    if t.grad_compression != "none" and m.dp * m.cp == 1:
+        out.append(f"train.grad_compression={t.grad_compression} has nothing to compress: dp x cp = 1 (no "
+                   "data-parallel gradient averaging)")
+    if t.warmup >= t.steps:
+        out.append(f"train.warmup={t.warmup} >= train.steps={t.steps}: the learning rate never reaches train.lr")
+    return out
 
 
 def _fold_reduce_dtype(cfg: Config) -> Config:
@@ -1052,7 +1064,7 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     pipeline.chunks >= 1 (the schedule's own where it was 0); validating
     it again gives it back unchanged. `available_memory_bytes`, when given, is compared with
     `estimate_memory` (pass a value every rank agrees on, e.g. the smallest device's memory).
-    Raises ConfigError / MeshError (one line); logs warnings for legal but doubtful settings.
+    Raises ConfigError / MeshError (one line); `doubts` names legal but doubtful settings.
     """
     _check_fields(cfg)
     _check_ranges(cfg)
@@ -1074,12 +1086,6 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     _check_pipeline(cfg, pp)
     _check_experts(cfg, dp, tp, cp)
     _check_checkpoint(cfg.checkpoint)
-    if cfg.train.grad_compression != "none" and dp * cp == 1:
-        log.warning("train.grad_compression=%s has nothing to compress: dp x cp = 1 (no data-parallel "
-                    "gradient averaging)", cfg.train.grad_compression)
-    if cfg.train.warmup >= cfg.train.steps:
-        log.warning("train.warmup=%d >= train.steps=%d: the learning rate never reaches train.lr",
-                    cfg.train.warmup, cfg.train.steps)
     resolved = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=dp, tp=tp, pp=pp, cp=cp),
                                    pipeline=dataclasses.replace(
                                        cfg.pipeline, chunks=_resolved_chunks(cfg.pipeline)))

@@ -63,10 +63,13 @@ def available_memory_bytes() -> int | None:
 
 
 class JsonLines:
-    """Append-only metrics file: one JSON object per line, flushed as written."""
+    """Append-only metrics file: one JSON object per line, flushed as written. A last line cut
+    short (a run killed while writing it) is dropped on opening, so that a resumed run's first
+    record starts a line of its own."""
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        _drop_partial_last_line(path)
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
@@ -75,6 +78,30 @@ class JsonLines:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _drop_partial_last_line(path: str, chunk: int = 1 << 16) -> None:
+    """Truncate `path` after its last newline (nothing to do when it ends with one or is missing)."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        at = end
+        while at > 0:
+            start = max(0, at - chunk)
+            f.seek(start)
+            tail = f.read(at - start)
+            newline = tail.rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            at = start
+        else:
+            keep = 0
+        if keep != end:
+            f.truncate(keep)
 
 
 def read_json_lines(path: str) -> list[dict]:

@@ -938,6 +938,9 @@ def main(config_path: str | None, overrides: list) -> int:
                         config.given_keys(config_path, overrides))
     trainer = build(cfg, world, available_memory_bytes=_agreed_memory_per_rank(world))
     cfg, job = trainer.cfg, trainer.job  # cfg: validated, mesh resolved; job: every rank
+    if job.rank == 0:
+        for doubt in config.doubts(cfg):
+            log.warning("%s", doubt)
     watchdog.set_timeout(cfg.run.timeout)
     watchdog.set_check_every(cfg.run.debug_check_every)
     preemption.install()
@@ -1009,20 +1012,25 @@ def _agreed_memory_per_rank(world: MPI.Comm) -> int | None:
 
 
 def _prepare_run_dir(cfg: config.Config, world: Communicator) -> None:
-    """Create the run directory and write config.toml (rank 0); every rank raises the same error."""
+    """Create the run and checkpoint directories and write config.toml (rank 0), so that a
+    directory that cannot be used stops the job before its first step, not at its first save;
+    every rank raises the same error."""
     problem = ""
     if world.rank == 0:
-        try:
-            os.makedirs(cfg.run.dir, exist_ok=True)
-            probe = os.path.join(cfg.run.dir, ".write-test")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
-            with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
-                f.write(config.to_toml(cfg))
-        except OSError as err:
-            problem = (f"run directory {cfg.run.dir!r} is not writable ({err.strerror}); "
-                       "set run.dir to a writable directory")
+        for directory, what, key in ((cfg.run.dir, "run directory", "run.dir"),
+                                     (cfg.checkpoint_dir, "checkpoint directory", "checkpoint.dir")):
+            try:
+                os.makedirs(directory, exist_ok=True)
+                probe = os.path.join(directory, ".write-test")
+                with open(probe, "w") as f:
+                    f.write("ok")
+                os.remove(probe)
+                if key == "run.dir":
+                    with open(os.path.join(directory, "config.toml"), "w") as f:
+                        f.write(config.to_toml(cfg))
+            except OSError as err:
+                problem = f"{what} {directory!r} is not writable ({err.strerror}); set {key} to a writable directory"
+                break
     problem = world.broadcast_object(problem, root=0)
     if problem:
         raise ConfigError(problem)
@@ -1052,6 +1060,12 @@ def _resume(trainer: Trainer) -> None:
     resume = cfg.checkpoint.resume
     path = checkpoint.latest(cfg.checkpoint_dir) if resume == "auto" else resume or None
     if path:
+        pointed = checkpoint.pointer(cfg.checkpoint_dir) if resume == "auto" else None
+        if resume == "auto" and pointed != os.path.basename(path) and trainer.job.rank == 0:
+            log.warning("checkpoint.resume=auto: %s %s; resuming from the newest checkpoint there, %s",
+                        os.path.join(cfg.checkpoint_dir, checkpoint.LATEST),
+                        "is missing" if pointed is None else f"names {pointed!r}, which is not a checkpoint",
+                        os.path.basename(path))
         trainer.load(path)
         log.info("resumed from %s at step %d", path, trainer.step)
     elif resume == "auto":

@@ -140,6 +140,8 @@ CASES = [
     ("resume-corrupt", train("checkpoint.resume={corrupt}"), 1, "rank-00000.h5: cannot read tensor"),
     ("run-dir-under-a-file", train("run.dir={afile}/sub"), 1, "is not writable (Not a directory)"),
     ("run-dir-read-only", train("run.dir={ro}/run"), 1, "is not writable (Read-only file system)"),
+    ("checkpoint-dir-is-a-file", train("checkpoint.dir={afile}"), 1,
+     "is not writable (File exists); set checkpoint.dir to a writable directory"),
     ("disk-full", train("checkpoint.dir={full}/ckpt"), 1, "no space left on device"),
     ("sample-bad-checkpoint", ["sample", "{afile}"], 1, "no checkpoint at"),
     ("sample-corrupt-checkpoint", ["sample", "{corrupt}"], 1, "corrupt data"),
@@ -269,6 +271,18 @@ def test_bad_input_is_one_line_with_status_2(place, mpirun, args, n, expected):
     errors = [line for line in job.stderr.splitlines() if line.startswith("hpcpar: error")]
     assert job.returncode == 2, job.output
     assert len(errors) == 1 and expected in errors[0], job.output
+    assert "Traceback" not in job.output
+
+
+def test_bad_timeout_in_the_environment_is_one_line_with_status_2(place, mpirun):
+    # Read where the first communicator is made, on every rank alike: not inside a later wait,
+    # where the ranks would find it at different times (one error per rank, then an abort).
+    argv = [a.format(**place) for a in train("train.steps=2", "run.dir={tmp}/timeout-run")]
+    job = mpirun(4, [PY, "-m", "hpcpar", *argv], timeout=60, env={"HPCPAR_TIMEOUT": "abc"})
+    assert not job.timed_out
+    errors = [line for line in job.stderr.splitlines() if "error" in line]
+    assert job.returncode == 2, job.output
+    assert errors == ["hpcpar: error: HPCPAR_TIMEOUT='abc' is not a positive number of seconds (e.g. 600)"], job.output
     assert "Traceback" not in job.output
 
 

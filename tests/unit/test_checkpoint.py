@@ -122,6 +122,20 @@ def test_latest_keep_and_stale_tmp_cleanup(tmp_path):
     assert meta["step"] == 5
 
 
+def test_latest_without_a_usable_pointer_is_the_newest_committed_step(tmp_path):
+    for step in (2, 10):
+        save_ref(tmp_path, step=step, seed=step)
+    (tmp_path / ".tmp-step-0000011-deadbeef").mkdir()  # a killed save is never a candidate
+    (tmp_path / "latest").write_text("step-0009999\n")   # names a step that is gone
+    assert ck.pointer(str(tmp_path)) == "step-0009999"
+    assert ck.latest(str(tmp_path)) == str(tmp_path / "step-0000010")
+    (tmp_path / "latest").unlink()                      # lost (or a save killed before writing it)
+    assert ck.pointer(str(tmp_path)) is None
+    assert ck.latest(str(tmp_path)) == str(tmp_path / "step-0000010")
+    (tmp_path / "latest").write_text("step-0000002\n")  # a valid pointer wins over newer steps
+    assert ck.latest(str(tmp_path)) == str(tmp_path / "step-0000002")
+
+
 def test_resave_same_step_and_older_step_kept(tmp_path):
     save_ref(tmp_path, step=5, seed=1, keep=1)
     glob, path = save_ref(tmp_path, step=5, seed=2, keep=1)  # replaced in place

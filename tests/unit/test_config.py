@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpcpar import config, schema
-from hpcpar.config import Config, ConfigError, load_config, to_toml, validate
+from hpcpar.config import Config, ConfigError, doubts, load_config, to_toml, validate
 from hpcpar.errors import HpcparError, MeshError
 from hpcpar.mesh import resolve_degrees
 from hpcpar.nn import GPT, GPTConfig, tensor_parallel
@@ -322,17 +322,18 @@ def test_bf16_is_refused_on_cupy_and_the_reduce_dtype_folds_into_compression():
     assert folded.train.grad_compression == "bf16" and validate(folded, 2) == folded
 
 
-def test_warnings(caplog):
+def test_doubts_are_listed_not_logged_by_validate(caplog):
+    # validate runs for every planner candidate and more than once per run: it warns about nothing;
+    # the run logs config.doubts once, on rank 0.
     with caplog.at_level(logging.WARNING, logger="hpcpar.config"):
-        _validate(["train.warmup=10", "train.steps=10"])
-        _validate(["train.microbatches=1"], world=4)
-    text = caplog.text
-    assert "train.warmup=10 >= train.steps=10" in text
-    assert "train.microbatches=1 < mesh.pp=2" in text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hpcpar.config"):
-        _validate([], world=4)
+        warm = _validate(["train.warmup=10", "train.steps=10"])
+        bubble = _validate(["train.microbatches=1"], world=4)
+        idle = _validate(["train.grad_compression=int8"], world=1)
     assert caplog.text == ""
+    assert doubts(warm) == ["train.warmup=10 >= train.steps=10: the learning rate never reaches train.lr"]
+    assert len(doubts(bubble)) == 1 and doubts(bubble)[0].startswith("train.microbatches=1 < mesh.pp=2: ")
+    assert len(doubts(idle)) == 1 and "has nothing to compress" in doubts(idle)[0]
+    assert doubts(_validate([], world=4)) == []
 
 
 # --------------------------------------------------------------------------- overrides
