@@ -947,6 +947,11 @@ def main(config_path: str | None, overrides: list) -> int:
     _prepare_run_dir(cfg, job)
     _log_ranks(cfg, job)
     _resume(trainer)
+    if trainer.step >= cfg.train.steps:  # every rank loaded the same step: they all stop here
+        if job.rank == 0:
+            log.warning("the checkpoint is at step %d and train.steps=%d: nothing to train, no checkpoint or "
+                        "summary written (raise train.steps to train on)", trainer.step, cfg.train.steps)
+        return 0
     result = trainer.train()
     if cfg.pipeline.trace and isinstance(trainer, Trainer):   # the workers' pipeline timeline
         trainer.tracer.write_chrome_trace(os.path.join(cfg.run.dir, "trace.json"), trainer.mesh.world)

@@ -226,6 +226,18 @@ def test_sigterm_mid_step_checkpoints_exits_75_and_resumes_exactly(train, tmp_pa
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_resuming_a_finished_run_trains_nothing_and_rewrites_nothing(train, tmp_path):
+    run = tmp_path / "run"
+    assert train("none", run, "train.steps=3").returncode == 0
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name not in ("config.toml", "ranks.json")}
+    again = train("none", run, "train.steps=3", "checkpoint.resume=auto")
+    assert again.returncode == 0, again.output
+    assert again.output.count("the checkpoint is at step 3 and train.steps=3: nothing to train") == 1, again.output
+    after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name not in ("config.toml", "ranks.json")}
+    assert after == before  # summary.json, metrics.jsonl and the checkpoint as the finished run left them
+    # (config.toml and ranks.json describe the latest launch)
+
+
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(train, tmp_path):
     run = tmp_path / "run"
     job = train("killsave", run, "train.steps=6", "checkpoint.every=2", FAULT_RANK="1")
