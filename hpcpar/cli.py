@@ -8,14 +8,16 @@ fail-together path (traceback tagged with the rank, then MPI_Abort).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 from hpcpar import threads
 
 # Must run before NumPy loads its BLAS: one thread per rank when ranks share cores.
 threads.set_default_threads()
 
-from hpcpar.errors import HpcparError, UsageError  # noqa: E402
+from hpcpar.errors import ConfigError, HpcparError, UsageError  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,10 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("sample", help="generate text from a trained checkpoint")
     p.add_argument("checkpoint", help="checkpoint directory (step-NNNNNNN, or a run's checkpoint dir)")
     p.add_argument("--prompt", default="def ", help="text to start from")
-    p.add_argument("--tokens", type=int, default=200, help="number of tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=200, help="number of tokens to generate (>= 0)")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature, a finite number > 0")
+    p.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens (0: from every token)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (>= 0)")
     p.add_argument("--tokenizer", help="tokenizer.json to decode with (default: the one recorded in the checkpoint; "
                                        "must match it)")
 
@@ -86,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("plot", help="draw loss curves of one or more runs to a PNG")
     p.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
-    p.add_argument("--out", default="loss.png", help="PNG file to write")
+    p.add_argument("--out", default="loss.png", help="image to write, in an existing directory; its suffix names "
+                                                      "the format (.png, .pdf, .svg, ...)")
 
     p = verbs.add_parser("data", help="prepare token files from text (one process)")
     data = p.add_subparsers(dest="data_action", required=True, metavar="ACTION")
@@ -133,7 +136,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _output_file(path: str | None, option: str) -> None:
+    """An output file the command writes at its end must be creatable: checked before the work, so a
+    typo in the directory does not cost the whole run (None: not asked for)."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{option} {path!r} is a directory; give a file name inside it")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{option} {path!r}: directory {folder!r} does not exist; create it first or give a path "
+                          "in an existing directory")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{option} {path!r}: directory {folder!r} is not writable; give a path in a writable "
+                          "directory")
+
+
+# Verbs that do their work on one process. Under mpiexec rank 0 alone runs them (`_on_rank_0`).
+def _single_process(args: argparse.Namespace) -> bool:
+    return args.verb in ("sample", "ckpt", "job", "plot", "data") or (args.verb == "plan" and not args.calibrate)
+
+
+def _on_rank_0(args: argparse.Namespace) -> int:
+    """Run a single-process verb under mpiexec: rank 0 does the work and prints; the other ranks wait
+    (sleeping, not spinning on cores rank 0 may need) and end with rank 0's exit status. A user error
+    on rank 0 is raised on every rank, so it is reported once, as every rank's (`failure`)."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        return run(args)
+    outcome: int | HpcparError = 0
+    if world.Get_rank() == 0:
+        try:
+            outcome = int(run(args) or 0)
+        except HpcparError as err:
+            outcome = err
+    done = world.Ibarrier()
+    while not done.Test():
+        time.sleep(0.01)
+    shared = world.bcast(outcome if isinstance(outcome, int) else (str(outcome), outcome.exit_status), root=0)
+    if isinstance(outcome, HpcparError):
+        raise outcome                  # rank 0: its own error, with its traceback for --debug
+    if isinstance(shared, tuple):
+        err = HpcparError(shared[0])
+        err.exit_status = shared[1]
+        raise err
+    return shared
+
+
 def run(args: argparse.Namespace) -> int:
+    """Do what `args` asks on this process (a user error raises `HpcparError`)."""
+    _output_file(getattr(args, "json_out", None), "--json")
+    if args.verb in ("plot", "plan") or (args.verb == "ckpt" and args.action == "export" and args.format == "npz"):
+        _output_file(args.out, "--out")
     if args.verb == "train":
         from hpcpar import train
         return train.main(args.config, args.overrides)
@@ -195,14 +250,26 @@ def _server_ranges(servers: int, overrides: list[str]) -> str:
     return ownership_report(shapes, servers, world.Get_size() - servers, backend.xp.dtype(cfg.model.dtype).itemsize)
 
 
+def _debug(argv: list[str]) -> bool:
+    """`--debug` given where it belongs, before the verb (`hpcpar --debug train`); after the verb it
+    is an unrecognized argument like any other."""
+    for arg in argv:
+        if arg == "--debug":
+            return True
+        if not arg.startswith("-"):
+            return False
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     from hpcpar import failure
     failure.install()
     argv = sys.argv[1:] if argv is None else argv
     try:
-        status = run(build_parser().parse_args(argv))
+        args = build_parser().parse_args(argv)
+        status = _on_rank_0(args) if _single_process(args) else run(args)
     except HpcparError as err:
-        failure.report_user_error(err, debug="--debug" in argv)
+        failure.report_user_error(err, debug=_debug(argv))
         status = err.exit_status
     return int(status or 0)
 

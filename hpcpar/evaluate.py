@@ -28,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpar import config, data, datasets
-from hpcpar.errors import DataError
+from hpcpar.errors import ConfigError, DataError
 from hpcpar.mesh import Axis
 from hpcpar.train import Trainer
 
@@ -72,8 +72,15 @@ def _recorded_dtype(path: str, fmt: str) -> str | None:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
+def check_max_tokens(max_tokens: int) -> None:
+    """`--max-tokens`: a number of tokens, 0 for all of them."""
+    if max_tokens < 0:
+        raise ConfigError(f"--max-tokens must be >= 0 (0 evaluates every token), got {max_tokens}")
+
+
 def evaluate(trainer: Trainer, tokens, max_tokens: int = 0) -> dict:
     """Mean loss over the windows of `tokens` (collective): {loss, perplexity, tokens, windows}."""
+    check_max_tokens(max_tokens)
     t = trainer.cfg.model.block_size
     windows = (len(tokens) - 1) // t
     if max_tokens:
@@ -99,10 +106,12 @@ def evaluate(trainer: Trainer, tokens, max_tokens: int = 0) -> dict:
 
 def main(path: str, data_path: str, fmt: str | None = None, split: str = "val", max_tokens: int = 0,
          overrides: list[str] | None = None, json_out: str | None = None) -> int:
-    """`hpcpar eval`: prints one line on rank 0 (and writes the figures as JSON to `json_out`)."""
+    """`hpcpar eval`: prints one line on rank 0 (and writes the figures as JSON to `json_out`, whose
+    directory the CLI checks before the evaluation)."""
     from hpcpar import checkpoint
     from hpcpar.comm import Communicator
 
+    check_max_tokens(max_tokens)       # before loading the checkpoint and building the model
     world = MPI.COMM_WORLD
     _, meta = checkpoint.load(path, {}, Communicator(world, "world"))
     cfg = eval_config(meta["config"], f"config stored in {path}", data_path, fmt, split, overrides or [])

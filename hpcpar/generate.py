@@ -10,10 +10,10 @@ tokenizer's, e.g. padded to 50304 for GPT-2's 50257) get no probability.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
-from mpi4py import MPI
 
 from hpcpar import backend, checkpoint, config, tokenizer
 from hpcpar.comm import Communicator
@@ -57,14 +57,23 @@ def tokenizer_of(meta: dict, path: str, given: str | None = None) -> tokenizer.T
     return tokenizer.from_json(stored["json"], f"the tokenizer of checkpoint {path}")
 
 
-def generate(model: GPT, prompt: list[int], tokens: int, temperature: float = 0.8, top_k: int = 40,
-             seed: int = 0, vocab_limit: int | None = None) -> list[int]:
-    """Extend the token ids `prompt` by `tokens` sampled ids. Ids >= `vocab_limit` (past the
-    tokenizer's vocabulary) get -inf logits: no probability."""
-    if temperature <= 0:
-        raise ConfigError(f"--temperature must be > 0, got {temperature}")
+def check_options(tokens: int, temperature: float, top_k: int, seed: int) -> None:
+    """The sampling options `hpcpar sample` takes, or a ConfigError naming the first bad one."""
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ConfigError(f"--temperature must be a finite number > 0, got {temperature}")
     if tokens < 0:
         raise ConfigError(f"--tokens must be >= 0, got {tokens}")
+    if top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 samples from every token), got {top_k}")
+    if seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {seed}")
+
+
+def generate(model: GPT, prompt: list[int], tokens: int, temperature: float = 0.8, top_k: int = 40,
+             seed: int = 0, vocab_limit: int | None = None) -> list[int]:
+    """Extend the token ids `prompt` by `tokens` sampled ids, from the `top_k` likeliest (0: from
+    every id). Ids >= `vocab_limit` (past the tokenizer's vocabulary) get -inf logits: no probability."""
+    check_options(tokens, temperature, top_k, seed)
     rng = np.random.default_rng(seed)
     ids = list(prompt) or [0]
     block = model.config.block_size
@@ -85,8 +94,8 @@ def generate(model: GPT, prompt: list[int], tokens: int, temperature: float = 0.
 
 def main(path: str, prompt: str = "def ", tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
          seed: int = 0, tokenizer_file: str | None = None) -> int:
-    if MPI.COMM_WORLD.rank != 0:
-        return 0
+    """`hpcpar sample` on this process (under mpiexec the CLI runs it on rank 0 alone)."""
+    check_options(tokens, temperature, top_k, seed)    # before loading what may be a large checkpoint
     model, meta = load(path)
     tok = tokenizer_of(meta, path, tokenizer_file)
     vocab = model.config.vocab_size

@@ -102,8 +102,3 @@ def _drop_partial_last_line(path: str, chunk: int = 1 << 16) -> None:
             keep = 0
         if keep != end:
             f.truncate(keep)
-
-
-def read_json_lines(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]

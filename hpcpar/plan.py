@@ -155,10 +155,22 @@ def load_hardware(name: str, path: str | None = None) -> Hardware:
         raise ConfigError(f"--hardware=this needs a calibration, and {path} does not exist; run "
                           "`mpiexec -n N hpcpar plan --calibrate` first (same model keys), or use "
                           "--hardware a100 or h100") from None
-    raw["intra"], raw["inter"] = Link(**raw["intra"]), Link(**raw["inter"])
-    raw["layer_times"] = {int(k): v for k, v in raw["layer_times"].items()}
-    raw["tp_scales"] = {int(k): v for k, v in raw.get("tp_scales", {}).items()}
-    return Hardware(**raw)
+    except (OSError, ValueError) as err:   # unreadable, empty, cut short, not UTF-8 or not JSON
+        raise _bad_calibration(path, err) from None
+    try:
+        raw["intra"], raw["inter"] = Link(**raw["intra"]), Link(**raw["inter"])
+        raw["layer_times"] = {int(k): v for k, v in raw["layer_times"].items()}
+        raw["tp_scales"] = {int(k): v for k, v in raw.get("tp_scales", {}).items()}
+        return Hardware(**raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:   # JSON, but not what --calibrate writes
+        raise _bad_calibration(path, err) from None
+
+
+def _bad_calibration(path: str, err: Exception) -> ConfigError:
+    what = (err.strerror if isinstance(err, OSError) else f"no {err.args[0]!r} entry" if isinstance(err, KeyError)
+            else f"not valid JSON: {err}" if isinstance(err, json.JSONDecodeError) else f"{type(err).__name__}: {err}")
+    return ConfigError(f"calibration file {path} cannot be used ({what}); run `mpiexec -n N hpcpar plan --calibrate` "
+                       "again to rewrite it (same model keys), or use --hardware a100 or h100")
 
 
 def save_hardware(hw: Hardware, path: str | None = None) -> str:

@@ -4,10 +4,34 @@ worst MoE layer, 1 = balanced) and the fraction of assignments dropped by the ca
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
-from hpcpar import metrics
-from hpcpar.errors import HpcparError
+from hpcpar.errors import ConfigError, HpcparError
+
+
+def read_records(path: str) -> list[dict]:
+    """The step records of a metrics.jsonl. A line that is not a JSON record (the last line of a run
+    killed while rank 0 wrote it, cut short) is skipped with one warning naming the file and line."""
+    records, bad = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and "step" in record and "loss" in record:
+                records.append(record)
+            else:
+                bad.append(number)
+    if bad:
+        where = f"line {bad[0]}" if len(bad) == 1 else f"lines {', '.join(map(str, bad))}"
+        sys.stderr.write(f"hpcpar: warning: {path}: skipped {where}, not a step record (cut short when the run "
+                         "was killed?)\n")
+    return records
 
 
 def main(runs: list, out: str) -> int:
@@ -16,13 +40,21 @@ def main(runs: list, out: str) -> int:
         path = os.path.join(run, "metrics.jsonl")
         if not os.path.isfile(path):
             raise HpcparError(f"{run!r} has no metrics.jsonl; give run directories written by hpcpar train")
-        histories.append((os.path.basename(os.path.normpath(run)), metrics.read_json_lines(path)))
+        histories.append((os.path.basename(os.path.normpath(run)), read_records(path)))
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise HpcparError("hpcpar plot needs matplotlib: pip install 'hpcpar[bench]'") from None
+    suffix = os.path.splitext(out)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if not suffix:  # as matplotlib saves it
+        out += "." + matplotlib.rcParams["savefig.format"]
+    elif suffix not in formats:
+        raise ConfigError(f"--out {out!r}: matplotlib cannot write .{suffix} files; end the name in one of "
+                          f"{', '.join('.' + f for f in sorted(formats))} (e.g. loss.png)")
     experts = any("moe_load_imbalance" in r for _, records in histories for r in records)
     fig, axes = plt.subplots(1, 2 if experts else 1, figsize=(13 if experts else 7, 4.5), squeeze=False)
     ax = axes[0][0]

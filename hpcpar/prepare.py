@@ -16,7 +16,7 @@ read in pieces of about `PIECE_BYTES` cut where its pre-tokenizer splits anyway 
 ids are those of the whole document while memory stays bounded whatever the corpus (pieces are
 decoded as UTF-8, invalid bytes replaced); a progress bar counts the bytes.
 
-One process: run it without mpiexec.
+One process: started under mpiexec, rank 0 alone runs it and the other ranks wait (`cli`).
 """
 
 from __future__ import annotations
