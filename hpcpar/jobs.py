@@ -132,6 +132,7 @@ def _resolve(scheduler: str, variant: str, options: dict[str, object]) -> JobOpt
         if item.startswith("checkpoint.resume="):
             raise HpcparError("job scripts always pass checkpoint.resume=auto so a requeued job continues:"
                               f" drop {item!r}")
+    _check_run(opts.config, overrides, opts.nodes * ranks)
     try:
         hpcpar_words = shlex.split(opts.hpcpar) if isinstance(opts.hpcpar, str) else []
     except ValueError:
@@ -142,6 +143,18 @@ def _resolve(scheduler: str, variant: str, options: dict[str, object]) -> JobOpt
 
     return dataclasses.replace(opts, ranks_per_node=ranks, gpus_per_node=gpus, launcher=launcher,
                                overrides=overrides, hpcpar=shlex.join(hpcpar_words))
+
+
+def _check_run(config_path: str, overrides: tuple[str, ...], world: int) -> None:
+    """What can be checked of the run where its script is rendered, so that a mistake does not wait
+    in the queue first: the overrides' keys and types, and when the config file is here too (the
+    job runs in the directory it is submitted from), every value and the mesh on the job's `world`
+    ranks. Raises the one-line ConfigError / MeshError `hpcpar train` would."""
+    from hpcpar import config  # the schema; loading it imports the model's definitions
+    path = config_path if os.path.isfile(config_path) else None
+    cfg = config.load_config(path, list(overrides))
+    if path is not None:
+        config.validate(cfg, world)
 
 
 def _directives(scheduler: str, variant: str, o: JobOptions) -> list[str]:
