@@ -119,7 +119,9 @@ def main(path: str, data_path: str, fmt: str | None = None, split: str = "val", 
     trainer.load(path, weights_only=True)
     tokens = trainer.val_tokens if split == "val" else trainer.train_tokens
     if split == "val" and len(tokens) == 0:
-        raise DataError(f"{data_path} has no held-out part (data.val_fraction=0 and no val file); use --split all")
+        why = ("data.val_fraction=0 and no val file" if not cfg.data.val_fraction else
+               f"data.val_fraction={cfg.data.val_fraction:g} of its {len(trainer.train_tokens)} tokens is not one token")
+        raise DataError(f"{data_path} has no held-out part ({why}); use --split all")
     result = evaluate(trainer, tokens, max_tokens)
     if world.rank == 0:
         # Every axis the mesh has (of the expert groups, ep: edp and edp_shard follow from it).

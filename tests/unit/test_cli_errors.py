@@ -91,6 +91,14 @@ def test_eval_refuses_negative_max_tokens(trained, hpcpar):
     assert out == ""
 
 
+def test_eval_of_data_too_small_to_hold_out_names_the_cause(trained, hpcpar, tmp_path):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_bytes(b"hello world\n")  # 12 bytes: 5 % of them is not one token
+    status, _, err = hpcpar("eval", trained["ckpt"], "--data", str(tiny))
+    one_error(status, err, f"{tiny} has no held-out part (data.val_fraction=0.05 of its 12 tokens is not one "
+                           "token); use --split all")
+
+
 def test_eval_json_in_a_missing_directory_is_refused_before_evaluating(trained, hpcpar, tmp_path, monkeypatch):
     from hpcpar import evaluate
     monkeypatch.setattr(evaluate, "main", lambda *a, **k: pytest.fail("evaluated before checking --json"))
