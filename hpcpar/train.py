@@ -513,10 +513,11 @@ class Trainer:
                              f" | val {record['val_loss']:.4f}" if "val_loss" in record else "", extra)
                 if files and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < end:
                     self._checkpoint()
-                if result.stop:
-                    log.warning("preemption signal received: saving a checkpoint at step %d and exiting with "
-                                "status %d (requeue and resume with checkpoint.resume=auto)",
-                                self.step, REQUEUE_STATUS)
+                if result.stop:  # every rank agreed: one of them says so
+                    if rank0:
+                        log.warning("preemption signal received: saving a checkpoint at step %d and exiting with "
+                                    "status %d (requeue and resume with checkpoint.resume=auto)",
+                                    self.step, REQUEUE_STATUS)
                     status = REQUEUE_STATUS
                     break
         finally:

@@ -216,6 +216,7 @@ def test_sigterm_mid_step_checkpoints_exits_75_and_resumes_exactly(train, tmp_pa
     assert not job.timed_out and job.returncode == 75, job.output
     assert marker.read_text() == "75\n" and straight.returncode == 0
     assert "preemption signal received: saving a checkpoint at step 3" in job.output
+    assert job.output.count("preemption signal received") == 1, job.output  # every rank agreed; rank 0 says so
     assert ck.latest(str(run / "checkpoints")).endswith("step-0000003")
     resumed = train("none", run, "train.steps=6", "checkpoint.resume=auto", kind)
     assert resumed.returncode == 0 and "resumed from" in resumed.output, resumed.output
