@@ -1190,7 +1190,8 @@ def _format_summary(s: dict) -> str:
         + f" x tp={s['mesh']['tp']} x pp={s['mesh']['pp']}"
         + (f" (dp_replicate={s['dp_replicate']})" if s.get("dp_replicate", 1) > 1 else "")
         + (f", zero={s['zero']}" if s.get("zero") else "")
-        + f", schedule {s['schedule']}, {s['microbatches']} micro-batches",
+        + (f", schedule {s['schedule']}" if s["mesh"]["pp"] > 1 else "")
+        + f", {s['microbatches']} micro-batch{'es' if s['microbatches'] != 1 else ''}",
         _traffic_line(s),
         *_ps_line(s),
         *([f"precision        {s['precision']}: activations {s['activation_dtype']}, masters and optimizer state "
