@@ -284,15 +284,21 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts) -> Te
 
     x [M, in] holds the groups back to back, group g being `counts[g]` consecutive rows;
     weight [G, out, in], bias [G, out] -> [M, out], rows of group g mapped by weight[g], bias[g].
-    Split backward (B/W) as `linear`: dX in B; dW[g] = g_g^T x_g and db[g] = sum(g_g) are weight
-    work (`weight_grad`). The backward reads `weight.data` when it runs.
+    A group may be empty (an expert no token was routed to; M may be 0): it computes nothing, and
+    its dW[g], db[g] are zero. Split backward (B/W) as `linear`: dX in B; dW[g] = g_g^T x_g and
+    db[g] = sum(g_g) are weight work (`weight_grad`). The backward reads `weight.data` when it runs.
     """
     xd, wd = x.data, weight.data
     xp = array_module(xd)
-    ends = list(itertools.accumulate(int(c) for c in counts))
-    bounds = list(zip([0] + ends[:-1], ends))
+    counts = [int(c) for c in counts]
+    ends = list(itertools.accumulate(counts))
+    if len(counts) != wd.shape[0] or any(c < 0 for c in counts) or (ends[-1] if ends else 0) != xd.shape[0]:
+        raise ValueError(f"grouped_linear: {wd.shape[0]} group sizes >= 0 summing to the {xd.shape[0]} rows "
+                         f"of x are needed, got {counts}")
+    # Only the groups with rows: an empty one has no GEMM to run (a k = 0 product for dW).
+    bounds = [(g, a, e) for g, (a, e) in enumerate(zip([0] + ends[:-1], ends)) if e > a]
     out = xp.empty((xd.shape[0], wd.shape[1]), dtype=xd.dtype)
-    for g, (a, e) in enumerate(bounds):
+    for g, a, e in bounds:
         out[a:e] = xd[a:e] @ wd[g].T
         if bias is not None:
             out[a:e] += bias.data[g]
@@ -303,18 +309,18 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts) -> Te
         if x.requires_grad:
             w = weight.data
             gx = xp.empty_like(xd)
-            for g, (a, e) in enumerate(bounds):
+            for g, a, e in bounds:
                 gx[a:e] = gy[a:e] @ w[g]
 
         def dw():
             gw = xp.zeros(weight.shape, dtype=weight.dtype)
-            for g, (a, e) in enumerate(bounds):
+            for g, a, e in bounds:
                 gw[g] = gy[a:e].T @ xd[a:e]
             return gw
 
         def db():
             gb = xp.zeros(bias.shape, dtype=bias.dtype)
-            for g, (a, e) in enumerate(bounds):
+            for g, a, e in bounds:
                 gb[g] = gy[a:e].sum(axis=0)
             return gb
         gw = weight_grad(dw) if weight.requires_grad else None
@@ -405,16 +411,19 @@ def _scatter_add(xp, shape: tuple, dtype, index, g):
     onehot(ids)^T g: NumPy's `add.at` goes row by row, 3-4x slower for a step's [B T, C] gradient."""
     rows = index[0] if isinstance(index, tuple) and len(index) == 1 else index
     by_rows = getattr(rows, "dtype", None) is not None and rows.dtype.kind in "iu" and len(shape) >= 1
+    # Each gathered row of g holds `row` elements: explicit, since reshape(-1) cannot infer it from
+    # an empty g (a gather of no rows, e.g. an expert that no token was routed to).
+    row = math.prod(shape[1:])
     if (by_rows and xp is np and shape[0] * rows.size <= _ONE_HOT_ELEMENTS
             and np.dtype(dtype) in _GEMM_DTYPES):
         ids = np.asarray(rows).reshape(-1)
         one_hot = np.zeros((shape[0], ids.size), dtype=dtype)
         one_hot[ids, np.arange(ids.size)] = 1.0
-        return blas.matmul(one_hot, np.ascontiguousarray(g, dtype=dtype).reshape(ids.size, -1)).reshape(shape)
+        return blas.matmul(one_hot, np.ascontiguousarray(g, dtype=dtype).reshape(ids.size, row)).reshape(shape)
     out = xp.zeros(shape, dtype=dtype)
     if _fused(out) and by_rows:
         ids = xp.asarray(rows).reshape(-1)
-        kernels.scatter_add_rows(out.reshape(shape[0], -1), ids, xp.ascontiguousarray(g).reshape(ids.size, -1))
+        kernels.scatter_add_rows(out.reshape(shape[0], row), ids, xp.ascontiguousarray(g).reshape(ids.size, row))
     else:
         xp.add.at(out, index, g)
     return out

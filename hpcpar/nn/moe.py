@@ -178,7 +178,9 @@ class MoE(Module):
     def _dispatch(self, sent: Tensor, kept: np.ndarray):
         """Rows sorted by expert ([K, C], `kept` per expert) to the experts' ranks. Returns the rows
         that arrived grouped by local expert, their count per local expert, and `undo(out)`: the
-        experts' outputs back on the rows' home ranks in the order of `sent`."""
+        experts' outputs back on the rows' home ranks in the order of `sent`. Any count may be 0
+        (routing owes no expert a token): a rank may send or receive no rows, and then its gathers,
+        experts and all-to-all-vs run, forward and backward, on [0, C] arrays."""
         if self.comm is None:
             return sent, kept, lambda out: out
         comm, xp = self.comm, backend.array_module(sent.data)

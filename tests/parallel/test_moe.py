@@ -9,7 +9,12 @@ the world are left out).
   capacity and with a capacity factor that drops tokens (the same dropped fraction as one process).
   The one-process reference runs the same micro-batches: micro_batch_size B and dp x microbatches
   of them (routing, capacity and the aux loss are per rank's micro-batch).
-- The all-to-all-v dispatch and combine (`mappings.all_to_all_v`) is the adjoint of its backward.
+- Experts that no token is routed to: a router forced to send every token to experts 0, 1 and 3
+  of 8 leaves, under ep = 4, two ranks with no rows at all and one with an empty expert beside a
+  busy one (under ep = 2 one rank with none): forward, backward, capacity dropping and the
+  all-to-all-v with zero counts still give the one-process model's losses and parameters.
+- The all-to-all-v dispatch and combine (`mappings.all_to_all_v`) is the adjoint of its backward,
+  also where a rank sends or receives no rows.
 - Checkpoints: a run saved with ep = 4 loads with ep = 1 (experts are global [E, ...] tensors) and
   back, and every stored tensor is bitwise the original after the round trip.
 """
@@ -25,7 +30,7 @@ from mpi4py import MPI
 
 from collective import collective_assert, host, run_and_free, stored, training_problems
 
-from hpcpar import config
+from hpcpar import backend, config, ops
 from hpcpar.comm import Communicator
 from hpcpar.parallel.mappings import all_to_all_v
 from hpcpar.tensor import Tensor
@@ -65,10 +70,37 @@ def make(overrides, comm=WORLD, microbatches=2) -> Trainer:
     return Trainer(cfg, comm=comm, tokens=TOKENS)
 
 
+# Experts 0, 1 and 3 of 8 take every token (`favour`): with top-2 each token picks two of them.
+FAVOURED, STARVE = (0, 1, 3), ["model.moe_experts=8"]
+
+
+def favour(trainer: Trainer, experts=FAVOURED) -> Trainer:
+    """Route every token of `trainer`'s model to `experts` only (the others get none), for the
+    whole short run, and still by the token among those. ln_2's bias is set to 3 u (u = ones / sqrt C)
+    and router row e to r_e + 2 u for a favoured expert, r_e - 2 u for the others, r_e small, random
+    and orthogonal to u: a LayerNorm output with weight 1 and bias 3 u is z + 3 u with z orthogonal
+    to u and |z| = sqrt C, so logit e = z . r_e +- 6, and the favoured ones lead by 12 - 2 |z| max|r_e|
+    (> 7 here). The same (seeded) values on every rank and in the reference."""
+    c = trainer.cfg.model.n_embd
+    u = np.ones(c) / np.sqrt(c)
+    for name, p in trainer.named_parameters:
+        if name.endswith(".ln_2.bias"):
+            p.data[...] = backend.xp.asarray(3 * u, dtype=p.data.dtype)
+        elif name.endswith(".mlp.router.weight"):
+            r = np.random.default_rng(sum(map(ord, name))).standard_normal(p.shape) * 0.1
+            r -= np.outer(r @ u, u)
+            sign = np.where(np.isin(np.arange(p.shape[0]), experts), 2.0, -2.0)
+            p.data[...] = backend.xp.asarray(r + np.outer(sign, u), dtype=p.data.dtype)
+    return trainer
+
+
 @functools.lru_cache(maxsize=None)
-def reference(model: tuple, microbatches: int):
-    """One process, the same micro-batches: (losses, norms, routing figures, global parameters)."""
+def reference(model: tuple, microbatches: int, favoured: bool = False):
+    """One process, the same micro-batches: (losses, norms, routing figures, global parameters);
+    with `favoured`, the router set by `favour` first."""
     t = make(list(model) + ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1"], MPI.COMM_SELF, microbatches)
+    if favoured:
+        favour(t)
     results = [t.train_step(step) for step in range(STEPS)]
     out = ([(r.loss, r.grad_norm) for r in results], [r.moe for r in results], t.global_parameters())
     t.mesh.free()
@@ -94,6 +126,46 @@ def test_expert_parallel_matches_single_process(overrides):
     collective_assert(not problems and clipped, f"{overrides}: {problems[:4]}")
 
 
+def starved_layouts(world: int) -> list:
+    out = [(f"ep{world}", [f"mesh.dp={world}", "mesh.pp=1", f"mesh.ep={world}"]),
+           (f"ep{world}-drop", [f"mesh.dp={world}", "mesh.pp=1", f"mesh.ep={world}", DROP])]
+    if world == 4:
+        out += [("dp4-ep2", ["mesh.dp=4", "mesh.pp=1", "mesh.ep=2"])]
+    return out
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs 2 ranks")
+@pytest.mark.parametrize("overrides", [o for _, o in starved_layouts(SIZE)], ids=[i for i, _ in starved_layouts(SIZE)])
+def test_experts_without_tokens_match_single_process(overrides, monkeypatch):
+    """Experts 2 and 4-7 of 8 get no token (`favour`): under ep = 4 ranks 2 and 3 receive no rows
+    (their experts' GEMMs, the gather that groups the rows and its backward see 0 rows) and rank 1
+    one empty expert beside a busy one; under ep = 2 rank 1 none. Losses, gradient norms and every
+    parameter equal the one-process model's to 1e-10 in float64, also with capacity dropping."""
+    overrides = STARVE + overrides
+    seen = []                                                # rows per local expert, every call
+    grouped_linear = ops.grouped_linear
+
+    def spy(x, weight, bias, counts):
+        seen.append([int(c) for c in counts])
+        return grouped_linear(x, weight, bias, counts)
+    monkeypatch.setattr(ops, "grouped_linear", spy)
+    results, params, dp = run_and_free(favour(make(overrides)), STEPS)
+    monkeypatch.undo()
+    model = tuple(o for o in overrides if o.startswith("model."))
+    steps, routing, ref_params = reference(model, 2 * dp, True)
+    problems = training_problems(results, steps, params, ref_params, 1e-10)
+    dropped = [r["moe_dropped_fraction"] for r in routing]
+    if (max(dropped) > 0) != (DROP in overrides):
+        problems.append(f"dropped fractions {dropped} with {overrides}")
+    # The case under test happened: some rank got no rows at all, some an empty and a busy expert.
+    nothing = any(sum(c) == 0 for c in seen)
+    partly = any(0 in c and sum(c) > 0 for c in seen)
+    flags = np.array(WORLD.allgather((nothing, partly, len(seen) > 0)))
+    if not (flags[:, 0].any() and flags[:, 1].any() and flags[:, 2].all()):
+        problems.append(f"routing never left an expert or a rank without rows: {flags.tolist()}")
+    collective_assert(not problems, f"{overrides}: {problems[:4]}")
+
+
 @pytest.mark.skipif(SIZE < 2, reason="needs 2 ranks")
 def test_all_to_all_v_is_adjoint_to_its_backward():
     """<A x, y> = <x, A^T y> for the dispatch (rows to ranks by counts) and its backward."""
@@ -113,10 +185,13 @@ def test_all_to_all_v_is_adjoint_to_its_backward():
 
 
 @pytest.mark.skipif(SIZE < 2, reason="needs 2 ranks")
-def test_dispatch_reaches_the_experts_ranks_and_combine_is_its_adjoint():
+@pytest.mark.parametrize("pattern", ["random", "empty"])
+def test_dispatch_reaches_the_experts_ranks_and_combine_is_its_adjoint(pattern):
     """MoE._dispatch over ep = world: every row arrives at the rank holding its expert, grouped by
     local expert; combine (`undo`) brings the rows home in their order; and the dispatch's
-    backward is its adjoint (<D x, y> = <x, D^T y> summed over ranks)."""
+    backward is its adjoint (<D x, y> = <x, D^T y> summed over ranks). "empty": rank 0 sends no
+    row at all and no rank sends any to rank 1's experts (rank 1 receives none, its gather of the
+    arrived rows and that gather's backward have 0 rows)."""
     from hpcpar.nn.gpt import GPTConfig
     from hpcpar.nn.moe import MoE
 
@@ -126,6 +201,9 @@ def test_dispatch_reaches_the_experts_ranks_and_combine_is_its_adjoint():
     moe = MoE(cfg, comm)
     rng = np.random.default_rng(20 + comm.rank)
     kept = rng.integers(0, 4, experts)                      # rows this rank sends to each expert
+    if pattern == "empty":
+        kept = np.zeros(experts, dtype=np.int64) if comm.rank == 0 else rng.integers(1, 4, experts)
+        kept[2:4] = 0
     owner = np.repeat(np.arange(experts), kept)              # rows sorted by expert
     data = rng.standard_normal((owner.size, 4))
     data[:, 0] = owner                                       # column 0 names the row's expert
@@ -139,7 +217,8 @@ def test_dispatch_reaches_the_experts_ranks_and_combine_is_its_adjoint():
     total = comm.all_reduce(np.array([float((grouped.data * y).sum()), float((sent.data * sent.grad).sum()),
                                       float(counts.sum()), float(kept.sum())]))
     collective_assert(np.array_equal(grouped.data[:, 0], expected) and np.array_equal(back.data, sent.data)
-                      and total[2] == total[3] and abs(total[0] - total[1]) <= 1e-12 * abs(total[0]),
+                      and total[2] == total[3] and abs(total[0] - total[1]) <= 1e-12 * abs(total[0])
+                      and sent.grad.shape == sent.shape and (pattern != "empty" or comm.rank != 1 or counts.sum() == 0),
                       f"arrived experts {grouped.data[:, 0]} vs {expected}; adjoint {total[:2]}")
 
 

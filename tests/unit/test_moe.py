@@ -10,6 +10,10 @@
   a loss that includes the aux and z losses.
 - The expert weights' gradients are weight work: under a split backward (B/W, zero-bubble
   pipelines) B leaves them, W gives bitwise the one-pass gradients.
+- Zero tokens: a row gather of no rows (`ops.getitem`, as the dispatch does on a rank that no row
+  reaches) has a zero gradient; `ops.grouped_linear` with empty groups (or no rows at all) equals
+  per-group linears, the empty groups' weight gradients zero; a layer with more experts than
+  assignments passes the finite-difference check, its idle experts getting zero gradients.
 - Parameter counts (total, per ep rank, active for MFU) are the elements of a built GPT.
 """
 
@@ -137,6 +141,12 @@ def test_router_and_expert_gradients_pass_finite_differences(factor):
     x = Tensor(rng.standard_normal((2, 4, cfg.n_embd)), requires_grad=True)
     r = rng.standard_normal(x.shape)
     loss_of(moe, x, r).backward()
+    check_finite_differences(moe, x, r, rng)
+
+
+def check_finite_differences(moe: MoE, x: Tensor, r: np.ndarray, rng) -> None:
+    """x's and every parameter's gradient (after `loss_of(moe, x, r).backward()`) against central
+    differences of the loss at a few random elements each."""
     checks = [("x", x)] + list(moe.named_parameters())
     eps = 1e-6
     for name, t in checks:
@@ -151,6 +161,88 @@ def test_router_and_expert_gradients_pass_finite_differences(factor):
             t.data[index] = old
             numeric = (up - down) / (2 * eps)
             assert analytic[index] == pytest.approx(numeric, rel=1e-5, abs=1e-7), (name, index)
+
+
+@pytest.mark.parametrize("shape, index", [((5, 3), np.array([], dtype=np.int64)),
+                                          ((4, 2, 3), np.zeros((0, 2), dtype=np.int64)),
+                                          ((0, 3), np.array([], dtype=np.int64)),
+                                          ((5, 3), (np.array([], dtype=np.int32),))])
+def test_a_gather_of_no_rows_has_a_zero_gradient(shape, index):
+    """x[ids] with no ids (the dispatch's gather on a rank no row reaches): [0, ...] forward, and
+    backward a zero gradient of x's shape, not a reshape error."""
+    x = Tensor(np.random.default_rng(0).standard_normal(shape), requires_grad=True)
+    y = ops.getitem(x, index)
+    ids = index[0] if isinstance(index, tuple) else index
+    assert y.shape == ids.shape + shape[1:] and y.data.size == 0
+    ops.sum(y).backward()
+    assert x.grad.shape == shape and x.grad.dtype == x.data.dtype and not x.grad.any()
+    # The gradient of a gather with rows is still the scatter-add (repeated rows accumulate).
+    if shape[0]:
+        z = Tensor(x.data, requires_grad=True)
+        ops.sum(ops.getitem(z, np.array([1, 1, 0]))).backward()
+        want = np.zeros(shape)
+        want[1], want[0] = 2, 1
+        assert np.array_equal(z.grad, want)
+
+
+@pytest.mark.parametrize("counts", [[0, 3, 0, 2], [0, 0, 0, 0], [5, 0, 0, 0]])
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_linear_with_empty_groups_equals_per_group_linears(counts, bias):
+    rng = np.random.default_rng(6)
+    m, g, n_in, n_out = sum(counts), len(counts), 3, 4
+    x = Tensor(rng.standard_normal((m, n_in)), requires_grad=True)
+    w = Tensor(rng.standard_normal((g, n_out, n_in)), requires_grad=True)
+    b = Tensor(rng.standard_normal((g, n_out)), requires_grad=True) if bias else None
+    y = ops.grouped_linear(x, w, b, np.array(counts))
+    gy = rng.standard_normal((m, n_out))
+    y.backward(gy)
+    ends = np.cumsum(counts)
+    want_y, want_gx = np.zeros((m, n_out)), np.zeros((m, n_in))
+    want_gw, want_gb = np.zeros(w.shape), np.zeros((g, n_out))
+    for e, (a, z) in enumerate(zip(ends - counts, ends)):
+        want_y[a:z] = x.data[a:z] @ w.data[e].T + (b.data[e] if bias else 0)
+        want_gx[a:z] = gy[a:z] @ w.data[e]
+        want_gw[e] = gy[a:z].T @ x.data[a:z]
+        want_gb[e] = gy[a:z].sum(axis=0)
+    assert y.shape == (m, n_out) and np.allclose(y.data, want_y, rtol=1e-13, atol=1e-13)
+    assert x.grad.shape == x.shape and np.allclose(x.grad, want_gx, rtol=1e-13, atol=1e-13)
+    assert np.allclose(w.grad, want_gw, rtol=1e-13, atol=1e-13)
+    assert all(not w.grad[e].any() for e in range(g) if counts[e] == 0)
+    if bias:
+        assert np.allclose(b.grad, want_gb, rtol=1e-13, atol=1e-13)
+        assert all(not b.grad[e].any() for e in range(g) if counts[e] == 0)
+
+
+@pytest.mark.parametrize("counts", [[1, 1, 1], [2, 1], [2, 2, 2, -1]])
+def test_grouped_linear_refuses_counts_that_do_not_cover_the_rows(counts):
+    x, w = Tensor(np.zeros((3, 2))), Tensor(np.zeros((4, 5, 2)))
+    with pytest.raises(ValueError, match="group sizes"):
+        ops.grouped_linear(x, w, None, counts)
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.5])
+def test_experts_without_tokens_get_zero_gradients_and_pass_finite_differences(factor):
+    """8 experts, top-1, 4 tokens: 5 experts get no token (and with capacity factor 0.5, one
+    expert's second token is dropped too). The output, the aux loss and every gradient stay right;
+    the idle experts' gradients are exactly 0."""
+    cfg = config(moe_experts=8, moe_top_k=1, moe_capacity_factor=factor)
+    moe = layer(cfg, seed=7)
+    rng = np.random.default_rng(8)
+    x = Tensor(rng.standard_normal((1, 4, cfg.n_embd)), requires_grad=True)
+    y = moe(x)
+    if factor == 0:   # (the NumPy reference drops nothing)
+        want_y, want_aux = numpy_moe(cfg, moe, x.data)
+        assert np.allclose(y.data, want_y, rtol=1e-12, atol=1e-12)
+        assert float(moe.stats[-1][3]) == pytest.approx(want_aux, rel=1e-12)
+    assert (moe.stats[-1][1] > 0) == (factor > 0)
+    moe.stats.clear()
+    r = rng.standard_normal(x.shape)
+    loss_of(moe, x, r).backward()
+    idle = moe.stats[-1][0] == 0
+    assert idle.sum() >= 5
+    for name, p in moe.experts.named_parameters():
+        assert not p.grad[idle].any() and p.grad[~idle].any(), name
+    check_finite_differences(moe, x, r, rng)
 
 
 def test_expert_gradients_are_weight_work_under_a_split_backward():
