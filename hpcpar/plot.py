@@ -55,8 +55,11 @@ def main(runs: list, out: str) -> int:
     elif suffix not in formats:
         raise ConfigError(f"--out {out!r}: matplotlib cannot write .{suffix} files; end the name in one of "
                           f"{', '.join('.' + f for f in sorted(formats))} (e.g. loss.png)")
+    from matplotlib.ticker import MaxNLocator
     experts = any("moe_load_imbalance" in r for _, records in histories for r in records)
     fig, axes = plt.subplots(1, 2 if experts else 1, figsize=(13 if experts else 7, 4.5), squeeze=False)
+    for a in axes[0]:
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 2.5 on a short run's axis
     ax = axes[0][0]
     for label, records in histories:
         line, = ax.plot([r["step"] for r in records], [r["loss"] for r in records], label=f"{label} train")

@@ -160,6 +160,9 @@ def prepare(inputs: Sequence[str], out: str, kind: str = "bytes", vocab_size: in
         raise HpcparError(f"--tokenizer {kind!r} is not one of {', '.join(tokenizer.KINDS)}")
     if kind == "bpe" and not vocab_size:
         raise HpcparError("--tokenizer bpe needs --vocab-size N (e.g. 4096): the BPE is trained to that many ids")
+    if kind != "bpe" and vocab_size:
+        raise HpcparError(f"--vocab-size applies to --tokenizer bpe (the size it trains to); the {kind} tokenizer's "
+                          "vocabulary is fixed: drop --vocab-size")
     if kind == "gpt2" and not (vocab and merges):
         raise HpcparError("--tokenizer gpt2 needs --vocab vocab.json and --merges merges.txt (a local copy of "
                           "GPT-2's tokenizer files; nothing is downloaded)")

@@ -104,6 +104,7 @@ def test_gpt2_from_local_files_gives_transformers_ids(corpus, tmp_path):
     (dict(kind="gpt2"), "--tokenizer gpt2 needs --vocab vocab.json and --merges merges.txt"),
     (dict(kind="sentencepiece"), "--tokenizer 'sentencepiece' is not one of bytes, bpe, gpt2"),
     (dict(fmt="parquet"), "--format 'parquet' is not one of bin, hdf5"),
+    (dict(kind="bytes", vocab_size=100), "--vocab-size applies to --tokenizer bpe"),
 ])
 def test_bad_arguments(corpus, tmp_path, kwargs, fragment):
     with pytest.raises(HpcparError, match=fragment):
