@@ -184,6 +184,18 @@ def _on_rank_0(args: argparse.Namespace) -> int:
     return shared
 
 
+def _check_job_run(o) -> None:
+    """What `hpcpar job render` can check of the run its script starts (`jobs.JobOptions` o), so that
+    a mistake does not wait in the queue first: the overrides' keys and types, and when the config
+    file is here too (the job runs in the directory it is submitted from), every value and the mesh
+    on the job's nodes x ranks_per_node ranks. Raises the one-line error `hpcpar train` would."""
+    from hpcpar import config
+    path = o.config if os.path.isfile(o.config) else None
+    cfg = config.load_config(path, list(o.overrides))
+    if path is not None:
+        config.validate(cfg, o.nodes * o.ranks_per_node)
+
+
 def run(args: argparse.Namespace) -> int:
     """Do what `args` asks on this process (a user error raises `HpcparError`)."""
     _output_file(getattr(args, "json_out", None), "--json")
@@ -212,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         return checkpoint.cli(args.action, args.path, out=args.out, dtype=args.dtype)
     if args.verb == "job":
         from hpcpar import jobs
-        return jobs.render_cli(args)
+        return jobs.render_cli(args, check=_check_job_run)
     if args.verb == "plot":
         from hpcpar import plot
         return plot.main(args.runs, args.out)

@@ -18,6 +18,7 @@ import stat
 import string
 import sys
 from importlib import resources
+from typing import Callable
 
 from hpcpar.errors import HpcparError
 
@@ -132,7 +133,6 @@ def _resolve(scheduler: str, variant: str, options: dict[str, object]) -> JobOpt
         if item.startswith("checkpoint.resume="):
             raise HpcparError("job scripts always pass checkpoint.resume=auto so a requeued job continues:"
                               f" drop {item!r}")
-    _check_run(opts.config, overrides, opts.nodes * ranks)
     try:
         hpcpar_words = shlex.split(opts.hpcpar) if isinstance(opts.hpcpar, str) else []
     except ValueError:
@@ -143,18 +143,6 @@ def _resolve(scheduler: str, variant: str, options: dict[str, object]) -> JobOpt
 
     return dataclasses.replace(opts, ranks_per_node=ranks, gpus_per_node=gpus, launcher=launcher,
                                overrides=overrides, hpcpar=shlex.join(hpcpar_words))
-
-
-def _check_run(config_path: str, overrides: tuple[str, ...], world: int) -> None:
-    """What can be checked of the run where its script is rendered, so that a mistake does not wait
-    in the queue first: the overrides' keys and types, and when the config file is here too (the
-    job runs in the directory it is submitted from), every value and the mesh on the job's `world`
-    ranks. Raises the one-line ConfigError / MeshError `hpcpar train` would."""
-    from hpcpar import config  # the schema; loading it imports the model's definitions
-    path = config_path if os.path.isfile(config_path) else None
-    cfg = config.load_config(path, list(overrides))
-    if path is not None:
-        config.validate(cfg, world)
 
 
 def _directives(scheduler: str, variant: str, o: JobOptions) -> list[str]:
@@ -294,10 +282,13 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="write the script here (made executable) instead of printing it")
 
 
-def render_cli(args: argparse.Namespace) -> int:
-    """`hpcpar job render`: print the script, or write it to `args.out`."""
+def render_cli(args: argparse.Namespace, check: Callable[[JobOptions], None] | None = None) -> int:
+    """`hpcpar job render`: print the script, or write it to `args.out`; `check` (the CLI's check of
+    the run the script starts) sees the resolved options first."""
     options = {f: getattr(args, f) for f in _FIELDS if getattr(args, f, None) is not None}
     script = render(args.scheduler, args.variant, **options)
+    if check is not None:
+        check(_resolve(args.scheduler, args.variant, options))
     if not args.out:
         sys.stdout.write(script)
         return 0

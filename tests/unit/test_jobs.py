@@ -191,19 +191,22 @@ def test_bad_options_raise_one_line(scheduler, variant, options, message):
     assert message in text and "\n" not in text
 
 
-def test_the_run_is_checked_when_the_script_is_rendered(tmp_path, monkeypatch):
-    # The overrides' keys and types always; every value and the mesh on nodes x ranks_per_node
-    # ranks when the config file is where the script is rendered (the job's directory).
+def test_the_run_is_checked_when_the_script_is_rendered(tmp_path, monkeypatch, capsys):
+    # hpcpar job render checks the overrides' keys and types always; every value and the mesh on
+    # nodes x ranks_per_node ranks when the config file is where it renders (the job's directory).
+    def render(*words):
+        return cli.run(cli.build_parser().parse_args(["job", "render", "--scheduler", "slurm", *words]))
     with pytest.raises(HpcparError, match="unknown key 'model.n_layers'; did you mean 'n_layer'"):
-        jobs.render("slurm", overrides=["model.n_layers=3"])
+        render("--set", "model.n_layers=3")
     with pytest.raises(HpcparError, match="model.n_layer must be an integer"):
-        jobs.render("slurm", overrides=["model.n_layer=x"])
-    assert jobs.render("slurm", overrides=["mesh.tp=3"])  # no run.toml here: the mesh cannot be judged
+        render("--set", "model.n_layer=x")
+    assert render("--set", "mesh.tp=3") == 0  # no run.toml here: the mesh cannot be judged
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.toml").write_text("[model]\nn_layer = 2\n")
     with pytest.raises(HpcparError, match="mesh.tp=3"):
-        jobs.render("slurm", nodes=1, ranks_per_node=4, overrides=["mesh.tp=3"])
-    assert jobs.render("slurm", nodes=2, ranks_per_node=4, overrides=["mesh.tp=2"])
+        render("--nodes", "1", "--ranks-per-node", "4", "--set", "mesh.tp=3")
+    assert render("--nodes", "2", "--ranks-per-node", "4", "--set", "mesh.tp=2") == 0
+    assert jobs.render("slurm", overrides=["model.n_layers=3"])  # the renderer itself checks the form only
 
 
 def test_cli_writes_executable_script(tmp_path, capsys):
