@@ -1066,12 +1066,13 @@ def _resume(trainer: Trainer) -> None:
     resume = cfg.checkpoint.resume
     path = checkpoint.latest(cfg.checkpoint_dir) if resume == "auto" else resume or None
     if path:
-        pointed = checkpoint.pointer(cfg.checkpoint_dir) if resume == "auto" else None
-        if resume == "auto" and pointed != os.path.basename(path) and trainer.job.rank == 0:
-            log.warning("checkpoint.resume=auto: %s %s; resuming from the newest checkpoint there, %s",
-                        os.path.join(cfg.checkpoint_dir, checkpoint.LATEST),
-                        "is missing" if pointed is None else f"names {pointed!r}, which is not a checkpoint",
-                        os.path.basename(path))
+        if resume == "auto" and trainer.job.rank == 0:
+            pointed = checkpoint.pointer(cfg.checkpoint_dir)
+            if pointed != os.path.basename(path):  # `latest` missing or dangling: `checkpoint.latest` fell back
+                log.warning("checkpoint.resume=auto: %s %s; resuming from the newest checkpoint there, %s",
+                            os.path.join(cfg.checkpoint_dir, checkpoint.LATEST),
+                            "is missing" if pointed is None else f"names {pointed!r}, which is not a checkpoint",
+                            os.path.basename(path))
         trainer.load(path)
         log.info("resumed from %s at step %d", path, trainer.step)
     elif resume == "auto":

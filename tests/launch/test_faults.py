@@ -239,6 +239,17 @@ def test_resuming_a_finished_run_trains_nothing_and_rewrites_nothing(train, tmp_
     # (config.toml and ranks.json describe the latest launch)
 
 
+def test_resume_auto_with_a_dangling_latest_takes_the_newest_checkpoint(train, tmp_path):
+    run = tmp_path / "run"
+    assert train("none", run, "train.steps=3").returncode == 0
+    (run / "checkpoints" / "latest").write_text("step-0009999\n")  # names a checkpoint deleted by hand
+    again = train("none", run, "train.steps=4", "checkpoint.resume=auto")
+    assert again.returncode == 0, again.output
+    assert again.output.count("latest names 'step-0009999', which is not a checkpoint; resuming from the newest "
+                              "checkpoint there, step-0000003") == 1, again.output
+    assert "at step 3" in again.output and sorted(losses(run)) == [0, 1, 2, 3]  # went on, not from step 0
+
+
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(train, tmp_path):
     run = tmp_path / "run"
     job = train("killsave", run, "train.steps=6", "checkpoint.every=2", FAULT_RANK="1")
