@@ -41,15 +41,14 @@ import time
 import types
 from pathlib import Path
 
-from hpcpar import threads
+from hpcpar.backend import threads
 
 threads.set_default_threads()
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-import hpcpar.watchdog  # noqa: E402
-from hpcpar.comm import Communicator  # noqa: E402
+from hpcpar.runtime.comm import Communicator  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "iall_reduce", "sendrecv")
@@ -77,7 +76,7 @@ def bus_factor(op: str, n: int) -> float:
 
 
 def load_before(rev: str, world: MPI.Comm):
-    """The Communicator class of hpcpar/comm.py at git revision `rev`, on the watchdog.py of the
+    """The Communicator class of hpcpar/comm.py (now hpcpar/runtime/comm.py) at git revision `rev`, on the watchdog.py of the
     same revision (its own flight recorder and monitor thread), or None and why when git or the
     revision is missing. Rank 0 reads the sources; every rank runs them as modules of their own."""
     sources, why = None, None
@@ -98,11 +97,23 @@ def load_before(rev: str, world: MPI.Comm):
         exec(compile(source, m.__file__, "exec"), m.__dict__)  # noqa: S102 - our own history
         return m
     watchdog_before = module("watchdog", sources[0])
-    now, hpcpar.watchdog = hpcpar.watchdog, watchdog_before  # the old comm.py's `from hpcpar import watchdog`
+    # The old comm.py imports `from hpcpar import backend, watchdog` and `from hpcpar.precision import
+    # is_low`: modules of the flat layout of its time, lent for the length of its import.
+    import hpcpar
+    from hpcpar.backend import precision
+    lent = {"hpcpar.watchdog": watchdog_before, "hpcpar.precision": precision}
+    saved = {name: sys.modules.get(name) for name in lent}
+    sys.modules.update(lent)
+    hpcpar.watchdog = watchdog_before
     try:
         comm_before = module("comm", sources[1])
     finally:
-        hpcpar.watchdog = now
+        del hpcpar.watchdog
+        for name, m in saved.items():
+            if m is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = m
     return comm_before.Communicator, None
 
 

@@ -69,15 +69,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcpar import threads
+from hpcpar.backend import threads
 
 threads.set_default_threads()
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hpcpar import config  # noqa: E402
-from hpcpar.train import Trainer  # noqa: E402
+from hpcpar.config import config  # noqa: E402
+from hpcpar.training.trainer import Trainer  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -204,7 +204,7 @@ def shared_memory_gbps(nbytes: int, repeats: int = 5) -> float:
     """This machine's wire: Gb/s per rank of an all-reduce of `nbytes` float32 (the uncompressed
     gradient) through hpcpar's Communicator, counted like the step bytes (2 (n-1)/n of the array),
     best of `repeats`."""
-    from hpcpar.comm import Communicator, bytes_sent
+    from hpcpar.runtime.comm import Communicator, bytes_sent
     comm = Communicator(WORLD.Dup(), "bench-wire")
     a = np.ones(nbytes // 4, dtype=np.float32)
     best = math.inf

@@ -45,20 +45,22 @@ import tracemalloc
 import types
 from pathlib import Path
 
-from hpcpar import threads
+from hpcpar.backend import threads
 
 threads.set_default_threads()
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hpcpar import config, ops, watchdog  # noqa: E402
+from hpcpar.config import config
+from hpcpar.autograd import ops
+from hpcpar.runtime import watchdog  # noqa: E402
 from hpcpar.errors import ConfigError  # noqa: E402
-from hpcpar.mesh import Axis, Mesh  # noqa: E402
+from hpcpar.runtime.mesh import Axis, Mesh  # noqa: E402
 from hpcpar.nn.gpt import GPT, GPTConfig  # noqa: E402
-from hpcpar.parallel.context import ContextParallel  # noqa: E402
-from hpcpar.tensor import Tensor  # noqa: E402
-from hpcpar.train import Trainer  # noqa: E402
+from hpcpar.parallel.cp.attention import ContextParallel  # noqa: E402
+from hpcpar.autograd.tensor import Tensor  # noqa: E402
+from hpcpar.training.trainer import Trainer  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

@@ -35,9 +35,9 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hpcpar.comm import Communicator  # noqa: E402
-from hpcpar.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from hpcpar.tensor import Tensor, no_grad  # noqa: E402
+from hpcpar.runtime.comm import Communicator  # noqa: E402
+from hpcpar.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from hpcpar.autograd.tensor import Tensor, no_grad  # noqa: E402
 
 PEAK_N = 2048
 DTYPE = "float32"

@@ -83,8 +83,8 @@ def _bf16_cublas_tflops(cp, n: int) -> float | None:
 
 def gemm_rates(cp, precision: str, n: int) -> dict:
     """TFLOP/s of y = x W^T through hpcpar's Linear and through cupy.matmul (same arrays)."""
-    from hpcpar import ops
-    from hpcpar.tensor import Tensor
+    from hpcpar.autograd import ops
+    from hpcpar.autograd.tensor import Tensor
     dtype = cp.float16 if precision == "fp16" else cp.float32
     x = cp.random.standard_normal((n, n), dtype=cp.float32).astype(dtype)
     w = cp.random.standard_normal((n, n), dtype=cp.float32).astype(dtype)
@@ -107,7 +107,7 @@ def gpt_step_rates(cp, precision: str, args) -> dict:
 
     from hpcpar import metrics
     from hpcpar.nn import GPT, GPTConfig
-    from hpcpar.optim import AdamW
+    from hpcpar.optim.optimizers import AdamW
     cfg = GPTConfig(vocab_size=50304, block_size=args.block_size, n_layer=args.n_layer, n_head=12, n_embd=768,
                     dtype="float32")
     model = GPT(cfg, seed=0)

@@ -107,13 +107,14 @@ import tracemalloc
 from pathlib import Path
 from typing import Callable
 
-from hpcpar import threads
+from hpcpar.backend import threads
 
 threads.set_default_threads()
 
 import numpy as np  # noqa: E402
 
-from hpcpar import config, cpu_kernels  # noqa: E402
+from hpcpar.config import config
+from hpcpar.backend.cpu import kernels  # noqa: E402
 from hpcpar.errors import ConfigError  # noqa: E402
 from hpcpar.nn.gpt import DTYPES, RECOMPUTE_MODES, GPT, GPTConfig  # noqa: E402
 
@@ -175,7 +176,7 @@ def activation_formula_bytes(mode: str, batch: int, seq: int, n_embd: int, n_hea
     tokens = s * batch * seq * ((22 + 4 * d) * n_embd + 4)
     # Attention: the row sums of the exponentials (B H T) always; the causal blocks of the
     # exponentials themselves, K(T) per head (cpu_kernels.kept_probabilities), unless recomputed.
-    kept = 0 if mode == "selective" else cpu_kernels.kept_probabilities(seq)
+    kept = 0 if mode == "selective" else kernels.kept_probabilities(seq)
     return tokens + s * batch * n_head * (seq + kept)
 
 
@@ -290,14 +291,14 @@ def precision_formula_bytes(precision: str, batch: int, seq: int, n_embd: int, n
         return activation_formula_bytes("none", batch, seq, n_embd, n_head, "float32", dropout)
     a, d, bt = 2, int(dropout > 0), batch * seq
     return (a * bt * 18 * n_embd + 16 * bt + d * (2 * a + 2) * bt * n_embd
-            + a * batch * n_head * cpu_kernels.kept_probabilities(seq))
+            + a * batch * n_head * kernels.kept_probabilities(seq))
 
 
 def state_bytes_per_parameter(args, precision: str) -> float:
     """NumPy bytes a one-rank Trainer holds after two steps, per parameter (tracemalloc)."""
     from mpi4py import MPI
 
-    from hpcpar.train import Trainer
+    from hpcpar.training.trainer import Trainer
 
     tracemalloc.start()
     before = numpy_bytes()
@@ -379,7 +380,7 @@ def state_formula_bytes(zero: int, n: int) -> float:
 
 def measure_model_state(args, zero: int, world) -> dict:
     """One zero stage: model-state bytes of this rank after two steps (and a gathered unit)."""
-    from hpcpar.train import Trainer
+    from hpcpar.training.trainer import Trainer
 
     tracemalloc.start()
     before = numpy_bytes()
@@ -406,7 +407,7 @@ def measure_model_state(args, zero: int, world) -> dict:
 
 def fit_demonstration(args, world) -> dict:
     """A per-rank limit that plain DP (zero 0) cannot train the big model under but zero 3 can."""
-    from hpcpar.train import Trainer
+    from hpcpar.training.trainer import Trainer
 
     n, small, big = world.Get_size(), args.state_embd, args.state_big_embd
     cases = (("small_zero0", 0, small), ("big_zero0", 0, big), ("big_zero3", 3, big))

@@ -8,7 +8,7 @@ thread per rank) once per mesh shape of that size:
     N=1  1x1x1          N=2  dp=2, tp=2, pp=2
     N=4  dp=4, tp=4, pp=4, dp=2xpp=2, dp=2xtp=2, tp=2xpp=2
 
-Each launch builds `hpcpar.train.Trainer` from the default config with the overrides below,
+Each launch builds `hpcpar.training.trainer.Trainer` from the default config with the overrides below,
 once per scaling mode, and runs its training loop (`Trainer.train`, the loop of `hpcpar train`,
 writing no files) for --warmup + --steps steps; the last --steps are timed (the slowest rank's
 step time); the fastest timed step counts (the median is kept in the JSON).
@@ -92,8 +92,8 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    from hpcpar import config
-    from hpcpar.train import Trainer
+    from hpcpar.config import config
+    from hpcpar.training.trainer import Trainer
 
     rows = []
     for mbs in (int(m) for m in args.mbs.split(",")):
@@ -129,8 +129,8 @@ def torch_worker(args: argparse.Namespace) -> None:
     import vs_torch
     from mpi4py import MPI
 
-    from hpcpar import config
-    from hpcpar.train import Trainer
+    from hpcpar.config import config
+    from hpcpar.training.trainer import Trainer
 
     torch.set_num_threads(args.threads)
     cfg = config.load_config(None, overrides(args, 1, 1, 1, int(args.mbs)))

@@ -45,9 +45,9 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scaling import timed_steps, write_result  # noqa: E402
 
-from hpcpar import config  # noqa: E402
-from hpcpar.mesh import Axis  # noqa: E402
-from hpcpar.train import Trainer  # noqa: E402
+from hpcpar.config import config  # noqa: E402
+from hpcpar.runtime.mesh import Axis  # noqa: E402
+from hpcpar.training.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = MPI.COMM_WORLD

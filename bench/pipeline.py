@@ -52,19 +52,19 @@ import sys
 import time
 from pathlib import Path
 
-from hpcpar import threads
+from hpcpar.backend import threads
 
 threads.set_default_threads()
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hpcpar import ops  # noqa: E402
-from hpcpar.mesh import Mesh  # noqa: E402
+from hpcpar.autograd import ops  # noqa: E402
+from hpcpar.runtime.mesh import Mesh  # noqa: E402
 from hpcpar.nn.gpt import GPTConfig  # noqa: E402
-from hpcpar.parallel import schedule  # noqa: E402
-from hpcpar.parallel.pipeline import PipelineExecutor  # noqa: E402
-from hpcpar.tensor import Tensor  # noqa: E402
+from hpcpar.parallel.pp import schedules  # noqa: E402
+from hpcpar.parallel.pp.pipeline import PipelineExecutor  # noqa: E402
+from hpcpar.autograd.tensor import Tensor  # noqa: E402
 
 CHANNELS = 8
 RESULTS = Path(__file__).parent / "results"
@@ -109,11 +109,11 @@ class SleepStage:
 def measure(mesh: Mesh, name: str, m: int, chunks: int, t_f: float, t_b: float, t_w: float, steps: int) -> dict:
     """Step time of schedule `name` with sleep stages (median over `steps`, slowest rank)."""
     pp, rank = mesh.size("pp"), mesh.rank("pp")
-    place = schedule.placement(name, pp, chunks)
+    place = schedules.placement(name, pp, chunks)
     chunks = place.chunks
     stages = [SleepStage(t_f / chunks, t_b / chunks, t_w / chunks, place.stage(rank, c) == 0,
                          place.stage(rank, c) == place.stages - 1) for c in range(chunks)]
-    actions = schedule.build(name, pp, m, chunks)
+    actions = schedules.build(name, pp, m, chunks)
     executor = PipelineExecutor(stages, mesh, actions[rank], m, placement=place)
     batch = (np.zeros((1, 4), dtype=np.int64), np.zeros((1, 4), dtype=np.int64))
     world = mesh.world.mpi
@@ -129,7 +129,7 @@ def measure(mesh: Mesh, name: str, m: int, chunks: int, t_f: float, t_b: float, 
         else:  # the warm-up's compute time is not counted
             warmup_busy = executor.measured_busy()
     measured = statistics.median(times)
-    sim = schedule.simulate(actions, t_f, t_b, 0.0, t_w, place)
+    sim = schedules.simulate(actions, t_f, t_b, 0.0, t_w, place)
     work = m * (t_f + t_b + t_w)
     formulas = {"interleaved": (m + (pp - 1) / chunks) * (t_f + t_b + t_w),
                 "zbh1": work + (pp - 1) * (t_f + t_b - t_w) if m >= pp else None}
@@ -146,7 +146,7 @@ def measure(mesh: Mesh, name: str, m: int, chunks: int, t_f: float, t_b: float, 
     for k in ("forward", "backward", "weight"):
         spent = [x for rank_spent in world.allgather([t for s in stages for t in s.spent[k]]) for x in rank_spent]
         real[k] = statistics.mean(spent) * chunks
-    calibrated = schedule.simulate(actions, real["forward"], real["backward"], 0.0, real["weight"], place).makespan
+    calibrated = schedules.simulate(actions, real["forward"], real["backward"], 0.0, real["weight"], place).makespan
     peak = max(world.allgather(executor.peak_stash)) / chunks
     return {"schedule": name, "pp": pp, "microbatches": m, "chunks": chunks, "t_forward": t_f,
             "t_backward": t_b, "t_weight": t_w, "measured_s": measured, "predicted_s": sim.makespan,
@@ -203,8 +203,8 @@ GPT_MESHES = {"pp4": (1, 4), "dp2xpp2": (2, 2), "pp2": (1, 2)}  # name -> (dp, p
 
 def gpt(args: argparse.Namespace) -> int:
     """Tokens/s of each schedule training a real GPT, side by side (see the module doc)."""
-    from hpcpar import config
-    from hpcpar.train import Trainer
+    from hpcpar.config import config
+    from hpcpar.training.trainer import Trainer
 
     world = MPI.COMM_WORLD
     model = ["model.n_layer=8", "model.n_embd=128", "model.n_head=4", "model.block_size=128", "model.dtype=float32",
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in (int(s) for s in args.microbatches.split(",")):
         for name in args.schedules.split(","):  # the schedules of one m one after the other
             chunks = args.chunks if name == "interleaved" else 0
-            schedule.validate(name, mesh.size("pp"), m, chunks)
+            schedules.validate(name, mesh.size("pp"), m, chunks)
             rows.append(measure(mesh, name, m, chunks, *costs, args.steps))
     ratios = compare(rows)
     off = [r for r in rows if abs(r["error"]) > args.tolerance]

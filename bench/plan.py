@@ -46,16 +46,17 @@ def model_overrides(args) -> list[str]:
 def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
-    from hpcpar import config, plan
-    from hpcpar.comm import Communicator
-    from hpcpar.train import Trainer
+    from hpcpar.config import config
+    from hpcpar.planner import planner
+    from hpcpar.runtime.comm import Communicator
+    from hpcpar.training.trainer import Trainer
 
     world = MPI.COMM_WORLD
     comm = Communicator(world, "world")
     cfg = config.load_config(None, model_overrides(args))
-    hw = comm.broadcast_object(plan.calibrate(cfg, world), root=0)
-    plans = plan.plan(cfg, world.Get_size(), hw, top=0, keep=10**6)
-    best: dict[tuple, plan.Prediction] = {}
+    hw = comm.broadcast_object(planner.calibrate(cfg, world), root=0)
+    plans = planner.plan(cfg, world.Get_size(), hw, top=0, keep=10**6)
+    best: dict[tuple, planner.Prediction] = {}
     for p in plans:   # fastest first: the first plan of each mesh is its best
         best.setdefault((p.cfg.mesh.dp, p.cfg.mesh.tp, p.cfg.mesh.pp, p.cfg.mesh.cp), p)
     chosen = list(best.values())
@@ -92,7 +93,8 @@ NARAYANAN = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 
 def narayanan() -> list[dict]:
     """The paper's layouts through `plan.predict` with the A100 preset: predicted TFLOP/s per GPU
     (the paper's count, 96 B s l h^2 (1 + s/6h + V/16lh) per step) against the published ones."""
-    from hpcpar import config, plan
+    from hpcpar.config import config
+    from hpcpar.planner import planner
 
     rows = []
     for params, heads, hidden, layers, tp, pp, gpus, batch, published in NARAYANAN:
@@ -101,7 +103,7 @@ def narayanan() -> list[dict]:
             f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={hidden}", "model.block_size=2048",
             "model.vocab_size=51200", "model.dtype=bfloat16", f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}",
             "mesh.cp=1", "train.micro_batch_size=1", f"train.microbatches={batch // dp}", "train.recompute=full"])
-        step = plan.predict(cfg, plan.PRESETS["a100"]).step_time
+        step = planner.predict(cfg, planner.PRESETS["a100"]).step_time
         flops = 96 * batch * 2048 * layers * hidden**2 * (1 + 2048 / (6 * hidden) + 51200 / (16 * layers * hidden))
         predicted = flops / step / gpus / 1e12
         rows.append({"params_b": params, "tp": tp, "pp": pp, "dp": dp, "gpus": gpus, "batch": batch,

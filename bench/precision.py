@@ -27,15 +27,15 @@ import statistics
 import time
 from pathlib import Path
 
-from hpcpar import threads
+from hpcpar.backend import threads
 
 threads.set_default_threads()
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hpcpar import config  # noqa: E402
-from hpcpar.train import Trainer  # noqa: E402
+from hpcpar.config import config  # noqa: E402
+from hpcpar.training.trainer import Trainer  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()

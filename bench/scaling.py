@@ -52,8 +52,8 @@ def worker(args: argparse.Namespace) -> None:
     """One mpiexec launch: the four runs on a dp=world mesh; rank 0 writes a JSON row to args.out."""
     from mpi4py import MPI
 
-    from hpcpar import config
-    from hpcpar.train import Trainer
+    from hpcpar.config import config
+    from hpcpar.training.trainer import Trainer
 
     dp = MPI.COMM_WORLD.Get_size()
     cfg = config.load_config(None, [

@@ -68,8 +68,8 @@ def before(trainer) -> None:
 def run(mesh: str, variant: str, args, tokens) -> dict:
     from mpi4py import MPI
 
-    from hpcpar import config
-    from hpcpar.train import Trainer
+    from hpcpar.config import config
+    from hpcpar.training.trainer import Trainer
 
     cfg = config.load_config(None, MESHES[mesh] + [
         f"model.n_layer={args.layers}", f"model.n_embd={args.embd}", "model.n_head=4", f"model.block_size={args.block}",

@@ -52,10 +52,13 @@ if __name__ == "__main__":  # imported (bench/mesh_scaling.py), the importer has
 import numpy as np  # noqa: E402  (after the thread variables)
 from mpi4py import MPI  # noqa: E402
 
-from hpcpar import blas, config, metrics, ops  # noqa: E402
+from hpcpar import metrics
+from hpcpar.backend import blas
+from hpcpar.config import config
+from hpcpar.autograd import ops  # noqa: E402
 from hpcpar.nn import GPT, GPTConfig  # noqa: E402
-from hpcpar.tensor import Tensor  # noqa: E402
-from hpcpar.train import Trainer  # noqa: E402
+from hpcpar.autograd.tensor import Tensor  # noqa: E402
+from hpcpar.training.trainer import Trainer  # noqa: E402
 
 
 def torch_model(params: dict, cfg: GPTConfig):

@@ -45,8 +45,8 @@ def worker(args: argparse.Namespace) -> None:
     """One mpiexec launch: the three runs, twice; rank 0 writes a JSON row to args.out."""
     from mpi4py import MPI
 
-    from hpcpar import config
-    from hpcpar.train import Trainer
+    from hpcpar.config import config
+    from hpcpar.training.trainer import Trainer
 
     dp = MPI.COMM_WORLD.Get_size()
     tokens = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)

@@ -1,5 +1,5 @@
 import sys
 
-from hpcpar.cli import main
+from hpcpar.cli.main import main
 
 sys.exit(main())

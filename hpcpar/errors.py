@@ -6,6 +6,8 @@ Anything else is a bug or a fault and takes the fail-together path (traceback
 tagged with the rank, then MPI_Abort).
 """
 
+import traceback
+
 
 class HpcparError(Exception):
     """An error in what the user asked for (config, flags, paths, checkpoints)."""
@@ -31,3 +33,9 @@ class DataError(HpcparError):
 
 class CheckpointError(HpcparError):
     """A checkpoint that is missing, corrupt, truncated or of another model."""
+
+
+def user_error_text(err: BaseException, debug: bool = False) -> str:
+    """How a user error is printed: `hpcpar: error: <msg>`, after its traceback when `debug`."""
+    details = "".join(traceback.format_exception(type(err), err, err.__traceback__)) if debug else ""
+    return details + f"hpcpar: error: {err}\n"

@@ -4,6 +4,6 @@ Tests run many processes on few cores (`mpiexec -n 4` on a laptop); BLAS thread
 pools per process would oversubscribe the cores many times over.
 """
 
-from hpcpar import threads
+from hpcpar.backend import threads
 
 threads.set_default_threads()

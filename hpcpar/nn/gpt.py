@@ -22,18 +22,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hpcpar import backend, ops
+from hpcpar import backend
+from hpcpar.autograd import ops
 from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
 from hpcpar.nn import init
 from hpcpar.nn.layers import Embedding, LayerNorm, Linear
-from hpcpar.nn.context_parallel import ContextParallelPlan
+from hpcpar.parallel.cp.layers import ContextParallelPlan
 from hpcpar.nn.module import Module, Parameter
 from hpcpar.nn.moe import MoE
-from hpcpar.nn.tensor_parallel import TensorParallelPlan
-from hpcpar.precision import PRECISIONS, activation_dtype
+from hpcpar.parallel.tp.layers import TensorParallelPlan
+from hpcpar.backend.precision import PRECISIONS, activation_dtype
 from hpcpar.schema import field
-from hpcpar.tensor import Tensor
+from hpcpar.autograd.tensor import Tensor
 
 # model.dtype: bytes per element of each dtype name (the memory estimate's s). A model's own dtype
 # (its master weights) is float32 or float64; the 16-bit ones are what activations are stored in

@@ -5,7 +5,8 @@ Weights are created zero-filled; `GPT.init_weights` gives them values by name.
 
 from __future__ import annotations
 
-from hpcpar import backend, ops
+from hpcpar import backend
+from hpcpar.autograd import ops
 from hpcpar.nn.module import Module, Parameter
 
 

@@ -11,7 +11,7 @@ from typing import Iterator
 
 from hpcpar.backend import array_module
 from hpcpar.layout import Layout
-from hpcpar.tensor import Tensor
+from hpcpar.autograd.tensor import Tensor
 
 
 class Parameter(Tensor):

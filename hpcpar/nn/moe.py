@@ -33,14 +33,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hpcpar import backend, ops
+from hpcpar import backend
+from hpcpar.autograd import ops
 from hpcpar.layout import Layout
 from hpcpar.nn.module import Module, Parameter
 from hpcpar.parallel.mappings import all_to_all_v
-from hpcpar.tensor import Tensor
+from hpcpar.autograd.tensor import Tensor
 
 if TYPE_CHECKING:  # annotations only: model code never needs MPI loaded
-    from hpcpar.comm import Communicator
+    from hpcpar.runtime.comm import Communicator
 
 
 def top_k(probs: np.ndarray, k: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Collectives as autograd mappings: each forward collective paired with its adjoint.
 
 Megatron's f and g and their sequence-parallel relatives (Megatron-LM
-`tensor_parallel/mappings.py`), written over `hpcpar.comm`'s array collectives so that
+`tensor_parallel/mappings.py`), written over `hpcpar.runtime.comm`'s array collectives so that
 tensor-parallel model code reads as plain math plus these calls. Each mapping takes the
 `Communicator` of its group as an argument.
 
@@ -31,10 +31,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hpcpar import backend
-from hpcpar.tensor import Tensor
+from hpcpar.autograd.tensor import Tensor
 
 if TYPE_CHECKING:  # annotations only: model code never needs MPI loaded
-    from hpcpar.comm import Communicator
+    from hpcpar.runtime.comm import Communicator
 
 
 def _trivial(comm: Communicator | None) -> bool:

@@ -20,8 +20,8 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar import checkpoint as ck
-from hpcpar import prepare
+from hpcpar.checkpoint import checkpoint
+from hpcpar.data import prepare
 
 PY = sys.executable
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -226,7 +226,7 @@ def place(tmp_path_factory):
     values.update(_token_files(tmp))
     made = run(1, train(), values)
     assert made.returncode == 0, made.output
-    values["ckpt"] = ck.latest(str(tmp / "run" / "checkpoints"))
+    values["ckpt"] = checkpoint.latest(str(tmp / "run" / "checkpoints"))
     corrupt = tmp / "corrupt" / "step-0000001"
     shutil.copytree(values["ckpt"], corrupt)
     shard = corrupt / "rank-00000.h5"

@@ -13,8 +13,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from hpcpar import checkpoint as ck
-from hpcpar.comm import Communicator
+from hpcpar.checkpoint import checkpoint
+from hpcpar.runtime.comm import Communicator
 from hpcpar.layout import Layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,8 +26,8 @@ SCRIPT = textwrap.dedent("""
     import h5py
     import numpy as np
     from mpi4py import MPI
-    from hpcpar import checkpoint as ck
-    from hpcpar.comm import Communicator
+    from hpcpar.checkpoint import checkpoint as ck
+    from hpcpar.runtime.comm import Communicator
     from hpcpar.layout import Layout
 
     comm = Communicator(MPI.COMM_WORLD, "world")
@@ -78,13 +78,13 @@ def test_kill_mid_save_keeps_previous_latest(tmp_path, kill):
     assert first.returncode == 0, first.stdout + first.stderr
     killed = launch(script, ckpt_dir, 2, kill=kill)
     assert killed.returncode != 0, "the killed save should fail the job"
-    assert ck.latest(str(ckpt_dir)) == str(ckpt_dir / "step-0000001")
+    assert checkpoint.latest(str(ckpt_dir)) == str(ckpt_dir / "step-0000001")
     assert any(e.startswith(".tmp-step-0000002") for e in os.listdir(ckpt_dir)), "the partial save is gone?"
     w, b = expected(1)
-    got, meta = ck.load(str(ckpt_dir), {"model/w": Layout.replicated(w.shape),
+    got, meta = checkpoint.load(str(ckpt_dir), {"model/w": Layout.replicated(w.shape),
                                         "model/b": Layout.replicated(b.shape)}, Communicator.local())
     assert np.array_equal(got["model/w"], w) and np.array_equal(got["model/b"], b) and meta["step"] == 1
-    assert ck.verify(str(ckpt_dir)) == []
+    assert checkpoint.verify(str(ckpt_dir)) == []
     # The next save succeeds and removes the killed save's temporary directory.
     again = launch(script, ckpt_dir, 3)
     assert again.returncode == 0, again.stdout + again.stderr

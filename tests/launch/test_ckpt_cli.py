@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar import checkpoint as ck
+from hpcpar.checkpoint import checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 _RUN: dict = {}  # the one training run, shared by the tests of this module
@@ -68,7 +68,7 @@ def test_export_equals_index_read_with_h5py(ckpt, tmp_path):
     npz = tmp_path / "all.npz"
     out = hpcpar("ckpt", "export", str(ckpt), "--out", str(npz))
     assert out.returncode == 0, out.stderr
-    with h5py.File(ckpt / "step-0000003" / ck.INDEX, "r") as f:
+    with h5py.File(ckpt / "step-0000003" / checkpoint.INDEX, "r") as f:
         index = {}
         f.visititems(lambda n, obj: index.__setitem__(n, obj[()]) if isinstance(obj, h5py.Dataset) else None)
     with np.load(npz) as exported:
@@ -83,12 +83,12 @@ def test_export_equals_index_read_with_h5py(ckpt, tmp_path):
 def test_export_in_16_bits_rounds_the_masters(ckpt, tmp_path, dtype):
     import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy
 
-    from hpcpar import safetensors_file
+    from hpcpar.interop import safetensors
     npz, st = tmp_path / "w16.npz", tmp_path / "w16.safetensors"
     out = hpcpar("ckpt", "export", str(ckpt), "--dtype", dtype, "--out", str(st), "--format", "safetensors")
     assert out.returncode == 0, out.stderr
     out = hpcpar("ckpt", "export", str(ckpt), "--dtype", dtype, "--out", str(npz))
-    masters = h5py.File(ckpt / "step-0000003" / ck.INDEX, "r")["model/transformer.h.0.mlp.c_fc.weight"][()]
+    masters = h5py.File(ckpt / "step-0000003" / checkpoint.INDEX, "r")["model/transformer.h.0.mlp.c_fc.weight"][()]
     if dtype == "bfloat16":  # an .npz cannot record bfloat16: refused in one line
         assert out.returncode == 2 and "needs --format safetensors" in out.stderr and "Traceback" not in out.stderr
     else:
@@ -96,9 +96,9 @@ def test_export_in_16_bits_rounds_the_masters(ckpt, tmp_path, dtype):
         with np.load(npz) as exported:
             w = exported["model/transformer.h.0.mlp.c_fc.weight"]
             assert w.dtype == np.dtype(dtype) and np.array_equal(w, masters.astype(dtype))
-    header, _ = safetensors_file.read_header(str(st))
+    header, _ = safetensors.read_header(str(st))
     assert header["transformer.h.0.mlp.c_fc.weight"]["dtype"] == {"float16": "F16", "bfloat16": "BF16"}[dtype]
-    read = safetensors_file.read(str(st))["transformer.h.0.mlp.c_fc.weight"]   # GPT-2's Conv1D layout: transposed
+    read = safetensors.read(str(st))["transformer.h.0.mlp.c_fc.weight"]   # GPT-2's Conv1D layout: transposed
     assert np.array_equal(read.astype(np.float32), masters.astype(dtype).astype(np.float32).T)
 
 

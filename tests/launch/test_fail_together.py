@@ -19,7 +19,7 @@ def write(tmp_path, body: str) -> str:
 def test_an_exception_on_rank_2_aborts_every_rank(mpirun, tmp_path):
     script = write(tmp_path, """
         from mpi4py import MPI
-        from hpcpar import failure
+        from hpcpar.runtime import failure
         failure.install()
 
         def step(rank):
@@ -45,8 +45,8 @@ def test_a_hung_collective_becomes_a_comm_timeout(mpirun, tmp_path):
         import time
         import numpy as np
         from mpi4py import MPI
-        from hpcpar import failure
-        from hpcpar.comm import Communicator
+        from hpcpar.runtime import failure
+        from hpcpar.runtime.comm import Communicator
         failure.install()
         comm = Communicator(MPI.COMM_WORLD.Dup(), "dp")
         comm.all_reduce(np.ones(4))
@@ -72,7 +72,7 @@ def test_a_user_error_on_every_rank_is_printed_once_with_status_2(mpirun):
 def test_a_user_error_on_one_rank_aborts_with_that_rank_named(mpirun, tmp_path):
     script = write(tmp_path, """
         from mpi4py import MPI
-        from hpcpar import failure
+        from hpcpar.runtime import failure
         from hpcpar.errors import DataError
         failure.install()
         if MPI.COMM_WORLD.Get_rank() == 1:

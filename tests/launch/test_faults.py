@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar import checkpoint as ck
+from hpcpar.checkpoint import checkpoint
 from processes import alive
 
 PY = sys.executable
@@ -34,8 +34,10 @@ DRIVER = textwrap.dedent("""
     import os, signal, sys, time
     import numpy as np
     from mpi4py import MPI
-    from hpcpar import checkpoint, cli, train
-    from hpcpar.parallel.data_parallel import DataParallel
+    from hpcpar.checkpoint import checkpoint
+    from hpcpar.cli import main as cli
+    from hpcpar.training import trainer as train
+    from hpcpar.parallel.dp.data_parallel import DataParallel
 
     fault = os.environ["FAULT"]
     rank = MPI.COMM_WORLD.Get_rank()
@@ -140,7 +142,7 @@ def losses(run_dir) -> dict[int, float]:
 
 
 def tensors(ckpt: str) -> dict[str, np.ndarray]:
-    with h5py.File(os.path.join(ckpt, ck.INDEX), "r") as f:
+    with h5py.File(os.path.join(ckpt, checkpoint.INDEX), "r") as f:
         out = {}
         f.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
     return out
@@ -217,13 +219,13 @@ def test_sigterm_mid_step_checkpoints_exits_75_and_resumes_exactly(train, tmp_pa
     assert marker.read_text() == "75\n" and straight.returncode == 0
     assert "preemption signal received: saving a checkpoint at step 3" in job.output
     assert job.output.count("preemption signal received") == 1, job.output  # every rank agreed; rank 0 says so
-    assert ck.latest(str(run / "checkpoints")).endswith("step-0000003")
+    assert checkpoint.latest(str(run / "checkpoints")).endswith("step-0000003")
     resumed = train("none", run, "train.steps=6", "checkpoint.resume=auto", kind)
     assert resumed.returncode == 0 and "resumed from" in resumed.output, resumed.output
     expected, got = losses(tmp_path / "straight"), losses(run)
     assert sorted(got) == list(range(6)) and got == expected  # bitwise: the same float64 losses
-    a = tensors(ck.latest(str(tmp_path / "straight" / "checkpoints")))
-    b = tensors(ck.latest(str(run / "checkpoints")))
+    a = tensors(checkpoint.latest(str(tmp_path / "straight" / "checkpoints")))
+    b = tensors(checkpoint.latest(str(run / "checkpoints")))
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
@@ -254,9 +256,9 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(train, tmp_path):
     run = tmp_path / "run"
     job = train("killsave", run, "train.steps=6", "checkpoint.every=2", FAULT_RANK="1")
     assert not job.timed_out and job.elapsed < 60 and job.returncode != 0, job.output
-    latest = ck.latest(str(run / "checkpoints"))
+    latest = checkpoint.latest(str(run / "checkpoints"))
     assert latest is not None and latest.endswith("step-0000002"), os.listdir(run / "checkpoints")
-    assert ck.verify(latest) == []
+    assert checkpoint.verify(latest) == []
     resumed = train("none", run, "train.steps=4", "checkpoint.resume=auto")
     assert resumed.returncode == 0 and "resumed from" in resumed.output and "at step 2" in resumed.output
 
@@ -290,8 +292,8 @@ def test_debug_mode_names_the_rank_whose_collectives_diverge(mpirun, tmp_path):
     script.write_text(textwrap.dedent("""
         import numpy as np
         from mpi4py import MPI
-        from hpcpar import failure, watchdog
-        from hpcpar.comm import Communicator
+        from hpcpar.runtime import failure, watchdog
+        from hpcpar.runtime.comm import Communicator
         failure.install()
         watchdog.set_check_every(2)
         comm = Communicator(MPI.COMM_WORLD.Dup(), "dp")

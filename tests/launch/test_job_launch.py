@@ -24,7 +24,7 @@ import shutil
 
 import pytest
 
-from hpcpar import jobs
+from hpcpar.launch import jobs
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
@@ -92,7 +92,7 @@ def _launch_block(script: str) -> tuple[list[str], list[str]]:
     return shlex.split(block[0].removesuffix(" \\")), shlex.split(block[1].removesuffix(" &"))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("hpcpar.train") is None, reason="hpcpar.train not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("hpcpar.training.trainer") is None, reason="hpcpar.training.trainer not written yet")
 @pytest.mark.parametrize("scheduler", jobs.SCHEDULERS)
 def test_launch_line_trains_locally(tmp_path, scheduler):
     (tmp_path / "run.toml").write_text("# everything this test needs comes from --set\n")

@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from hpcpar import checkpoint as ck
-from hpcpar import prepare
+from hpcpar.checkpoint import checkpoint
+from hpcpar.data import prepare
 
 PY = sys.executable
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def test_data_prepare_is_done_once_by_rank_0(mpirun, place, tmp_path):
 def test_ckpt_info_prints_once(mpirun, place):
     job = two_ranks(mpirun, "ckpt", "info", str(place / "run" / "checkpoints"))
     assert job.returncode == 0, job.output
-    step = ck.latest(str(place / "run" / "checkpoints"))
+    step = checkpoint.latest(str(place / "run" / "checkpoints"))
     assert job.stdout.count(f"checkpoint {step}\n") == 1, job.output
     assert job.stderr == "", job.output
 

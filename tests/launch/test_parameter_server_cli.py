@@ -99,8 +99,9 @@ def test_info_shows_the_servers_and_their_ranges(mpirun):
 DRIVER = """
 import os, signal, sys, time
 from mpi4py import MPI
-from hpcpar import cli, train
-from hpcpar.parallel.parameter_server import ParameterServer
+from hpcpar.cli import main as cli
+from hpcpar.training import trainer as train
+from hpcpar.parallel.ps.parameter_server import ParameterServer
 
 train_step = train.Trainer.train_step
 

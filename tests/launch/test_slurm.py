@@ -19,7 +19,7 @@ import time
 import pytest
 
 import slurm_cluster
-from hpcpar import jobs
+from hpcpar.launch import jobs
 
 PY = sys.executable
 RANKS = 2

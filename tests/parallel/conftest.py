@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcpar import watchdog
-from hpcpar.comm import Communicator
+from hpcpar.runtime import watchdog
+from hpcpar.runtime.comm import Communicator
 
 TEST_TIMEOUT_S = 60.0
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcpar import comm as comm_module
-from hpcpar import watchdog
-from hpcpar.comm import Communicator
+from hpcpar.runtime import comm as comm_module
+from hpcpar.runtime import watchdog
+from hpcpar.runtime.comm import Communicator
 
 N = MPI.COMM_WORLD.Get_size()
 DTYPES = [np.float64, np.float32, np.float16, np.int32, np.int64, np.uint8]

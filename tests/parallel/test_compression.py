@@ -29,11 +29,11 @@ from mpi4py import MPI
 from collective import collective_assert, rel_err, stored
 from compression_reference import ref_int8, ref_powersgd, ref_topk, run_steps
 
-from hpcpar import config
-from hpcpar.comm import Communicator
-from hpcpar.parallel.compression import BucketSpec, Int8, SpecSlot, TopK
-from hpcpar.parallel.powersgd import PowerSGD, initial_q
-from hpcpar.train import Trainer
+from hpcpar.config import config
+from hpcpar.runtime.comm import Communicator
+from hpcpar.parallel.dp.compression.compressors import BucketSpec, Int8, SpecSlot, TopK
+from hpcpar.parallel.dp.compression.powersgd import PowerSGD, initial_q
+from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

@@ -23,12 +23,13 @@ from mpi4py import MPI
 
 from collective import collective_assert, one_step_trace, rel_err, stored, training_problems
 
-from hpcpar import checkpoint as ck, ops
-from hpcpar.comm import Communicator
-from hpcpar.config import load_config
-from hpcpar.parallel.context import ContextParallel, all_to_all_dim, positions
-from hpcpar.tensor import Tensor
-from hpcpar.train import Trainer
+from hpcpar.checkpoint import checkpoint
+from hpcpar.autograd import ops
+from hpcpar.runtime.comm import Communicator
+from hpcpar.config.config import load_config
+from hpcpar.parallel.cp.attention import ContextParallel, all_to_all_dim, positions
+from hpcpar.autograd.tensor import Tensor
+from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -228,14 +229,14 @@ def test_checkpoint_of_a_cp_run_loads_on_cp_1_and_back(shared_dir):
     old_params = old.global_parameters()
 
     single = make_trainer(1, 1, 1, 1, "ring", [], comm=MPI.COMM_SELF)   # each rank: a 1-process run
-    single.load(ck.latest(os.path.join(shared_dir, "cp")))
+    single.load(checkpoint.latest(os.path.join(shared_dir, "cp")))
     resaved = stored(single.save(os.path.join(shared_dir, f"single-{RANK}"), keep=1))
     problems = [n for n in original if not np.array_equal(original[n], resaved.get(n))]
     single_losses = [single.train_step(s).loss for s in (2, 3)]
     single_params = single.global_parameters()
 
     back = make_trainer(1, 1, 1, SIZE, impl_back, [])
-    meta = back.load(ck.latest(os.path.join(shared_dir, "single-0")))
+    meta = back.load(checkpoint.latest(os.path.join(shared_dir, "single-0")))
     problems += [f"back: {n}" for n, p in back.global_parameters().items()
                  if not np.array_equal(p, original[f"model/{n}"])]
     back_losses = [back.train_step(s).loss for s in (2, 3)]

@@ -19,10 +19,11 @@ from mpi4py import MPI
 
 from collective import collective_assert, host
 
-from hpcpar import huggingface, prepare, safetensors_file
-from hpcpar.config import load_config
+from hpcpar.interop import huggingface, safetensors
+from hpcpar.data import prepare
+from hpcpar.config.config import load_config
 from hpcpar.nn import GPTConfig
-from hpcpar.train import Trainer
+from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -108,7 +109,7 @@ def test_imported_weights_load_on_any_mesh(shared_dir, zero):
     if RANK == 0:
         os.makedirs(os.path.join(shared_dir, "hf"))
         hf = {n: (a.T if n.endswith(huggingface.CONV1D) else a) for n, a in weights.items()}
-        safetensors_file.write(os.path.join(shared_dir, "hf", "model.safetensors"), hf)
+        safetensors.write(os.path.join(shared_dir, "hf", "model.safetensors"), hf)
         huggingface.import_(os.path.join(shared_dir, "hf"), os.path.join(shared_dir, "ckpt"), n_head=2)
     WORLD.barrier()
     layout = ["mesh.tp=2", f"mesh.pp={SIZE // 2}", "mesh.dp=1"] if SIZE % 2 == 0 else []

@@ -16,12 +16,13 @@ from mpi4py import MPI
 
 from collective import collective_assert, host
 
-from hpcpar import backend, data
-from hpcpar.mesh import Mesh
+from hpcpar import backend
+from hpcpar.data import corpus
+from hpcpar.runtime.mesh import Mesh
 from hpcpar.nn import GPT, GPTConfig
-from hpcpar.optim import AdamW, clip_grad_norm
-from hpcpar.parallel.data_parallel import DataParallel
-from hpcpar.tensor import Tensor
+from hpcpar.optim.optimizers import AdamW, clip_grad_norm
+from hpcpar.parallel.dp.data_parallel import DataParallel
+from hpcpar.autograd.tensor import Tensor
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -55,7 +56,7 @@ def reference(global_batch: int, steps: int = STEPS, clip: float = CLIP):
     for step in range(steps):
         for p in params:
             p.grad = None
-        x, y = data.get_batch(TOKENS, SEED, step, range(global_batch), CFG.block_size)
+        x, y = corpus.get_batch(TOKENS, SEED, step, range(global_batch), CFG.block_size)
         loss = model(x, y)
         loss.backward()
         norms.append(clip_grad_norm(params, clip))
@@ -85,7 +86,7 @@ class Setup:
     def backward_microbatch(self, step: int, j: int, m: int) -> float:
         """Forward and backward of micro-batch j (loss scaled by 1/m); the loss on the last stage, else 0."""
         mesh, dpn, d = self.mesh, self.mesh.size("dp"), self.mesh.rank("dp")
-        x, y = data.get_batch(TOKENS, SEED, step, data.microbatch_sample_ids(d, dpn, MBS, j), self.cfg.block_size)
+        x, y = corpus.get_batch(TOKENS, SEED, step, corpus.microbatch_sample_ids(d, dpn, MBS, j), self.cfg.block_size)
         pp = mesh.comm("pp")
         xp = backend.xp  # the model's arrays: activations and gradients cross stages in them
         scale = xp.asarray(1.0 / m, dtype=np.float64)
@@ -245,7 +246,7 @@ def test_compressed_wire_close_to_exact_and_identical_on_replicas(wire, zero):
 # -- through the Trainer (pipeline executor + DataParallel as the training loop uses them) ------
 
 def trainer_config(dp: int, tp: int, pp: int, mbs: int, m: int, zero: int, extra: tuple = ()):
-    from hpcpar import config
+    from hpcpar.config import config
     return config.load_config(None, list(extra) + [
         f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"train.micro_batch_size={mbs}",
         f"train.microbatches={m}", f"train.zero={zero}", f"train.bucket_mb={BUCKET_MB}", "train.steps=5",
@@ -256,7 +257,7 @@ def trainer_config(dp: int, tp: int, pp: int, mbs: int, m: int, zero: int, extra
 
 @functools.lru_cache(maxsize=None)
 def trainer_reference(global_mbs: int, m: int, n_layer: int = CFG.n_layer):
-    from hpcpar.train import Trainer
+    from hpcpar.training.trainer import Trainer
     t = Trainer(trainer_config(1, 1, 1, global_mbs, m, 0, (f"model.n_layer={n_layer}",)), comm=MPI.COMM_SELF,
                 tokens=TOKENS)
     results = [t.train_step(step) for step in range(STEPS)]
@@ -270,7 +271,7 @@ def trainer_reference(global_mbs: int, m: int, n_layer: int = CFG.n_layer):
 @pytest.mark.parametrize("zero", [0, 1])
 @pytest.mark.parametrize("degrees", meshes())
 def test_trainer_matches_single_process(degrees, zero, m, extra=(), n_layer=CFG.n_layer):
-    from hpcpar.train import Trainer
+    from hpcpar.training.trainer import Trainer
     dp, tp, pp = degrees
     t = Trainer(trainer_config(dp, tp, pp, MBS, m, zero, (f"model.n_layer={n_layer}",) + extra),
                 comm=WORLD, tokens=TOKENS)

@@ -10,9 +10,10 @@ import pytest
 from mpi4py import MPI
 
 from hpcpar import backend
-from hpcpar import mesh as mesh_mod
+from hpcpar.cli import info
+from hpcpar.runtime import mesh
 from hpcpar.errors import MeshError
-from hpcpar.mesh import Mesh, Placement
+from hpcpar.runtime.mesh import Mesh, Placement
 
 N = MPI.COMM_WORLD.Get_size()
 ONE = lambda n: [[r] for r in range(n)]  # noqa: E731 - every rank alone
@@ -204,19 +205,19 @@ def test_ep_must_divide_dp_shard():
 
 def test_info_fills_dp_with_the_config_rule():
     # `hpcpar info`: tp and pp left out are 1, dp left out fills the world as the config's dp = 0 does.
-    assert mesh_mod.resolve_degrees(12, 0, 2, 3) == (2, 2, 3, 1)
-    assert mesh_mod.resolve_degrees(8, 2, 4, 1) == (2, 4, 1, 1)
-    assert mesh_mod.resolve_degrees(8, 0, 2, 1, 2) == (2, 2, 1, 2)
+    assert mesh.resolve_degrees(12, 0, 2, 3) == (2, 2, 3, 1)
+    assert mesh.resolve_degrees(8, 2, 4, 1) == (2, 4, 1, 1)
+    assert mesh.resolve_degrees(8, 0, 2, 1, 2) == (2, 2, 1, 2)
     with pytest.raises(MeshError, match=rf"mesh tp={N + 1} x pp=1 = {N + 1} does not divide the world size {N}"):
-        mesh_mod.info_report(tp=N + 1)
+        info.report(tp=N + 1)
     with pytest.raises(MeshError, match=f"mesh pp=0: pp must be a positive integer \\(dp fills the rest of the {N}"):
-        mesh_mod.info_report(pp=0)
+        info.report(pp=0)
     with pytest.raises(MeshError, match=rf"= {2 * N} ranks, but the world has {N} ranks"):
-        mesh_mod.info_report(dp=N, tp=2)
+        info.report(dp=N, tp=2)
 
 
 def test_info_report_is_returned_on_rank_zero_only():
-    text = mesh_mod.info_report()
+    text = info.report()
     if MPI.COMM_WORLD.Get_rank() == 0:
         assert f"world size: {N}" in text and "MPI library: " in text and "mesh:" not in text
         assert "mpi4py: " in text and f"backend: {backend.name()} " in text and "threads per rank: " in text
@@ -225,7 +226,7 @@ def test_info_report_is_returned_on_rank_zero_only():
 
 
 def test_info_report_with_degrees():
-    text = mesh_mod.info_report(pp=N)
+    text = info.report(pp=N)
     if MPI.COMM_WORLD.Get_rank() == 0:
         assert f"mesh: pp={N} x dp=1 x tp=1" in text
         rows = [line.split() for line in text.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
@@ -237,7 +238,7 @@ def test_info_report_with_degrees():
 
 def test_info_report_bad_degrees_raise_everywhere():
     with pytest.raises(MeshError, match=f"the world has {N} ranks"):
-        mesh_mod.info_report(dp=N + 1, tp=1)
+        info.report(dp=N + 1, tp=1)
 
 
 # dp, cp, tp, pp -> per world rank (pp, dp, cp, tp) and groups; cp sits between dp and tp.
@@ -277,12 +278,12 @@ def test_context_parallel_axis_sits_between_dp_and_tp(make_mesh, shape):
 def test_info_report_shows_the_cp_axis():
     if N % 2:
         pytest.skip("needs an even world")
-    text = mesh_mod.info_report(cp=2)
+    text = info.report(cp=2)
     if MPI.COMM_WORLD.Get_rank() == 0:
         assert f"mesh: pp=1 x dp={N // 2} x cp=2 x tp=1" in text
     if N != 2:
         with pytest.raises(MeshError, match=r"mesh dp=1 x cp=2 x tp=1 x pp=1 = 2 ranks, but the world has"):
-            mesh_mod.info_report(dp=1, cp=2)
+            info.report(dp=1, cp=2)
 
 
 @pytest.mark.skipif(N != 4, reason="needs 4 ranks")

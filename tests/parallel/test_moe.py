@@ -30,11 +30,13 @@ from mpi4py import MPI
 
 from collective import collective_assert, host, run_and_free, stored, training_problems
 
-from hpcpar import backend, config, ops
-from hpcpar.comm import Communicator
+from hpcpar import backend
+from hpcpar.config import config
+from hpcpar.autograd import ops
+from hpcpar.runtime.comm import Communicator
 from hpcpar.parallel.mappings import all_to_all_v
-from hpcpar.tensor import Tensor
-from hpcpar.train import Trainer
+from hpcpar.autograd.tensor import Tensor
+from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
 SIZE = WORLD.Get_size()

@@ -24,9 +24,9 @@ from mpi4py import MPI
 
 from collective import collective_assert, one_process_losses
 
-from hpcpar import preemption
-from hpcpar.config import load_config
-from hpcpar.train import REQUEUE_STATUS, build
+from hpcpar.runtime import preemption
+from hpcpar.config.config import load_config
+from hpcpar.training.trainer import REQUEUE_STATUS, build
 
 WORLD = MPI.COMM_WORLD
 TINY = ["model.n_layer=2", "model.n_embd=16", "model.n_head=2", "model.block_size=8", "model.dtype=float64",

@@ -33,8 +33,8 @@ from mpi4py import MPI
 
 from collective import collective_assert, training_problems
 
-from hpcpar.config import load_config
-from hpcpar.train import Trainer
+from hpcpar.config.config import load_config
+from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
 SIZE = WORLD.Get_size()

@@ -20,8 +20,8 @@ from mpi4py import MPI
 
 from collective import collective_assert, host, stored
 
-from hpcpar import config
-from hpcpar.train import Trainer
+from hpcpar.config import config
+from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

@@ -30,9 +30,9 @@ from mpi4py import MPI
 
 from collective import collective_assert, one_process_losses
 
-from hpcpar.comm import bytes_sent
-from hpcpar.config import load_config
-from hpcpar.train import Trainer
+from hpcpar.runtime.comm import bytes_sent
+from hpcpar.config.config import load_config
+from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
 SIZE = WORLD.Get_size()
@@ -199,7 +199,7 @@ def test_parameter_server_workers_with_sequence_parallelism():
     `finish_backward`) to two synchronous servers: the one-process losses."""
     if SIZE != 4:
         pytest.skip("a tp = 2 worker and 2 servers: 4 ranks")
-    from hpcpar.train import build
+    from hpcpar.training.trainer import build
     overrides = ["model.n_layer=2", "train.microbatches=2", "mesh.dp=1", "mesh.pp=1"]
     rank = build(load_config(None, TINY + overrides + ["ps.servers=2", "mesh.tp=2", "mesh.sequence_parallel=true"]),
                  WORLD, tokens=TOKENS)
@@ -241,8 +241,8 @@ def test_dropout_draws_only_this_ranks_rows(monkeypatch, sp):
     sequence's mask, `ops.counter_uniform(rows=...)`), without it T (the activations are whole)."""
     if SIZE % 2:
         pytest.skip("tp = 2")
-    from hpcpar import ops
-    from hpcpar.mesh import Mesh
+    from hpcpar.autograd import ops
+    from hpcpar.runtime.mesh import Mesh
     from hpcpar.nn import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, dtype="float64", dropout=0.1)
     mesh = Mesh(dp=SIZE // 2, tp=2, comm=WORLD)

@@ -12,11 +12,11 @@ import pytest
 from collective import collective_assert, host
 from mpi4py import MPI
 
-from hpcpar.comm import Communicator
-from hpcpar.mesh import Mesh
+from hpcpar.runtime.comm import Communicator
+from hpcpar.runtime.mesh import Mesh
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.parallel.mappings import all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim, split_to
-from hpcpar.tensor import Tensor
+from hpcpar.autograd.tensor import Tensor
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -110,15 +110,15 @@ def test_gpt_loss_logits_and_grads_match_single_process(groups, sp, dropout):
 @pytest.mark.parametrize("sp", [False, True])
 def test_split_all_reduces_match_single_process(tp, sp, monkeypatch):
     # Every tp all-reduce of activations and their gradients as reduce-scatter + all-gather
-    # (hpcpar.comm._SplitAllReduce, normally from 1 MiB up and when polling).
+    # (hpcpar.runtime.comm._SplitAllReduce, normally from 1 MiB up and when polling).
     if SIZE % tp:
         pytest.skip(f"tp={tp} does not divide {SIZE} ranks")
-    import hpcpar.comm
+    import hpcpar.runtime.comm
     monkeypatch.setenv("HPCPAR_MPI_WAIT", "poll")
-    monkeypatch.setattr(hpcpar.comm, "_SPLIT_ALL_REDUCE_BYTES", 1)
+    monkeypatch.setattr(hpcpar.runtime.comm, "_SPLIT_ALL_REDUCE_BYTES", 1)
     made = []
-    monkeypatch.setattr(hpcpar.comm, "_SplitAllReduce",
-                        lambda *args, split=hpcpar.comm._SplitAllReduce: made.append(1) or split(*args))
+    monkeypatch.setattr(hpcpar.runtime.comm, "_SplitAllReduce",
+                        lambda *args, split=hpcpar.runtime.comm._SplitAllReduce: made.append(1) or split(*args))
     mesh = Mesh(dp=SIZE // tp, tp=tp, comm=WORLD)
     x, y = batch(3, seed=12)
     reference = GPT(CFG, seed=SEED)

@@ -29,8 +29,8 @@ from mpi4py import MPI
 
 from collective import collective_assert, host, run_and_free, stored
 
-from hpcpar import config
-from hpcpar.train import Trainer
+from hpcpar.config import config
+from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -316,7 +316,7 @@ def test_non_finite_step_is_skipped_and_names_a_parameter(zero):
 # -- a padded vocabulary (tp does not divide it) inside ZeRO shards ----------------------------------
 
 class _PoisonedEmpty:
-    """numpy for `hpcpar.checkpoint`, except that `np.empty` returns NaN: a load that left an
+    """numpy for `hpcpar.checkpoint.checkpoint`, except that `np.empty` returns NaN: a load that left an
     element no stored block covers unwritten shows up, whatever memory the allocator hands out."""
 
     def __getattr__(self, name):
@@ -353,7 +353,7 @@ def test_padded_vocabulary_rows_stay_zero_in_zero_shards_and_checkpoints(zero, s
     checkpoint holds no padding; loading it into zero=3 flat shards (and zero=1 whole parameters)
     zero-fills the padding although the assembly buffer starts as NaN, and training goes on like
     the saving run."""
-    from hpcpar import checkpoint
+    from hpcpar.checkpoint import checkpoint
     mesh = ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1"] if SIZE == 4 else ["mesh.dp=1", "mesh.tp=2", "mesh.pp=1"]
     extra = mesh + [PADDED_VOCAB, "train.microbatches=1"]
     t = make(extra + [f"train.zero={zero}"])
@@ -383,11 +383,11 @@ def test_padded_vocabulary_rows_stay_zero_in_zero_shards_and_checkpoints(zero, s
 @pytest.mark.skipif(SIZE < 2, reason="HSDP needs dp > 1")
 def test_evaluation_on_an_hsdp_mesh_matches_one_rank(shared_dir):
     """Sample ids come from the flattened dp rank (dp_replicate x dp_shard), so `Trainer.evaluate`
-    and `hpcpar eval` (`evaluate.main`, one deterministic pass) on an HSDP mesh under ZeRO-3 give the
+    and `hpcpar eval` (`evaluate.evaluate_checkpoint`, one deterministic pass) on an HSDP mesh under ZeRO-3 give the
     one-rank figures of the same weights."""
     import json
 
-    from hpcpar import evaluate
+    from hpcpar.training import evaluate
     replicate = 2 if SIZE % 2 == 0 else SIZE
     corpus = os.path.join(shared_dir, "corpus.txt")
     if RANK == 0:
@@ -409,7 +409,7 @@ def test_evaluation_on_an_hsdp_mesh_matches_one_rank(shared_dir):
     want = (one.evaluate(2), evaluate.evaluate(one, one.val_tokens)["loss"])
     one.mesh.free()
     out = os.path.join(shared_dir, "eval.json")
-    evaluate.main(path, corpus, overrides=hsdp[:3], json_out=out)   # hpcpar eval on the HSDP mesh
+    evaluate.evaluate_checkpoint(path, corpus, overrides=hsdp[:3], json_out=out)   # hpcpar eval on the HSDP mesh
     WORLD.barrier()
     with open(out) as f:
         by_cli = json.load(f)

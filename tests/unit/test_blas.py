@@ -1,4 +1,4 @@
-"""hpcpar.blas.matmul: the same products as np.matmul for every operand layout the ops pass it.
+"""hpcpar.backend.blas.matmul: the same products as np.matmul for every operand layout the ops pass it.
 
 With MKL loaded (the `mkl` extra) the products go through MKL's GEMM and batched GEMM; without it
 through NumPy, and these tests still hold matmul to np.matmul (then trivially). They run on
@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from hpcpar import blas
+from hpcpar.backend import blas
 
 RNG = np.random.default_rng(3)
 

@@ -7,8 +7,8 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar import checkpoint as ck
-from hpcpar.comm import Communicator
+from hpcpar.checkpoint import checkpoint as ck
+from hpcpar.runtime.comm import Communicator
 from hpcpar.errors import CheckpointError
 from hpcpar.layout import Layout
 
@@ -60,7 +60,7 @@ def test_load_any_split(tmp_path, dim, count, groups):
 def test_flat_shards_save_and_load_any_layout(tmp_path):
     """ZeRO shards (flat ranges of a parameter, `Layout.flat_range`) written by "ranks" of a
     partition give the global tensor; any layout, flat or not, loads from it and back."""
-    from hpcpar.checkpoint import assign_writers
+    from hpcpar.checkpoint.checkpoint import assign_writers
     glob = reference(3)["model/transformer.h.0.attn.c_attn.weight"]  # [24, 8]
     name = "model/transformer.h.0.attn.c_attn.weight"
     parent = Layout.split(glob.shape, 0, 1, 2, groups=3)  # a tp rank's q, k, v rows: [12, 8]

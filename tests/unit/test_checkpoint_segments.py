@@ -10,8 +10,8 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar import checkpoint as ck
-from hpcpar.comm import Communicator
+from hpcpar.checkpoint import checkpoint as ck
+from hpcpar.runtime.comm import Communicator
 from hpcpar.errors import CheckpointError
 from hpcpar.layout import Layout
 

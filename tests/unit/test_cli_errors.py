@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 
-from hpcpar import cli
+from hpcpar.cli import main
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=8", "train.micro_batch_size=1",
@@ -47,7 +47,7 @@ def hpcpar(capsys, monkeypatch):
 
     def call(*argv: str):
         capsys.readouterr()
-        status = cli.main(list(argv))
+        status = main.main(list(argv))
         out, err = capsys.readouterr()
         return status, out, err
     return call
@@ -100,8 +100,8 @@ def test_eval_of_data_too_small_to_hold_out_names_the_cause(trained, hpcpar, tmp
 
 
 def test_eval_json_in_a_missing_directory_is_refused_before_evaluating(trained, hpcpar, tmp_path, monkeypatch):
-    from hpcpar import evaluate
-    monkeypatch.setattr(evaluate, "main", lambda *a, **k: pytest.fail("evaluated before checking --json"))
+    from hpcpar.training import evaluate
+    monkeypatch.setattr(evaluate, "evaluate_checkpoint", lambda *a, **k: pytest.fail("evaluated before checking --json"))
     target = tmp_path / "no" / "such" / "x.json"
     status, out, err = hpcpar("eval", trained["ckpt"], "--data", trained["corpus"], "--json", str(target))
     one_error(status, err, f"--json {str(target)!r}: directory {str(target.parent)!r} does not exist; create it "
@@ -154,7 +154,7 @@ def test_plot_skips_a_line_cut_short_with_one_warning(hpcpar, tmp_path):
 
 
 def test_plot_read_records_names_every_bad_line(tmp_path, capsys):
-    from hpcpar import plot
+    from hpcpar.training import plot
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "loss": 1}\n[1, 2]\n\n{"step": 1, "loss": 0.5}\nnot json\n')
     assert plot.read_records(str(path)) == [{"step": 0, "loss": 1}, {"step": 1, "loss": 0.5}]
@@ -216,4 +216,4 @@ def test_debug_before_the_verb_shows_the_traceback(hpcpar):
     (["-h", "--debug", "plot"], True), ([], False), (["train", "--set", "x=1"], False),
 ])
 def test_debug_counts_only_before_the_verb(argv, debug):
-    assert cli._debug(argv) is debug
+    assert main._debug(argv) is debug

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcpar import ops
-from hpcpar.comm import Communicator
+from hpcpar.autograd import ops
+from hpcpar.runtime.comm import Communicator
 from hpcpar.errors import ConfigError
 from hpcpar.nn import GPT, GPTConfig
-from hpcpar.nn import tensor_parallel as tpl
+from hpcpar.parallel.tp import layers
 from hpcpar.parallel.mappings import all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim, split_to
-from hpcpar.tensor import Tensor
+from hpcpar.autograd.tensor import Tensor
 
 
 @dataclass
@@ -48,7 +48,7 @@ def test_vocab_parallel_cross_entropy_on_one_rank_equals_the_fused_loss(ignore):
     if ignore:
         targets[0, :3] = -100
     a, b = Tensor(logits.copy(), requires_grad=True), Tensor(logits.copy(), requires_grad=True)
-    loss = tpl.vocab_parallel_cross_entropy(a, targets, Communicator(MPI.COMM_SELF, "tp"))
+    loss = layers.vocab_parallel_cross_entropy(a, targets, Communicator(MPI.COMM_SELF, "tp"))
     ref = ops.cross_entropy(b, targets)
     loss.backward()
     ref.backward()
@@ -69,7 +69,7 @@ def test_vocabulary_that_tp_does_not_divide_is_padded(vocab, tp, rows, real):
     global [V, C] tensor (so checkpoints do not depend on tp)."""
     full = np.arange(vocab * 2, dtype=np.float64).reshape(vocab, 2) + 1
     for rank in range(tp):
-        layout = tpl.vocab_layout(vocab, 2, Ranks(tp, rank))
+        layout = layers.vocab_layout(vocab, 2, Ranks(tp, rank))
         assert layout.global_shape == (vocab, 2) and layout.local_shape == (rows, 2)
         assert layout.padded == (real[rank] < rows)
         local = layout.take(full)
@@ -88,7 +88,7 @@ def test_padded_vocabulary_gets_no_probability_in_the_loss():
     targets = rng.integers(0, 7, 4)
     padded = np.concatenate([logits, np.full((4, 2), 50.0)], axis=1)   # padding would dominate
     a, b = Tensor(padded, requires_grad=True), Tensor(logits.copy(), requires_grad=True)
-    loss = tpl.vocab_parallel_cross_entropy(a, targets, Communicator(MPI.COMM_SELF, "tp"), vocab_size=7)
+    loss = layers.vocab_parallel_cross_entropy(a, targets, Communicator(MPI.COMM_SELF, "tp"), vocab_size=7)
     ref = ops.cross_entropy(b, targets)
     loss.backward()
     ref.backward()
@@ -100,19 +100,19 @@ def test_padded_vocabulary_gets_no_probability_in_the_loss():
 def test_layers_reject_sizes_that_tp_does_not_divide():
     cfg = GPTConfig(n_head=3, n_embd=24)
     with pytest.raises(ConfigError, match="n_head=3"):
-        tpl.ParallelSelfAttention(cfg, Ranks(2))
+        layers.ParallelSelfAttention(cfg, Ranks(2))
     with pytest.raises(ConfigError, match="4\\*n_embd"):
-        tpl.ParallelMLP(GPTConfig(n_head=1, n_embd=5), Ranks(3))
+        layers.ParallelMLP(GPTConfig(n_head=1, n_embd=5), Ranks(3))
     with pytest.raises(ConfigError, match="in_features=10"):
-        tpl.RowParallelLinear(10, 4, Ranks(4))
+        layers.RowParallelLinear(10, 4, Ranks(4))
     with pytest.raises(ConfigError):
-        tpl.ColumnParallelLinear(4, 6, Ranks(4))
+        layers.ColumnParallelLinear(4, 6, Ranks(4))
     with pytest.raises(ValueError, match="groups=1"):
-        tpl.ColumnParallelLinear(4, 12, Ranks(2), groups=3, gather_output=True)
+        layers.ColumnParallelLinear(4, 12, Ranks(2), groups=3, gather_output=True)
 
 
 def test_fused_qkv_shard_holds_my_heads_q_k_and_v_rows():
-    layer = tpl.ColumnParallelLinear(8, 24, Ranks(2, rank=1), groups=3)
+    layer = layers.ColumnParallelLinear(8, 24, Ranks(2, rank=1), groups=3)
     full = np.arange(24 * 8, dtype=float).reshape(24, 8)
     mine = layer.weight.layout.take(full)
     np.testing.assert_array_equal(mine, np.concatenate([full[4:8], full[12:16], full[20:24]]))

@@ -24,14 +24,14 @@ import pytest
 from compression_reference import ref_int8, ref_orthogonalize, ref_powersgd, ref_topk, run_steps
 from test_data_parallel import run_ranks
 
-from hpcpar import config
-from hpcpar.comm import bytes_sent
+from hpcpar.config import config
+from hpcpar.runtime.comm import bytes_sent
 from hpcpar.errors import ConfigError
-from hpcpar.parallel import compression
-from hpcpar.parallel.buckets import plan_buckets
-from hpcpar.parallel.compression import (BucketSpec, Compression, Int8, SpecSlot, TopK, _unpack, int8_decode,
+from hpcpar.parallel.dp.compression import compressors
+from hpcpar.parallel.dp.buckets import plan_buckets
+from hpcpar.parallel.dp.compression.compressors import (BucketSpec, Compression, Int8, SpecSlot, TopK, _unpack, int8_decode,
                                          make_compressor, topk_count)
-from hpcpar.parallel.powersgd import PowerSGD, initial_q, orthogonalize
+from hpcpar.parallel.dp.compression.powersgd import PowerSGD, initial_q, orthogonalize
 
 N = 4  # simulated ranks
 
@@ -354,8 +354,8 @@ def test_bad_compression_arguments_are_one_line_errors(kw, match):
 
 
 def test_config_keys_and_the_grad_wire_dtype_alias():
-    assert config.COMPRESSION_KINDS == compression.KINDS
-    assert config.WIRE_DTYPE_ALIAS == compression.WIRE_DTYPE_KINDS
+    assert config.COMPRESSION_KINDS == compressors.KINDS
+    assert config.WIRE_DTYPE_ALIAS == compressors.WIRE_DTYPE_KINDS
     assert config.load_config(None, ["train.grad_wire_dtype=float16"]).train.grad_compression == "fp16"
     assert config.load_config(None, ["train.grad_wire_dtype=bfloat16"]).train.grad_compression == "bf16"
     kept = config.load_config(None, ["train.grad_compression=int8", "train.grad_wire_dtype=float32"])

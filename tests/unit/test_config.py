@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar import config, schema
-from hpcpar.config import Config, ConfigError, doubts, load_config, to_toml, validate
+from hpcpar import schema
+from hpcpar.config import config
+from hpcpar.config.config import Config, ConfigError, doubts, load_config, to_toml, validate
 from hpcpar.errors import HpcparError, MeshError
-from hpcpar.mesh import resolve_degrees
-from hpcpar.nn import GPT, GPTConfig, tensor_parallel
+from hpcpar.runtime.mesh import resolve_degrees
+from hpcpar.nn import GPT, GPTConfig
+from hpcpar.parallel.tp import layers as tensor_parallel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -325,7 +327,7 @@ def test_bf16_is_refused_on_cupy_and_the_reduce_dtype_folds_into_compression():
 def test_doubts_are_listed_not_logged_by_validate(caplog):
     # validate runs for every planner candidate and more than once per run: it warns about nothing;
     # the run logs config.doubts once, on rank 0.
-    with caplog.at_level(logging.WARNING, logger="hpcpar.config"):
+    with caplog.at_level(logging.WARNING, logger="hpcpar.config.config"):
         warm = _validate(["train.warmup=10", "train.steps=10"])
         bubble = _validate(["train.microbatches=1"], world=4)
         idle = _validate(["train.grad_compression=int8"], world=1)
@@ -727,7 +729,7 @@ def test_memory_check():
 def test_the_memory_estimate_counts_16_bit_activations_and_full_model_state():
     """Under bf16/fp16 the masters, gradients and optimizer state stay in model.dtype (no 16-bit
     weight copy), and every stored activation takes 2 bytes instead of 4."""
-    from hpcpar.config import _memory_parts
+    from hpcpar.config.config import _memory_parts
 
     full = load_config(None, ["model.dropout=0.1"])
     for precision in ("bf16", "fp16"):

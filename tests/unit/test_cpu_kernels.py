@@ -1,4 +1,4 @@
-"""The cache-blocked CPU kernels (hpcpar/cpu_kernels.py) against the plain NumPy formulas.
+"""The cache-blocked CPU kernels (hpcpar/backend/cpu/kernels.py) against the plain NumPy formulas.
 
 Elementwise and row-wise results must be bitwise those of the unblocked composition (same
 operations on each element in the same order), whatever the block size and the thread count; the
@@ -14,8 +14,8 @@ import math
 import numpy as np
 import pytest
 
-from hpcpar import cpu_kernels as ck
-from hpcpar.precision import down, up
+from hpcpar.backend.cpu import kernels as ck
+from hpcpar.backend.precision import down, up
 
 RNG = np.random.default_rng(7)
 
@@ -33,7 +33,7 @@ def loops(request, monkeypatch):
     if request.param == "numpy":
         monkeypatch.setattr(ck, "_jit_module", False)
     else:
-        from hpcpar import jit_kernels
+        from hpcpar.backend.jit import kernels as jit_kernels
         monkeypatch.setattr(ck, "_jit_module", jit_kernels)
     return request.param
 
@@ -230,14 +230,14 @@ needs_numba = pytest.mark.skipif("numba" not in LOOPS, reason="the compiled kern
 def test_compiled_exp_is_within_an_ulp(dtype):
     """jit_attention's vectorized exp against float64's exp over the range softmax meets, and at the
     edges: NaN stays NaN, overflow gives inf, underflow below the smallest normal number gives 0."""
-    from hpcpar import jit_attention
+    from hpcpar.backend.jit import attention
     x = np.concatenate([RNG.uniform(-80, 80, 200_000), RNG.standard_normal(10_000)]).astype(dtype)
     y = x.copy()
-    jit_attention._exp_row(y, y.size)
+    attention._exp_row(y, y.size)
     exact = np.exp(x.astype(np.float64))
     assert np.max(np.abs(y - exact) / exact) <= 1.5 * np.finfo(dtype).eps
     edges = np.array([np.nan, np.inf, -np.inf, 1e4, -1e4, 0.0], dtype=dtype)
-    jit_attention._exp_row(edges, edges.size)
+    attention._exp_row(edges, edges.size)
     assert np.isnan(edges[0]) and edges[1] == np.inf and edges[2] == 0 and edges[3] == np.inf
     assert edges[4] == 0 and edges[5] == 1
 
@@ -246,7 +246,7 @@ def test_compiled_exp_is_within_an_ulp(dtype):
 def test_compiled_attention_with_the_openblas_gemm_equals_the_reference(monkeypatch):
     """The compiled attention through the OpenBLAS in NumPy's wheel (used when MKL is not installed)
     as well as through MKL: the dense reference, 1e-12 in float64."""
-    from hpcpar import blas
+    from hpcpar.backend import blas
     import ctypes
     fn = blas._numpy_openblas("scipy_cblas_dgemm64_", "cblas_dgemm64_", argtypes=None)
     if fn is None:
@@ -432,8 +432,8 @@ def test_kept_probabilities_count_the_causal_blocks():
 def test_fused_bias_gelu_equals_the_separate_ops(blocking, dtype):
     """ops.linear(..., activation="gelu") against ops.gelu(ops.linear(...)): the same values and
     gradients (bitwise but for the bias gradient's summation order)."""
-    from hpcpar import ops
-    from hpcpar.tensor import Tensor
+    from hpcpar.autograd import ops
+    from hpcpar.autograd.tensor import Tensor
     x0 = down(RNG.standard_normal((3, 37, 8)), np.dtype(dtype)) if dtype != np.float64 else RNG.standard_normal((3, 37, 8))
     w0, b0 = RNG.standard_normal((24, 8)) * 0.3, RNG.standard_normal(24) * 0.3
     g = RNG.standard_normal((3, 37, 24)).astype(x0.dtype)

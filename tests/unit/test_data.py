@@ -9,7 +9,7 @@ import sysconfig
 import numpy as np
 import pytest
 
-from hpcpar import data
+from hpcpar.data import corpus as data
 from hpcpar.errors import DataError
 
 T = 16

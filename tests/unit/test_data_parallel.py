@@ -8,19 +8,20 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcpar import backend, data
-from hpcpar.comm import Communicator, Handle
+from hpcpar import backend
+from hpcpar.data import corpus
+from hpcpar.runtime.comm import Communicator, Handle
 from hpcpar.errors import CheckpointError, ConfigError
 from hpcpar.layout import Layout
-from hpcpar.mesh import Mesh
+from hpcpar.runtime.mesh import Mesh
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.nn.module import Parameter
-from hpcpar.optim import SGD, AdamW, clip_grad_norm
-from hpcpar.parallel.buckets import Bucket, BucketManager, CompressedReduction, plan_buckets
-from hpcpar.parallel.clipping import clip_global_norm, counts_toward_norm
-from hpcpar.parallel.compression import Wire16, decode16, encode16, make_compressor
-from hpcpar.parallel.data_parallel import DataParallel
-from hpcpar.parallel.zero import ZeroOptimizer
+from hpcpar.optim.optimizers import SGD, AdamW, clip_grad_norm
+from hpcpar.parallel.dp.buckets import Bucket, BucketManager, CompressedReduction, plan_buckets
+from hpcpar.parallel.dp.clipping import clip_global_norm, counts_toward_norm
+from hpcpar.parallel.dp.compression.compressors import Wire16, decode16, encode16, make_compressor
+from hpcpar.parallel.dp.data_parallel import DataParallel
+from hpcpar.parallel.dp.zero import ZeroOptimizer
 
 CFG = GPTConfig(vocab_size=256, block_size=8, n_layer=2, n_head=2, n_embd=16, dtype="float64")
 TOKENS = np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint8)
@@ -397,7 +398,7 @@ def run_dp(model, dp, steps=3, m=2, mbs=2, clip=0.5):
         dp.begin_step(microbatches=m)
         total = 0.0
         for j in range(m):
-            x, y = data.get_batch(TOKENS, 7, step, data.microbatch_sample_ids(0, 1, mbs, j), CFG.block_size)
+            x, y = corpus.get_batch(TOKENS, 7, step, corpus.microbatch_sample_ids(0, 1, mbs, j), CFG.block_size)
             loss = model(x, y)
             loss.backward(backend.array_module(loss.data).asarray(1.0 / m, dtype=loss.dtype))
             total += loss.item() / m
@@ -416,7 +417,7 @@ def run_reference(steps=3, batch=4, clip=0.5):
     for step in range(steps):
         for p in params:
             p.grad = None
-        x, y = data.get_batch(TOKENS, 7, step, range(batch), CFG.block_size)
+        x, y = corpus.get_batch(TOKENS, 7, step, range(batch), CFG.block_size)
         loss = model(x, y)
         loss.backward()
         clip_grad_norm(params, clip)
@@ -442,7 +443,7 @@ def test_dp1_accumulation_matches_whole_batch(zero):
 def test_hooks_launch_buckets_during_backward_in_order():
     model, dp = make_dp()
     dp.begin_step(microbatches=1)
-    x, y = data.get_batch(TOKENS, 7, 0, range(2), CFG.block_size)
+    x, y = corpus.get_batch(TOKENS, 7, 0, range(2), CFG.block_size)
     model(x, y).backward()
     starts = [i for kind, i, _ in dp.events if kind == "bucket_start"]
     assert starts == list(range(len(dp.buckets)))  # all launched from hooks, in order
@@ -452,7 +453,7 @@ def test_hooks_launch_buckets_during_backward_in_order():
 def test_second_backward_beyond_microbatches_is_an_error():
     model, dp = make_dp()
     dp.begin_step(microbatches=1)
-    x, y = data.get_batch(TOKENS, 7, 0, range(2), CFG.block_size)
+    x, y = corpus.get_batch(TOKENS, 7, 0, range(2), CFG.block_size)
     model(x, y).backward()
     with pytest.raises(RuntimeError, match="micro-batch"):
         model(x, y).backward()

@@ -10,8 +10,8 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar import data, datasets, tokenizer
-from hpcpar.config import DataConfig
+from hpcpar.data import corpus as data, formats as datasets, tokenizer
+from hpcpar.config.config import DataConfig
 from hpcpar.errors import ConfigError, DataError
 
 T = 16

@@ -7,7 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hpcpar import config, generate, tokenizer
+from hpcpar.config import config
+from hpcpar.training import generate
+from hpcpar.data import tokenizer
 from hpcpar.errors import DataError
 from hpcpar.nn import GPT, GPTConfig
 

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hpcpar import ops
-from hpcpar.optim import AdamW
-from hpcpar.tensor import Tensor
+from hpcpar.autograd import ops
+from hpcpar.optim.optimizers import AdamW
+from hpcpar.autograd.tensor import Tensor
 
 try:
     import cupy as cp
@@ -89,7 +89,8 @@ def test_fused_adamw_matches_numpy(dtype):
 def test_gpt_training_on_gpu_matches_numpy(dtype):
     """Three AdamW steps of a small GPT with dropout: the losses, the first step's gradients and
     the final parameters agree with NumPy's."""
-    from hpcpar import backend, data
+    from hpcpar import backend
+    from hpcpar.data import corpus
     from hpcpar.nn import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1, dtype=dtype)
     tokens = np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint8)
@@ -105,7 +106,7 @@ def test_gpt_training_on_gpu_matches_numpy(dtype):
             for step in range(3):
                 for _, p in named:
                     p.grad = None
-                x, y = data.get_batch(tokens, 4, step, range(4), cfg.block_size)
+                x, y = corpus.get_batch(tokens, 4, step, range(4), cfg.block_size)
                 model.rng_context = (4, step, list(range(4)))
                 loss = model(x, y)
                 loss.backward()
@@ -189,7 +190,7 @@ def test_nccl_transport_runs_every_kind_on_one_rank():
     from cupy.cuda import nccl
     from mpi4py import MPI
 
-    from hpcpar.comm import NcclTransport
+    from hpcpar.runtime.comm import NcclTransport
     if not nccl.available:
         pytest.skip("CuPy was built without NCCL")
     t = NcclTransport(MPI.COMM_SELF)

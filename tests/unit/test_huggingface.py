@@ -16,8 +16,13 @@ import struct
 import numpy as np
 import pytest
 
-from hpcpar import backend, checkpoint, config, generate, huggingface, safetensors_file, tokenizer
-from hpcpar.comm import Communicator
+from hpcpar import backend
+from hpcpar.checkpoint import checkpoint
+from hpcpar.config import config
+from hpcpar.training import generate
+from hpcpar.interop import huggingface, safetensors
+from hpcpar.data import tokenizer
+from hpcpar.runtime.comm import Communicator
 from hpcpar.errors import CheckpointError
 from hpcpar.nn import GPT, GPTConfig
 
@@ -59,24 +64,24 @@ def test_safetensors_round_trip_and_errors(tmp_path):
     arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones((2,), np.float64),
               "c": np.array([1, -2], np.int64), "empty": np.zeros((0, 3), np.float32), "s": np.array(7, np.int32)}
     path = str(tmp_path / "x.safetensors")
-    safetensors_file.write(path, arrays, {"format": "pt"})
-    header, start = safetensors_file.read_header(path)
+    safetensors.write(path, arrays, {"format": "pt"})
+    header, start = safetensors.read_header(path)
     assert start % 8 == 0 and header["__metadata__"] == {"format": "pt"}
-    back = safetensors_file.read(path)
+    back = safetensors.read(path)
     for name, a in arrays.items():
         assert back[name].dtype == a.dtype and np.array_equal(back[name], a), name
     st = pytest.importorskip("safetensors.numpy")                  # the reference implementation agrees
     theirs = st.load_file(path)
     assert all(np.array_equal(theirs[n], a) for n, a in arrays.items())
     st.save_file({"w": np.arange(6, dtype=np.float16)}, str(tmp_path / "t.safetensors"))
-    assert np.array_equal(safetensors_file.read(str(tmp_path / "t.safetensors"))["w"], np.arange(6))
+    assert np.array_equal(safetensors.read(str(tmp_path / "t.safetensors"))["w"], np.arange(6))
     data = (tmp_path / "x.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[:-4])
     with pytest.raises(CheckpointError, match="truncated"):
-        safetensors_file.read(str(tmp_path / "cut.safetensors"))
+        safetensors.read(str(tmp_path / "cut.safetensors"))
     (tmp_path / "junk.safetensors").write_bytes(b"hello world, not a header")
     with pytest.raises(CheckpointError, match="not a safetensors file"):
-        safetensors_file.read(str(tmp_path / "junk.safetensors"))
+        safetensors.read(str(tmp_path / "junk.safetensors"))
 
 
 def test_bfloat16_reads_as_float32(tmp_path):
@@ -84,7 +89,7 @@ def test_bfloat16_reads_as_float32(tmp_path):
     raw = (values.view(np.uint32) >> 16).astype("<u2").tobytes()
     header = json.dumps({"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]}}).encode()
     (tmp_path / "b.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + raw)
-    assert np.array_equal(safetensors_file.read(str(tmp_path / "b.safetensors"))["w"], values)
+    assert np.array_equal(safetensors.read(str(tmp_path / "b.safetensors"))["w"], values)
 
 
 # ------------------------------------------------------------------------------ export
@@ -93,7 +98,7 @@ def test_bfloat16_reads_as_float32(tmp_path):
 def test_export_names_transposes_and_ties(tmp_path):
     ckpt = random_checkpoint(tmp_path / "ck")
     out = huggingface.export(ckpt, str(tmp_path / "w.safetensors"))
-    hf = safetensors_file.read(out)
+    hf = safetensors.read(out)
     model = {n: backend.to_host(p.data) for n, p in generate.load_model(ckpt).named_parameters()}
     assert "lm_head.weight" not in hf and len(hf) == len(model)
     assert np.array_equal(hf["transformer.h.1.attn.c_attn.weight"], model["transformer.h.1.attn.c_attn.weight"].T)
@@ -124,7 +129,7 @@ def test_exported_model_gives_transformers_the_same_logits(tmp_path):
 
 def test_export_without_biases_writes_zero_biases(tmp_path):
     cfg = dataclasses.replace(TINY, bias=False)
-    out = safetensors_file.read(huggingface.export(random_checkpoint(tmp_path / "ck", cfg),
+    out = safetensors.read(huggingface.export(random_checkpoint(tmp_path / "ck", cfg),
                                                    str(tmp_path / "w.safetensors")))
     assert not out["transformer.h.0.ln_1.bias"].any() and not out["transformer.h.1.attn.c_proj.bias"].any()
     assert out["transformer.h.0.attn.c_attn.bias"].shape == (96,)
@@ -199,7 +204,7 @@ def test_import_refuses_what_hpcpar_does_not_compute(tmp_path, change, fragment)
     hf_cfg = {"model_type": "gpt2", "n_head": 4, "activation_function": "gelu_new"}
     change(tensors, hf_cfg)
     (tmp_path / "src").mkdir()
-    safetensors_file.write(str(tmp_path / "src" / "model.safetensors"), tensors)
+    safetensors.write(str(tmp_path / "src" / "model.safetensors"), tensors)
     (tmp_path / "src" / "config.json").write_text(json.dumps(hf_cfg))
     with pytest.raises(CheckpointError, match=re.escape(fragment)) as info:
         huggingface.import_(str(tmp_path / "src"), str(tmp_path / "out"))

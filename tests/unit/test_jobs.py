@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from hpcpar import cli, jobs
+from hpcpar.cli import job, main
+from hpcpar.launch import jobs
 from hpcpar.errors import HpcparError
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -150,7 +151,7 @@ def test_header_command_reproduces_script(capsys, scheduler, variant, options):
     header = next(line for line in script.splitlines() if line.startswith("# Rendered by: "))
     words = shlex.split(header.removeprefix("# Rendered by: "))
     assert words[:3] == ["hpcpar", "job", "render"]
-    assert jobs.render_cli(cli.build_parser().parse_args(words[1:])) == 0
+    assert job.run(main.build_parser().parse_args(words[1:])) == 0
     assert capsys.readouterr().out == script
 
 
@@ -195,7 +196,7 @@ def test_the_run_is_checked_when_the_script_is_rendered(tmp_path, monkeypatch, c
     # hpcpar job render checks the overrides' keys and types always; every value and the mesh on
     # nodes x ranks_per_node ranks when the config file is where it renders (the job's directory).
     def render(*words):
-        return cli.run(cli.build_parser().parse_args(["job", "render", "--scheduler", "slurm", *words]))
+        return job.run(main.build_parser().parse_args(["job", "render", "--scheduler", "slurm", *words]))
     with pytest.raises(HpcparError, match="unknown key 'model.n_layers'; did you mean 'n_layer'"):
         render("--set", "model.n_layers=3")
     with pytest.raises(HpcparError, match="model.n_layer must be an integer"):
@@ -211,20 +212,20 @@ def test_the_run_is_checked_when_the_script_is_rendered(tmp_path, monkeypatch, c
 
 def test_cli_writes_executable_script(tmp_path, capsys):
     out = tmp_path / "job.sh"
-    assert cli.run(cli.build_parser().parse_args(
+    assert job.run(main.build_parser().parse_args(
         ["job", "render", "--scheduler", "pbs", "--variant", "gpu", "--queue", "q1", "--set", "train.steps=9",
          "--out", str(out)])) == 0
     assert out.read_text() == jobs.render("pbs", "gpu", partition="q1", overrides=["train.steps=9"])
     assert os.access(out, os.X_OK)
-    assert cli.run(cli.build_parser().parse_args(["job", "render", "--scheduler", "slurm"])) == 0
+    assert job.run(main.build_parser().parse_args(["job", "render", "--scheduler", "slurm"])) == 0
     assert capsys.readouterr().out == jobs.render("slurm")
 
 
 def test_cli_reports_unwritable_out(tmp_path):
-    args = cli.build_parser().parse_args(["job", "render", "--scheduler", "slurm",
+    args = main.build_parser().parse_args(["job", "render", "--scheduler", "slurm",
                                           "--out", str(tmp_path / "missing" / "job.sh")])
     with pytest.raises(HpcparError, match="cannot write job script .*missing/job.sh"):
-        jobs.render_cli(args)
+        job.run(args)
 
 
 @pytest.mark.parametrize("scheduler,variant", COMBOS)

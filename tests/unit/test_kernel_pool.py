@@ -1,4 +1,4 @@
-"""The kernel threads (hpcpar/kernel_pool.py): parts on every thread, errors, calls while busy, sleeping
+"""The kernel threads (hpcpar/backend/kernel_pool.py): parts on every thread, errors, calls while busy, sleeping
 threads woken, compiled tasks (LayerNorm's), and GEMMs split among the threads equal to the product
 in one piece.
 
@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from hpcpar import blas, kernel_pool
+from hpcpar.backend import blas, kernel_pool
 
 WAYS = ["locks"] + (["compiled"] if kernel_pool.splits_gemms() else [])
 
@@ -118,7 +118,7 @@ def test_compiled_tasks_run_once_each_from_the_caller_and_from_inside_a_part(poo
     """LayerNorm's compiled tasks (jit_pool rows) posted to the threads, or run on the calling thread
     when the pool is busy (called from inside a Python part) or waits on locks: each row's rows
     computed once, the same bits as all rows run in order on one thread."""
-    from hpcpar import jit_pool
+    from hpcpar.backend.jit import pool as jit_pool
     pool.set_threads(threads)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((300, 24))
@@ -199,8 +199,8 @@ def test_training_with_split_gemms_on_two_threads_equals_one_thread(monkeypatch)
     blocks shared out) gives the one-thread losses and parameters to rounding."""
     from mpi4py import MPI
 
-    from hpcpar.config import load_config
-    from hpcpar.train import Trainer
+    from hpcpar.config.config import load_config
+    from hpcpar.training.trainer import Trainer
     overrides = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.block_size=64",
                  "model.dtype=float64", "model.dropout=0.1", "mesh.dp=1", "mesh.tp=1", "mesh.pp=1",
                  "train.micro_batch_size=4", "train.microbatches=2", "train.steps=3", "train.warmup=0"]

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from hpcpar import ops
+from hpcpar.autograd import ops
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.nn.moe import MoE, capacity, plan_dispatch, top_k
-from hpcpar.tensor import Tensor, WeightGrads
+from hpcpar.autograd.tensor import Tensor, WeightGrads
 
 
 pytestmark = pytest.mark.usefixtures("numpy_backend")

@@ -4,8 +4,8 @@ against their composed versions, and the graph machinery (accumulation, hooks)."
 import numpy as np
 import pytest
 
-from hpcpar import ops
-from hpcpar.tensor import Tensor, no_grad
+from hpcpar.autograd import ops
+from hpcpar.autograd.tensor import Tensor, no_grad
 
 RNG = np.random.default_rng(0)
 

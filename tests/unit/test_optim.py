@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hpcpar.errors import CheckpointError, ConfigError
-from hpcpar.optim import SGD, AdamW, clip_grad_norm, grad_norm_sq, lr_at
+from hpcpar.optim.optimizers import SGD, AdamW, clip_grad_norm, grad_norm_sq, lr_at
 
 
 class P:

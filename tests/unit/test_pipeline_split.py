@@ -9,14 +9,14 @@ import pytest
 from mpi4py import MPI
 
 from hpcpar import backend
-from hpcpar.comm import Communicator
+from hpcpar.runtime.comm import Communicator
 from hpcpar.errors import ConfigError
 from hpcpar.nn.gpt import GPT, GPTConfig
-from hpcpar.parallel import schedule
-from hpcpar.parallel.pipeline import (
+from hpcpar.parallel.pp import schedules
+from hpcpar.parallel.pp.pipeline import (
     PipelineExecutor, build_stages, head_cost, split_layers,
 )
-from hpcpar.trace import Tracer
+from hpcpar.runtime.trace import Tracer
 
 
 class StubMesh:
@@ -97,7 +97,7 @@ def test_stages_partition_the_model(pp, chunks, shape):
     both on rank 0)."""
     whole = dict(GPT(CFG, seed=5).named_parameters())
     seen = {}
-    place = schedule.Placement(pp, chunks, shape)
+    place = schedules.Placement(pp, chunks, shape)
     for rank in range(pp):
         stages = build_stages(CFG, StubMesh(pp, rank), chunks, seed=5, placement=place)
         assert len(stages) == chunks
@@ -116,9 +116,9 @@ def test_stages_partition_the_model(pp, chunks, shape):
 @pytest.mark.parametrize("shape", ["loop", "v"])
 def test_forward_only_schedules_send_what_is_received(shape):
     for pp, m, chunks in itertools.product((1, 2, 3, 4), (1, 3), (1, 2)):
-        place = schedule.Placement(pp, chunks, shape)
-        lists = [schedule.forward_only(pp, r, m, chunks, place) for r in range(pp)]
-        tags = {k: sorted(schedule.message_tag(a, r, place, m) for r, acts in enumerate(lists) for a in acts
+        place = schedules.Placement(pp, chunks, shape)
+        lists = [schedules.forward_only(pp, r, m, chunks, place) for r in range(pp)]
+        tags = {k: sorted(schedules.message_tag(a, r, place, m) for r, acts in enumerate(lists) for a in acts
                           if a.kind == k)
                 for k in ("send_act", "recv_act")}
         assert tags["send_act"] == tags["recv_act"]
@@ -138,7 +138,7 @@ def test_executor_single_stage_matches_plain_loop(name):
     batches = batches_for(m)
     stages = build_stages(CFG, StubMesh(), 1, seed=2)
     tracer = Tracer(rank=0)
-    ex = PipelineExecutor(stages, StubMesh(), schedule.build(name, 1, m)[0], m, tracer=tracer)
+    ex = PipelineExecutor(stages, StubMesh(), schedules.build(name, 1, m)[0], m, tracer=tracer)
     losses = ex.run(batches)
     ref = GPT(CFG, seed=2)
     ref_losses = []
@@ -159,7 +159,7 @@ def test_executor_single_stage_matches_plain_loop(name):
 
 def test_executor_rejects_wrong_batch_count():
     stages = build_stages(CFG, StubMesh(), 1, seed=2)
-    ex = PipelineExecutor(stages, StubMesh(), schedule.build("1f1b", 1, 2)[0], 2)
+    ex = PipelineExecutor(stages, StubMesh(), schedules.build("1f1b", 1, 2)[0], 2)
     with pytest.raises(ValueError, match="schedule has 2"):
         ex.run(batches_for(3))
 
@@ -167,7 +167,7 @@ def test_executor_rejects_wrong_batch_count():
 def test_disabled_tracer_records_nothing_and_trace_is_json(tmp_path):
     stages = build_stages(CFG, StubMesh(), 1, seed=2)
     tracer = Tracer(rank=0, enabled=False)
-    PipelineExecutor(stages, StubMesh(), schedule.build("1f1b", 1, 2)[0], 2, tracer=tracer).run(batches_for(2))
+    PipelineExecutor(stages, StubMesh(), schedules.build("1f1b", 1, 2)[0], 2, tracer=tracer).run(batches_for(2))
     assert tracer.events == []
     tracer.enabled = True
     tracer.record("forward", "compute", 1.0, 1.5, tid=1, args={"mb": 0})

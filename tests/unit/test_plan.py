@@ -7,9 +7,10 @@ import dataclasses
 
 import pytest
 
-from hpcpar import config, plan
+from hpcpar.config import config
+from hpcpar.planner import planner as plan
 from hpcpar.errors import ConfigError
-from hpcpar.parallel import schedule
+from hpcpar.parallel.pp import schedules
 
 A100 = plan.PRESETS["a100"]
 
@@ -21,7 +22,7 @@ def test_peak_stash_closed_forms_are_the_simulators(name, chunks, pp, m):
         pytest.skip("interleaved needs m % pp == 0")
     if name == "1f1b" and m < pp:
         pytest.skip("1f1b with m < pp: gpipe's case")
-    simulated = schedule.simulate(schedule.build(name, pp, m, chunks)).peak_stash
+    simulated = schedules.simulate(schedules.build(name, pp, m, chunks)).peak_stash
     assert list(config.peak_stash(name, pp, m, chunks)) == list(simulated)
 
 
@@ -34,9 +35,9 @@ def test_long_schedules_extrapolate_to_the_simulators_makespan(name, chunks, pp,
     if name == "interleaved" and m % pp:
         pytest.skip("interleaved needs m % pp == 0")
     t_f, t_b, t_w, t_msg = 1.0, 1.3, 0.9, 0.05
-    place = schedule.placement(name, pp, chunks)
+    place = schedules.placement(name, pp, chunks)
     zero_bubble = name.startswith("zb")
-    full = schedule.simulate(schedule.build(name, pp, m, place.chunks), t_f, t_b if zero_bubble else t_b + t_w,
+    full = schedules.simulate(schedules.build(name, pp, m, place.chunks), t_f, t_b if zero_bubble else t_b + t_w,
                              t_msg, t_w if zero_bubble else 0.0, placement=place).makespan
     monkeypatch.setattr(plan, "_SIMULATE_MAX", 1)
     assert plan.pipeline_time(name, pp, m, chunks, t_f, t_b, t_msg, t_w) == pytest.approx(full, rel=1e-9)

@@ -15,12 +15,12 @@ import json
 import numpy as np
 import pytest
 
-from hpcpar import ops
+from hpcpar.autograd import ops
 from hpcpar.errors import CheckpointError, ConfigError
-from hpcpar.loss_scale import LossScaler
+from hpcpar.optim.loss_scale import LossScaler
 from hpcpar.nn.gpt import GPT, GPTConfig
-from hpcpar.precision import activation_dtype, is_low
-from hpcpar.tensor import Tensor
+from hpcpar.backend.precision import activation_dtype, is_low
+from hpcpar.autograd.tensor import Tensor
 
 LOW = {"bf16": np.dtype("bfloat16"), "fp16": np.dtype("float16")}
 ULP = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}

@@ -9,12 +9,14 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from hpcpar import backend, cpu_kernels, ops
+from hpcpar import backend
+from hpcpar.backend.cpu import kernels
+from hpcpar.autograd import ops
 from hpcpar.errors import ConfigError
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.nn.gpt import recomputed
 from hpcpar.nn.module import Parameter
-from hpcpar.tensor import Tensor, no_grad
+from hpcpar.autograd.tensor import Tensor, no_grad
 
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=32, dtype="float64", dropout=0.1)
 RNG = np.random.default_rng(5)
@@ -160,7 +162,7 @@ def _held_bytes(recompute: str, every: int) -> int:
 def test_recomputation_holds_less_between_forward_and_backward():
     none, selective, full, half = held_bytes("none"), held_bytes("selective"), held_bytes("full"), held_bytes("full", 2)
     b, h, t = 2, 4, 128
-    probs = b * h * cpu_kernels.kept_probabilities(t) * 4  # one block's float32 probabilities (causal blocks)
+    probs = b * h * kernels.kept_probabilities(t) * 4  # one block's float32 probabilities (causal blocks)
     # (+ small Python objects: the list of blocks and each block's array header, a few hundred bytes a block)
     assert none - selective == pytest.approx(2 * probs, abs=2048)
     saved = none - half                                # full recomputation of block 0 alone

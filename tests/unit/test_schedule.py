@@ -7,7 +7,7 @@ import random
 import pytest
 
 from hpcpar.errors import ConfigError
-from hpcpar.parallel.schedule import (
+from hpcpar.parallel.pp.schedules import (
     RECVS, SENDS, Action, Placement, ScheduleError, build, check_in_order_transport, gpipe, in_order_safe,
     interleaved_1f1b, message_groups, message_tag, one_f_one_b, placement, predict_step_time, resolve_chunks,
     simulate, timeline, validate, zbh1, zbv,

@@ -2,7 +2,7 @@
 
 import os
 
-from hpcpar import threads
+from hpcpar.backend import threads
 
 
 def test_ranks_on_a_node_share_its_cores(monkeypatch):

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from hpcpar import tokenizer
+from hpcpar.data import tokenizer
 from hpcpar.errors import DataError, HpcparError
 
 _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "so", "ta", "vi", "zé", "ün", " ", " ", "\n", ", ", ". "]

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from hpcpar import comm, threads, watchdog
+from hpcpar.runtime import comm, watchdog
+from hpcpar.backend import threads
 from hpcpar.errors import ConfigError
 
 

@@ -9,9 +9,9 @@ bookkeeping, the same for every array backend: these tests pin NumPy whatever HP
 import numpy as np
 import pytest
 
-from hpcpar import ops
+from hpcpar.autograd import ops
 from hpcpar.nn import GPT, GPTConfig
-from hpcpar.tensor import Deferred, Tensor, WeightGrads, weight_grad
+from hpcpar.autograd.tensor import Deferred, Tensor, WeightGrads, weight_grad
 
 
 pytestmark = pytest.mark.usefixtures("numpy_backend")

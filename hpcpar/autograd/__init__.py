@@ -1,0 +1,1 @@
+"""Autograd-lite: the Tensor, differentiable ops (each forward next to its gradient), recomputation."""

@@ -1,0 +1,1 @@
+"""Numba-compiled loops for the CPU kernels and the kernel threads (the `fast` extra)."""

@@ -1,0 +1,1 @@
+"""`hpcpar <verb>`: the parser and one module per verb; library modules carry no `main`."""

@@ -1,0 +1,1 @@
+"""The run configuration: sections, loading (TOML and overrides), validation, the memory model."""

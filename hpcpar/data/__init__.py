@@ -1,0 +1,1 @@
+"""Training data: the default corpus and batches, token file formats, tokenizers, `hpcpar data prepare`."""

@@ -1,0 +1,1 @@
+"""Interchange with other tools: HuggingFace GPT-2 weights and the safetensors format."""

@@ -1,0 +1,1 @@
+"""Job scripts for Slurm and PBS: `hpcpar job render` and its templates."""

@@ -1,0 +1,1 @@
+"""Optimizers, the learning-rate schedule and loss scaling."""

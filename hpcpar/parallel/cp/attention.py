@@ -1,0 +1,439 @@
+"""Context parallelism: the sequence split over cp ranks, ring attention and DeepSpeed-Ulysses.
+
+Every layer of a transformer but attention works token by token, so with the sequence split
+over the `cp` ranks of a context-parallel group each rank runs embeddings, LayerNorms, MLPs,
+dropout and the loss on its own tokens only, and its activations shrink by cp. Attention is
+the one place where a token needs the others: two designs bring them together.
+
+Sequence layouts (`positions`: the global positions of a rank's tokens, in its local order):
+
+    zigzag       the sequence is cut into 2cp equal chunks; rank r holds chunks r and 2cp-1-r.
+                 Under a causal mask chunk j attends to j+1 chunks' worth of keys, so pairing an
+                 early chunk with a late one gives every rank the same work (Ring Attention's
+                 causal balance, arXiv 2310.01889; Megatron-LM CP). Ring attention uses it.
+    contiguous   cp equal chunks, rank r holds chunk r. Ulysses uses it (its all-to-all gathers
+                 the chunks back in order); for ring attention it is the naive split, whose last
+                 rank does (2cp-1)/cp times the mean work (bench/context.py measures both).
+
+Ring attention (`ring_attention`): q, k, v of my tokens [B, T/cp, 3C]; the K/V blocks travel
+around the ring (send to r+1, receive from r-1) with non-blocking messages posted *before* the
+attention of the block in hand, so the transfer overlaps that compute. Each block's scores are
+masked in global positions (a key chunk after the query chunk is skipped, the same chunk gets
+the causal triangle, an earlier chunk is unmasked) and merged with the online-softmax rule: a
+running row maximum m, sum l and unnormalised output, rescaled by exp(m_old - m_new). The
+forward saves q, k, v, the output and the row log-sum-exp (no [T, T] probabilities); the
+backward rotates K/V again, rebuilds each block's probabilities from the log-sum-exp,
+P = exp(S - lse), and sends the dK/dV accumulators around the ring behind them, so after cp
+steps every rank holds the complete gradient of its own K and V.
+
+    per rank and layer, sent:  forward (cp-1) 2 B (T/cp) C/tp elements (K and V)
+                               backward (cp-1) 2 B (T/cp) C/tp (K, V) + cp 2 B (T/cp) C/tp (dK, dV)
+    kept for backward:         q, k, v, output [B, T/cp, C/tp] each + lse [B, H/tp, T/cp]
+
+Ulysses (`ulysses_attention`, arXiv 2309.14509): an all-to-all turns q, k, v from sequence-
+sharded [B, T/cp, 3, H, D] into head-sharded [B, T, 3, H/cp, D]; ordinary causal attention
+runs on whole sequences of my heads; a second all-to-all brings the output back to my tokens.
+Its backward is the transposed all-to-all (`all_to_all_dim` with the dims swapped).
+
+    per rank and layer, sent:  forward (cp-1)/cp (3 + 1) B (T/cp) C/tp, backward the same
+    kept for backward:         the [B, H/(tp cp), T, T] probabilities and q, k, v of my heads
+    constraint:                n_head divisible by tp * cp
+
+Both are differentiable ops in the style of `mappings.py`, taking their group
+(`ContextParallel`: the communicator, the design, what to record). NumPy or CuPy, from the
+array module of the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from hpcpar.autograd import ops
+from hpcpar.backend import array_module
+from hpcpar.backend.precision import down, up
+from hpcpar.autograd.tensor import Tensor
+
+if TYPE_CHECKING:  # annotations only: model code never needs MPI loaded
+    from hpcpar.runtime.comm import Communicator
+
+RING, ULYSSES = "ring", "ulysses"
+IMPLS = (RING, ULYSSES)
+ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"
+LAYOUT_OF = {RING: ZIGZAG, ULYSSES: CONTIGUOUS}
+TRACE_TID = 99  # the timeline row (Chrome trace tid) of cp communication
+
+# Message tags on the cp communicator (it carries nothing else).
+_TAG_KV, _TAG_KV_BACK, _TAG_DKV = 1501, 1502, 1503
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence layouts
+# ---------------------------------------------------------------------------------------------
+def chunks_of(layout: str, cp: int, rank: int) -> tuple[int, ...]:
+    """The sequence chunks rank `rank` of `cp` holds, in local order (see the module doc)."""
+    if layout == ZIGZAG:
+        return (rank, 2 * cp - 1 - rank)
+    if layout == CONTIGUOUS:
+        return (rank,)
+    raise ValueError(f"unknown sequence layout {layout!r}; use {ZIGZAG!r} or {CONTIGUOUS!r}")
+
+
+def n_chunks(layout: str, cp: int) -> int:
+    """How many equal chunks the sequence is cut into: 2cp (zigzag) or cp (contiguous)."""
+    return len(chunks_of(layout, cp, 0)) * cp
+
+
+def positions(layout: str, t: int, cp: int, rank: int) -> np.ndarray:
+    """Global positions (int64 [t/cp]) of rank `rank`'s tokens of a length-`t` sequence, in local
+    order: the columns of [B, t] token ids it takes, the rows of wpe and of dropout masks it uses."""
+    n = n_chunks(layout, cp)
+    if t % n:
+        raise ValueError(f"sequence length {t} does not split into {n} equal chunks ({layout} layout, cp={cp})")
+    c = t // n
+    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks_of(layout, cp, rank)])
+
+
+class _Block:
+    """The part of the scores [my queries x the keys of one source rank] that causality leaves:
+    query rows [r0, r1) and key columns [c0, c1) of the local sequences, the additive mask
+    (None: nothing masked) and the number of (query, key) pairs attended (the work)."""
+
+    __slots__ = ("r0", "r1", "c0", "c1", "bias", "pairs")
+
+    def __init__(self, q_pos: np.ndarray, k_pos: np.ndarray, c: int, xp, dtype):
+        allowed = q_pos[:, None] >= k_pos[None, :]
+        rows = np.flatnonzero(allowed.any(axis=1))
+        cols = np.flatnonzero(allowed.any(axis=0))
+        # Whole chunks are in or out (chunks are causal-ordered blocks), so the spans below hold
+        # no row or column without work for the zigzag and contiguous layouts.
+        self.r0, self.r1 = int(rows[0]) // c * c, -(-(int(rows[-1]) + 1) // c) * c
+        self.c0, self.c1 = int(cols[0]) // c * c, -(-(int(cols[-1]) + 1) // c) * c
+        sub = allowed[self.r0:self.r1, self.c0:self.c1]
+        assert sub.any(axis=1).all(), "a query row without keys would make the online softmax NaN"
+        self.bias = None if sub.all() else xp.asarray(np.where(sub, 0.0, -np.inf).astype(dtype))
+        self.pairs = int(allowed.sum())
+
+
+class ContextParallel:
+    """One rank's context-parallel group: its communicator, the design and what it records.
+
+    Args:
+        comm: the cp Communicator (`mesh.comm(Axis.CP)`); None or size 1: no context parallelism.
+        impl: "ring" or "ulysses".
+        layout: the sequence layout; default zigzag for ring, contiguous for ulysses (ring works
+            on either: the contiguous one is the unbalanced baseline of the benchmark).
+        tracer: a `trace.Tracer`; when enabled, cp communication and ring blocks become spans on
+            timeline row `TRACE_TID` (`pipeline.trace = true`).
+
+    Attributes:
+        events: None, or a list the ring appends (what, step, time.perf_counter()) to: "post"
+            (messages posted), "compute"/"computed" (the block's attention), "arrived" (receive
+            waited), per ring step, forward and backward ("back_..."). For the overlap test.
+        stats: counters since the last `reset_stats()`: "bytes_sent" (this rank, all cp messages),
+            "pairs" (causal (query, key) pairs whose scores this rank's forwards computed: the
+            attention work; a backward does the same pairs again), "calls" (forwards).
+    """
+
+    def __init__(self, comm: Communicator | None = None, impl: str = RING, layout: str | None = None,
+                 tracer=None):
+        if impl not in IMPLS:
+            raise ValueError(f"unknown context-parallel implementation {impl!r}; use one of {', '.join(IMPLS)}")
+        self.comm = comm
+        self.size = comm.size if comm is not None else 1
+        self.rank = comm.rank if comm is not None else 0
+        self.impl = impl
+        self.layout = layout or LAYOUT_OF[impl]
+        if impl == ULYSSES and self.layout != CONTIGUOUS:
+            raise ValueError("ulysses needs the contiguous layout (its all-to-all gathers chunks in order)")
+        self.tracer = tracer
+        if tracer is not None and self.size > 1:
+            tracer.thread_names[TRACE_TID] = f"context parallel ({impl})"
+        self.events: list | None = None
+        self._positions: dict[int, np.ndarray] = {}
+        self._blocks: dict[tuple, _Block | None] = {}
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = {"bytes_sent": 0, "pairs": 0, "calls": 0}
+
+    def positions(self, t: int) -> np.ndarray:
+        """My tokens' global positions in a sequence of `t` (cached; see the module's `positions`)."""
+        if t not in self._positions:
+            self._positions[t] = positions(self.layout, t, self.size, self.rank)
+        return self._positions[t]
+
+    def attention(self, qkv: Tensor, n_head: int, recompute: bool = False) -> Tensor:
+        """Causal self-attention of my tokens over the whole sequence: [B, T/cp, 3 n_head D] ->
+        [B, T/cp, n_head D], as `ops.causal_attention` of the full sequence would give my rows.
+        `recompute` (selective recomputation): Ulysses' inner `ops.causal_attention` keeps no
+        probabilities; ring attention keeps none in any case (its backward rebuilds each block's
+        from the saved log-sum-exp), so the flag changes nothing there."""
+        if self.size == 1:
+            return ops.causal_attention(qkv, n_head, recompute)
+        self.stats["calls"] += 1
+        if self.impl == RING:
+            return ring_attention(qkv, n_head, self)
+        return ulysses_attention(qkv, n_head, self, recompute)
+
+    # -- recording ---------------------------------------------------------------------------
+    def _event(self, what: str, step: int) -> None:
+        if self.events is not None:
+            self.events.append((what, step, time.perf_counter()))
+
+    def _span(self, name: str, category: str, start: float, args: dict | None = None) -> None:
+        if self.tracer is not None and self.tracer.enabled:
+            self.tracer.record(name, category, start, time.perf_counter(), tid=TRACE_TID, args=args)
+
+    def _tracing(self) -> bool:
+        return self.tracer is not None and self.tracer.enabled
+
+    def _block(self, t_local: int, src: int, xp, dtype) -> _Block | None:
+        """The causal block of my queries against rank `src`'s keys (None: nothing to attend)."""
+        key = (t_local, src, xp.__name__, str(dtype))
+        if key not in self._blocks:
+            t = t_local * self.size
+            q_pos, k_pos = self.positions(t), positions(self.layout, t, self.size, src)
+            c = t // n_chunks(self.layout, self.size)
+            self._blocks[key] = (_Block(q_pos, k_pos, c, xp, dtype) if (q_pos[:, None] >= k_pos[None, :]).any()
+                                 else None)
+        return self._blocks[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring attention
+# ---------------------------------------------------------------------------------------------
+def _heads(qkv, n_head: int):
+    """[B, T, 3 H D] -> q [B, H, T, D] and kv [2, B, H, T, D] (contiguous: kv is the message)."""
+    xp = array_module(qkv)
+    b, t, three_c = qkv.shape
+    d = three_c // 3 // n_head
+    heads = qkv.reshape(b, t, 3, n_head, d).transpose(2, 0, 3, 1, 4)
+    return xp.ascontiguousarray(heads[0]), xp.ascontiguousarray(heads[1:])
+
+
+class _Rotation:
+    """The K/V blocks passing through a rank: the one `held` now and the buffer the next one
+    arrives in. Two buffers besides the rank's own K/V (which is saved for backward and never
+    overwritten) suffice, because a step's send is waited before the next step reuses its buffer."""
+
+    def __init__(self, own):
+        self.own = self.held = own
+        self._free: list = []
+        self._incoming = None
+
+    def next_buffer(self):
+        xp = array_module(self.own)
+        self._incoming = self._free.pop() if self._free else xp.empty_like(self.own)
+        return self._incoming
+
+    def arrived(self, sent, received) -> None:
+        """Wait for the step's messages; the received block becomes the one held."""
+        received.wait()
+        sent.wait()
+        if self.held is not self.own:
+            self._free.append(self.held)
+        self.held, self._incoming = self._incoming, None
+
+
+def _scores(q, k, block: _Block, scale: float):
+    """Scaled, masked scores [B, H, r1-r0, c1-c0] of one block."""
+    s = q[:, :, block.r0:block.r1] @ k[:, :, block.c0:block.c1].swapaxes(-1, -2)
+    s *= scale
+    if block.bias is not None:
+        s += block.bias
+    return s
+
+
+def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
+    """Causal attention of my tokens against the whole sequence, K/V passed around the cp ring.
+
+    In: qkv [B, T/cp, 3 H D] (my tokens in `cp.layout` order; H = the heads on this tp rank).
+    Out: [B, T/cp, H D], equal to my rows of `ops.causal_attention` on the full sequence.
+    Backward: dQ locally, dK/dV accumulated around the ring and delivered to their owners.
+    """
+    xp = array_module(qkv.data)
+    comm, size, rank = cp.comm, cp.size, cp.rank
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    b, tl, three_c = qkv.shape
+    d = three_c // 3 // n_head
+    scale = 1.0 / math.sqrt(d)
+    q, kv = _heads(qkv.data, n_head)                                       # [B,H,Tl,D], [2,B,H,Tl,D]
+    # 16-bit activations: K/V travel in 16 bits, every block is computed in float32.
+    qf = up(q)
+    dtype = qf.dtype
+    row_max = xp.full((b, n_head, tl), -xp.inf, dtype=dtype)
+    row_sum = xp.zeros((b, n_head, tl), dtype=dtype)
+    acc = xp.zeros_like(qf)                                                # unnormalised output
+    ring = _Rotation(kv)
+    for step in range(size):
+        src = (rank - step) % size                                         # whose K/V I hold
+        held, handles = ring.held, ()
+        if step < size - 1:                                                # pass it on before computing
+            start = time.perf_counter()
+            handles = comm.isend_irecv(held, nxt, ring.next_buffer(), prv, _TAG_KV, _TAG_KV)
+            cp.stats["bytes_sent"] += held.nbytes
+            cp._event("post", step)
+            cp._span("cp_kv_send_recv", "comm", start, {"step": step})
+        block = cp._block(tl, src, xp, dtype)
+        cp._event("compute", step)
+        start = time.perf_counter()
+        if block is not None:
+            r0, r1 = block.r0, block.r1
+            s = _scores(qf, up(held[0]), block, scale)
+            new_max = xp.maximum(row_max[:, :, r0:r1], s.max(axis=-1))
+            alpha = xp.exp(row_max[:, :, r0:r1] - new_max)                  # rescale what came before
+            s -= new_max[..., None]
+            xp.exp(s, out=s)                                               # unnormalised probabilities
+            row_sum[:, :, r0:r1] = row_sum[:, :, r0:r1] * alpha + s.sum(axis=-1)
+            acc[:, :, r0:r1] = acc[:, :, r0:r1] * alpha[..., None] + s @ up(held[1][:, :, block.c0:block.c1])
+            row_max[:, :, r0:r1] = new_max
+            cp.stats["pairs"] += b * n_head * block.pairs
+            del s  # before the next block's scores exist: one [n, n] block at a time
+        cp._event("computed", step)
+        if cp._tracing():
+            cp._span("cp_attention_block", "compute", start, {"step": step, "source": src})
+        if handles:
+            start = time.perf_counter()
+            ring.arrived(*handles)
+            cp._event("arrived", step)
+            cp._span("cp_kv_wait", "comm", start, {"step": step})
+    out_heads = acc / row_sum[..., None]                                   # [B, H, Tl, D]
+    lse = row_max + xp.log(row_sum)                                        # [B, H, Tl]
+    out = down(out_heads.transpose(0, 2, 1, 3).reshape(b, tl, n_head * d), qkv.dtype)
+
+    def backward(g):
+        return (down(_ring_backward(up(g), q, kv, out_heads, lse, n_head, scale, cp), qkv.dtype),)
+    return Tensor.from_op(out, (qkv,), backward)
+
+
+def _ring_backward(g, q, kv, out_heads, lse, n_head: int, scale: float, cp: ContextParallel):
+    """dqkv [B, T/cp, 3 H D] of `ring_attention` (see its doc and the module's). `g`, `out_heads`,
+    `lse` and the result in float32 (or float64); q and the K/V blocks may be 16-bit (taken up to
+    float32 block by block; the dK/dV accumulators travel in float32)."""
+    xp = array_module(g)
+    q = up(q)
+    comm, size, rank = cp.comm, cp.size, cp.rank
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    b, h, tl, d = q.shape
+    gy = xp.ascontiguousarray(g.reshape(b, tl, h, d).transpose(0, 2, 1, 3))   # dO [B, H, Tl, D]
+    delta = (gy * out_heads).sum(axis=-1)                                   # rowsum(dO * O) [B, H, Tl]
+    dq = xp.zeros_like(q)
+    acc_dtype = q.dtype
+    ring = _Rotation(kv)
+    incoming = None      # the dK/dV accumulator of the K/V I hold, from the ranks before me
+    pending = []         # send handles, waited at the end
+    for step in range(size):
+        src = (rank - step) % size
+        held, kv_handles = ring.held, ()
+        if step < size - 1:
+            start = time.perf_counter()
+            kv_handles = comm.isend_irecv(held, nxt, ring.next_buffer(), prv, _TAG_KV_BACK, _TAG_KV_BACK)
+            cp.stats["bytes_sent"] += held.nbytes
+            cp._event("back_post", step)
+            cp._span("cp_kv_send_recv", "comm", start, {"step": step, "backward": True})
+        block = cp._block(tl, src, xp, q.dtype)
+        cp._event("back_compute", step)
+        start = time.perf_counter()
+        part = xp.zeros(kv.shape, dtype=acc_dtype)                          # my dK, dV of src's keys
+        if block is not None:
+            r0, r1, c0, c1 = block.r0, block.r1, block.c0, block.c1
+            k = up(held[0])                                                # float32 under 16 bits
+            p = _scores(q, k, block, scale)
+            p -= lse[:, :, r0:r1, None]
+            xp.exp(p, out=p)                                               # P from the saved log-sum-exp
+            gy_rows = gy[:, :, r0:r1]
+            part[1][:, :, c0:c1] = p.swapaxes(-1, -2) @ gy_rows            # dV = P^T dO
+            ds = gy_rows @ up(held[1][:, :, c0:c1]).swapaxes(-1, -2)       # dP = dO V^T
+            ds -= delta[:, :, r0:r1, None]
+            ds *= p
+            ds *= scale                                                    # dS = P (dP - delta) / sqrt(D)
+            dq[:, :, r0:r1] += ds @ k[:, :, c0:c1]                         # dQ += dS K
+            part[0][:, :, c0:c1] = ds.swapaxes(-1, -2) @ q[:, :, r0:r1]    # dK = dS^T Q
+            del p, ds, k  # one block's P and dS at a time
+        cp._event("back_computed", step)
+        if cp._tracing():
+            cp._span("cp_attention_block", "compute", start, {"step": step, "source": src, "backward": True})
+        start = time.perf_counter()
+        if incoming is not None:
+            part += incoming[1].wait()                                     # add the ranks before me
+        # The accumulator goes on to the next rank (after the last step: to its owner, src).
+        incoming_buf = xp.empty(kv.shape, dtype=acc_dtype)
+        incoming = comm.isend_irecv(part, nxt, incoming_buf, prv, _TAG_DKV, _TAG_DKV)
+        pending.append((incoming[0], part))
+        cp.stats["bytes_sent"] += part.nbytes
+        if kv_handles:
+            ring.arrived(*kv_handles)
+        cp._event("back_arrived", step)
+        cp._span("cp_dkv_send_recv", "comm", start, {"step": step, "backward": True})
+    start = time.perf_counter()
+    dkv = incoming[1].wait()                                               # my own dK, dV, complete
+    for handle, _ in pending:
+        handle.wait()
+    cp._span("cp_dkv_wait", "comm", start, {"backward": True})
+    dqkv = xp.concatenate([dq[None], dkv])                                 # [3, B, H, Tl, D]
+    return dqkv.transpose(1, 3, 0, 2, 4).reshape(b, tl, 3 * h * d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ulysses: all-to-all between sequence shards and head shards
+# ---------------------------------------------------------------------------------------------
+def _all_to_all(a, comm: Communicator, split_dim: int, concat_dim: int):
+    """Part j of `a` along `split_dim` goes to rank j; what arrives is concatenated along
+    `concat_dim` in rank order: [.., n, .., m, ..] -> [.., n/cp, .., cp m, ..]."""
+    xp = array_module(a)
+    size, shape = comm.size, a.shape
+    parts = a.reshape(shape[:split_dim] + (size, shape[split_dim] // size) + shape[split_dim + 1:])
+    got = comm.all_to_all(xp.ascontiguousarray(xp.moveaxis(parts, split_dim, 0)), 0)   # [sources, ...]
+    out_shape = list(shape)
+    out_shape[split_dim] //= size
+    out_shape[concat_dim] *= size
+    return xp.moveaxis(got, 0, concat_dim).reshape(out_shape)
+
+
+def all_to_all_dim(x: Tensor, comm: Communicator | None, split_dim: int, concat_dim: int,
+                   on_exchange: Callable[[Any, float], None] | None = None) -> Tensor:
+    """Re-shard: sharded(concat_dim) -> sharded(split_dim) over the ranks of `comm`.
+
+    In: [.., n, .., m, ..] with my part of dim `concat_dim` (m each, rank order) and all of dim
+    `split_dim` (n). Out: [.., n/size, .., size m, ..]: my part of `split_dim`, all of
+    `concat_dim`. Backward: the transposed all-to-all (the same op with the dims swapped).
+    `on_exchange(array, start_time)` is told about every exchange, forward and backward.
+    """
+    if comm is None or comm.size == 1:
+        return x
+    split_dim, concat_dim = split_dim % x.ndim, concat_dim % x.ndim
+
+    def exchange(a, split, concat):
+        start = time.perf_counter()
+        out = _all_to_all(a, comm, split, concat)
+        if on_exchange is not None:
+            on_exchange(a, start)
+        return out
+    return Tensor.from_op(exchange(x.data, split_dim, concat_dim), (x,),
+                          lambda g: (exchange(g, concat_dim, split_dim),))
+
+
+def ulysses_attention(qkv: Tensor, n_head: int, cp: ContextParallel, recompute: bool = False) -> Tensor:
+    """DeepSpeed-Ulysses: [B, T/cp, 3 H D] (contiguous chunk r) -> all-to-all -> [B, T, 3, H/cp, D]
+    -> `ops.causal_attention` on my H/cp heads (`recompute`: keeping no probabilities) -> all-to-all
+    -> [B, T/cp, H D]."""
+    comm, size = cp.comm, cp.size
+    if n_head % size:
+        raise ValueError(f"ulysses: {n_head} heads do not split over cp={size} ranks")
+    b, tl, three_c = qkv.shape
+    d = three_c // 3 // n_head
+    t, heads = tl * size, n_head // size
+
+    def on_exchange(a, start):
+        cp.stats["bytes_sent"] += a.nbytes * (size - 1) // size
+        cp._span("cp_all_to_all", "comm", start, {"shape": list(a.shape)})
+
+    x = all_to_all_dim(ops.reshape(qkv, (b, tl, 3, n_head, d)), comm, 3, 1, on_exchange)   # [B, T, 3, H/cp, D]
+    cp.stats["pairs"] += b * heads * t * (t + 1) // 2
+    y = ops.causal_attention(ops.reshape(x, (b, t, 3 * heads * d)), heads, recompute)     # [B, T, H/cp D]
+    y = all_to_all_dim(ops.reshape(y, (b, t, heads, d)), comm, 1, 2, on_exchange)         # [B, T/cp, H, D]
+    return ops.reshape(y, (b, tl, n_head * d))

@@ -1,0 +1,1 @@
+"""Gradient compression on the data-parallel wire: compressors, PowerSGD, and their checkpointed state."""

@@ -1,0 +1,1 @@
+"""Parameter-server training: server ranks own parameters and optimizer, workers push and pull."""

@@ -1,0 +1,579 @@
+"""Parameter-server training: server ranks own the parameters and the optimizer, worker replicas
+push gradients and pull parameters (ps-lite, Li et al., OSDI'14; stale synchronous parallel, Ho
+et al., NIPS'13).
+
+Ranks and ownership. The last S ranks of the job are servers; the first W form the training mesh
+(dp x tp x pp) exactly as without servers, and each dp coordinate is a *replica* (R = dp of them).
+The model's global tensors (the checkpoint's names and shapes, `FlatSpace`) laid end to end in
+name order form one flat vector of P elements; server s owns the contiguous range
+`server_ranges(P, S)[s]`, about P/S elements: their values and their optimizer state.
+
+A step (clock c) on a worker rank: forward and backward of its micro-batches, gradients
+accumulated locally (a tied copy's summed into its weight within the replica, as without
+servers), and a *push* to every server: `[clock, loss, flags | the gradient elements it owns
+in the server's range]`, sent in pieces, one per gradient bucket, each as soon as the last
+micro-batch's backward has completed its bucket (overlapping the rest of the backward), the
+header last (`ParameterClient`). Every element has one owner per replica: tp-split parameters
+on every tp rank, tp-replicated ones (LayerNorm, biases) on tp rank 0, the embedding on the
+first stage (its tied head copy is not pushed). The server answers with a *pull*: `[loss, norm, flags,
+staleness, stop_at | every parameter element the rank holds in its range]`, copies included, so
+the rank's arrays become the server's. Index lists are exchanged once (`ParameterClient` setup);
+per step only values travel, by point-to-point messages on the job communicator (`isend`,
+`irecv`, and `Communicator.wait_any` on the server, which takes pushes in arrival order), seen
+by the watchdog and the flight recorder like every other op.
+
+Per server and step, bytes in = 8 * (3 W + R * P/S) (float64; float32 halves the values), bytes
+out = 8 * (5 W + sum over worker ranks of the elements each holds in the range): every replica
+pushes the range once, and pulls it once plus what its tp ranks hold twice (tp-replicated
+parameters) and the tied head copy.
+
+Modes (`ps.mode`, `ps.staleness` = k):
+
+- bounded, k = 0, synchronous: the server waits for every replica's push of clock c, adds the
+  replicas' gradients in replica order, divides by R, clips by the global norm (its square summed
+  over the servers with one all-gather among them), takes one optimizer step with the learning
+  rate of step c and answers everyone. That is all-reduce data parallelism's arithmetic: the same
+  losses as one process, in float64 to rounding.
+- bounded, k > 0, stale synchronous parallel: a replica's push (once all its ranks' parts are
+  in) joins the *open step*, the server's sum for the lowest step not yet taken; a push of an
+  earlier step (a straggler's) joins it late. Once R - 1 replicas have pushed the open step's
+  clock (one backup replica, as in synchronous SGD with backup workers), the server takes the
+  step: the weighted mean of the pushes in it, clipped by its global norm (one all-gather among
+  the servers), one optimizer step. A pull of step c is answered once step c is taken and the
+  slowest replica has completed clock c + 1 - k, so no replica runs more than k steps ahead.
+  Only the backup's gradient is late; a global batch's worth of gradient per AdamW step keeps
+  the synchronous run's noise (AdamW is not additive: a step per push, tried first, cost more).
+  A push is *late* by tau = the optimizer steps the server took between sending the parameters
+  it was computed on and its arrival (0 for a fresh push); it enters the mean with weight
+  `stale_weight ** tau` (1: as fresh; 0: dropped, as a backup worker's gradient is in
+  synchronous SGD with backup workers, Chen et al. 2016). A late gradient feeds back the state
+  of an earlier step, which an optimizer near its stability limit (AdamW at the default job's
+  lr) turns into lost progress: docs/parallelism.md#parameter-server has the measurements.
+- async: the same steps, every pull answered once its step is taken, without a bound.
+
+The *staleness* of an applied push of clock c is c minus the clocks the slowest replica had
+completed when its parameters were sent: 0 when synchronous, at most k under SSP. Every applied
+push's staleness and lateness tau are recorded (`ParameterServer.staleness`, `.late`).
+
+Sync points. A pull that precedes an evaluation, a checkpoint, the end of the run or a
+preemption stop (`sync_points`) waits for every replica in every mode, so those see one model.
+A preemption signal travels in the pushes; server 0 picks the step every replica can still reach
+(`stop_at` in its pulls). When a worker's run ends it sends each server a push of empty pieces with
+clock -1, and the server's loop ends once every worker has.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from hpcpar.runtime.comm import Communicator
+from hpcpar.layout import Layout
+
+TAG_SETUP, TAG_PUSH, TAG_PULL, TAG_PIECE = 7601, 7602, 7603, 7604
+PUSH_HEADER = 3   # clock, loss (sum over the rank's micro-batches; 0 off the loss ranks), flags
+PULL_HEADER = 5   # loss, norm, flags, staleness, stop_at
+FLAG_SKIP = 1     # pull: the step was skipped (a non-finite gradient norm or loss)
+FLAG_PREEMPT = 2  # push: this rank was signalled to stop
+BYE = -1          # push clock: this worker's run has ended
+
+
+def server_ranges(total: int, servers: int) -> list[tuple[int, int]]:
+    """Balanced contiguous ranges [lo, hi) of a flat vector of `total` elements over `servers`."""
+    return [(total * s // servers, total * (s + 1) // servers) for s in range(servers)]
+
+
+class FlatSpace:
+    """The global tensors end to end in name order: `offsets[name]`, `shapes[name]`, `total`."""
+
+    def __init__(self, shapes: dict[str, tuple]):
+        self.names = sorted(shapes)
+        self.shapes = {n: tuple(int(d) for d in shapes[n]) for n in self.names}
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for n in self.names:
+            self.offsets[n] = offset
+            offset += math.prod(self.shapes[n])
+        self.total = offset
+
+    def local_indices(self, name: str, layout: Layout) -> np.ndarray:
+        """Flat offsets of the elements of a local array of global tensor `name` in `layout`,
+        C order, int64 [local size]; -1 where the local array holds no global element (padding)."""
+        shape = self.shapes[name]
+        glob = np.arange(self.offsets[name], self.offsets[name] + math.prod(shape), dtype=np.int64).reshape(shape)
+        out = np.full(tuple(layout.local_shape), -1, dtype=np.int64)
+        for b in layout.blocks:
+            out[b.local] = glob[b.glob].reshape(out[b.local].shape)
+        return out.reshape(-1)
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[str, int, int]]:
+        """(name, first, last + 1) flat element ranges of the tensors inside [lo, hi), in order."""
+        out = []
+        for n in self.names:
+            a, size = self.offsets[n], math.prod(self.shapes[n])
+            first, last = max(lo, a), min(hi, a + size)
+            if first < last:
+                out.append((n, first - a, last - a))
+        return out
+
+
+def ownership_report(shapes: dict[str, tuple], servers: int, first_rank: int, itemsize: int) -> str:
+    """`hpcpar info --servers`: each server's range of the flat parameter vector, in elements,
+    bytes and the tensors it starts and ends in."""
+    space = FlatSpace(shapes)
+    lines = [f"parameter servers: {servers} (ranks {first_rank}..{first_rank + servers - 1}) over {space.total:,} "
+             f"parameters in {len(space.names)} tensors, laid end to end in name order"]
+    for s, (lo, hi) in enumerate(server_ranges(space.total, servers)):
+        pieces = space.pieces(lo, hi)
+        (first, a, _), (last, _, b) = pieces[0], pieces[-1]
+        lines.append(f"  server {s} (rank {first_rank + s}): [{lo:,}, {hi:,}), {hi - lo:,} elements, "
+                     f"{(hi - lo) * itemsize / 2**20:.2f} MiB of parameters; {first}[{a}:] .. {last}[:{b}] "
+                     f"({len(pieces)} tensor pieces)")
+    return "\n".join(lines) + "\n"
+
+
+def sync_points(start: int, end: int, every: int, eval_every: int) -> set[int]:
+    """The steps before which every replica waits (`end`, checkpoint and evaluation steps)."""
+    points = {end}
+    for k in (every, eval_every):
+        if k:
+            points.update(range((start // k + 1) * k, end, k))
+    return points
+
+
+@dataclass
+class Reply:
+    """What a worker rank learns from the servers after a push (the same on every rank of its replica)."""
+
+    loss: float       # synchronous: mean over the global batch; else: over this replica's batch
+    norm: float       # gradient norm before clipping (synchronous: global; else: this replica's)
+    skipped: bool     # the update was not applied (a non-finite gradient or loss)
+    staleness: int    # of this push (see the module docstring)
+    stop_at: int      # the step at which to stop for a preemption signal (-1: none)
+
+
+class ParameterClient:
+    """A worker rank's side: the routes of its elements to the servers, push and pull.
+
+    A push travels in *pieces*, one per group of parameters (`groups`, in push order) and server
+    whose range holds elements of the group this rank owns, then the header [clock, loss, flags]
+    (`TAG_PIECE` then `TAG_PUSH`). `push_ready(g)` sends the pieces of groups up to g as soon as
+    their gradients are final, during the last micro-batch's backward (the trainer calls it from
+    `DataParallel.on_bucket_ready`: a group is a gradient bucket); `exchange` sends the rest and
+    the header, which is only known at the end. Every piece of one server has the same tag and
+    goes in group order, so MPI's non-overtaking rule matches the k-th piece to the server's k-th
+    posted receive: the server's buffer is [header | piece 0 | piece 1 ...], the message of the
+    single push it replaces, filled in place.
+
+    Args:
+        named_params: (global name, Parameter) of this rank's parameters (a tied copy is named by
+            the weight it mirrors through `tied_to`).
+        space: the `FlatSpace` of the model's global tensors.
+        job: the communicator over every rank, workers first, servers last.
+        servers: the servers' ranks in `job`.
+        replica: this rank's replica (its dp coordinate).
+        owns: whether this rank pushes a parameter's gradient (one owner per element per replica).
+        dtype: the parameters' dtype (the wire's).
+        groups: lists of parameters in push order, together holding every pushed one (default:
+            one group, the push in one piece).
+    Collective with the servers' `ParameterServer` construction (the routes are sent there).
+    """
+
+    def __init__(self, named_params: list, space: FlatSpace, job: Communicator, servers: list[int], replica: int,
+                 owns: Callable[[Any], bool], dtype, groups: list[list] | None = None):
+        self.job, self.servers = job, servers
+        ranges = server_ranges(space.total, len(servers))
+        groups = groups if groups is not None else [[p for _, p in named_params]]
+        group_of = {id(p): g for g, members in enumerate(groups) for p in members}
+        self.pull_parts: list[list] = [[] for _ in servers]   # per server: (param, local positions)
+        pushed: list[list] = [[[] for _ in groups] for _ in servers]   # per server, group: (param, local positions)
+        pull_at: list[list] = [[] for _ in servers]            # per server: positions in its range
+        for name, p in named_params:
+            idx = space.local_indices(p.tied_to or name, p.layout)
+            for s, (lo, hi) in enumerate(ranges):
+                sel = np.nonzero((idx >= lo) & (idx < hi))[0]
+                if not sel.size:
+                    continue
+                self.pull_parts[s].append((p, sel))
+                pull_at[s].append(idx[sel] - lo)
+                if owns(p):
+                    if id(p) not in group_of:
+                        raise ValueError(f"ParameterClient: pushed parameter {name} is in no group; "
+                                         "groups must hold every parameter this rank owns")
+                    pushed[s][group_of[id(p)]].append((p, sel, idx[sel] - lo))
+        # Per group: its pieces as (server index, first element after the header, [(param, local positions)]).
+        self.pieces: list[list] = [[] for _ in groups]
+        self.piece_counts: list[int] = []   # per server
+        self.push_bufs, self.pull_bufs = [], []
+        for s, rank in enumerate(servers):
+            at, push_at, sizes = PUSH_HEADER, [], []
+            for g, parts in enumerate(pushed[s]):
+                n = sum(sel.size for _, sel, _ in parts)
+                if n:
+                    self.pieces[g].append((s, at, [(p, sel) for p, sel, _ in parts]))
+                    push_at.extend(pos for _, _, pos in parts)
+                    sizes.append(n)
+                    at += n
+            self.piece_counts.append(len(sizes))
+            push = np.concatenate(push_at) if push_at else np.zeros(0, np.int64)
+            pull = np.concatenate(pull_at[s]) if pull_at[s] else np.zeros(0, np.int64)
+            job.send(np.array([replica, push.size, pull.size, len(sizes)], dtype=np.int64), rank, TAG_SETUP)
+            job.send(push, rank, TAG_SETUP)
+            job.send(pull, rank, TAG_SETUP)
+            job.send(np.array(sizes, dtype=np.int64), rank, TAG_SETUP)
+            self.push_bufs.append(np.zeros(PUSH_HEADER + push.size, dtype=dtype))
+            self.pull_bufs.append(np.zeros(PULL_HEADER + pull.size, dtype=dtype))
+        self.groups = len(groups)
+        self._next = 0       # the first group of this step's push not sent yet
+        self._sends: list = []
+
+    def push_ready(self, group: int) -> None:
+        """The gradients of `group` (and of every group before it) are final on this rank: send
+        their pieces not sent yet to every server (non-blocking)."""
+        for g in range(self._next, group + 1):
+            for s, at, parts in self.pieces[g]:
+                buf, first = self.push_bufs[s], at
+                for p, sel in parts:
+                    np.take(p.grad.reshape(-1), sel, out=buf[at:at + sel.size])
+                    at += sel.size
+                self._sends.append(self.job.isend(buf[first:at], self.servers[s], TAG_PIECE))
+        self._next = max(self._next, group + 1)
+        if self._sends:
+            self.job.progress()   # MPI moves the pieces in flight only inside MPI calls
+
+    def exchange(self, clock: int, loss: float, flags: int) -> Reply:
+        """Push this rank's gradients of step `clock` (`.grad` of its owned parameters: the pieces
+        `push_ready` has not sent yet, then the header with its loss sum and flags), wait for the
+        pull and write the servers' parameters into `.data`."""
+        pulls = [self.job.irecv(buf, rank, TAG_PULL) for buf, rank in zip(self.pull_bufs, self.servers)]
+        self.push_ready(self.groups - 1)
+        for buf, rank in zip(self.push_bufs, self.servers):
+            buf[:PUSH_HEADER] = (clock, loss, flags)
+            self._sends.append(self.job.isend(buf[:PUSH_HEADER], rank, TAG_PUSH))
+        for h in self._sends:
+            h.wait()
+        self._sends, self._next = [], 0
+        for h, buf, parts in zip(pulls, self.pull_bufs, self.pull_parts):
+            h.wait()
+            at = PULL_HEADER
+            for p, sel in parts:
+                p.data.reshape(-1)[sel] = buf[at:at + sel.size]
+                at += sel.size
+        heads = np.stack([buf[:PULL_HEADER] for buf in self.pull_bufs])
+        return Reply(loss=float(heads[0, 0]), norm=float(heads[0, 1]), skipped=bool(int(heads[0, 2]) & FLAG_SKIP),
+                     staleness=int(heads[:, 3].max()), stop_at=int(heads[:, 4].max()))
+
+    def bye(self) -> None:
+        """Tell every server this rank's run has ended: an empty message for each of its posted
+        piece receives, then a header with clock BYE."""
+        msg = np.array([BYE, 0.0, 0.0], dtype=self.push_bufs[0].dtype)
+        for count, rank in zip(self.piece_counts, self.servers):
+            for _ in range(count):
+                self.job.send(msg[:0], rank, TAG_PIECE)
+            self.job.send(msg, rank, TAG_PUSH)
+
+
+class _Segment:
+    """The part of one global tensor inside a server's range: what the optimizer updates (views
+    into the server's flat arrays; `no_decay` as the parameter's)."""
+
+    __slots__ = ("name", "lo", "hi", "data", "grad", "no_decay", "layout")
+
+    def __init__(self, name: str, lo: int, hi: int, data, no_decay: bool, layout: Layout):
+        self.name, self.lo, self.hi, self.data, self.grad = name, lo, hi, data, None
+        self.no_decay, self.layout = no_decay, layout
+
+
+class ParameterServer:
+    """A server rank: its range of the flat parameter vector, the optimizer over it, the loop.
+
+    Args:
+        init: {global name: (full initial array, no_decay)} for every global tensor (the model as
+            one process builds it; only this server's range is kept).
+        job: the communicator over every rank; workers are ranks 0 .. workers - 1.
+        servers: the communicator of the servers alone (the synchronous norm).
+        workers: W, the worker ranks.
+        make_optimizer: builds the optimizer over a list of objects with `.data`, `.grad`, `.no_decay`.
+        mode: "bounded" or "async"; staleness: k (bounded).
+        lr_at: the learning rate of a step.
+        max_norm: gradient clipping (0: off) of the synchronous step.
+        microbatches: per replica per step (the loss is a mean over them).
+        stale_weight: SSP, async: a push tau optimizer steps late enters its step's mean with
+            weight stale_weight ** tau (see the module docstring).
+    Collective with every worker's `ParameterClient` (the routes arrive here).
+    """
+
+    def __init__(self, init: dict, job: Communicator, servers: Communicator, workers: int,
+                 make_optimizer: Callable[[list], Any], mode: str, staleness: int,
+                 lr_at: Callable[[int], float], max_norm: float, microbatches: int, stale_weight: float):
+        self.job, self.server_comm, self.workers = job, servers, workers
+        self.index = servers.rank
+        self.space = FlatSpace({n: a.shape for n, (a, _) in init.items()})
+        self.lo, self.hi = server_ranges(self.space.total, servers.size)[self.index]
+        dtype = next(iter(init.values()))[0].dtype
+        self.params = np.zeros(self.hi - self.lo, dtype=dtype)
+        self.segments: list[_Segment] = []
+        for name, first, last in self.space.pieces(self.lo, self.hi):
+            array, no_decay = init[name]
+            at = self.space.offsets[name] + first - self.lo
+            view = self.params[at:at + last - first]
+            view[...] = np.asarray(array).reshape(-1)[first:last]
+            layout = Layout.replicated(self.space.shapes[name]).flat_range(first, last)
+            self.segments.append(_Segment(name, at, at + last - first, view, no_decay, layout))
+        self.optimizer = make_optimizer(self.segments)
+        self.mode, self.staleness_bound = mode, staleness
+        self.synchronous = mode == "bounded" and staleness == 0
+        self.lr_at, self.max_norm, self.microbatches = lr_at, max_norm, microbatches
+        self.stale_weight = stale_weight
+        # Routes: what each worker rank pushes and pulls (positions in this range), its replica.
+        self.replica_of, self.push_at, self.pull_at = [], [], []
+        sizes = []   # per worker: the elements of each piece of its push, in order
+        for w in range(workers):
+            head = job.recv(np.zeros(4, dtype=np.int64), w, TAG_SETUP)
+            self.replica_of.append(int(head[0]))
+            self.push_at.append(job.recv(np.zeros(int(head[1]), dtype=np.int64), w, TAG_SETUP))
+            self.pull_at.append(job.recv(np.zeros(int(head[2]), dtype=np.int64), w, TAG_SETUP))
+            sizes.append(job.recv(np.zeros(int(head[3]), dtype=np.int64), w, TAG_SETUP))
+        self.replicas = max(self.replica_of) + 1
+        self.members = [[w for w in range(workers) if self.replica_of[w] == r] for r in range(self.replicas)]
+        self.push_bufs = [np.zeros(PUSH_HEADER + a.size, dtype=dtype) for a in self.push_at]
+        # A push's pieces land in place in its buffer, [header | piece 0 | piece 1 ...] (views).
+        self.piece_views = [[buf[PUSH_HEADER + end - n:PUSH_HEADER + end] for n, end in zip(counts, np.cumsum(counts))]
+                            for buf, counts in zip(self.push_bufs, sizes)]
+        self.piece_recvs: list[list] = [[] for _ in range(workers)]
+        self.pull_bufs = [np.zeros(PULL_HEADER + a.size, dtype=dtype) for a in self.pull_at]
+        self.grads = [np.zeros(self.hi - self.lo, dtype=dtype) for _ in range(self.replicas)]
+        self.total = np.zeros(self.hi - self.lo, dtype=dtype)   # the summed pushes of the next step
+        # SSP, async: the open step (its clock, replicas that pushed that clock, the weights of
+        # the pushes summed in `total`); it is taken once `quorum` replicas have pushed its clock
+        # (one backup). `sent[r]`: the open step when replica r was last sent the parameters.
+        self.open = self.fresh = 0
+        self.pending = 0.0
+        self.sent = [0] * self.replicas
+        self.quorum = max(1, self.replicas - 1)
+        self.last_norm, self.last_skipped = 0.0, False           # SSP, async: the latest step's
+        self.staleness: list[tuple[int, int, int]] = []   # (step, replica, staleness) of every applied push
+        self.late: list[int] = []                          # SSP, async: tau of every applied push
+        self.bytes_in = self.bytes_out = 0.0   # of this `serve`
+
+    # -- one replica's push ------------------------------------------------------------------------
+
+    def _post(self, w: int):
+        """Post the receives of worker `w`'s next push (its pieces, then its header); returns the
+        header's handle: the push is in once it and `_take`'s wait for the pieces complete."""
+        self.piece_recvs[w] = [self.job.irecv(v, w, TAG_PIECE) for v in self.piece_views[w]]
+        return self.job.irecv(self.push_bufs[w][:PUSH_HEADER], w, TAG_PUSH)
+
+    def _take(self, w: int) -> tuple[int, float, int]:
+        """Worker `w`'s header is in: wait for its pieces (sent before it; a bye's are empty), add
+        its pushed gradient into its replica's buffer; (clock, loss, flags)."""
+        for h in self.piece_recvs[w]:
+            h.wait()
+        self.piece_recvs[w] = []
+        buf = self.push_bufs[w]
+        clock, loss, flags = int(buf[0]), float(buf[1]), int(buf[2])
+        if clock != BYE:
+            # One owner per element per replica: positions are distinct within a replica.
+            self.grads[self.replica_of[w]][self.push_at[w]] += buf[PUSH_HEADER:]
+            self.bytes_in += buf.nbytes
+        return clock, loss, flags
+
+    def _step(self, grad, lr: float) -> None:
+        for seg in self.segments:
+            seg.grad = grad[seg.lo:seg.hi]
+        self.optimizer.step(lr)
+
+    def _clip_and_step(self, grad, lr: float, skip: bool) -> tuple[float, bool]:
+        """The norm of `grad` over every server's range (one all-gather among the servers), then,
+        unless it or `skip` says no, clip `grad` in place by it and take one optimizer step.
+        Returns (norm, skipped)."""
+        parts = self.server_comm.all_gather(np.array([float(np.dot(grad, grad))], dtype=np.float64))
+        norm = math.sqrt(math.fsum(float(v) for v in parts))
+        skipped = skip or not math.isfinite(norm)
+        if not skipped:
+            if self.max_norm > 0 and self.max_norm / (norm + 1e-6) < 1.0:
+                grad *= self.max_norm / (norm + 1e-6)
+            self._step(grad, lr)
+        return norm, skipped
+
+    def _apply_synchronous(self, clock: int, loss: float) -> tuple[float, float, bool]:
+        """Every replica's push of `clock` is in: average (replica order), clip, one step."""
+        total = self.total
+        total[...] = self.grads[0]
+        for g in self.grads[1:]:
+            total += g
+        total /= self.replicas
+        mean_loss = loss / (self.replicas * self.microbatches)
+        norm, skipped = self._clip_and_step(total, self.lr_at(clock), not math.isfinite(mean_loss))
+        return mean_loss, norm, skipped
+
+    def _apply_replica(self, r: int, clock: int, loss: float) -> tuple[float, float, bool]:
+        """One replica's push of `clock` is in (SSP, async): add it to the open step's sum; once
+        `quorum` replicas have pushed the open step's clock, take the step. Returns the replica's
+        loss, and the norm and verdict of the latest step (a push whose loss is not finite is left
+        out, and says so). The push weighs stale_weight ** tau, tau = the steps taken since the
+        parameters it was computed on were sent (0: fresh, weight 1)."""
+        mean_loss = loss / self.microbatches
+        if not math.isfinite(mean_loss):
+            return mean_loss, self.last_norm, True
+        tau = self.open - self.sent[r]
+        weight = self.stale_weight ** tau
+        if weight == 1.0:
+            self.total += self.grads[r]
+        elif weight > 0.0:
+            self.total += weight * self.grads[r]
+        self.pending += weight
+        self.late.append(tau)
+        self.fresh += clock == self.open    # late pushes (clock < open) join the open step
+        if self.fresh >= self.quorum:
+            self._flush()
+        return mean_loss, self.last_norm, self.last_skipped
+
+    def _flush(self) -> None:
+        """The open step: one optimizer step with the weighted mean of its pushes, clipped by its
+        global norm as the synchronous step is (the learning rate of the step's number). Collective
+        among the servers: each takes its u-th step from the same pushes' clocks."""
+        self.total /= self.pending
+        self.last_norm, self.last_skipped = self._clip_and_step(self.total, self.lr_at(self.optimizer.step_count),
+                                                                False)
+        self.total[...] = 0
+        self.pending, self.fresh = 0.0, 0
+        self.open += 1
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    def serve(self, start: int, end: int, points: set[int], at_point: Callable[[int], None]) -> tuple[int, bool]:
+        """Answer pushes of steps start .. end - 1 until every worker has said bye. `points`: the
+        sync points; `at_point(step)` runs (collectively, e.g. a checkpoint) once every replica has
+        completed the steps before a sync point and been answered. Returns (the step the run
+        ended at, whether a preemption stop ended it before `end`)."""
+        self.staleness, self.late, self.bytes_in, self.bytes_out = [], [], 0.0, 0.0
+        # SSP, async: the open step. Every replica holds the parameters of `start` (a sync point).
+        self.open, self.fresh, self.pending, self.sent = start, 0, 0.0, [start] * self.replicas
+        self.total[...] = 0
+        done = [start] * self.replicas           # steps each replica has completed (applied)
+        arrived = [0] * self.replicas            # ranks of the replica whose current push is in
+        loss = [0.0] * self.replicas
+        flags = [0] * self.replicas
+        read = [start] * self.replicas           # the slowest replica's done when r was last answered
+        waiting: dict[int, tuple] = {}            # replica -> (clock, loss, norm, skipped, staleness) to answer
+        sends: list = [None] * self.workers
+        stop_at = -1
+        byes = 0
+        recvs = [self._post(w) for w in range(self.workers)]
+        point = min((p for p in points if p > start), default=end)
+        while byes < self.workers:
+            self._answer(waiting, done, read, sends, recvs, points, stop_at)
+            if not waiting and min(done) == point and point < end:
+                at_point(point)
+                point = min((p for p in points if p > point), default=end)
+                continue
+            w = self.job.wait_any(recvs)
+            recvs[w] = None
+            clock, w_loss, w_flags = self._take(w)
+            if clock == BYE:
+                byes += 1
+                continue
+            r = self.replica_of[w]
+            arrived[r] += 1
+            loss[r] += w_loss
+            flags[r] |= w_flags
+            if w_flags & FLAG_PREEMPT and stop_at < 0 and self.index == 0:
+                # The first step every replica can still stop at: a replica waiting for its pull
+                # stops when it has it; one computing (or pushing) its step done[q] stops after it.
+                stop_at = max(d + (0 if q in waiting else 1) for q, d in enumerate(done))
+                points = points | {stop_at}
+                point = min(point, stop_at)
+            if arrived[r] < len(self.members[r]):
+                continue
+            if self.synchronous:
+                if any(a < len(m) for a, m in zip(arrived, self.members)):
+                    continue
+                mean_loss, g_norm, skipped = self._apply_synchronous(clock, sum(loss))
+                for q in range(self.replicas):
+                    waiting[q] = (clock, mean_loss, g_norm, skipped, clock - read[q])
+                    self.staleness.append((clock, q, clock - read[q]))
+                    self._reset(q, done, arrived, loss, flags)
+            else:
+                mean_loss, r_norm, skipped = self._apply_replica(r, clock, loss[r])
+                waiting[r] = (clock, mean_loss, r_norm, skipped, clock - read[r])
+                self.staleness.append((clock, r, clock - read[r]))
+                self._reset(r, done, arrived, loss, flags)
+        for h in sends:
+            if h is not None:
+                h.wait()
+        return min(done), min(done) < end
+
+    def report(self, steps: int) -> dict:
+        """This server's figures of the last `serve` (`steps` steps): range, bytes, staleness."""
+        return {"rank": self.job.rank, "range": [self.lo, self.hi], "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out, "steps": steps, "staleness": [s for _, _, s in self.staleness],
+                "late": self.late}
+
+    def _reset(self, r: int, done: list, arrived: list, loss: list, flags: list) -> None:
+        done[r] += 1
+        arrived[r], loss[r], flags[r] = 0, 0.0, 0
+        self.grads[r][...] = 0
+
+    def _answer(self, waiting: dict, done: list, read: list, sends: list, recvs: list, points: set,
+                stop_at: int) -> None:
+        """Send the pulls whose condition holds: synchronous and before a sync point, once every
+        replica has completed the step; SSP, once the slowest is within k; async, at once."""
+        slowest = min(done)
+        for r in sorted(waiting):
+            clock, mean_loss, norm, skipped, staleness = waiting[r]
+            nxt = clock + 1
+            if self.synchronous or nxt in points or nxt == stop_at:
+                ready = slowest >= nxt and (self.synchronous or self.open >= nxt)
+            elif self.mode == "bounded":
+                ready = self.open >= nxt and slowest >= nxt - self.staleness_bound
+            else:
+                ready = self.open >= nxt
+            if not ready:
+                continue
+            del waiting[r]
+            read[r], self.sent[r] = slowest, self.open
+            for w in self.members[r]:
+                if sends[w] is not None:
+                    sends[w].wait()
+                buf = self.pull_bufs[w]
+                buf[:PULL_HEADER] = (mean_loss, norm, FLAG_SKIP if skipped else 0, staleness, stop_at)
+                np.take(self.params, self.pull_at[w], out=buf[PULL_HEADER:])
+                self.bytes_out += buf.nbytes
+                recvs[w] = self._post(w)   # its next push, or its bye
+                sends[w] = self.job.isend(buf, w, TAG_PULL)
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+
+    def checkpoint_tensors(self) -> dict:
+        """{"model/<name>": (piece, flat-range layout), "optim/<name>/<state>": ...} of this range."""
+        out = {}
+        for seg in self.segments:
+            out[f"model/{seg.name}"] = (seg.data, seg.layout)
+            state = self.optimizer.state_of(seg)
+            for k in self.optimizer.state_names:
+                out[f"optim/{seg.name}/{k}"] = (state[k], seg.layout)
+        return out
+
+    def checkpoint_wanted(self, weights_only: bool) -> dict:
+        """{tensor name: Layout} this server loads."""
+        out = {}
+        for seg in self.segments:
+            out[f"model/{seg.name}"] = seg.layout
+            if not weights_only:
+                out.update({f"optim/{seg.name}/{k}": seg.layout for k in self.optimizer.state_names})
+        return out
+
+    def load_checkpoint(self, arrays: dict, step_count: int | None) -> None:
+        """Take what `checkpoint_wanted` asked for into place."""
+        for seg in self.segments:
+            seg.data[...] = arrays[f"model/{seg.name}"]
+            if step_count is None:
+                continue
+            for k, dst in self.optimizer.state_of(seg).items():
+                dst[...] = arrays[f"optim/{seg.name}/{k}"]
+        if step_count is not None:
+            self.optimizer.step_count = int(step_count)

@@ -1,0 +1,136 @@
+"""`hpcpar eval CHECKPOINT --data PATH`: loss and perplexity on held-out tokens, on any mesh.
+
+    mpiexec -n 4 hpcpar eval runs/x/checkpoints --data data/tok [--split val|all] [--max-tokens N]
+                             [--format bytes|bin|hdf5] [--set section.key=value ...]
+
+The run is the checkpoint's own configuration with the data replaced by `--data` (format from
+the path when not given: a .bin file or a directory with tokens.bin / train.bin is ``bin``, .h5 /
+.hdf5 or a directory with tokens.h5 is ``hdf5``, anything else ``bytes``), the mesh back to auto
+(any layout: ``--set mesh.tp=2`` etc.) and no optimizer. ``--split val`` (default) evaluates the
+part training held out (the tail ``data.val_fraction`` of a single sequence, or val.bin / the
+``val`` dataset); ``--split all`` every token of the data.
+
+Unlike training's periodic evaluation (random windows), this is one deterministic pass: the
+held-out sequence is cut into W = floor((n - 1) / T) windows of T tokens (or the first
+``--max-tokens``), window k is global sample k, the last global batch is padded with ignored
+targets, and the loss is the mean over all W*T target tokens: the same number on every mesh.
+Perplexity is exp(loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcpar.config import config
+from hpcpar.data import corpus, formats
+from hpcpar.errors import ConfigError, DataError
+from hpcpar.runtime.mesh import Axis
+from hpcpar.training.trainer import Trainer
+
+_BATCHES_PER_CALL = 16   # global batches built and run at a time (bounds memory on long sets)
+
+
+def infer_format(path: str) -> str:
+    """bin, hdf5 or bytes, from the path (see the module docstring)."""
+    if os.path.isdir(path):
+        names = set(os.listdir(path))
+        if names & {formats.BIN_FILE, "train.bin", "val.bin"}:
+            return "bin"
+        return "hdf5" if formats.HDF5_FILE in names else "bytes"
+    ext = os.path.splitext(path)[1].lower()
+    return "bin" if ext == ".bin" else "hdf5" if ext in (".h5", ".hdf5") else "bytes"
+
+
+def eval_config(stored: str, origin: str, data_path: str, fmt: str | None, split: str,
+                overrides: list[str]) -> config.Config:
+    """The checkpoint's config with `--data`, an auto mesh, no periodic work, then `overrides`."""
+    cfg = config.loads(stored, origin=origin)
+    fmt = fmt or infer_format(data_path)
+    dtype = _recorded_dtype(data_path, fmt) or cfg.data.token_dtype
+    data_cfg = dataclasses.replace(cfg.data, corpus=data_path, format=fmt, token_dtype=dtype,
+                                   val_fraction=0.0 if split == "all" else cfg.data.val_fraction)
+    cfg = dataclasses.replace(cfg, data=data_cfg, mesh=config.MeshConfig(), checkpoint=config.CheckpointConfig(),
+                              run=dataclasses.replace(cfg.run, eval_every=0, progress=False))
+    for text in overrides:
+        section, key, value = config.parse_override(text)
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{key: value})})
+    return cfg
+
+
+def _recorded_dtype(path: str, fmt: str) -> str | None:
+    """The token dtype meta.json records for a bin file or directory (None: not recorded)."""
+    if fmt != "bin":
+        return None
+    where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    meta = formats._read_meta(where) or {}
+    dtypes = {e.get("dtype") for e in meta.get("files", {}).values()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def check_max_tokens(max_tokens: int) -> None:
+    """`--max-tokens`: a number of tokens, 0 for all of them."""
+    if max_tokens < 0:
+        raise ConfigError(f"--max-tokens must be >= 0 (0 evaluates every token), got {max_tokens}")
+
+
+def evaluate(trainer: Trainer, tokens, max_tokens: int = 0) -> dict:
+    """Mean loss over the windows of `tokens` (collective): {loss, perplexity, tokens, windows}."""
+    check_max_tokens(max_tokens)
+    t = trainer.cfg.model.block_size
+    windows = (len(tokens) - 1) // t
+    if max_tokens:
+        windows = min(windows, max_tokens // t)
+    if windows == 0:
+        limit = f" (--max-tokens {max_tokens})" if max_tokens else ""
+        raise DataError(f"the held-out data has {len(tokens)} tokens{limit}, fewer than one window of "
+                        f"block_size + 1 = {t + 1}")
+    per_batch = trainer.tokens_per_step // t      # global samples per batch: dp * micro_batch_size * microbatches
+    n_batches = -(-windows // per_batch)
+    # A Trainer with context parallelism holds only its tokens' positions of each sample (None: all).
+    positions = getattr(trainer, "positions", None)
+    total = 0.0
+    for first in range(0, n_batches, _BATCHES_PER_CALL):
+        batches = [corpus.get_window_batch(tokens, [i * per_batch + k for k in ids], t, windows, positions)
+                   for i in range(first, min(first + _BATCHES_PER_CALL, n_batches)) for ids in trainer.sample_ids()]
+        losses = trainer.forward_losses(batches)
+        if trainer.is_loss_reporter:   # each micro-batch's loss is its mean over its (this rank's) real targets
+            total += sum(float(loss) * int((y != -100).sum()) for loss, (_, y) in zip(losses, batches))
+    loss = float(trainer.mesh.world.all_reduce(np.array([total]), op="sum")[0]) / (windows * t)
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": windows * t, "windows": windows}
+
+
+def evaluate_checkpoint(path: str, data_path: str, fmt: str | None = None, split: str = "val", max_tokens: int = 0,
+         overrides: list[str] | None = None, json_out: str | None = None) -> int:
+    """`hpcpar eval`: prints one line on rank 0 (and writes the figures as JSON to `json_out`, whose
+    directory the CLI checks before the evaluation)."""
+    from hpcpar.checkpoint import checkpoint
+    from hpcpar.runtime.comm import Communicator
+
+    check_max_tokens(max_tokens)       # before loading the checkpoint and building the model
+    world = MPI.COMM_WORLD
+    _, meta = checkpoint.load(path, {}, Communicator(world, "world"))
+    cfg = eval_config(meta["config"], f"config stored in {path}", data_path, fmt, split, overrides or [])
+    trainer = Trainer(cfg, world)
+    trainer.load(path, weights_only=True)
+    tokens = trainer.val_tokens if split == "val" else trainer.train_tokens
+    if split == "val" and len(tokens) == 0:
+        why = ("data.val_fraction=0 and no val file" if not cfg.data.val_fraction else
+               f"data.val_fraction={cfg.data.val_fraction:g} of its {len(trainer.train_tokens)} tokens is not one token")
+        raise DataError(f"{data_path} has no held-out part ({why}); use --split all")
+    result = evaluate(trainer, tokens, max_tokens)
+    if world.rank == 0:
+        # Every axis the mesh has (of the expert groups, ep: edp and edp_shard follow from it).
+        mesh = " x ".join(f"{a}={trainer.mesh.size(a)}" for a in Axis if a not in (Axis.EDP, Axis.EDP_SHARD))
+        print(f"eval {path} on {trainer.dataset.description} ({split} split, {result['tokens']:,} tokens in "
+              f"{result['windows']:,} windows of {cfg.model.block_size}): loss {result['loss']:.6f}, "
+              f"perplexity {result['perplexity']:.4f} (mesh {mesh})")
+        if json_out:
+            with open(json_out, "w") as f:
+                json.dump({**result, "checkpoint": path, "data": data_path, "split": split, "mesh": mesh}, f, indent=1)
+    return 0

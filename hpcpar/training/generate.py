@@ -1,0 +1,111 @@
+"""`hpcpar sample`: generate text from a trained checkpoint on one process.
+
+The checkpoint's global tensors load into a single-process GPT whatever layout
+trained them (checkpoints hold global tensors). Sampling: temperature-scaled
+softmax over the last position's logits, restricted to the top-k tokens. Text goes
+in and out through the tokenizer recorded in the checkpoint (bytes for byte-level
+runs); ids the tokenizer does not have (a model vocabulary larger than the
+tokenizer's, e.g. padded to 50304 for GPT-2's 50257) get no probability.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+from hpcpar import backend
+from hpcpar.checkpoint import checkpoint
+from hpcpar.config import config
+from hpcpar.data import tokenizer
+from hpcpar.runtime.comm import Communicator
+from hpcpar.errors import ConfigError, DataError
+from hpcpar.layout import Layout
+from hpcpar.nn import GPT
+from hpcpar.autograd.tensor import no_grad
+
+
+def load(path: str) -> tuple[GPT, dict]:
+    """A single-process GPT with the weights of the checkpoint at `path` (or its latest), and the
+    checkpoint's meta."""
+    resolved = checkpoint.latest(path) or path
+    _, meta = checkpoint.load(resolved, {}, Communicator.local())
+    cfg = config.loads(meta["config"], origin=f"config stored in {resolved}")
+    model = GPT(cfg.model, seed=cfg.train.seed)
+    wanted = {f"model/{name}": Layout.replicated(p.shape) for name, p in model.named_parameters()}
+    arrays, _ = checkpoint.load(resolved, wanted, Communicator.local())
+    model.load_state_dict({name[len("model/"):]: a for name, a in arrays.items()})
+    return model.eval(), meta
+
+
+def load_model(path: str) -> GPT:
+    """A single-process GPT with the weights of the checkpoint at `path` (or its latest)."""
+    return load(path)[0]
+
+
+def tokenizer_of(meta: dict, path: str, given: str | None = None) -> tokenizer.Tokenizer:
+    """The checkpoint's tokenizer; `given` (a tokenizer.json) must match it when both are known.
+    Checkpoints from before tokenizers were recorded trained on bytes when data.format is bytes."""
+    stored = meta.get("tokenizer")
+    if stored is None and config.loads(meta["config"], origin=f"config stored in {path}").data.format == "bytes":
+        stored = tokenizer.BYTES_RECORD
+    if given:
+        text = tokenizer.read(given)
+        tokenizer.require_match(stored, tokenizer.record(text), f"checkpoint {path}", f"--tokenizer {given}")
+        return tokenizer.from_json(text, given)
+    if stored is None:
+        raise DataError(f"checkpoint {path} records no tokenizer (its data came without tokenizer.json); "
+                        "give --tokenizer FILE")
+    return tokenizer.from_json(stored["json"], f"the tokenizer of checkpoint {path}")
+
+
+def check_options(tokens: int, temperature: float, top_k: int, seed: int) -> None:
+    """The sampling options `hpcpar sample` takes, or a ConfigError naming the first bad one."""
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ConfigError(f"--temperature must be a finite number > 0, got {temperature}")
+    if tokens < 0:
+        raise ConfigError(f"--tokens must be >= 0, got {tokens}")
+    if top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 samples from every token), got {top_k}")
+    if seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {seed}")
+
+
+def generate(model: GPT, prompt: list[int], tokens: int, temperature: float = 0.8, top_k: int = 40,
+             seed: int = 0, vocab_limit: int | None = None) -> list[int]:
+    """Extend the token ids `prompt` by `tokens` sampled ids, from the `top_k` likeliest (0: from
+    every id). Ids >= `vocab_limit` (past the tokenizer's vocabulary) get -inf logits: no probability."""
+    check_options(tokens, temperature, top_k, seed)
+    rng = np.random.default_rng(seed)
+    ids = list(prompt) or [0]
+    block = model.config.block_size
+    with no_grad():
+        for _ in range(tokens):
+            context = np.array([ids[-block:]], dtype=np.int64)
+            logits = backend.to_host(model(context).data[0, -1]).astype(np.float64) / temperature
+            if vocab_limit is not None:
+                logits[vocab_limit:] = -np.inf
+            if 0 < top_k < logits.size:
+                cutoff = np.partition(logits, -top_k)[-top_k]
+                logits[logits < cutoff] = -np.inf
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+            ids.append(int(rng.choice(probs.size, p=probs)))
+    return ids
+
+
+def sample_checkpoint(path: str, prompt: str = "def ", tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
+         seed: int = 0, tokenizer_file: str | None = None) -> int:
+    """`hpcpar sample` on this process (under mpiexec the CLI runs it on rank 0 alone)."""
+    check_options(tokens, temperature, top_k, seed)    # before loading what may be a large checkpoint
+    model, meta = load(path)
+    tok = tokenizer_of(meta, path, tokenizer_file)
+    vocab = model.config.vocab_size
+    if tok.vocab_size > vocab:
+        raise DataError(f"the {tok.kind} tokenizer has {tok.vocab_size} ids but the model of {path} only {vocab}; "
+                        "give the tokenizer the model was trained with")
+    prompt_ids = tok.encode(prompt) or tok.encode("\n")
+    ids = generate(model, prompt_ids, tokens, temperature, top_k, seed, vocab_limit=tok.vocab_size)
+    sys.stdout.write(tok.decode(ids) + "\n")
+    return 0
