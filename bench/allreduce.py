@@ -98,17 +98,25 @@ def load_before(rev: str, world: MPI.Comm):
         return m
     watchdog_before = module("watchdog", sources[0])
     # The old comm.py imports `from hpcpar import backend, watchdog` and `from hpcpar.precision import
-    # is_low`: modules of the flat layout of its time, lent for the length of its import.
+    # is_low`: modules of the flat layout of its time, lent for the length of its import. Its backend
+    # also held the MPI and NCCL buffer specs (now hpcpar/runtime/buffers.py): the lent one has both.
     import hpcpar
+    from hpcpar import backend
     from hpcpar.backend import precision
-    lent = {"hpcpar.watchdog": watchdog_before, "hpcpar.precision": precision}
+    from hpcpar.runtime import buffers
+    backend_before = types.ModuleType("hpcpar_backend_before")
+    backend_before.__dict__.update({k: v for k, v in vars(backend).items() if not k.startswith("__")},
+                                   mpi_buffer=buffers.mpi_buffer, mpi_datatype=buffers.mpi_datatype,
+                                   nccl_buffer=buffers.nccl_buffer)
+    lent = {"hpcpar.watchdog": watchdog_before, "hpcpar.precision": precision, "hpcpar.backend": backend_before}
     saved = {name: sys.modules.get(name) for name in lent}
     sys.modules.update(lent)
-    hpcpar.watchdog = watchdog_before
+    hpcpar.watchdog, hpcpar.backend = watchdog_before, backend_before
     try:
         comm_before = module("comm", sources[1])
     finally:
         del hpcpar.watchdog
+        hpcpar.backend = backend
         for name, m in saved.items():
             if m is None:
                 sys.modules.pop(name, None)

@@ -3,7 +3,7 @@
     mpiexec -n 4 python bench/checkpoint.py [--mib 256] [--repeats 7] [--dir /scratch/x]
 
 `--mib` MiB of float32 tensors (16 tensors, split on dim 0 across the ranks) are saved and
-loaded with `hpcpar.checkpoint.checkpoint` (format v2: HDF5 rank files whose blocks are written with
+loaded with `hpcpar.checkpoint` (format v2: HDF5 rank files whose blocks are written with
 pwrite and read with pread, a checksum per ~1 MiB segment, index + sha256-checked manifest,
 one fsync per file, atomic commit, the previous checkpoint pruned; every load checks every
 segment it reads) and, as the reference, with `np.save` + fsync / `np.load` of the same local
@@ -34,7 +34,9 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hpcpar.checkpoint import checkpoint  # noqa: E402
+from hpcpar.checkpoint.format import FORMAT_VERSION  # noqa: E402
+from hpcpar.checkpoint.load import load  # noqa: E402
+from hpcpar.checkpoint.save import save  # noqa: E402
 from hpcpar.runtime.comm import Communicator  # noqa: E402
 from hpcpar.layout import Layout  # noqa: E402
 
@@ -94,7 +96,7 @@ def main() -> None:
 
     def async_save():
         t0 = time.perf_counter()
-        handle = checkpoint.save(ckpt_dir, step, tensors, {}, world, keep=1, async_save=True)
+        handle = save(ckpt_dir, step, tensors, {}, world, keep=1, async_save=True)
         # What training waits for before it may go on: the snapshot and the plan.
         times["hpcpar async: call returns"].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
         handle.wait()
@@ -109,17 +111,17 @@ def main() -> None:
         times.update({k: [] for k in ("hpcpar save shared", "hpcpar load shared", "hpcpar load shared resharded")})
     for step in range(args.repeats):
         times["numpy save"].append(timed(comm, np_save))
-        times["hpcpar save"].append(timed(comm, lambda: checkpoint.save(ckpt_dir, step, tensors, {}, world, keep=1)))
+        times["hpcpar save"].append(timed(comm, lambda: save(ckpt_dir, step, tensors, {}, world, keep=1)))
         times["hpcpar save async"].append(timed(comm, async_save))
         times["numpy load"].append(timed(comm, np_load))
         times["numpy load, arrays dropped"].append(timed(comm, np_load_dropped))
-        times["hpcpar load"].append(timed(comm, lambda: checkpoint.load(ckpt_dir, wanted, world)))
-        times["hpcpar load resharded"].append(timed(comm, lambda: checkpoint.load(ckpt_dir, resharded, world)))
+        times["hpcpar load"].append(timed(comm, lambda: load(ckpt_dir, wanted, world)))
+        times["hpcpar load resharded"].append(timed(comm, lambda: load(ckpt_dir, resharded, world)))
         if shared:
-            times["hpcpar save shared"].append(timed(comm, lambda: checkpoint.save(shared_dir, step, tensors, {}, world,
-                                                                           keep=1, storage="shared")))
-            times["hpcpar load shared"].append(timed(comm, lambda: checkpoint.load(shared_dir, wanted, world)))
-            times["hpcpar load shared resharded"].append(timed(comm, lambda: checkpoint.load(shared_dir, resharded, world)))
+            times["hpcpar save shared"].append(timed(comm, lambda: save(shared_dir, step, tensors, {}, world,
+                                                                keep=1, storage="shared")))
+            times["hpcpar load shared"].append(timed(comm, lambda: load(shared_dir, wanted, world)))
+            times["hpcpar load shared resharded"].append(timed(comm, lambda: load(shared_dir, resharded, world)))
 
     comm.Barrier()
     if rank == 0:
@@ -143,7 +145,7 @@ def main() -> None:
         if not shared:
             print("shared storage not measured: h5py is not built with MPI (parallel HDF5)")
         result = {"ranks": size, "mpi": MPI.Get_library_version().split(",")[0].strip(),
-                  "format_version": checkpoint.FORMAT_VERSION, "load_average": os.getloadavg()[0],
+                  "format_version": FORMAT_VERSION, "load_average": os.getloadavg()[0],
                   "shared_storage": shared, "bytes": nbytes, "tensors": N_TENSORS, "repeats": args.repeats,
                   "seconds_best": best, "gb_per_s": gbs, "ratio_vs_numpy": ratio,
                   "seconds_all": times}

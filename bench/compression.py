@@ -76,7 +76,8 @@ threads.set_default_threads()
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hpcpar.config import config  # noqa: E402
+from hpcpar.config.load import load_config  # noqa: E402
+from hpcpar.config.sections import Config  # noqa: E402
 from hpcpar.training.trainer import Trainer  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -148,7 +149,7 @@ def run(embd: int, s: Setting, steps: int, resume: str | None = None, before: li
     """Train `steps` steps with setting `s` (from the checkpoint `resume`, whose run's losses up to
     it are `before`); with `save_at`, checkpoint at that step into a temporary directory. Returns
     the result row and the checkpoint's path (or None)."""
-    cfg = config.load_config(None, overrides(embd, s, steps))
+    cfg = load_config(None, overrides(embd, s, steps))
     trainer = Trainer(cfg, WORLD)
     if resume:
         trainer.load(resume)
@@ -289,9 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     if GLOBAL_SEQUENCES % (2 * SIZE):
         parser.error(f"the global batch of {GLOBAL_SEQUENCES} sequences does not split over {SIZE} ranks")
     started = time.perf_counter()
-    default_embd = config.Config().model.n_embd
+    default_embd = Config().model.n_embd
     say(f"gradient compression on {SIZE} ranks (dp={SIZE}), float32, global batch {GLOBAL_SEQUENCES}x"
-        f"{config.Config().model.block_size} tokens")
+        f"{Config().model.block_size} tokens")
     say(f"1. loss: default model (n_embd {default_embd}), {args.steps} steps each")
     w, ratio, rank = args.warm_up, args.ratio, args.rank
     sparse = [Setting("topk", ef, w, ratio=ratio) for ef in (True, False)] + [

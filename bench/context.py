@@ -9,7 +9,7 @@ other ranks form dp replicas):
    walking its autograd graph: every array its backward closures hold, input excluded), for
    ring attention (cp = k), Ulysses (cp = k) and Megatron tp + sp (tp = k: attention on H/k heads of
    the whole sequence), at the same T, B, C, H. Without context parallelism (k = 1) all three are
-   `ops.causal_attention` and keep the [B, H, T, T] probabilities; the ring keeps q, k, v, the
+   `causal_attention` and keep the [B, H, T, T] probabilities; the ring keeps q, k, v, the
    output and the log-sum-exp of its T/cp tokens only. Checked: bytes x k is constant within 10%
    over the degrees of each design (the ring from cp = 2, where it starts).
 2. Bytes each rank sends per transformer layer (forward + backward), measured from the flight
@@ -28,7 +28,7 @@ other ranks form dp replicas):
 3. Training tokens/s (Trainer.train, median step after the first) for each design at k = world.
 4. The longest block_size that trains under a fixed per-rank memory limit (--limit-mib) at
    cp = 1, 2, 4 (ring): the largest multiple of --granularity whose config memory estimate
-   (`config.validate(..., available_memory_bytes=limit)`) passes, then one real training step at
+   (`validate(..., available_memory_bytes=limit)`) passes, then one real training step at
    that length with its measured peak (tracemalloc: every NumPy allocation live on the rank;
    the peak over ranks).
 
@@ -52,11 +52,15 @@ threads.set_default_threads()
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hpcpar.config import config
-from hpcpar.autograd import ops
+from hpcpar.config.load import load_config
+from hpcpar.config.memory import estimate_memory
+from hpcpar.config.sections import Config
+from hpcpar.config.validate import validate
+from hpcpar.autograd.attention import causal_attention
 from hpcpar.runtime import watchdog  # noqa: E402
 from hpcpar.errors import ConfigError  # noqa: E402
-from hpcpar.runtime.mesh import Axis, Mesh  # noqa: E402
+from hpcpar.runtime.mesh import Mesh  # noqa: E402
+from hpcpar.runtime.topology import Axis  # noqa: E402
 from hpcpar.nn.gpt import GPT, GPTConfig  # noqa: E402
 from hpcpar.parallel.cp.attention import ContextParallel  # noqa: E402
 from hpcpar.autograd.tensor import Tensor  # noqa: E402
@@ -134,7 +138,7 @@ def attention_case(design: str, k: int, args, layout: str | None = None) -> dict
         x_data = np.ascontiguousarray(qkv_full[:, :, cols])
 
         def attend(x):
-            return ops.causal_attention(x, heads)
+            return causal_attention(x, heads)
         pairs = b * heads * t * (t + 1) // 2
         cp = None
     else:
@@ -229,10 +233,10 @@ def bytes_per_layer(design: str, k: int, args) -> dict:
 # ---------------------------------------------------------------------------------------------
 # 3. Training throughput
 # ---------------------------------------------------------------------------------------------
-def train_config(design: str, k: int, seq: int, args, extra=()) -> config.Config:
+def train_config(design: str, k: int, seq: int, args, extra=()) -> Config:
     mesh = ([f"mesh.tp={k}", "mesh.sequence_parallel=true", "mesh.cp=1"] if design == "tp+sp"
             else [f"mesh.cp={k}", f"mesh.cp_impl={design}", "mesh.tp=1"])
-    return config.load_config(None, [
+    return load_config(None, [
         f"model.block_size={seq}", f"model.n_embd={args.n_embd}", f"model.n_head={args.n_head}",
         f"model.n_layer={args.n_layer}", "model.dtype=float32", f"train.micro_batch_size={args.batch}",
         "train.microbatches=1", "train.steps=1000", "train.warmup=0", f"mesh.dp={SIZE // k}", "mesh.pp=1",
@@ -255,7 +259,7 @@ def throughput(design: str, args) -> dict:
 # ---------------------------------------------------------------------------------------------
 def fits(cp: int, seq: int, limit: int, args) -> bool:
     try:
-        config.validate(train_config("ring", cp, seq, args, ["model.n_head=1"]), SIZE, limit)
+        validate(train_config("ring", cp, seq, args, ["model.n_head=1"]), SIZE, limit)
         return True
     except ConfigError:
         return False
@@ -271,7 +275,7 @@ def longest_context(cp: int, limit: int, args) -> dict:
         lo, hi = (mid, hi) if fits(cp, mid, limit, args) else (lo, mid)
     seq = lo
     cfg = train_config("ring", cp, seq, args, ["model.n_head=1"])
-    estimate = config.estimate_memory(config.validate(cfg, SIZE), SIZE // cp, 1, 1, cp)
+    estimate = estimate_memory(validate(cfg, SIZE), SIZE // cp, 1, 1, cp)
     tracemalloc.start()
     trainer = Trainer(cfg, WORLD, tokens=TOKENS)
     trainer.train_step(0)                    # gradient buckets and optimizer state come to life

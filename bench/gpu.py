@@ -1,7 +1,7 @@
 """hpcpar on a GPU (CuPy + cuBLAS) against plain cuBLAS and PyTorch eager on the same GPU.
 
 1. GEMM: y = x W^T, x [M, K], W [N, K] (nn.Linear layout), through hpcpar's Linear
-   (`ops.linear`, forward) and through `cupy.matmul` on the same arrays, in fp32, tf32 and fp16;
+   (`linear`, forward) and through `cupy.matmul` on the same arrays, in fp32, tf32 and fp16;
    bf16 through cuBLAS alone (hpcpar has no 16-bit storage yet). TFLOP/s and the ratio.
 2. GPT-124M (n_layer 12, n_head 12, n_embd 768, vocab 50304, T 1024): one training step
    (forward, backward, AdamW) on random tokens, hpcpar vs PyTorch eager (nanoGPT's model, the same
@@ -83,18 +83,18 @@ def _bf16_cublas_tflops(cp, n: int) -> float | None:
 
 def gemm_rates(cp, precision: str, n: int) -> dict:
     """TFLOP/s of y = x W^T through hpcpar's Linear and through cupy.matmul (same arrays)."""
-    from hpcpar.autograd import ops
+    from hpcpar.autograd.linear import linear
     from hpcpar.autograd.tensor import Tensor
     dtype = cp.float16 if precision == "fp16" else cp.float32
     x = cp.random.standard_normal((n, n), dtype=cp.float32).astype(dtype)
     w = cp.random.standard_normal((n, n), dtype=cp.float32).astype(dtype)
     xt, wt = Tensor(x), Tensor(w)
     flops = 2.0 * n ** 3
-    hpcpar_ms = _median_ms(cp, lambda: ops.linear(xt, wt))
+    hpcpar_ms = _median_ms(cp, lambda: linear(xt, wt))
     cublas_ms = _median_ms(cp, lambda: cp.matmul(x, w.T))
     # The results must agree (same cuBLAS call underneath, or the check shows it is not).
     ref = cp.matmul(x, w.T).astype(cp.float32)
-    err = float(cp.linalg.norm(ops.linear(xt, wt).data.astype(cp.float32) - ref) / cp.linalg.norm(ref))
+    err = float(cp.linalg.norm(linear(xt, wt).data.astype(cp.float32) - ref) / cp.linalg.norm(ref))
     out = {"hpcpar_tflops": flops / hpcpar_ms / 1e9, "cublas_tflops": flops / cublas_ms / 1e9,
            "rel_diff": err}
     out["ratio"] = out["hpcpar_tflops"] / out["cublas_tflops"]

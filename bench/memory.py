@@ -21,7 +21,7 @@ activations: activation bytes per transformer layer with train.recompute = none 
       full        s B T C                               the block's input, nothing else
 
   K(T) = the elements of one head's [T, T] probabilities that the CPU attention keeps: each block of
-  64 queries against the keys up to its causal edge (`cpu_kernels.kept_probabilities`: 3/4 T^2 at
+  64 queries against the keys up to its causal edge (`cpu.attention.kept_probabilities`: 3/4 T^2 at
   T = 128, 9/16 at 512), kept as exponentials with their row sums (B H T) beside them.
 
   `none` term by term (what each op's backward keeps; an op's output is kept by the graph):
@@ -47,7 +47,7 @@ activations: activation bytes per transformer layer with train.recompute = none 
   their backward reads (LayerNorm's mean and 1/std per row, GELU's tanh, each linear's output), which
   makes (22 + 4d) elements per B T C where Megatron's 34 bytes are 17 two-byte elements. The [T, T] term is what
   selective recomputation removes in both; full leaves the input alone in both.
-  Also reported: the start-up estimate's count for the same model (`config.estimate_memory`:
+  Also reported: the start-up estimate's count for the same model (`config.memory.estimate_memory`:
   Megatron's per-layer terms, one formula for every layout, docs/config.md "Memory estimate"; it
   differs from this exact count), the peak during backward
   above what the forward held (full re-runs one block there; selective one layer's [T, T]), and the
@@ -71,7 +71,7 @@ model_state: model-state bytes per parameter under ZeRO 0/1/2/3, and a model pla
   For zero 3 the largest unit is then gathered through the real gather path and its bytes added
   (the "+ one unit" term, measured). Each figure must be within 10 % of its formula; padding to a
   multiple of N is in the measurement, not in the formula. Then the fit demonstration: a per-rank
-  limit under which the config's memory estimate (`config.validate(..., available_memory_bytes)`,
+  limit under which the config's memory estimate (`validate(..., available_memory_bytes)`,
   the check `hpcpar train` makes before any collective) accepts a base model with plain DP
   (zero 0) but refuses a model with >= 3x its parameters; the big model is accepted with zero=3 and
   trains `--state-steps` steps on the same ranks, its measured peak (tracemalloc, all allocations
@@ -113,8 +113,11 @@ threads.set_default_threads()
 
 import numpy as np  # noqa: E402
 
-from hpcpar.config import config
-from hpcpar.backend.cpu import kernels  # noqa: E402
+from hpcpar.config.load import load_config
+from hpcpar.config.memory import estimate_memory, memory_parts
+from hpcpar.config.sections import Config
+from hpcpar.config.validate import validate
+from hpcpar.backend.cpu.attention import kept_probabilities  # noqa: E402
 from hpcpar.errors import ConfigError  # noqa: E402
 from hpcpar.nn.gpt import DTYPES, RECOMPUTE_MODES, GPT, GPTConfig  # noqa: E402
 
@@ -175,8 +178,8 @@ def activation_formula_bytes(mode: str, batch: int, seq: int, n_embd: int, n_hea
         return s * batch * seq * n_embd
     tokens = s * batch * seq * ((22 + 4 * d) * n_embd + 4)
     # Attention: the row sums of the exponentials (B H T) always; the causal blocks of the
-    # exponentials themselves, K(T) per head (cpu_kernels.kept_probabilities), unless recomputed.
-    kept = 0 if mode == "selective" else kernels.kept_probabilities(seq)
+    # exponentials themselves, K(T) per head (cpu.attention.kept_probabilities), unless recomputed.
+    kept = 0 if mode == "selective" else kept_probabilities(seq)
     return tokens + s * batch * n_head * (seq + kept)
 
 
@@ -228,12 +231,12 @@ def estimate_per_layer(args, mode: str) -> float:
     """The start-up memory estimate's activation bytes per block for the same micro-batch (one rank,
     one micro-batch in flight): the difference between n_layer and 1 block, per block."""
     def act(n_layer: int) -> int:
-        cfg = config.load_config(None, [f"model.block_size={args.seq}", f"model.n_layer={n_layer}",
+        cfg = load_config(None, [f"model.block_size={args.seq}", f"model.n_layer={n_layer}",
                                         f"model.n_head={args.n_head}", f"model.n_embd={args.n_embd}",
                                         f"model.dropout={args.dropout}", "model.dtype=float32",
                                         f"train.micro_batch_size={args.batch}", "train.microbatches=1",
                                         f"train.recompute={mode}", "mesh.pp=1"])
-        return config._memory_parts(cfg, 1, 1, 1, 1)[1]
+        return memory_parts(cfg, 1, 1, 1, 1)[1]
     return (act(args.n_layer) - act(1)) / (args.n_layer - 1)
 
 
@@ -274,7 +277,7 @@ def activations(args) -> Section:
         rows=table, checks=checks,
         notes=[f"formula: none s B T [(22 + 4d) C + 4] + s B H (K(T) + T); selective without K(T); full s B T C "
                f"(Korthikanti, 16-bit Megatron: {korthikanti / MiB:.3f} MiB)",
-               "estimate: the start-up estimate's per-layer count for the same micro-batch (config.estimate_memory: "
+               "estimate: the start-up estimate's per-layer count for the same micro-batch (config.memory.estimate_memory: "
                "Megatron's per-layer terms for every layout, not this exact count; docs/config.md)",
                "bwd peak: NumPy bytes above the held ones during backward (full: one block re-run)"])
 
@@ -291,7 +294,7 @@ def precision_formula_bytes(precision: str, batch: int, seq: int, n_embd: int, n
         return activation_formula_bytes("none", batch, seq, n_embd, n_head, "float32", dropout)
     a, d, bt = 2, int(dropout > 0), batch * seq
     return (a * bt * 18 * n_embd + 16 * bt + d * (2 * a + 2) * bt * n_embd
-            + a * batch * n_head * kernels.kept_probabilities(seq))
+            + a * batch * n_head * kept_probabilities(seq))
 
 
 def state_bytes_per_parameter(args, precision: str) -> float:
@@ -302,7 +305,7 @@ def state_bytes_per_parameter(args, precision: str) -> float:
 
     tracemalloc.start()
     before = numpy_bytes()
-    cfg = config.load_config(None, [
+    cfg = load_config(None, [
         f"model.n_layer={args.state_layers}", f"model.n_embd={args.state_embd}", f"model.n_head={args.state_heads}",
         f"model.block_size={args.state_block}", "model.dtype=float32", "mesh.dp=1", "mesh.tp=1", "mesh.pp=1",
         f"train.micro_batch_size={args.state_batch}", "train.microbatches=1", f"train.precision={precision}",
@@ -361,8 +364,8 @@ def numpy_bytes() -> int:
     return sum(stat.size for stat in snapshot.statistics("filename"))
 
 
-def train_config(args, zero: int, embd: int, ranks: int) -> config.Config:
-    return config.load_config(None, [
+def train_config(args, zero: int, embd: int, ranks: int) -> Config:
+    return load_config(None, [
         f"model.n_layer={args.state_layers}", f"model.n_embd={embd}", f"model.n_head={args.state_heads}",
         f"model.block_size={args.state_block}", "model.dtype=float32", f"mesh.dp={ranks}", "mesh.tp=1", "mesh.pp=1",
         f"train.micro_batch_size={args.state_batch}", "train.microbatches=1",
@@ -411,7 +414,7 @@ def fit_demonstration(args, world) -> dict:
 
     n, small, big = world.Get_size(), args.state_embd, args.state_big_embd
     cases = (("small_zero0", 0, small), ("big_zero0", 0, big), ("big_zero3", 3, big))
-    estimate = {name: config.estimate_memory(config.validate(train_config(args, zero, embd, n), n), n, 1, 1, 1)
+    estimate = {name: estimate_memory(validate(train_config(args, zero, embd, n), n), n, 1, 1, 1)
                 for name, zero, embd in cases}
     # 10 % above what the config estimates for the big model under zero 3 (the estimate is within a
     # few per cent of the measured peak), far below what plain DP needs for it.
@@ -419,11 +422,11 @@ def fit_demonstration(args, world) -> dict:
     accepted, refused = {}, {}
     for name, zero, embd in cases:
         try:
-            config.validate(train_config(args, zero, embd, n), n, available_memory_bytes=limit)
+            validate(train_config(args, zero, embd, n), n, available_memory_bytes=limit)
             accepted[name] = True
         except ConfigError as err:
             accepted[name], refused[name] = False, str(err)
-    params = {name: config.validate(train_config(args, 0, embd, n), n).model.num_params()
+    params = {name: validate(train_config(args, 0, embd, n), n).model.num_params()
               for name, embd in (("small", small), ("big", big))}
     # The big model under zero 3, as `hpcpar train` builds it with this limit: it trains.
     tracemalloc.start()

@@ -92,12 +92,12 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    from hpcpar.config import config
+    from hpcpar.config.load import load_config
     from hpcpar.training.trainer import Trainer
 
     rows = []
     for mbs in (int(m) for m in args.mbs.split(",")):
-        trainer = Trainer(config.load_config(None, overrides(args, args.dp, args.tp, args.pp, mbs)), MPI.COMM_WORLD)
+        trainer = Trainer(load_config(None, overrides(args, args.dp, args.tp, args.pp, mbs)), MPI.COMM_WORLD)
         world = trainer.mesh.world
         step_s, cpu_s, losses = [], [], []
 
@@ -129,11 +129,11 @@ def torch_worker(args: argparse.Namespace) -> None:
     import vs_torch
     from mpi4py import MPI
 
-    from hpcpar.config import config
+    from hpcpar.config.load import load_config
     from hpcpar.training.trainer import Trainer
 
     torch.set_num_threads(args.threads)
-    cfg = config.load_config(None, overrides(args, 1, 1, 1, int(args.mbs)))
+    cfg = load_config(None, overrides(args, 1, 1, 1, int(args.mbs)))
     reference = Trainer(cfg, MPI.COMM_SELF)  # the 1x1x1 run's model and batches
     step_fn = vs_torch.torch_trainer(reference.stages[0], max_norm=cfg.train.grad_clip)
     step_s, cpu_s = [], []

@@ -45,8 +45,8 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scaling import timed_steps, write_result  # noqa: E402
 
-from hpcpar.config import config  # noqa: E402
-from hpcpar.runtime.mesh import Axis  # noqa: E402
+from hpcpar.config.load import load_config  # noqa: E402
+from hpcpar.runtime.topology import Axis  # noqa: E402
 from hpcpar.training.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ TOKENS = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
 
 def trainer(args, overrides: list[str]) -> Trainer:
     n = WORLD.Get_size()
-    cfg = config.load_config(None, [
+    cfg = load_config(None, [
         f"model.block_size={args.block}", f"model.n_layer={args.layers}", "model.n_head=4",
         f"model.n_embd={args.embd}", "model.dtype=float32", f"mesh.dp={n}", "mesh.tp=1", "mesh.pp=1",
         f"train.micro_batch_size={args.batch}", f"train.microbatches={args.microbatches}", "train.steps=1000",

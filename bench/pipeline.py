@@ -9,7 +9,7 @@ weights' gradient) t_w, each divided over the rank's chunks; a schedule without 
 runs B and W in one backward (t_b + t_w). Ranks sharing a few cores do not slow each other down,
 and activations are tiny, so messages cost ~0. For each schedule and m the step time (slowest
 rank, between barriers, median of --steps after one warm-up) is compared with
-schedule.predict_step_time (the simulator replaying the same action lists) and the formulas
+simulate.predict_step_time (the simulator replaying the same action lists) and the formulas
     1F1B / GPipe:  (m + p - 1)(t_f + t_b + t_w)     interleaved (v chunks):  (m + (p - 1)/v)(t_f + t_b + t_w)
     ZB-H1:         m (t_f + t_b + t_w) + (p - 1)(t_f + t_b - t_w)
 A case passes when measured is within --tolerance (10%) of the prediction. A "calibrated"
@@ -62,8 +62,8 @@ from mpi4py import MPI  # noqa: E402
 from hpcpar.autograd import ops  # noqa: E402
 from hpcpar.runtime.mesh import Mesh  # noqa: E402
 from hpcpar.nn.gpt import GPTConfig  # noqa: E402
-from hpcpar.parallel.pp import schedules  # noqa: E402
-from hpcpar.parallel.pp.pipeline import PipelineExecutor  # noqa: E402
+from hpcpar.parallel.pp import schedules, simulate  # noqa: E402
+from hpcpar.parallel.pp.executor import PipelineExecutor  # noqa: E402
 from hpcpar.autograd.tensor import Tensor  # noqa: E402
 
 CHANNELS = 8
@@ -129,7 +129,7 @@ def measure(mesh: Mesh, name: str, m: int, chunks: int, t_f: float, t_b: float, 
         else:  # the warm-up's compute time is not counted
             warmup_busy = executor.measured_busy()
     measured = statistics.median(times)
-    sim = schedules.simulate(actions, t_f, t_b, 0.0, t_w, place)
+    sim = simulate.simulate(actions, t_f, t_b, 0.0, t_w, place)
     work = m * (t_f + t_b + t_w)
     formulas = {"interleaved": (m + (pp - 1) / chunks) * (t_f + t_b + t_w),
                 "zbh1": work + (pp - 1) * (t_f + t_b - t_w) if m >= pp else None}
@@ -146,7 +146,7 @@ def measure(mesh: Mesh, name: str, m: int, chunks: int, t_f: float, t_b: float, 
     for k in ("forward", "backward", "weight"):
         spent = [x for rank_spent in world.allgather([t for s in stages for t in s.spent[k]]) for x in rank_spent]
         real[k] = statistics.mean(spent) * chunks
-    calibrated = schedules.simulate(actions, real["forward"], real["backward"], 0.0, real["weight"], place).makespan
+    calibrated = simulate.simulate(actions, real["forward"], real["backward"], 0.0, real["weight"], place).makespan
     peak = max(world.allgather(executor.peak_stash)) / chunks
     return {"schedule": name, "pp": pp, "microbatches": m, "chunks": chunks, "t_forward": t_f,
             "t_backward": t_b, "t_weight": t_w, "measured_s": measured, "predicted_s": sim.makespan,
@@ -203,7 +203,7 @@ GPT_MESHES = {"pp4": (1, 4), "dp2xpp2": (2, 2), "pp2": (1, 2)}  # name -> (dp, p
 
 def gpt(args: argparse.Namespace) -> int:
     """Tokens/s of each schedule training a real GPT, side by side (see the module doc)."""
-    from hpcpar.config import config
+    from hpcpar.config.load import load_config
     from hpcpar.training.trainer import Trainer
 
     world = MPI.COMM_WORLD
@@ -217,7 +217,7 @@ def gpt(args: argparse.Namespace) -> int:
         trainers = {}
         for name in args.schedules.split(","):
             chunks = args.chunks if name == "interleaved" else 0
-            cfg = config.load_config(None, model + [f"mesh.dp={dp}", f"mesh.pp={pp}", "mesh.tp=1",
+            cfg = load_config(None, model + [f"mesh.dp={dp}", f"mesh.pp={pp}", "mesh.tp=1",
                                                     f"pipeline.schedule={name}", f"pipeline.chunks={chunks}"])
             trainers[name] = Trainer(cfg, world, tokens=tokens)
             _time_checks(trainers[name])

@@ -4,10 +4,10 @@
 
 The script launches itself under `mpiexec -n 4` (1 BLAS thread per rank). In that launch it
 
-  1. calibrates (`plan.calibrate`, what `hpcpar plan --calibrate` runs): GEMM rate, all-reduce
+  1. calibrates (`training.calibrate`, what `hpcpar plan --calibrate` runs): GEMM rate, all-reduce
      alpha and beta, the model's block and head times per tp shard, the optimizer's rate, with
      every rank working at once;
-  2. plans the default job's model and global batch on 4 ranks (`plan.plan`: every layout that
+  2. plans the default job's model and global batch on 4 ranks (`search.fastest_layouts`: every layout that
      validates and fits, predicted step time) and keeps the fastest plan of each mesh
      (dp, tp, pp, cp);
   3. trains each of those plans with `Trainer.train` (the loop of `hpcpar train`, no files) for a
@@ -46,17 +46,19 @@ def model_overrides(args) -> list[str]:
 def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
-    from hpcpar.config import config
-    from hpcpar.planner import planner
+    from hpcpar.config.load import load_config
+    from hpcpar.planner.predict import Prediction
+    from hpcpar.planner.search import fastest_layouts
     from hpcpar.runtime.comm import Communicator
+    from hpcpar.training.calibrate import calibrate
     from hpcpar.training.trainer import Trainer
 
     world = MPI.COMM_WORLD
     comm = Communicator(world, "world")
-    cfg = config.load_config(None, model_overrides(args))
-    hw = comm.broadcast_object(planner.calibrate(cfg, world), root=0)
-    plans = planner.plan(cfg, world.Get_size(), hw, top=0, keep=10**6)
-    best: dict[tuple, planner.Prediction] = {}
+    cfg = load_config(None, model_overrides(args))
+    hw = comm.broadcast_object(calibrate(cfg, world), root=0)
+    plans = fastest_layouts(cfg, world.Get_size(), hw, top=0, keep=10**6)
+    best: dict[tuple, Prediction] = {}
     for p in plans:   # fastest first: the first plan of each mesh is its best
         best.setdefault((p.cfg.mesh.dp, p.cfg.mesh.tp, p.cfg.mesh.pp, p.cfg.mesh.cp), p)
     chosen = list(best.values())
@@ -91,19 +93,20 @@ NARAYANAN = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 
 
 
 def narayanan() -> list[dict]:
-    """The paper's layouts through `plan.predict` with the A100 preset: predicted TFLOP/s per GPU
+    """The paper's layouts through `predict.predict` with the A100 preset: predicted TFLOP/s per GPU
     (the paper's count, 96 B s l h^2 (1 + s/6h + V/16lh) per step) against the published ones."""
-    from hpcpar.config import config
-    from hpcpar.planner import planner
+    from hpcpar.config.load import load_config
+    from hpcpar.planner.hardware import PRESETS
+    from hpcpar.planner.predict import predict
 
     rows = []
     for params, heads, hidden, layers, tp, pp, gpus, batch, published in NARAYANAN:
         dp = gpus // (tp * pp)
-        cfg = config.load_config(None, [
+        cfg = load_config(None, [
             f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={hidden}", "model.block_size=2048",
             "model.vocab_size=51200", "model.dtype=bfloat16", f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}",
             "mesh.cp=1", "train.micro_batch_size=1", f"train.microbatches={batch // dp}", "train.recompute=full"])
-        step = planner.predict(cfg, planner.PRESETS["a100"]).step_time
+        step = predict(cfg, PRESETS["a100"]).step_time
         flops = 96 * batch * 2048 * layers * hidden**2 * (1 + 2048 / (6 * hidden) + 51200 / (16 * layers * hidden))
         predicted = flops / step / gpus / 1e12
         rows.append({"params_b": params, "tp": tp, "pp": pp, "dp": dp, "gpus": gpus, "batch": batch,

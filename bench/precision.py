@@ -34,7 +34,7 @@ threads.set_default_threads()
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hpcpar.config import config  # noqa: E402
+from hpcpar.config.load import load_config  # noqa: E402
 from hpcpar.training.trainer import Trainer  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -50,7 +50,7 @@ def say(*a) -> None:
 
 def run(precision: str, steps: int, train_steps: int) -> tuple[list[dict], Trainer]:
     """`steps` steps of the default job (its schedule set by `train_steps`) in `precision`."""
-    cfg = config.load_config(None, [f"train.precision={precision}", f"train.steps={train_steps}",
+    cfg = load_config(None, [f"train.precision={precision}", f"train.steps={train_steps}",
                                     "run.eval_every=0", "run.progress=false"])
     trainer = Trainer(cfg, WORLD)
     records: list[dict] = []

@@ -49,9 +49,9 @@ threads.set_default_threads()
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hpcpar.config import config  # noqa: E402
+from hpcpar.config.load import load_config  # noqa: E402
 from hpcpar.runtime.comm import Communicator  # noqa: E402
-from hpcpar.training.trainer import build  # noqa: E402
+from hpcpar.training.run import build  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
@@ -94,7 +94,7 @@ def throughput(mode: str, servers: int, straggler: str, steps: int) -> dict:
     n, overrides = ranks_of(mode, servers)
 
     def work(comm) -> dict:
-        rank = build(config.load_config(None, overrides + STRAGGLERS[straggler]), comm)
+        rank = build(load_config(None, overrides + STRAGGLERS[straggler]), comm)
         job = Communicator(comm, "bench")
         rank.train(steps=1, files=False, progress=False, peak_flops=0.0)   # warm-up
         job.barrier()
@@ -114,7 +114,7 @@ def loss_run(mode: str, straggler: str, steps: int, extra: list[str]) -> dict:
     n, overrides = ranks_of(mode, 1)
 
     def work(comm) -> dict:
-        cfg = config.load_config(None, overrides + STRAGGLERS[straggler] + [f"train.steps={steps}"] + extra)
+        cfg = load_config(None, overrides + STRAGGLERS[straggler] + [f"train.steps={steps}"] + extra)
         rank = build(cfg, comm)
         losses: list[float] = []
         result = rank.train(steps=steps, files=False, progress=False, peak_flops=0.0,

@@ -278,7 +278,7 @@ def _collectives_table(d: dict) -> list[str]:
                      f"{num(s['overhead_before_us'], '+.1f')} | {num(s['overhead_vs_before'], '.2f')} | "
                      f"<= {s['overhead_goal']}: {verdict(s['overhead_ok'])} |")
     lines += ["", "From 1 MiB up, hpcpar's polled all_reduce into a new array is a reduce-scatter into this rank's part of "
-              "the result and an in-place all-gather (hpcpar/runtime/comm.py, `_SplitAllReduce`): MPI's out-of-place "
+              "the result and an in-place all-gather (hpcpar/runtime/transports.py, `_SplitAllReduce`): MPI's out-of-place "
               "all-reduce first copies the input into the result, the reduce-scatter reads it where it is. With 4 "
               "ranks on 2 cores, whatever a call does in the interpreter before it enters the MPI op delays every "
               "rank many times over (5 µs of busy work before a raw Iallreduce of 256 KiB made it 14-18 µs slower, "
@@ -862,7 +862,7 @@ def _memory_table(d: dict) -> list[str]:
                   f"{c['n_layer']}-block GPT minus a 1-block one, per block. Formula (s bytes per element, d = 1 with "
                   "dropout): none `s B T [(24 + 4d) C + 2] + s B H (K(T) + T)`, selective without the `K(T)` "
                   "term, full `s B T C`; K(T) = the elements of one head's [T, T] scores the CPU attention keeps "
-                  "(its causal blocks of 64 queries, `cpu_kernels.kept_probabilities`). Estimate: the start-up "
+                  "(its causal blocks of 64 queries, `cpu.attention.kept_probabilities`). Estimate: the start-up "
                   "estimate's count (docs/config.md). Backward peak: bytes above the held ones during backward.", "",
                   "| recompute | measured MiB | formula MiB | ratio | saved vs none | estimate MiB | "
                   "backward peak + MiB | forward + backward time |",

@@ -68,10 +68,10 @@ def before(trainer) -> None:
 def run(mesh: str, variant: str, args, tokens) -> dict:
     from mpi4py import MPI
 
-    from hpcpar.config import config
+    from hpcpar.config.load import load_config
     from hpcpar.training.trainer import Trainer
 
-    cfg = config.load_config(None, MESHES[mesh] + [
+    cfg = load_config(None, MESHES[mesh] + [
         f"model.n_layer={args.layers}", f"model.n_embd={args.embd}", "model.n_head=4", f"model.block_size={args.block}",
         "model.dtype=float32", "model.dropout=0.1", f"train.micro_batch_size={args.batch}",
         f"train.microbatches={args.microbatches}", "train.steps=1000", "run.eval_every=0", "run.progress=false"])

@@ -54,7 +54,7 @@ from mpi4py import MPI  # noqa: E402
 
 from hpcpar import metrics
 from hpcpar.backend import blas
-from hpcpar.config import config
+from hpcpar.config.load import load_config
 from hpcpar.autograd import ops  # noqa: E402
 from hpcpar.nn import GPT, GPTConfig  # noqa: E402
 from hpcpar.autograd.tensor import Tensor  # noqa: E402
@@ -126,7 +126,7 @@ def worker() -> None:
     threads = int(args.threads)
     n_layer, n_embd, block, batch = shapes(args.shapes)[0]
     total = (args.rounds + 1) * args.steps  # a warm-up round, then the timed ones
-    trainer = Trainer(config.load_config(None, [
+    trainer = Trainer(load_config(None, [
         f"model.n_layer={n_layer}", f"model.n_head={args.n_head}", f"model.n_embd={n_embd}",
         f"model.block_size={block}", "model.dtype=float32", "mesh.dp=1", "mesh.tp=1", "mesh.pp=1",
         f"train.micro_batch_size={batch}", "train.microbatches=1", f"train.steps={total}", "train.warmup=0",

@@ -45,14 +45,14 @@ def worker(args: argparse.Namespace) -> None:
     """One mpiexec launch: the three runs, twice; rank 0 writes a JSON row to args.out."""
     from mpi4py import MPI
 
-    from hpcpar.config import config
+    from hpcpar.config.load import load_config
     from hpcpar.training.trainer import Trainer
 
     dp = MPI.COMM_WORLD.Get_size()
     tokens = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
 
     def run(zero: int, prefetch: bool = True) -> dict:
-        cfg = config.load_config(None, [
+        cfg = load_config(None, [
             f"model.block_size={args.block}", f"model.n_layer={args.layers}", "model.n_head=4",
             f"model.n_embd={args.embd}", "model.dtype=float32", f"mesh.dp={dp}", "mesh.tp=1", "mesh.pp=1",
             f"train.micro_batch_size={args.batch}", "train.microbatches=1", f"train.bucket_mb={args.bucket_mb}",

@@ -13,6 +13,9 @@ the local array (one slice) holding a rectangular global region in C order. A fl
 [R, C] tensor is at most 3 rectangles (a partial first row, whole rows, a partial last row).
 `take`, `put` and checkpoints reshape a flat block's elements to its region.
 
+Region arithmetic (`bounds`, `volume`, `contains`, `intersect`) works on `Bounds`, a region as
+(start, stop) per dim: hashable and JSON-able, the form checkpoints record regions in.
+
 Pure Python: no MPI, no array module.
 """
 
@@ -22,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 Region = tuple  # tuple[slice, ...], one slice per dim
+Bounds = tuple  # tuple[tuple[int, int], ...]: a region as (start, stop) per dim
 
 
 @dataclass(frozen=True)
@@ -144,9 +148,10 @@ class Layout:
         blocks = []
         for piece in _flat_pieces(tuple(self.local_shape), lo, hi):
             for b in self.blocks:
-                inner = _intersect(piece, b.local)
-                if inner is None:
+                overlap = intersect(bounds(piece), bounds(b.local))
+                if overlap is None:
                     continue
+                inner = tuple(slice(s, e) for s, e in overlap)
                 for part in _contiguous_parts(inner, tuple(self.local_shape)):
                     start = _flat_index(part, tuple(self.local_shape)) - lo
                     glob = tuple(slice(g.start + p.start - q.start, g.start + p.stop - q.start)
@@ -184,9 +189,25 @@ def is_flat(block: Block) -> bool:
     return len(block.local) != len(block.glob)
 
 
-def _intersect(a: Region, b: Region) -> Region | None:
-    out = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
-    return out if all(s.start < s.stop for s in out) else None
+def bounds(region: Region) -> Bounds:
+    """`region` as (start, stop) per dim."""
+    return tuple((s.start, s.stop) for s in region)
+
+
+def volume(region: Bounds) -> int:
+    """How many elements `region` holds."""
+    return math.prod(b - a for a, b in region)
+
+
+def contains(outer: Bounds, inner: Bounds) -> bool:
+    """Whether every element of `inner` lies in `outer`."""
+    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
+
+
+def intersect(x: Bounds, y: Bounds) -> Bounds | None:
+    """The elements `x` and `y` share, or None when they share none (a scalar () intersects itself)."""
+    out = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(x, y))
+    return out if all(a < b for a, b in out) else None
 
 
 def _flat_index(region: Region, shape: tuple) -> int:

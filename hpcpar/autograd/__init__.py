@@ -1,1 +1,3 @@
-"""Autograd-lite: the Tensor, differentiable ops (each forward next to its gradient), recomputation."""
+"""Autograd-lite: the Tensor (tensor), and differentiable ops by family, each forward next to its
+gradient: ops (elementwise, reductions, shape ops), linear, functional (embedding, softmax,
+layer_norm, cross_entropy), attention, dropout, recompute."""

@@ -3,8 +3,9 @@
 A Tensor holds an array (`data`, NumPy or CuPy), an optional gradient (`grad`, same
 shape and module) and, when it was produced by an op while gradients are enabled,
 its parents and a `_backward` closure mapping the output gradient to one gradient
-per parent. Ops live in `ops.py`, each forward next to its gradient rule; an op
-outside it (a collective mapping, a fused kernel) makes its result with `Tensor.from_op`.
+per parent. Ops live in `ops.py` and its sibling modules by family (linear, functional,
+attention, dropout, recompute), each forward next to its gradient rule; an op outside them
+(a collective mapping, a fused kernel) makes its result with `Tensor.from_op`.
 
 Leaf gradients accumulate in place into an existing `.grad` array, so data
 parallelism can point `.grad` at a view of a flat bucket; a leaf's grad hooks fire
@@ -16,8 +17,8 @@ activation gradient on the way) now; everything that only feeds the other leaves
 parameters) is left in the `WeightGrads` list, and `WeightGrads.run()` (W) does it later, in the
 sweep's order, accumulating into `.grad` and firing the grad hooks exactly as the one-pass
 backward would have (same arithmetic, same order: bitwise the same gradients). Ops mark the
-parameter side of their gradient with `weight_grad(fn)` (`ops.linear`'s dW and db,
-`ops.layer_norm`'s, `ops.embedding`'s scatter): `fn()` runs at once in a plain backward and in W
+parameter side of their gradient with `weight_grad(fn)` (`linear`'s dW and db,
+`layer_norm`'s, `embedding`'s scatter): `fn()` runs at once in a plain backward and in W
 under B. A node that only leads to parameters (a parameter view such as tensor parallelism's f
 on a LayerNorm weight, or a node fed by such a gradient) runs in W as a whole.
 """
@@ -51,7 +52,7 @@ def no_grad():
 
 
 def enable_grad():
-    """Ops inside record a graph even where the caller disabled it (`ops.recompute`'s re-run)."""
+    """Ops inside record a graph even where the caller disabled it (`recompute`'s re-run)."""
     return _grad_mode(True)
 
 
@@ -80,7 +81,7 @@ class Tensor:
         attached when gradients are enabled and some parent requires them (else a plain
         Tensor, so evaluation keeps no graph). `parents` may hold None for non-Tensor inputs.
         `always`: attach it whenever gradients are enabled, for an op whose backward reaches
-        leaves that are not among its parents (`ops.recompute`: the parameters inside)."""
+        leaves that are not among its parents (`recompute`: the parameters inside)."""
         if not _grad_enabled:
             return Tensor(data)
         if not always:  # a plain loop: this runs for every op
@@ -150,7 +151,7 @@ class Tensor:
 
         `defer`: run B only (see the module doc): the leaves in `inputs` get their gradients
         now, every other leaf's gradient work goes into `defer` for `defer.run()`. Inside a
-        deferring backward (an op's backward that runs a nested one, `ops.recompute`) `defer`
+        deferring backward (an op's backward that runs a nested one, `recompute`) `defer`
         defaults to the enclosing one's list, so nested work lands in the same W, in order.
         Without deferral `inputs` changes nothing: every leaf gets its gradient.
         """
@@ -182,7 +183,7 @@ class Tensor:
             node._backward = None
             node._parents = ()
 
-    # -- operators (implemented in ops.py) ------------------------------------------------
+    # -- operators (implemented in ops.py, @ in linear.py) ------------------------------
     def __add__(self, other):
         return ops.add(self, other)
 
@@ -214,7 +215,7 @@ class Tensor:
         return ops.pow(self, exponent)
 
     def __matmul__(self, other):
-        return ops.matmul(self, other)
+        return linear.matmul(self, other)
 
     def __getitem__(self, index):
         return ops.getitem(self, index)
@@ -482,5 +483,5 @@ def _late(node: Tensor, late: dict, grads: dict, leaf_uses: dict) -> _LateNode:
     return event
 
 
-# The operators above are ops.py's functions; ops builds on Tensor, so it is bound last.
-from hpcpar.autograd import ops  # noqa: E402
+# The operators above are ops.py's and linear.py's functions; they build on Tensor, so they are bound last.
+from hpcpar.autograd import linear, ops  # noqa: E402

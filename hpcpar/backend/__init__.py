@@ -79,63 +79,6 @@ def synchronize() -> None:
         xp.cuda.get_current_stream().synchronize()
 
 
-_mpi_types: dict = {}  # numpy dtype -> MPI datatype or None (looked up once: ops are latency-bound)
-
-
-def mpi_datatype(dtype):
-    """The MPI datatype for a NumPy dtype, or None when the MPI library has none (e.g. bfloat16)."""
-    try:
-        return _mpi_types[dtype]
-    except KeyError:
-        pass
-    from mpi4py import MPI  # here, not at the top: array code must not pull in MPI
-    try:
-        datatype = MPI.Datatype.fromcode(numpy.dtype(dtype).char)
-    except (KeyError, ValueError):
-        datatype = None
-    if numpy.dtype(dtype) == numpy.float16:
-        # float16 travels as bytes, like bfloat16: hpcpar reduces 16-bit floats in float32 anyway
-        # (comm.py), and Debian's MPICH 4.0.2 aborts in any MPI reduction of its float16 type
-        # (typerep_yaksa_pack.c assertion), so no MPI call is ever given that type.
-        datatype = None
-    _mpi_types[dtype] = datatype
-    return datatype
-
-
-def mpi_buffer(a: numpy.ndarray) -> list:
-    """The upper-case mpi4py buffer spec `[buffer, count, datatype]` of a contiguous host array.
-
-    Dtypes the MPI library does not know travel as raw bytes (fine for moving data,
-    not for reductions; `comm.py` upcasts those before reducing).
-    """
-    if is_device_array(a):
-        raise TypeError("mpi_buffer needs a host array; use to_host() or the NCCL path for CuPy arrays")
-    if not a.flags.c_contiguous:
-        raise ValueError("mpi_buffer needs a C-contiguous array; use numpy.ascontiguousarray first")
-    datatype = mpi_datatype(a.dtype)
-    if datatype is None:
-        from mpi4py import MPI
-        return [a, a.nbytes, MPI.BYTE]
-    return [a, a.size, datatype]
-
-
-_NCCL_TYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
-               "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64",
-               "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
-               "bfloat16": "NCCL_BFLOAT16"}
-
-
-def nccl_buffer(a) -> tuple[int, int, int]:
-    """The NCCL buffer spec `(device pointer, count, NCCL datatype)` of a contiguous CuPy array."""
-    from cupy.cuda import nccl
-    if not a.flags.c_contiguous:
-        raise ValueError("nccl_buffer needs a C-contiguous array")
-    key = _NCCL_TYPES.get(numpy.dtype(a.dtype).name)
-    if key is None or not hasattr(nccl, key):
-        return a.data.ptr, a.nbytes, nccl.NCCL_UINT8  # raw bytes: movement only, never reduced
-    return a.data.ptr, a.size, getattr(nccl, key)
-
-
 # glibc mallopt parameters (malloc.h): the mmap threshold, and the free space at the heap's top
 # that is handed back to the system.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3

@@ -64,7 +64,7 @@ def _load():
     if os.environ.get("HPCPAR_BLAS", "").strip().lower() == "numpy":
         return None
     # Intel OpenMP's threads spin for 200 ms after each parallel GEMM by default, on the cores the
-    # elementwise kernels' threads (cpu_kernels) need next: sleep at once instead.
+    # elementwise kernels' threads (backend/cpu) need next: sleep at once instead.
     os.environ.setdefault("KMP_BLOCKTIME", "0")
     for path in _candidates():
         try:

@@ -1,8 +1,8 @@
-"""Fused GPU kernels (CuPy): one launch where the NumPy composition in ops.py takes several.
+"""Fused GPU kernels (CuPy): one launch where the NumPy composition of an op takes several.
 
 On a GPU the transformer's non-GEMM ops are memory-bound, and a chain of CuPy elementwise
 calls reads and writes the whole tensor once per call (plus ~10 us of host time per launch).
-Each function here computes the same values as its NumPy twin in `ops.py`/`optim.py` (same
+Each function here computes the same values as its CPU twin in `backend.cpu` (same
 formulas, same order of the arithmetic where it matters; tests/unit/test_gpu.py compares
 them) in one pass, or one pass per row:
 
@@ -13,8 +13,8 @@ them) in one pass, or one pass per row:
     adamw_update                        the optimizer step of one parameter, in place
 
 Shapes: rows are the last dim of a C-contiguous array ([..., C] -> rows x C). float32 and
-float64 (C++ templates). Compiled by NVRTC on first use and cached by CuPy. Only ops.py and
-optim.py call these, and only for CuPy arrays: NumPy never reaches this module.
+float64 (C++ templates). Compiled by NVRTC on first use and cached by CuPy. Only the autograd
+ops and optim call these, and only for CuPy arrays: NumPy never reaches this module.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ template <typename T> __device__ T block_max(T v, T* red) {
 // Causal softmax of scale * s over each row of [rows, n] in place. The rows come in blocks of
 // `queries` consecutive queries starting at query `first` (a chunk of one head's queries), so
 // row r is query first + r % queries and sees keys 0 .. that query: later columns get 0 (the
-// -inf mask of ops.causal_attention).
+// -inf mask of the autograd causal_attention).
 template <typename T>
 __global__ void causal_softmax_forward(T* s, long long rows, int n, int queries, int first, T scale) {
     __shared__ T red[33];

@@ -2,7 +2,7 @@
 
     set_threads(n) / num_threads()   how many (None: the rank's BLAS threads, `threads.blas_threads()`)
     run(fn, parts)                   fn(part) for every part, parts[0] on the caller, parts[i] on
-                                     kernel thread i - 1 (cpu_kernels' blocks)
+                                     kernel thread i - 1 (the blocks of backend/cpu's kernels)
     split_gemm(...)                  one matrix product in pieces, piece 0 on the caller (blas.matmul)
     run_tasks(rows)                  compiled tasks (jit_pool's rows: LayerNorm's passes, the bias
                                      kernels, AdamW's step), row 0 on the caller
@@ -32,13 +32,13 @@ caller yields the core while it waits). Without Numba the threads sleep on locks
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import numpy as np
 
 from hpcpar.backend import threads
+from hpcpar.backend.jit import load as load_jit
 
 # How long an idle kernel thread spins before it sleeps: longer than the gaps between a step's
 # kernels (the Python of the autograd between them, tens of microseconds), short enough that a
@@ -77,16 +77,11 @@ def _compiled():
     """jit_pool, or None: Numba not installed, or HPCPAR_JIT=0."""
     global _jit, _ctrl, _task
     if _jit is None:
-        _jit = False
-        if os.environ.get("HPCPAR_JIT", "1").strip() != "0":
-            try:
-                from hpcpar.backend.jit import pool as jit_pool
-            except ImportError:
-                pass
-            else:
-                _ctrl = np.zeros((_MAX_THREADS - 1, jit_pool.ROW), dtype=np.int64)
-                _task = np.zeros((_MAX_THREADS - 1, jit_pool.ROW), dtype=np.int64)
-                _jit = jit_pool
+        jit_pool = load_jit("pool")
+        if jit_pool is not None:
+            _ctrl = np.zeros((_MAX_THREADS - 1, jit_pool.ROW), dtype=np.int64)
+            _task = np.zeros((_MAX_THREADS - 1, jit_pool.ROW), dtype=np.int64)
+        _jit = jit_pool or False
     return _jit or None
 
 

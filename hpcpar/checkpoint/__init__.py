@@ -1,1 +1,10 @@
-"""Sharded HDF5 checkpoints of global tensors: format, writers, save, load with reshard, tools."""
+"""Sharded HDF5 checkpoints of global tensors: atomic commit, integrity, reshard on load.
+
+    format      file names, the tensor table, checksums and digests, reading the manifest and index
+    directory   a run's checkpoint directory: step-NNNNNNN names, `latest`, commit, pruning
+    collective  every failure raised on every rank alike
+    writers     who writes which block; the rank-file, shared-file and index writers
+    save        a save's steps, asynchronous saves (`SaveHandle`) and the commit
+    load        loading into any layout (reshard), every byte read checked
+    tools       info, verify, export (one process, no MPI)
+"""

@@ -41,7 +41,8 @@ def _mesh_of(world, dp, tp, pp, cp, dp_replicate, servers: int):
     for, or on a server rank). Degrees that do not fit raise MeshError on every rank."""
     from mpi4py import MPI
 
-    from hpcpar.runtime.mesh import Mesh, _positive_int, resolve_degrees, validate_degrees
+    from hpcpar.runtime.mesh import Mesh
+    from hpcpar.runtime.topology import is_positive_int, resolve_degrees, validate_degrees
     workers = world.Get_size() - servers
     if servers and (dp, tp, pp, cp, dp_replicate) == (None, None, None, None, None):
         dp = workers
@@ -50,7 +51,7 @@ def _mesh_of(world, dp, tp, pp, cp, dp_replicate, servers: int):
     tp, pp, cp = (1 if tp is None else tp), (1 if pp is None else pp), (1 if cp is None else cp)
     if dp is None:  # dp fills the world, by the [mesh] rule for dp = 0 (auto)
         for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
-            if not _positive_int(value):
+            if not is_positive_int(value):
                 raise MeshError(f"mesh {name}={value}: {name} must be a positive integer (dp fills the "
                                 f"rest of the {world.Get_size()} ranks)")
         dp = resolve_degrees(workers, 0, tp, pp, cp)[0]
@@ -76,7 +77,7 @@ def report(dp: int | None = None, tp: int | None = None, pp: int | None = None,
 
     from hpcpar import backend
     from hpcpar.backend import blas
-    from hpcpar.backend.cpu import kernels
+    from hpcpar.backend.cpu import blocks
 
     world = MPI.COMM_WORLD
     workers = world.Get_size() - servers
@@ -90,7 +91,7 @@ def report(dp: int | None = None, tp: int | None = None, pp: int | None = None,
         f"backend: {backend.name()} {backend.xp.__version__}",
         f"world size: {world.Get_size()}",
         f"threads per rank: {os.environ.get('OMP_NUM_THREADS', 'unset')} (OMP_NUM_THREADS)",
-        f"CPU kernels: {kernels.jit_name()} loops, {blas.name()} GEMMs (the `fast` and `mkl` extras: numba, mkl)",
+        f"CPU kernels: {blocks.jit_name()} loops, {blas.name()} GEMMs (the `fast` and `mkl` extras: numba, mkl)",
     ]
     if mesh is not None:
         lines += [f"mesh: {mesh.shape_str()}" + (f" on ranks 0..{workers - 1}" if servers else ""), mesh.rank_table(),
@@ -105,17 +106,17 @@ def server_ranges(servers: int, overrides: list[str]) -> str:
     from mpi4py import MPI
 
     from hpcpar import backend
-    from hpcpar.config import config
-    from hpcpar.parallel.pp import pipeline
-    from hpcpar.parallel.ps.parameter_server import ownership_report
+    from hpcpar.config.load import load_config
+    from hpcpar.parallel.pp.stages import build_stages
+    from hpcpar.parallel.ps.ownership import ownership_report
     from hpcpar.runtime.mesh import Mesh
 
     world = MPI.COMM_WORLD
     if world.Get_rank() != 0:
         return ""
-    cfg = config.load_config(None, overrides)
+    cfg = load_config(None, overrides)
     alone = Mesh(comm=MPI.COMM_SELF)
-    shapes = {n: tuple(p.layout.global_shape) for s in pipeline.build_stages(cfg.model, alone, chunks=1, seed=0)
+    shapes = {n: tuple(p.layout.global_shape) for s in build_stages(cfg.model, alone, chunks=1, seed=0)
               for n, p in s.named_parameters() if not p.tied_to}
     alone.free()
     return ownership_report(shapes, servers, world.Get_size() - servers, backend.xp.dtype(cfg.model.dtype).itemsize)

@@ -48,11 +48,12 @@ def check_run(o: jobs.JobOptions) -> None:
     does not wait in the queue first: the overrides' keys and types, and when the config file is here
     too (the job runs in the directory it is submitted from), every value and the mesh on the job's
     nodes x ranks_per_node ranks. Raises the one-line error `hpcpar train` would."""
-    from hpcpar.config import config
+    from hpcpar.config.load import load_config
+    from hpcpar.config.validate import validate
     path = o.config if os.path.isfile(o.config) else None
-    cfg = config.load_config(path, list(o.overrides))
+    cfg = load_config(path, list(o.overrides))
     if path is not None:
-        config.validate(cfg, o.nodes * o.ranks_per_node)
+        validate(cfg, o.nodes * o.ranks_per_node)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import TYPE_CHECKING
 
 from hpcpar.cli.options import add_config_args, check_output_file
+from hpcpar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hpcpar.config.sections import Config
 
 HELP = "choose the mesh and micro-batching for an allocation (cost model)"
 
@@ -32,6 +38,64 @@ def one_process(args: argparse.Namespace) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the best plans (rank 0), or `--calibrate` and store the figures."""
     check_output_file(args.out, "--out")
-    from hpcpar.planner import planner
-    return planner.cli(args)
+    from hpcpar.planner.hardware import load_hardware
+    from hpcpar.planner.search import fastest_layouts, format_plans, reasons, write_plan
+
+    cfg = _load(args)
+    if args.calibrate:
+        return _calibrate(cfg, args)
+    if (args.ranks is None) == (args.nodes is None):
+        raise ConfigError("give the allocation as --ranks N or as --nodes N --gpus-per-node G (one of the two)")
+    hw = load_hardware(args.hardware, args.calibration)
+    if args.nodes is not None:
+        if not args.gpus_per_node or args.gpus_per_node < 1 or args.nodes < 1:
+            raise ConfigError("--nodes needs --gpus-per-node G, both >= 1")
+        hw = dataclasses.replace(hw, ranks_per_node=args.gpus_per_node)
+        world = args.nodes * args.gpus_per_node
+    else:
+        world = args.ranks
+    if world < 1:
+        raise ConfigError(f"--ranks={world} is invalid: use a positive number of ranks")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise ConfigError(f"--global-batch={args.global_batch} is invalid: use a positive number of sequences")
+    plans = fastest_layouts(cfg, world, hw, top=0, global_batch=args.global_batch)
+    print(format_plans(plans[:args.top], world, hw, reasons(plans[0], plans[1:])))
+    if args.out:
+        write_plan(plans[0], args.out)
+        print(f"wrote {args.out}: hpcpar train {args.out} runs plan 1 on {world} ranks")
+    return 0
+
+
+def _load(args: argparse.Namespace) -> Config:
+    """The config to plan: the file and overrides, with --preset's model keys among the overrides."""
+    from hpcpar.config.load import load_config
+    from hpcpar.planner.search import MODEL_PRESETS
+
+    overrides = list(args.overrides)
+    if args.preset:
+        if args.preset not in MODEL_PRESETS:
+            raise ConfigError(f"--preset={args.preset!r} is not one of {', '.join(MODEL_PRESETS)}")
+        overrides += [f"model.{k}={v}" for k, v in MODEL_PRESETS[args.preset].items()]
+    cfg = load_config(args.config, overrides)
+    if cfg.ps.servers:
+        raise ConfigError(f"ps.servers={cfg.ps.servers}: hpcpar plan models all-reduce data parallelism, not parameter "
+                          "servers; plan the workers' mesh with ps.servers=0 and --ranks set to the worker count")
+    return cfg
+
+
+def _calibrate(cfg: Config, args: argparse.Namespace) -> int:
+    """Measure this machine with every rank of the job; rank 0 stores the figures."""
+    from mpi4py import MPI
+
+    from hpcpar.planner.hardware import save_hardware
+    from hpcpar.training.calibrate import calibrate   # loads MPI, which planning with a preset must not
+
+    hw = calibrate(cfg, MPI.COMM_WORLD)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        path = save_hardware(hw, args.calibration)
+        print(f"calibrated {hw.ranks_per_node} ranks: GEMM {hw.peak_flops / 1e9:.1f} GFLOP/s per rank, "
+              f"all-reduce alpha {hw.intra.alpha * 1e6:.1f} us, beta {hw.intra.beta / 1e9:.2f} GB/s; "
+              f"block times for tp in {sorted(hw.layer_times)}; wrote {path}")
+    return 0

@@ -18,5 +18,5 @@ def one_process(args: argparse.Namespace) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpcpar.training import trainer
-    return trainer.main(args.config, args.overrides)
+    from hpcpar.training.run import run_training
+    return run_training(args.config, args.overrides)

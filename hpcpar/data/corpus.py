@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from hpcpar.backend.splitmix import hash_keys
 from hpcpar.errors import DataError
 
 VOCAB_SIZE = 256
@@ -192,30 +193,12 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarr
 
 
 # ---------------------------------------------------------------------------------------
-# Sampling. A counter-based hash (SplitMix64's finaliser, chained over the key words) gives
-# each sample's offset as a pure function of its key, vectorised over the batch: over
+# Sampling. A counter-based hash (SplitMix64, chained over the key words: `splitmix.hash_keys`)
+# gives each sample's offset as a pure function of its key, vectorised over the batch: over
 # 10x cheaper than seeding a numpy Generator per sample, with the same independence from
 # the mesh, from which other samples are requested and from call order.
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
 _TRAIN_STREAM = 0
 _EVAL_STREAM = 1
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser: a bijection of uint64 with full avalanche (arrays wrap mod 2**64)."""
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
-
-
-def _hash_keys(words: Sequence[int], ks: np.ndarray) -> np.ndarray:
-    """uint64 hash of the key ``(*words, k)`` for every k in ``ks``."""
-    h = np.zeros(len(ks), dtype=np.uint64)
-    for w in words:
-        h = _mix(h ^ _mix(np.full(len(ks), w, dtype=np.uint64) + _GOLDEN))
-    return _mix(h ^ _mix(ks.astype(np.uint64) + _GOLDEN))
 
 
 def _check_nonneg(name: str, value: int) -> int:
@@ -236,7 +219,7 @@ def _gather(tokens: np.ndarray, key: Sequence[int], sample_ids: Iterable[int], b
     if ks.ndim != 1 or (ks.size and ks.min() < 0):
         raise DataError(f"sample_ids must be non-negative integers, got {sample_ids!r}")
     # Start offsets uniform in [0, len - T - 1]; the modulo bias (about len / 2**64) is negligible.
-    starts = (_hash_keys(key, ks) % np.uint64(len(tokens) - block_size)).astype(np.int64)
+    starts = (hash_keys(key, ks) % np.uint64(len(tokens) - block_size)).astype(np.int64)
     if positions is None:
         window = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)  # [B, T+1]
         return np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])

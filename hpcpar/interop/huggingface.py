@@ -29,14 +29,18 @@ import os
 
 import numpy as np
 
-from hpcpar.checkpoint import checkpoint
-from hpcpar.config import config
-from hpcpar.interop import safetensors
+from hpcpar.checkpoint.directory import latest
+from hpcpar.checkpoint.load import load
+from hpcpar.checkpoint.save import save
+from hpcpar.checkpoint.tools import as_dtype
+from hpcpar.config.load import loads, to_toml
+from hpcpar.config.sections import Config
 from hpcpar.data import tokenizer
-from hpcpar.runtime.comm import Communicator
 from hpcpar.errors import CheckpointError
+from hpcpar.interop import safetensors
 from hpcpar.layout import Layout
 from hpcpar.nn.gpt import PRESETS, GPTConfig
+from hpcpar.runtime.solo import SoloCommunicator
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 WEIGHTS = "model.safetensors"
@@ -83,18 +87,17 @@ def export(path: str, out: str, dtype: str | None = None) -> str:
     .safetensors: that file; else a directory with model.safetensors, config.json and, when the
     checkpoint records a BPE tokenizer, tokenizer.json. `dtype`: the weights' dtype (default the
     checkpoint's; bfloat16 and float16 are written as BF16 / F16). Returns what was written."""
-    ckpt = checkpoint.latest(path) or path
-    _, meta = checkpoint.load(ckpt, {}, Communicator.local())
-    cfg = config.loads(meta["config"], origin=f"config stored in {ckpt}").model
+    ckpt = latest(path) or path
+    _, meta = load(ckpt, {}, SoloCommunicator())
+    cfg = loads(meta["config"], origin=f"config stored in {ckpt}").model
     if cfg.moe_experts:
         raise CheckpointError(f"{ckpt} is a mixture-of-experts model (model.moe_experts={cfg.moe_experts}); HF GPT-2 "
                               "has no experts, so only dense checkpoints export")
     shapes = _model_names(cfg)
     stored = {n: s for n, s in shapes.items() if cfg.bias or not n.endswith(".bias")}
-    arrays, _ = checkpoint.load(ckpt, {f"model/{n}": Layout.replicated(s) for n, s in stored.items()},
-                                Communicator.local())
+    arrays, _ = load(ckpt, {f"model/{n}": Layout.replicated(s) for n, s in stored.items()}, SoloCommunicator())
     dtype = np.dtype(dtype or cfg.dtype)
-    arrays = checkpoint.as_dtype(arrays, dtype.name)
+    arrays = as_dtype(arrays, dtype.name)
     tensors = {}
     for name, shape in shapes.items():
         a = arrays.get(f"model/{name}")
@@ -224,25 +227,13 @@ def import_(src: str, out: str, n_head: int | None = None, tokenizer_file: str |
             raise CheckpointError(f"{src}: {name} has shape {list(tensors[name].shape)}, expected "
                                   f"{list(shape[::-1] if name.endswith(CONV1D) else shape)}")
         arrays[f"model/{name}"] = np.ascontiguousarray(a, dtype=cfg.dtype)
-    run_cfg = dataclasses.replace(config.Config(), model=cfg)
+    run_cfg = dataclasses.replace(Config(), model=cfg)
     tok = _tokenizer_of(where, tokenizer_file)
     if tok is not None and tok["vocab_size"] > cfg.vocab_size:
         raise CheckpointError(f"{src}: the tokenizer has {tok['vocab_size']} ids but the model only {cfg.vocab_size}")
-    meta = {"config": config.to_toml(run_cfg), "weights_only": True, "optimizer_step": 0,
+    meta = {"config": to_toml(run_cfg), "weights_only": True, "optimizer_step": 0,
             "imported_from": os.path.abspath(src), "tokenizer": tok,
             "mesh": {"dp": 1, "tp": 1, "pp": 1, "zero": 0}}
-    return checkpoint.save(out, 0, {n: (a, Layout.replicated(a.shape)) for n, a in arrays.items()}, meta,
-                           Communicator.local(), keep=None)
+    return save(out, 0, {n: (a, Layout.replicated(a.shape)) for n, a in arrays.items()}, meta, SoloCommunicator(),
+                keep=None)
 
-
-def cli(action: str, path: str, out: str | None, n_head: int | None = None, tokenizer_file: str | None = None,
-        dtype: str | None = None) -> int:
-    """`hpcpar ckpt export --format safetensors` and `hpcpar ckpt import` (one process)."""
-    if not out:
-        raise CheckpointError(f"ckpt {action} needs --out " + ("FILE.safetensors or DIR" if action == "export"
-                                                                 else "DIR (the new checkpoint directory)"))
-    if action == "export":
-        print(f"wrote {export(path, out, dtype)} (HuggingFace GPT-2 names)")
-    else:
-        print(f"imported {path} into {import_(path, out, n_head, tokenizer_file)}")
-    return 0

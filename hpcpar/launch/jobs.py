@@ -9,16 +9,11 @@ between the `# >>> launch` and `# <<< launch` markers as two lines (launcher, th
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import re
 import shlex
-import stat
 import string
-import sys
 from importlib import resources
-from typing import Callable
 
 from hpcpar.errors import HpcparError
 

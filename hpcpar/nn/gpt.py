@@ -24,6 +24,11 @@ from dataclasses import dataclass
 
 from hpcpar import backend
 from hpcpar.autograd import ops
+from hpcpar.autograd.attention import causal_attention
+from hpcpar.autograd.dropout import dropout
+from hpcpar.autograd.functional import cross_entropy
+from hpcpar.autograd.linear import linear
+from hpcpar.autograd.recompute import recompute
 from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
 from hpcpar.nn import init
@@ -164,13 +169,13 @@ class GPTConfig:
 class CausalSelfAttention(Module):
     """c_attn: [3C, C] rows [q; k; v] -> fused causal attention -> c_proj: [C, C].
 
-    `attend(qkv, n_head, recompute=False)` is the attention itself: `ops.causal_attention`, or
+    `attend(qkv, n_head, recompute=False)` is the attention itself: `causal_attention`, or
     under context parallelism ring attention / Ulysses over the cp group
     (`parallel.context.ContextParallel`). `recompute_scores` (selective recomputation, set by
     `GPT.set_recompute`) asks it to keep no [T, T] probabilities for backward.
     """
 
-    def __init__(self, cfg: GPTConfig, attend=ops.causal_attention):
+    def __init__(self, cfg: GPTConfig, attend=causal_attention):
         super().__init__()
         self.n_head = cfg.n_head
         self.attend = attend
@@ -183,7 +188,7 @@ class CausalSelfAttention(Module):
 
 
 class MLP(Module):
-    """c_fc: [4C, C] -> GELU(tanh) -> c_proj: [C, 4C]; c_fc and the GELU are one fused op (`ops.linear`)."""
+    """c_fc: [4C, C] -> GELU(tanh) -> c_proj: [C, 4C]; c_fc and the GELU are one fused op (`linear`)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -241,7 +246,7 @@ class PlainPlan:
     def wte(self, cfg: GPTConfig) -> Module:
         return Embedding(cfg.vocab_size, cfg.n_embd, cfg.dtype)
 
-    def attn(self, cfg: GPTConfig, attend=ops.causal_attention) -> Module:
+    def attn(self, cfg: GPTConfig, attend=causal_attention) -> Module:
         return CausalSelfAttention(cfg, attend)
 
     def mlp(self, cfg: GPTConfig) -> Module:
@@ -267,12 +272,12 @@ class PlainPlan:
         """Dropout on x [B, T, ..]; `rows` (positions in a sequence of `length`) when x holds
         only those tokens (context parallelism): their rows of the whole sequence's mask."""
         full = None if rows is None else (length,) + tuple(x.shape[2:])
-        return ops.dropout(x, p, keys, rows=rows, full_shape=full)
+        return dropout(x, p, keys, rows=rows, full_shape=full)
 
     def lm_head(self, h: Tensor, weight: Tensor, targets) -> Tensor:
         """ln_f output [B, T, C] -> the mean loss (with targets) or logits [B, T, V]."""
-        logits = ops.linear(h, weight)
-        return logits if targets is None else ops.cross_entropy(logits, targets)
+        logits = linear(h, weight)
+        return logits if targets is None else cross_entropy(logits, targets)
 
 
 # train.recompute: how blocks keep their activations for backward (see GPT.set_recompute).
@@ -357,9 +362,9 @@ class GPT(Module):
         everything, "none"). Results are bitwise those of "none" in every mode.
 
         "full": the block keeps only its input [B, T, C]; its forward runs without a graph and is
-        run again inside backward (`ops.recompute`), collectives and dropout masks included.
+        run again inside backward (`recompute`), collectives and dropout masks included.
         "selective": the attention keeps no [B, H, T, T] probabilities and recomputes them from
-        q and k in backward (`ops.causal_attention(recompute=True)`; ring attention keeps none
+        q and k in backward (`causal_attention(recompute=True)`; ring attention keeps none
         anyway).
         """
         if mode not in RECOMPUTE_MODES:
@@ -430,7 +435,7 @@ class GPT(Module):
         return self.plan.dropout(x, p, [(seed, step, int(k), site) for k in sample_ids])
 
     def _recomputed(self, block: Block, h: Tensor) -> Tensor:
-        """`block(h)` keeping only h (`ops.recompute`). The re-run in backward uses this
+        """`block(h)` keeping only h (`recompute`). The re-run in backward uses this
         micro-batch's dropout context: by then a pipeline schedule may have set the next one's."""
         context = self.rng_context
         runs = []
@@ -447,7 +452,7 @@ class GPT(Module):
                 self.rng_context = current
                 if isinstance(block.mlp, MoE):
                     block.mlp.record = True
-        return ops.recompute(run, h)
+        return recompute(run, h)
 
     def forward(self, x, targets=None):
         """x: idx int [B, T] (embed; host or device) or activations [B, T, C] ([B, T/tp, C] under

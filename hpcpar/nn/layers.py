@@ -6,7 +6,8 @@ Weights are created zero-filled; `GPT.init_weights` gives them values by name.
 from __future__ import annotations
 
 from hpcpar import backend
-from hpcpar.autograd import ops
+from hpcpar.autograd.functional import embedding, layer_norm
+from hpcpar.autograd.linear import linear
 from hpcpar.nn.module import Module, Parameter
 
 
@@ -23,8 +24,8 @@ class Linear(Module):
         self.bias = Parameter(backend.xp.zeros((out_features,), dtype=dtype), no_decay=True) if bias else None
 
     def forward(self, x, activation: str | None = None):
-        """`activation="gelu"`: gelu(x W^T + b) as one fused op (`ops.linear`)."""
-        return ops.linear(x, self.weight, self.bias, activation=activation)
+        """`activation="gelu"`: gelu(x W^T + b) as one fused op (`linear`)."""
+        return linear(x, self.weight, self.bias, activation=activation)
 
 
 class Embedding(Module):
@@ -35,7 +36,7 @@ class Embedding(Module):
         self.weight = zeros((num, dim), dtype)
 
     def forward(self, idx):
-        return ops.embedding(idx, self.weight)
+        return embedding(idx, self.weight)
 
 
 class LayerNorm(Module):
@@ -48,4 +49,4 @@ class LayerNorm(Module):
         self.bias = Parameter(backend.xp.zeros((dim,), dtype=dtype), no_decay=True) if bias else None
 
     def forward(self, x):
-        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+        return layer_norm(x, self.weight, self.bias, self.eps)

@@ -35,6 +35,8 @@ import numpy as np
 
 from hpcpar import backend
 from hpcpar.autograd import ops
+from hpcpar.autograd.functional import softmax
+from hpcpar.autograd.linear import grouped_linear, linear
 from hpcpar.layout import Layout
 from hpcpar.nn.module import Module, Parameter
 from hpcpar.parallel.mappings import all_to_all_v
@@ -105,8 +107,8 @@ class Experts(Module):
         self.c_proj.bias = _expert_param((e, c), comm, cfg.dtype, True) if cfg.bias else None
 
     def forward(self, x: Tensor, counts) -> Tensor:
-        h = ops.gelu(ops.grouped_linear(x, self.c_fc.weight, self.c_fc.bias, counts))
-        return ops.grouped_linear(h, self.c_proj.weight, self.c_proj.bias, counts)
+        h = ops.gelu(grouped_linear(x, self.c_fc.weight, self.c_fc.bias, counts))
+        return grouped_linear(h, self.c_proj.weight, self.c_proj.bias, counts)
 
 
 class MoE(Module):
@@ -143,8 +145,8 @@ class MoE(Module):
         n, e, k = b * t, cfg.moe_experts, cfg.moe_top_k
         xp = backend.array_module(x.data)
         tokens = ops.reshape(x, (n, c))
-        logits = ops.linear(tokens, self.router.weight)                      # [N, E]
-        probs = ops.softmax(logits, axis=-1)
+        logits = linear(tokens, self.router.weight)                          # [N, E]
+        probs = softmax(logits, axis=-1)
         choices = top_k(backend.to_host(probs.data), k)                      # [N, k], host
         plan = plan_dispatch(choices, e, capacity(n, k, e, cfg.moe_capacity_factor))
         gates = ops.getitem(probs, (xp.arange(n)[:, None], xp.asarray(choices)))   # [N, k]

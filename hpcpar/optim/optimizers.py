@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcpar.backend.cpu import kernels as cpu_kernels
+from hpcpar.backend.cpu.adamw import adamw_update as cpu_adamw_update
+from hpcpar.backend.cpu.grad_norm import sum_of_squares
 from hpcpar.backend import gpu_kernels
 from hpcpar.backend import array_module as _array_module
 from hpcpar.backend import is_device_array
@@ -130,7 +131,7 @@ class AdamW(_Optimizer):
             else:
                 host.append((p.data, g, m, v, decay))
         if host:
-            cpu_kernels.adamw_update(host, b1, b2, self.eps, step_size, inv_bias2_sqrt)
+            cpu_adamw_update(host, b1, b2, self.eps, step_size, inv_bias2_sqrt)
 
     def _hyper(self) -> dict[str, Any]:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
@@ -193,7 +194,7 @@ def grad_norm_sq(params: Iterable[Any]) -> float:
         if g is None:
             continue
         if not is_device_array(g):
-            total = total + cpu_kernels.sum_of_squares(g)
+            total = total + sum_of_squares(g)
             continue
         flat = g.reshape(-1)
         if flat.dtype != np.float64:

@@ -1,9 +1,11 @@
-"""Collectives on arrays, over one MPI communicator (plus NCCL for GPU arrays).
+"""The Communicator: collectives on arrays over one MPI communicator (plus NCCL for GPU arrays).
 
 `Communicator(mpi_comm, name)` wraps an mpi4py communicator. Host (NumPy) arrays
-travel with mpi4py's buffer methods (upper-case, never pickle). CuPy arrays use an
-NCCL communicator over the same ranks when every rank has its own GPU, and are
-staged through host memory and MPI otherwise.
+travel with mpi4py's buffer methods (upper-case, never pickle: `transports.MpiTransport`). CuPy
+arrays use an NCCL communicator over the same ranks when every rank has its own GPU
+(`transports.NcclTransport`), and are staged through host memory and MPI otherwise. The
+Communicator checks the arguments, prepares the buffers, starts the op on a transport, waits
+for it and finishes the result, the same way for every transport.
 
 Every op is recorded in the flight recorder (`watchdog.recorder`) and numbered per
 communicator, and the bytes it sends from this rank are counted (`Communicator.sent`, by op
@@ -11,17 +13,17 @@ kind; `bytes_sent` is the formula per collective kind). Blocking ops on host arr
 blocking functions (MPICH's blocking collectives are faster than its non-blocking ones); the
 watchdog's monitor thread watches them and aborts the job with a report across ranks when one waits
 longer than `watchdog.timeout()`. Not when the node runs more ranks than cores
-(`mpi_waits_block`): there every op polls, since some MPIs' blocking waits never yield the core.
-Non-blocking ops (`Handle.wait()`) and GPU ops are
-completed by one polling loop (`_wait`) that yields the core to ranks sharing it and
-raises `watchdog.CommTimeout` when the monitor reports a timeout. Without
-MPI_THREAD_MULTIPLE (no monitor) every op polls and times out on its own.
+(`waiting.mpi_waits_block`): there every op polls, since some MPIs' blocking waits never yield
+the core. Non-blocking ops (`Handle.wait()`) and GPU ops are completed by one polling loop
+(`waiting.wait_for`) that yields the core to ranks sharing it and raises
+`watchdog.CommTimeout` when the monitor reports a timeout. Without MPI_THREAD_MULTIPLE (no
+monitor) every op polls and times out on its own.
 
 Small messages are latency-bound, so every op's own path is kept short (bench/allreduce.py
 measures it next to raw mpi4py): datatypes and byte-count factors are worked out once per dtype
 or communicator, a blocking op returns its result without a Handle, results are finished by
-named functions (no closures), large results reuse their array objects, and the flight recorder
-takes no lock and keeps a blocking op as a tuple.
+named functions (no closures), large results reuse their array objects (`buffers.ResultPool`),
+and the flight recorder takes no lock and keeps a blocking op as a tuple.
 
 Aliasing: blocking ops other than `broadcast`/`recv` never modify their input, but
 on a size-1 communicator every op returns its input object itself (nothing to do),
@@ -29,15 +31,11 @@ so do not mutate a result in place while still needing the input. `broadcast`,
 `recv` and `iall_reduce` (on a contiguous input) work in place, like MPI. Large
 results live in recycled memory that no live array (or view) still uses.
 """
-
 from __future__ import annotations
 
 import collections
 import math
-import os
 import pickle
-import sys
-import time
 import zlib
 from typing import Any, Callable
 
@@ -45,58 +43,10 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpar import backend
-from hpcpar.backend import threads
 from hpcpar.runtime import watchdog
-from hpcpar.errors import ConfigError
-from hpcpar.backend.precision import is_low
-
-# Polling. MPI moves data only inside MPI calls, so while a transfer can still be
-# running the loop calls Test() back to back, yielding the core every few polls
-# (ranks that share cores would otherwise starve the peer they wait for; MPICH's
-# own blocking wait yields too), and reading the clock only every _POLLS_PER_CLOCK
-# polls: whatever the loop does between two Test() calls delays a large transfer
-# (a 1 MiB all-reduce over 4 ranks on 2 cores took 10% longer with a clock read
-# every 4 polls). That phase lasts _SPIN_S, or longer for big
-# messages (bytes / _SPIN_BYTES_PER_S). A wait beyond it means a peer is late:
-# the loop then sleeps between polls, from _FIRST_SLEEP_S doubling up to
-# _MAX_SLEEP_S, to give the core away. bench/allreduce.py measures the cost.
-_POLLS_PER_YIELD = 4
-_POLLS_PER_CLOCK = 64
-_SPIN_S = 5e-3
-_SPIN_BYTES_PER_S = 2.5e8
-_FIRST_SLEEP_S = 1e-6
-_MAX_SLEEP_S = 1e-3
-
-# A polled all-reduce of a host array into a new result of at least this many bytes runs as a
-# reduce-scatter into this rank's part of the result and an in-place all-gather of the parts
-# (`_SplitAllReduce`). MPI's out-of-place all-reduce first copies the input into the result and
-# reduces there; the reduce-scatter reads the input where it is, so that copy is saved. MPICH 5.0,
-# 4 ranks on 2 cores (bench/allreduce.py, hpcpar's all_reduce with and without it in one run):
-# 1.0-1.1x at 1 MiB, 1.1-1.2x at 2 MiB, 1.2-1.5x from 4 MiB up, 0.95x at 512 KiB (two latencies
-# instead of one), so smaller arrays keep MPI's all-reduce. In-place reductions (the data-parallel
-# buckets) gain nothing from it (measured: slower), and an all-reduce waited for inside MPI's
-# blocking call keeps the library's own tuned algorithm (a blocking reduce-scatter + all-gather
-# was slower there).
-_SPLIT_ALL_REDUCE_BYTES = 1 << 20
-
-
-def mpi_waits_block() -> bool:
-    """Whether blocking ops may wait inside MPI's blocking calls (given a monitor to watch them).
-
-    `HPCPAR_MPI_WAIT=block|poll` decides; unset or `auto`: block, unless this node runs more ranks
-    than it has cores (`threads.local_ranks()` against this process's cores). Then every op polls
-    in `_wait`, which yields the core: some MPIs' blocking waits spin through their time slice
-    without yielding (Debian's MPICH 4.0 with UCX: a 4-rank barrier on 2 cores took 8 ms, and the
-    parallel test suite ran 10x slower than with polling), and a rank spinning there holds the core
-    that the peer it waits for needs.
-    """
-    choice = os.environ.get("HPCPAR_MPI_WAIT", "auto").strip().lower() or "auto"
-    if choice not in ("auto", "block", "poll"):
-        raise ConfigError(f"HPCPAR_MPI_WAIT={choice!r} is not a wait mode; use auto, block or poll")
-    if choice != "auto":
-        return choice == "block"
-    return threads.local_ranks() <= threads.cores()
-
+from hpcpar.runtime.buffers import DTYPE_FACTS, ResultPool, mpi_datatype
+from hpcpar.runtime.transports import KINDS, Handle, MpiTransport, NcclTransport, nccl_possible
+from hpcpar.runtime.waiting import mpi_waits_block, wait_any, wait_for
 
 # The requests and buffers of ops that timed out, kept until the process ends. MPI may still be
 # working on them (a late peer can arrive after the CommTimeout), and freeing an active collective's
@@ -104,260 +54,11 @@ def mpi_waits_block() -> bool:
 # progress engine later touches freed memory and crashes. The communicator stays broken.
 _ABANDONED: list[tuple[Any, Any, Any]] = []
 
-# Result buffers of at least _POOL_MIN_BYTES are recycled (see Communicator._result);
-# each communicator keeps at most _POOL_BUFFERS of them.
-_POOL_MIN_BYTES = 64 * 1024
-_POOL_BUFFERS = 8
-
-
-class Handle:
-    """A started operation. `wait()` completes it, `complete(*args)`, and returns its result
-    (idempotent). `args` (the buffers MPI uses until the op completes among them) are kept until
-    then; a function and its arguments rather than a closure: ops are latency-bound."""
-
-    __slots__ = ("_complete", "_args", "_result", "_request", "_record")
-
-    def __init__(self, complete: Callable[..., Any], args: tuple = (), request: Any = None, record: Any = None):
-        self._complete: Callable[..., Any] | None = complete
-        self._args = args
-        self._result: Any = None
-        self._request = request  # MPI ops: what `Communicator.wait_any` polls
-        self._record = record
-
-    @classmethod
-    def ready(cls, value: Any) -> "Handle":
-        """A handle whose op had nothing to do (size-1 communicator)."""
-        return cls(_identity, (value,))
-
-    def wait(self) -> Any:
-        if self._complete is not None:
-            complete, self._complete = self._complete, None
-            self._result = complete(*self._args)
-            self._args = ()
-        return self._result
-
-
-def _identity(value: Any) -> Any:
-    return value
-
 
 def _ready(value: Any, now: bool) -> Any:
     """An op's result that needed no communication: itself when the caller waits for it (`now`),
     else in a Handle."""
     return value if now else Handle.ready(value)
-
-
-# -- transports: how an array op moves bytes -------------------------------------------------------
-# A transport starts one op from prepared contiguous buffers and returns a request with `Test()`
-# (or None when a blocking call already completed it). The Communicator prepares the buffers and
-# finishes the result once for every transport; only the call that moves the bytes differs.
-# KINDS: op -> how its buffers are used. "send"/"recv" name a peer; "broadcast" a root (as peer).
-# "all_to_all_v" also takes `counts`: (send, recv) elements per rank.
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_v", "broadcast", "send", "recv",
-         "barrier")
-
-
-class MpiTransport:
-    """Host arrays over MPI's buffer methods (never pickled).
-
-    Blocking calls (`blocking=True`) are used when the watchdog's monitor thread watches them
-    (MPICH's blocking collectives are faster than its non-blocking ones); otherwise the
-    non-blocking form starts the op and the Communicator polls it.
-    """
-
-    # kind -> the names of its (blocking, non-blocking) mpi4py methods
-    _CALLS = {kind: (name, "I" + name[0].lower() + name[1:]) for kind, name in (
-        ("all_reduce", "Allreduce"), ("all_gather", "Allgather"),
-        ("all_to_all", "Alltoall"), ("all_to_all_v", "Alltoallv"), ("broadcast", "Bcast"), ("send", "Send"),
-        ("recv", "Recv"), ("barrier", "Barrier"))}
-    # MPICH's Ireduce_scatter_block takes 1.6-1.9x as long as its Reduce_scatter_block from 512 KiB
-    # to 1 MiB on 4 ranks (another algorithm), its Ireduce_scatter with equal counts 1.1x: the
-    # non-blocking reduce-scatter is the latter (same bytes, any size; measured side by side).
-    _CALLS["reduce_scatter"] = ("Reduce_scatter_block", "Ireduce_scatter")
-    _REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}  # avg: sum, divided when finished
-    xp = np  # the array module of this transport's buffers
-
-    def __init__(self, mpi_comm: MPI.Comm):
-        self.comm = mpi_comm
-        self.size, self.rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
-        self._parts: dict[int, tuple] = {}  # elements -> parts (see `parts`)
-
-    def parts(self, elements: int) -> tuple[list, list, int, int]:
-        """`elements` split into one part per rank in rank order, the longer parts first: (counts,
-        starts, this rank's first element, its end), worked out once per size (an op's path)."""
-        found = self._parts.get(elements)
-        if found is None:
-            base, longer = divmod(elements, self.size)
-            counts = [base + 1] * longer + [base] * (self.size - longer)
-            starts = _displacements(counts)
-            if len(self._parts) >= 64:  # sizes come and go (evaluation, a changed batch): keep the recent
-                self._parts.clear()
-            found = self._parts[elements] = (counts, starts, starts[self.rank], starts[self.rank] + counts[self.rank])
-        return found
-
-    def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
-              blocking: bool = False, counts: tuple | None = None):
-        call = getattr(self.comm, self._CALLS[kind][0 if blocking else 1])
-        if op is not None:  # all_reduce, reduce_scatter: [buffer, datatype]; MPI derives the counts
-            datatype = _DTYPE_FACTS[recv.dtype][0]
-            if kind == "reduce_scatter" and not blocking:  # Ireduce_scatter: every rank's count
-                return call([send, datatype], [recv, datatype], [recv.size] * self.size, self._REDUCE_OPS[op])
-            if (kind == "all_reduce" and not blocking and send is not recv
-                    and recv.nbytes >= _SPLIT_ALL_REDUCE_BYTES and recv.size >= self.size):
-                return _SplitAllReduce(self, send, recv, datatype, self._REDUCE_OPS[op])
-            return call(MPI.IN_PLACE if send is recv else [send, datatype], [recv, datatype], self._REDUCE_OPS[op])
-        if kind == "send":
-            return call([send, _DTYPE_FACTS[send.dtype][0]], peer, tag)
-        if kind == "recv":
-            return call([recv, _DTYPE_FACTS[recv.dtype][0]], peer, tag)
-        if kind == "broadcast":
-            return call([recv, _DTYPE_FACTS[recv.dtype][0]], peer)
-        if kind == "barrier":
-            return call()
-        datatype = _DTYPE_FACTS[recv.dtype][0]
-        if kind == "all_to_all_v":
-            # [buffer, (counts, displacements), datatype] per side; counts in elements of the datatype.
-            return call(*([buf, (c, _displacements(c)), datatype] for buf, c in zip((send, recv), counts)))
-        return call(MPI.IN_PLACE if send is recv else [send, datatype], [recv, datatype])
-
-
-class _SplitAllReduce:
-    """An out-of-place all-reduce of `send` into `recv` (contiguous, same shape, at least one
-    element per rank) in two MPI ops behind one `Test()`: a reduce-scatter of `send` into this
-    rank's part of `recv` (the parts split the flat array in rank order, the longer ones first),
-    then, once it completed, an in-place all-gather of the parts into `recv`. Every rank ends with
-    the same bits (each part is reduced once, by its owner), in MPI's reduce-scatter order of
-    summation. See `_SPLIT_ALL_REDUCE_BYTES` for when it is used and why."""
-
-    __slots__ = ("_request", "_gather")
-
-    def __init__(self, transport: MpiTransport, send, recv, datatype, op):
-        flat = recv.reshape(-1)
-        counts, starts, first, end = transport.parts(flat.size)
-        comm = transport.comm
-        self._request = comm.Ireduce_scatter([send, datatype], [flat[first:end], datatype], counts, op)
-        self._gather = (comm, [flat, (counts, starts), datatype])  # started by the Test that sees phase 1 done
-
-    def Test(self) -> bool:  # noqa: N802 - mirrors mpi4py's Request.Test
-        if not self._request.Test():
-            return False
-        if self._gather is None:
-            return True
-        comm, parts = self._gather
-        self._gather = None
-        self._request = comm.Iallgatherv(MPI.IN_PLACE, parts)
-        return self._request.Test()
-
-
-class _EventRequest:
-    """A CUDA event behind the `Test()` interface of an MPI request (for NCCL ops)."""
-
-    def __init__(self, stream):
-        import cupy
-        self._event = cupy.cuda.Event(block=False, disable_timing=True)
-        self._event.record(stream)
-
-    def Test(self) -> bool:  # noqa: N802 - mirrors mpi4py's Request.Test
-        return self._event.done
-
-
-class NcclTransport:
-    """GPU arrays over an NCCL communicator spanning the ranks of `mpi_comm` (one GPU per rank).
-
-    Ops run on the transport's own CUDA stream, after the work already queued on the caller's
-    current stream (an event orders them), so data-parallel reductions overlap the backward
-    kernels that follow. NCCL point-to-point messages have no tags: sends and receives between
-    two ranks must be posted in matching order. The barrier has no bytes and goes over MPI.
-    """
-
-    def __init__(self, mpi_comm: MPI.Comm):
-        import cupy
-        from cupy.cuda import nccl
-        self.nccl = nccl
-        # The id is NCCL_UNIQUE_ID_BYTES (128) bytes; CuPy hands it out as bytes or, in older
-        # releases, as a tuple of signed chars: broadcast the bytes plus which form it was.
-        uid = np.zeros(129, dtype=np.int8)
-        if mpi_comm.rank == 0:
-            raw = nccl.get_unique_id()
-            as_bytes = isinstance(raw, (bytes, bytearray))
-            uid[:128] = np.frombuffer(bytes(raw), dtype=np.int8) if as_bytes else np.array(raw, dtype=np.int8)
-            uid[128] = as_bytes
-        mpi_comm.Bcast([uid, MPI.INT8_T], root=0)
-        comm_id = uid[:128].tobytes() if uid[128] else tuple(int(v) for v in uid[:128])
-        self.comm = nccl.NcclCommunicator(mpi_comm.size, comm_id, mpi_comm.rank)
-        self.xp = cupy  # the array module of this transport's buffers
-        self.size = mpi_comm.size
-        self.stream = cupy.cuda.Stream(non_blocking=True)
-        self._mpi = MpiTransport(mpi_comm)
-        self._ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
-
-    def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
-              blocking: bool = False, counts: tuple | None = None) -> _EventRequest:
-        if kind == "barrier":
-            return self._mpi.start(kind, None, None, blocking=blocking)
-        return self.start_group([(kind, send, recv, op, peer)])
-
-    def start_group(self, ops: list[tuple]) -> _EventRequest:
-        """Post `ops` ((kind, send, recv, op, peer) each) as one NCCL group: they progress together,
-        so a send and a receive in one group cannot wait on each other's order."""
-        import cupy
-        ready = cupy.cuda.Event(block=False, disable_timing=True)
-        ready.record(cupy.cuda.get_current_stream())
-        self.stream.wait_event(ready)
-        if len(ops) > 1:
-            self.nccl.groupStart()
-        for kind, send, recv, op, peer in ops:
-            self._post(kind, send, recv, op, peer)
-        if len(ops) > 1:
-            self.nccl.groupEnd()
-        return _EventRequest(self.stream)
-
-    def _post(self, kind: str, send, recv, op: str | None, peer: int | None) -> None:
-        s, c = self.stream.ptr, self.comm
-        if kind == "all_reduce":
-            ptr, count, dtype = backend.nccl_buffer(send)
-            c.allReduce(ptr, recv.data.ptr, count, dtype, self._ops[op], s)
-        elif kind == "reduce_scatter":
-            ptr, count, dtype = backend.nccl_buffer(recv)
-            c.reduceScatter(send.data.ptr, ptr, count, dtype, self._ops[op], s)
-        elif kind == "all_gather":
-            ptr, count, dtype = backend.nccl_buffer(send)
-            c.allGather(ptr, recv.data.ptr, count, dtype, s)
-        elif kind == "all_to_all":
-            part = send.shape[0] // self.size
-            self.nccl.groupStart()
-            for j in range(self.size):
-                ptr, count, dtype = backend.nccl_buffer(send[j * part:(j + 1) * part])
-                c.send(ptr, count, dtype, j, s)
-                c.recv(recv[j * part:(j + 1) * part].data.ptr, count, dtype, j, s)
-            self.nccl.groupEnd()
-        elif kind == "broadcast":
-            ptr, count, dtype = backend.nccl_buffer(recv)
-            c.bcast(ptr, count, dtype, peer, s)
-        elif kind == "send":
-            ptr, count, dtype = backend.nccl_buffer(send)
-            c.send(ptr, count, dtype, peer, s)
-        else:  # recv
-            ptr, count, dtype = backend.nccl_buffer(recv)
-            c.recv(ptr, count, dtype, peer, s)
-
-
-def _nccl_possible(mpi_comm: MPI.Comm) -> bool:
-    """True when NCCL loads and no two ranks of `mpi_comm` share a GPU (collective)."""
-    try:
-        import cupy
-        from cupy.cuda import nccl
-        ok = bool(nccl.available)
-        device = cupy.cuda.Device().id
-    except Exception:  # no NCCL build: host staging still works
-        ok, device = False, -1
-    # (host, device) identifies a GPU; a CRC of the host name keeps the exchange a fixed-size buffer
-    # (not hash(): string hashes differ between processes).
-    mine = np.array([zlib.crc32(MPI.Get_processor_name().encode()), device, int(ok)], dtype=np.int64)
-    every = np.empty((mpi_comm.size, 3), dtype=np.int64)
-    mpi_comm.Allgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
-    pairs = {(int(h), int(d)) for h, d, _ in every}
-    return bool(every[:, 2].all()) and len(pairs) == mpi_comm.size
 
 
 def bytes_sent(op: str, nbytes: int, size: int) -> float:
@@ -382,28 +83,6 @@ def _send_factor(op: str, n: int) -> float:
         return 0.0
     return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1,
             "all_to_all": (n - 1) / n, "send": 1.0, "broadcast": 1.0}.get(op, 0.0)
-
-
-class _DtypeFacts(dict):
-    """dtype -> (the MPI datatype its arrays travel as, whether MPI reductions of it run in
-    float32, whether it is a floating dtype), worked out on the first lookup of a dtype (a plain
-    dict lookup afterwards: every op makes one). Dtypes MPI has no type for travel as raw bytes
-    (exact for moving data) and are reduced in float32, as are 16-bit floats (`_work_buffer`)."""
-
-    def __missing__(self, dtype) -> tuple:
-        datatype = backend.mpi_datatype(dtype)
-        facts = (MPI.BYTE if datatype is None else datatype, datatype is None or is_low(dtype),
-                 bool(np.issubdtype(np.dtype(dtype), np.inexact)))
-        self[dtype] = facts
-        return facts
-
-
-_DTYPE_FACTS = _DtypeFacts()
-
-
-def _displacements(counts):
-    """Where each rank's part starts in a buffer of parts `counts` long, back to back."""
-    return [0] + list(np.cumsum(counts[:-1], dtype=np.int64).tolist()) if len(counts) else []
 
 
 def _contiguous(a):
@@ -467,7 +146,7 @@ class Communicator:
         self._check_hash = 0
         self._host = MpiTransport(mpi_comm)
         self._nccl: NcclTransport | None | bool = None  # None: not decided yet; False: stage through host
-        self._pool: list[list] = []  # [byte buffer, its last view] behind earlier results (see _result)
+        self._results = ResultPool()  # large host results in recycled memory
         # op kind -> bytes this rank sent (bytes_sent), since creation
         self.sent: dict[str, float] = collections.defaultdict(float)
         self._factor = {kind: _send_factor(kind, self.size) for kind in KINDS}  # bytes_sent per input byte
@@ -503,7 +182,7 @@ class Communicator:
         if type(a) is np.ndarray or not backend.is_device_array(a):
             return self._host
         if self._nccl is None:
-            self._nccl = NcclTransport(self.mpi) if _nccl_possible(self.mpi) else False
+            self._nccl = NcclTransport(self.mpi) if nccl_possible(self.mpi) else False
         return self._nccl or None
 
     def _start(self, kind: str, a, send, recv, transport, now: bool, finish: Callable | None = None,
@@ -545,7 +224,7 @@ class Communicator:
         """Wait for an op `_start` started, then finish its result. A timed-out op's request and
         buffers are kept for good: MPI may still be working on them."""
         try:
-            self._wait(request, record)
+            wait_for(request, record, self._watched)
         except watchdog.CommTimeout:
             _ABANDONED.append((request, send, recv))
             raise
@@ -591,84 +270,11 @@ class Communicator:
             return watchdog.recorder.enter(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group)
         return watchdog.recorder.begin(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group, blocking)
 
-    def _wait(self, request, record: watchdog.OpRecord) -> None:
-        """Poll `request.Test()` until done; raise CommTimeout when the watchdog reports a timeout.
-
-        The monitor thread delivers its report (`record.report`); with no monitor, or none
-        delivered, this raises on its own past the timeout (plus a grace period with a monitor).
-        """
-        test = request.Test
-        if not test():
-            watchdog.recorder.waiting(record)
-            since = record.waiting
-            spin_until = since + max(_SPIN_S, record.nbytes / _SPIN_BYTES_PER_S)
-            limit = None  # read once the spinning is over: most waits end before
-            delay = _FIRST_SLEEP_S
-            polls = 0
-            yield_core = os.sched_yield
-            while not test():
-                polls += 1
-                if polls % _POLLS_PER_YIELD:
-                    continue
-                if limit is None:  # spinning
-                    if polls % _POLLS_PER_CLOCK or time.monotonic() < spin_until:
-                        yield_core()
-                        continue
-                    limit = watchdog.timeout() + (watchdog.DELIVERY_GRACE_S if self._watched else 0.0)
-                now = time.monotonic()
-                if record.report is not None or now - since > limit:
-                    error = watchdog.CommTimeout(record, now - since, record.report)
-                    record.report = str(error)  # reported: the monitor leaves it alone from now on
-                    raise error
-                time.sleep(delay)
-                delay = min(2 * delay, _MAX_SLEEP_S)
-        watchdog.recorder.end(record)
-
     def wait_any(self, handles: list) -> int:
         """Complete whichever of `handles` (this communicator's non-blocking host ops; None entries
-        are skipped) finishes first and return its index: a server's loop over its clients' messages.
-        Polls as `_wait` does and raises `watchdog.CommTimeout` on the oldest op when none finishes
-        within the timeout (the monitor sees them all as waiting meanwhile)."""
-        live = [(i, h) for i, h in enumerate(handles) if h is not None]
-        if not live:
-            raise ValueError("wait_any needs at least one handle")
-        for i, h in live:
-            if h._request is None:   # done already (or nothing to poll): complete it
-                h.wait()
-                return i
-        since = time.monotonic()
-        records = [h._record for _, h in live]
-        delay, polls, spinning = _FIRST_SLEEP_S, 0, True
-        try:
-            while True:
-                for i, h in live:
-                    if h._request.Test():
-                        h.wait()
-                        return i
-                polls += 1
-                if polls == 1:
-                    for r in records:
-                        watchdog.recorder.waiting(r)
-                if polls % _POLLS_PER_YIELD:
-                    continue
-                if spinning:
-                    if polls % _POLLS_PER_CLOCK or time.monotonic() < since + _SPIN_S:
-                        os.sched_yield()
-                        continue
-                    spinning = False
-                now = time.monotonic()
-                reported = next((r for r in records if r.report is not None), None)
-                if reported is not None or now - since > watchdog.timeout():
-                    record = reported or min(records, key=lambda r: r.start)
-                    error = watchdog.CommTimeout(record, now - since, record.report)
-                    record.report = str(error)
-                    raise error
-                time.sleep(delay)
-                delay = min(2 * delay, _MAX_SLEEP_S)
-        finally:
-            for r in records:   # the ones still pending are not waited for any more
-                if r.end is None:
-                    r.waiting = None
+        are skipped) finishes first and return its index: a server's loop over its clients'
+        messages (see `waiting.wait_any`)."""
+        return wait_any(handles)
 
     def progress(self) -> None:
         """Let MPI advance this communicator's non-blocking ops (MPI moves data only inside MPI
@@ -689,7 +295,7 @@ class Communicator:
         every = np.empty((self.size, 2), dtype=np.int64)
         record = watchdog.recorder.begin(self.name, self._seq, "debug_check", (2,), mine.dtype, 16, None,
                                          self._group)
-        self._wait(self.mpi.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]), record)
+        wait_for(self.mpi.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]), record, self._watched)
         checked, self._checked = self._checked, []
         if (every == every[0]).all():
             return
@@ -703,51 +309,19 @@ class Communicator:
             f"the ranks of communicator '{self.name}' issued different collectives; the first that "
             f"differs is collective {first + 1} since the last check: {ranks}")
 
-    # -- result buffers -------------------------------------------------------------------------
-
-    def _result(self, shape: tuple, dtype: np.dtype, xp) -> Any:
-        """A new result array, in memory recycled from earlier results nobody holds any more.
-
-        MPI libraries cache per-address work for large buffers (registration, mappings):
-        receiving into brand-new memory every call made a 1 MiB all_reduce 2-3x slower
-        than receiving into a reused buffer (bench/allreduce.py). A pooled buffer is
-        handed out as a typed view, so while the caller (or any view of the result) is alive
-        its refcount keeps it out of reuse; the pool keeps the last view of each buffer and
-        hands out that same array again when it has the wanted shape and dtype and nobody
-        holds it: making a new view every call cost 2-4% of a 1 MiB all-reduce here (the
-        operands fill the cache, and new objects evict them). CuPy has its own memory pool.
-        """
-        nbytes = math.prod(shape) * dtype.itemsize  # not np.prod: 4 us a call, a third of the op
-        if xp is not np or nbytes < _POOL_MIN_BYTES:
-            return xp.empty(shape, dtype=dtype)
-        for entry in self._pool:
-            buf, view = entry
-            # A free buffer's references: the pool's entry, `buf`, getrefcount's argument and its view's
-            # base; its free view's: the entry, `view`, the argument. More means a result still in use.
-            if buf.nbytes == nbytes and sys.getrefcount(buf) <= 4 and sys.getrefcount(view) <= 3:
-                if view.shape != shape or view.dtype != dtype:
-                    view = entry[1] = buf.view(dtype).reshape(shape)
-                return view
-        buf = np.empty(nbytes, dtype=np.uint8)
-        if len(self._pool) >= _POOL_BUFFERS:
-            self._pool.pop(0)  # the oldest buffer goes back to the allocator once its holders drop it
-        view = buf.view(dtype).reshape(shape)
-        self._pool.append([buf, view])
-        return view
-
     # -- reductions -----------------------------------------------------------------------------
 
     def _check_op(self, what: str, op: str, a, allowed=("sum", "avg", "max", "min")) -> None:
         if op not in allowed:
             raise ValueError(f"{what} on '{self.name}': unknown op {op!r}; use one of {', '.join(allowed)}")
-        if op == "avg" and not _DTYPE_FACTS[a.dtype][2]:
+        if op == "avg" and not DTYPE_FACTS[a.dtype][2]:
             raise ValueError(f"{what} on '{self.name}': op 'avg' needs a floating dtype, got {a.dtype}")
 
     def _work_buffer(self, send, transport):
         """`send` in the dtype its reduction runs in: its own, or float32 for 16-bit floats over
         MPI (bfloat16 has no MPI type; float16 sums would round at every addition, so a result
         would depend on the number of ranks; NCCL reduces those natively)."""
-        if transport is self._host and _DTYPE_FACTS[send.dtype][1]:
+        if transport is self._host and DTYPE_FACTS[send.dtype][1]:
             return send.astype(np.float32)
         return send
 
@@ -777,7 +351,7 @@ class Communicator:
         else:  # in place on `a` (or the copy a strided `a` needed) when asked, else into a new result:
             # out of place whatever `a`'s layout, since that decides the MPI calls (a large one is
             # split, `MpiTransport.start`) and every rank must issue the same ones
-            recv = send if in_place else self._result(send.shape, send.dtype, transport.xp)
+            recv = send if in_place else self._results.take(send.shape, send.dtype, transport.xp)
         finish = None if op != "avg" and recv.dtype == a.dtype else self._reduced
         return self._start("all_reduce", a, send, recv, transport, now, finish, (recv, a, op, in_place), op)
 
@@ -818,7 +392,7 @@ class Communicator:
             return self._staged(self._ireduce_scatter, a, (dim, op), now, out)
         send = self._work_buffer(_to_front(a, dim), transport)
         own = out is not None and out.dtype == send.dtype
-        recv = out if own else self._result((send.shape[0] // self.size,) + send.shape[1:], send.dtype,
+        recv = out if own else self._results.take((send.shape[0] // self.size,) + send.shape[1:], send.dtype,
                                             transport.xp)
         finish = None if op != "avg" and not dim and recv.dtype == a.dtype else self._scattered
         return self._start("reduce_scatter", a, send, recv, transport, now, finish, (recv, a, dim, op, out), op)
@@ -866,7 +440,7 @@ class Communicator:
         if transport is None:
             return self._staged(self._iall_gather, a, (dim,), now, out)
         send = _to_front(a, dim)
-        recv = out if out is not None else self._result((send.shape[0] * self.size,) + send.shape[1:], send.dtype,
+        recv = out if out is not None else self._results.take((send.shape[0] * self.size,) + send.shape[1:], send.dtype,
                                                         transport.xp)
         return self._start("all_gather", a, send, recv, transport, now, _from_front if dim else None, (recv, dim))
 
@@ -887,7 +461,7 @@ class Communicator:
         if transport is None:
             return self._staged(self._iall_to_all, a, (dim,), now)
         send = _to_front(a, dim)
-        recv = self._result(send.shape, send.dtype, transport.xp)
+        recv = self._results.take(send.shape, send.dtype, transport.xp)
         return self._start("all_to_all", a, send, recv, transport, now, _from_front if dim else None, (recv, dim))
 
     def all_to_all_v(self, a, send_counts, recv_counts):
@@ -913,9 +487,9 @@ class Communicator:
             return self._staged(self._iall_to_all_v, a, (send_counts, recv_counts), now)
         send = _contiguous(a)
         row = math.prod(a.shape[1:])
-        recv = self._result((sum(recv_counts),) + tuple(a.shape[1:]), a.dtype, np)
+        recv = self._results.take((sum(recv_counts),) + tuple(a.shape[1:]), a.dtype, np)
         elements = (np.array(send_counts, dtype=np.int64) * row, np.array(recv_counts, dtype=np.int64) * row)
-        if backend.mpi_datatype(a.dtype) is None:  # moved as raw bytes (see _DtypeFacts)
+        if mpi_datatype(a.dtype) is None:  # moved as raw bytes (see DTYPE_FACTS)
             elements = tuple(e * a.dtype.itemsize for e in elements)
         sent = float((sum(send_counts) - send_counts[self.rank]) * row * a.dtype.itemsize)
         return self._start("all_to_all_v", a, send, recv, self._host, now, counts=elements, sent=sent)
@@ -980,7 +554,7 @@ class Communicator:
         """Start sending `a` to `dest` and receiving into `out` from `source` at once; returns the
         (send, receive) handles. On NCCL the two are one group: NCCL matches messages in posting
         order and a send waits for its receiver, so two ranks that each send, then receive, would
-        wait on each other forever if posted one by one (`schedule.check_in_order_transport`).
+        wait on each other forever if posted one by one (`simulate.check_in_order_transport`).
         On MPI, where tags match messages, it is an Isend and an Irecv."""
         if not (0 <= dest < self.size and 0 <= source < self.size):
             self._check_rank("send", dest, "dest")
@@ -994,10 +568,10 @@ class Communicator:
         request = transport.start_group([("send", buf, None, None, dest), ("recv", None, rbuf, None, source)])
 
         def sent_done(buf):  # the handle keeps the buffer NCCL reads until the op completes
-            self._wait(request, sent)
+            wait_for(request, sent, self._watched)
 
         def received_done(rbuf):
-            self._wait(request, received)
+            wait_for(request, received, self._watched)
             return out if rbuf is out else _copied(rbuf, out)
         return Handle(sent_done, (buf,)), Handle(received_done, (rbuf,))
 
@@ -1060,3 +634,14 @@ class Communicator:
         if not 0 <= rank < self.size:
             raise ValueError(f"{what} on '{self.name}': {role} {rank} is not a rank of this "
                              f"communicator (ranks 0..{self.size - 1})")
+
+
+def mpi_world() -> MPI.Comm:
+    """MPI_COMM_WORLD, for code above the runtime that builds a run over every rank of the job
+    (a `Trainer`, `Mesh`) and imports no mpi4py itself."""
+    return MPI.COMM_WORLD
+
+
+def mpi_self() -> MPI.Comm:
+    """MPI_COMM_SELF: this process alone (a one-rank `Mesh`), for code above the runtime."""
+    return MPI.COMM_SELF

@@ -25,12 +25,14 @@ import math
 import os
 
 import numpy as np
-from mpi4py import MPI
 
-from hpcpar.config import config
+from hpcpar.checkpoint.load import load as read_checkpoint
+from hpcpar.config.load import loads, parse_override
+from hpcpar.config.sections import CheckpointConfig, Config, MeshConfig
 from hpcpar.data import corpus, formats
 from hpcpar.errors import ConfigError, DataError
-from hpcpar.runtime.mesh import Axis
+from hpcpar.runtime.comm import Communicator, mpi_world
+from hpcpar.runtime.topology import Axis
 from hpcpar.training.trainer import Trainer
 
 _BATCHES_PER_CALL = 16   # global batches built and run at a time (bounds memory on long sets)
@@ -48,17 +50,17 @@ def infer_format(path: str) -> str:
 
 
 def eval_config(stored: str, origin: str, data_path: str, fmt: str | None, split: str,
-                overrides: list[str]) -> config.Config:
+                overrides: list[str]) -> Config:
     """The checkpoint's config with `--data`, an auto mesh, no periodic work, then `overrides`."""
-    cfg = config.loads(stored, origin=origin)
+    cfg = loads(stored, origin=origin)
     fmt = fmt or infer_format(data_path)
     dtype = _recorded_dtype(data_path, fmt) or cfg.data.token_dtype
     data_cfg = dataclasses.replace(cfg.data, corpus=data_path, format=fmt, token_dtype=dtype,
                                    val_fraction=0.0 if split == "all" else cfg.data.val_fraction)
-    cfg = dataclasses.replace(cfg, data=data_cfg, mesh=config.MeshConfig(), checkpoint=config.CheckpointConfig(),
+    cfg = dataclasses.replace(cfg, data=data_cfg, mesh=MeshConfig(), checkpoint=CheckpointConfig(),
                               run=dataclasses.replace(cfg.run, eval_every=0, progress=False))
     for text in overrides:
-        section, key, value = config.parse_override(text)
+        section, key, value = parse_override(text)
         cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{key: value})})
     return cfg
 
@@ -106,15 +108,12 @@ def evaluate(trainer: Trainer, tokens, max_tokens: int = 0) -> dict:
 
 
 def evaluate_checkpoint(path: str, data_path: str, fmt: str | None = None, split: str = "val", max_tokens: int = 0,
-         overrides: list[str] | None = None, json_out: str | None = None) -> int:
+                        overrides: list[str] | None = None, json_out: str | None = None) -> int:
     """`hpcpar eval`: prints one line on rank 0 (and writes the figures as JSON to `json_out`, whose
     directory the CLI checks before the evaluation)."""
-    from hpcpar.checkpoint import checkpoint
-    from hpcpar.runtime.comm import Communicator
-
     check_max_tokens(max_tokens)       # before loading the checkpoint and building the model
-    world = MPI.COMM_WORLD
-    _, meta = checkpoint.load(path, {}, Communicator(world, "world"))
+    world = mpi_world()
+    _, meta = read_checkpoint(path, {}, Communicator(world, "world"))
     cfg = eval_config(meta["config"], f"config stored in {path}", data_path, fmt, split, overrides or [])
     trainer = Trainer(cfg, world)
     trainer.load(path, weights_only=True)

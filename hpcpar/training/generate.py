@@ -16,25 +16,26 @@ import sys
 import numpy as np
 
 from hpcpar import backend
-from hpcpar.checkpoint import checkpoint
-from hpcpar.config import config
+from hpcpar.autograd.tensor import no_grad
+from hpcpar.checkpoint.directory import latest
+from hpcpar.checkpoint.load import load as load_checkpoint
+from hpcpar.config.load import loads
 from hpcpar.data import tokenizer
-from hpcpar.runtime.comm import Communicator
 from hpcpar.errors import ConfigError, DataError
 from hpcpar.layout import Layout
 from hpcpar.nn import GPT
-from hpcpar.autograd.tensor import no_grad
+from hpcpar.runtime.solo import SoloCommunicator
 
 
 def load(path: str) -> tuple[GPT, dict]:
     """A single-process GPT with the weights of the checkpoint at `path` (or its latest), and the
     checkpoint's meta."""
-    resolved = checkpoint.latest(path) or path
-    _, meta = checkpoint.load(resolved, {}, Communicator.local())
-    cfg = config.loads(meta["config"], origin=f"config stored in {resolved}")
+    resolved = latest(path) or path
+    _, meta = load_checkpoint(resolved, {}, SoloCommunicator())
+    cfg = loads(meta["config"], origin=f"config stored in {resolved}")
     model = GPT(cfg.model, seed=cfg.train.seed)
     wanted = {f"model/{name}": Layout.replicated(p.shape) for name, p in model.named_parameters()}
-    arrays, _ = checkpoint.load(resolved, wanted, Communicator.local())
+    arrays, _ = load_checkpoint(resolved, wanted, SoloCommunicator())
     model.load_state_dict({name[len("model/"):]: a for name, a in arrays.items()})
     return model.eval(), meta
 
@@ -48,7 +49,7 @@ def tokenizer_of(meta: dict, path: str, given: str | None = None) -> tokenizer.T
     """The checkpoint's tokenizer; `given` (a tokenizer.json) must match it when both are known.
     Checkpoints from before tokenizers were recorded trained on bytes when data.format is bytes."""
     stored = meta.get("tokenizer")
-    if stored is None and config.loads(meta["config"], origin=f"config stored in {path}").data.format == "bytes":
+    if stored is None and loads(meta["config"], origin=f"config stored in {path}").data.format == "bytes":
         stored = tokenizer.BYTES_RECORD
     if given:
         text = tokenizer.read(given)

@@ -69,3 +69,4 @@ def mpirun():
     if MPIEXEC is None:
         pytest.skip("no mpiexec found")
     return run_job
+

@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar.checkpoint import checkpoint
+from hpcpar.checkpoint.directory import latest
 from hpcpar.data import prepare
 
 PY = sys.executable
@@ -226,7 +226,7 @@ def place(tmp_path_factory):
     values.update(_token_files(tmp))
     made = run(1, train(), values)
     assert made.returncode == 0, made.output
-    values["ckpt"] = checkpoint.latest(str(tmp / "run" / "checkpoints"))
+    values["ckpt"] = latest(str(tmp / "run" / "checkpoints"))
     corrupt = tmp / "corrupt" / "step-0000001"
     shutil.copytree(values["ckpt"], corrupt)
     shard = corrupt / "rank-00000.h5"

@@ -13,7 +13,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from hpcpar.checkpoint import checkpoint
+from hpcpar.checkpoint.directory import latest
+from hpcpar.checkpoint.load import load
+from hpcpar.checkpoint.tools import verify
 from hpcpar.runtime.comm import Communicator
 from hpcpar.layout import Layout
 
@@ -26,7 +28,7 @@ SCRIPT = textwrap.dedent("""
     import h5py
     import numpy as np
     from mpi4py import MPI
-    from hpcpar.checkpoint import checkpoint as ck
+    from hpcpar.checkpoint import save as saving
     from hpcpar.runtime.comm import Communicator
     from hpcpar.layout import Layout
 
@@ -44,15 +46,15 @@ SCRIPT = textwrap.dedent("""
                 f.create_dataset("partial", data=items[0][2][: len(items[0][2]) // 2])
                 f.flush()
             die()
-        ck._write_rank_file = dying_write
+        saving.write_rank_file = dying_write
     if kill == f"{rank}:commit":
-        ck._commit_dir = lambda *args: die()  # index and manifest written, not yet renamed
+        saving.commit_dir = lambda *args: die()  # index and manifest written, not yet renamed
 
     rng = np.random.default_rng(step)
     w, b = rng.standard_normal((8 * size, 16)), rng.standard_normal(16)
     lw = Layout.split(w.shape, 0, rank, size)
-    ck.save(directory, step, {"model/w": (lw.take(w), lw), "model/b": (b, Layout.replicated(b.shape))},
-            {"note": "kill test"}, comm, keep=3)
+    saving.save(directory, step, {"model/w": (lw.take(w), lw), "model/b": (b, Layout.replicated(b.shape))},
+                {"note": "kill test"}, comm, keep=3)
 """)
 
 
@@ -78,13 +80,13 @@ def test_kill_mid_save_keeps_previous_latest(tmp_path, kill):
     assert first.returncode == 0, first.stdout + first.stderr
     killed = launch(script, ckpt_dir, 2, kill=kill)
     assert killed.returncode != 0, "the killed save should fail the job"
-    assert checkpoint.latest(str(ckpt_dir)) == str(ckpt_dir / "step-0000001")
+    assert latest(str(ckpt_dir)) == str(ckpt_dir / "step-0000001")
     assert any(e.startswith(".tmp-step-0000002") for e in os.listdir(ckpt_dir)), "the partial save is gone?"
     w, b = expected(1)
-    got, meta = checkpoint.load(str(ckpt_dir), {"model/w": Layout.replicated(w.shape),
-                                        "model/b": Layout.replicated(b.shape)}, Communicator.local())
+    got, meta = load(str(ckpt_dir), {"model/w": Layout.replicated(w.shape),
+                                     "model/b": Layout.replicated(b.shape)}, Communicator.local())
     assert np.array_equal(got["model/w"], w) and np.array_equal(got["model/b"], b) and meta["step"] == 1
-    assert checkpoint.verify(str(ckpt_dir)) == []
+    assert verify(str(ckpt_dir)) == []
     # The next save succeeds and removes the killed save's temporary directory.
     again = launch(script, ckpt_dir, 3)
     assert again.returncode == 0, again.stdout + again.stderr

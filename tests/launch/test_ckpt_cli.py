@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar.checkpoint import checkpoint
+from hpcpar.checkpoint.format import INDEX
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 _RUN: dict = {}  # the one training run, shared by the tests of this module
@@ -68,7 +68,7 @@ def test_export_equals_index_read_with_h5py(ckpt, tmp_path):
     npz = tmp_path / "all.npz"
     out = hpcpar("ckpt", "export", str(ckpt), "--out", str(npz))
     assert out.returncode == 0, out.stderr
-    with h5py.File(ckpt / "step-0000003" / checkpoint.INDEX, "r") as f:
+    with h5py.File(ckpt / "step-0000003" / INDEX, "r") as f:
         index = {}
         f.visititems(lambda n, obj: index.__setitem__(n, obj[()]) if isinstance(obj, h5py.Dataset) else None)
     with np.load(npz) as exported:
@@ -88,7 +88,7 @@ def test_export_in_16_bits_rounds_the_masters(ckpt, tmp_path, dtype):
     out = hpcpar("ckpt", "export", str(ckpt), "--dtype", dtype, "--out", str(st), "--format", "safetensors")
     assert out.returncode == 0, out.stderr
     out = hpcpar("ckpt", "export", str(ckpt), "--dtype", dtype, "--out", str(npz))
-    masters = h5py.File(ckpt / "step-0000003" / checkpoint.INDEX, "r")["model/transformer.h.0.mlp.c_fc.weight"][()]
+    masters = h5py.File(ckpt / "step-0000003" / INDEX, "r")["model/transformer.h.0.mlp.c_fc.weight"][()]
     if dtype == "bfloat16":  # an .npz cannot record bfloat16: refused in one line
         assert out.returncode == 2 and "needs --format safetensors" in out.stderr and "Traceback" not in out.stderr
     else:

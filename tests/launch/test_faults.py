@@ -24,7 +24,9 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar.checkpoint import checkpoint
+from hpcpar.checkpoint.directory import latest as latest_checkpoint
+from hpcpar.checkpoint.format import INDEX
+from hpcpar.checkpoint.tools import verify
 from processes import alive
 
 PY = sys.executable
@@ -34,7 +36,7 @@ DRIVER = textwrap.dedent("""
     import os, signal, sys, time
     import numpy as np
     from mpi4py import MPI
-    from hpcpar.checkpoint import checkpoint
+    from hpcpar.checkpoint import save as saving
     from hpcpar.cli import main as cli
     from hpcpar.training import trainer as train
     from hpcpar.parallel.dp.data_parallel import DataParallel
@@ -95,7 +97,7 @@ DRIVER = textwrap.dedent("""
         train.Trainer._gather_step = skipping_gather
 
     if fault == "killsave" and rank == target:
-        write, saves = checkpoint._write_rank_file, {"n": 0}
+        write, saves = saving.write_rank_file, {"n": 0}
 
         def dying_write(path, items):
             saves["n"] += 1
@@ -104,7 +106,7 @@ DRIVER = textwrap.dedent("""
                     f.write(b"\\x89HDF\\r\\n\\x1a\\n" + bytes(1000))
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(path, items)
-        checkpoint._write_rank_file = dying_write
+        saving.write_rank_file = dying_write
 
     sys.exit(cli.main(["train", *sys.argv[1:]]))
 """)
@@ -142,7 +144,7 @@ def losses(run_dir) -> dict[int, float]:
 
 
 def tensors(ckpt: str) -> dict[str, np.ndarray]:
-    with h5py.File(os.path.join(ckpt, checkpoint.INDEX), "r") as f:
+    with h5py.File(os.path.join(ckpt, INDEX), "r") as f:
         out = {}
         f.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
     return out
@@ -175,7 +177,7 @@ def test_a_rank_killed_with_sigkill_ends_the_job(train, tmp_path):
     assert not survivors, f"ranks {survivors} outlived the job\n{job.output}"
 
 
-# Blocking ops wait in MPI's blocking calls or poll (comm.mpi_waits_block: polling where ranks share
+# Blocking ops wait in MPI's blocking calls or poll (waiting.mpi_waits_block: polling where ranks share
 # cores); either way a timeout gives one report and an abort.
 WAIT_MODES = pytest.mark.parametrize("wait", ["block", "poll"])
 
@@ -219,13 +221,13 @@ def test_sigterm_mid_step_checkpoints_exits_75_and_resumes_exactly(train, tmp_pa
     assert marker.read_text() == "75\n" and straight.returncode == 0
     assert "preemption signal received: saving a checkpoint at step 3" in job.output
     assert job.output.count("preemption signal received") == 1, job.output  # every rank agreed; rank 0 says so
-    assert checkpoint.latest(str(run / "checkpoints")).endswith("step-0000003")
+    assert latest_checkpoint(str(run / "checkpoints")).endswith("step-0000003")
     resumed = train("none", run, "train.steps=6", "checkpoint.resume=auto", kind)
     assert resumed.returncode == 0 and "resumed from" in resumed.output, resumed.output
     expected, got = losses(tmp_path / "straight"), losses(run)
     assert sorted(got) == list(range(6)) and got == expected  # bitwise: the same float64 losses
-    a = tensors(checkpoint.latest(str(tmp_path / "straight" / "checkpoints")))
-    b = tensors(checkpoint.latest(str(run / "checkpoints")))
+    a = tensors(latest_checkpoint(str(tmp_path / "straight" / "checkpoints")))
+    b = tensors(latest_checkpoint(str(run / "checkpoints")))
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
@@ -256,9 +258,9 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(train, tmp_path):
     run = tmp_path / "run"
     job = train("killsave", run, "train.steps=6", "checkpoint.every=2", FAULT_RANK="1")
     assert not job.timed_out and job.elapsed < 60 and job.returncode != 0, job.output
-    latest = checkpoint.latest(str(run / "checkpoints"))
+    latest = latest_checkpoint(str(run / "checkpoints"))
     assert latest is not None and latest.endswith("step-0000002"), os.listdir(run / "checkpoints")
-    assert checkpoint.verify(latest) == []
+    assert verify(latest) == []
     resumed = train("none", run, "train.steps=4", "checkpoint.resume=auto")
     assert resumed.returncode == 0 and "resumed from" in resumed.output and "at step 2" in resumed.output
 

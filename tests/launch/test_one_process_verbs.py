@@ -6,36 +6,23 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from hpcpar.checkpoint import checkpoint
+from hpcpar.checkpoint.directory import latest
 from hpcpar.data import prepare
 
+from tiny_run import texts_and_tiny_run
+
 PY = sys.executable
-REPO = pathlib.Path(__file__).resolve().parents[2]
-TINY = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=8", "train.micro_batch_size=1",
-        "train.microbatches=1", "train.steps=2", "train.warmup=0", "run.progress=false", "run.eval_every=0"]
 
 
 @pytest.fixture(scope="module")
 def place(tmp_path_factory) -> pathlib.Path:
     """Three text files in texts/ and a tiny trained run in run/ (one process)."""
-    tmp = tmp_path_factory.mktemp("one-process-verbs")
-    rng = np.random.default_rng(0)
-    (tmp / "texts").mkdir()
-    for i in range(3):
-        (tmp / "texts" / f"part{i}.txt").write_bytes(rng.integers(32, 127, size=3000, dtype=np.uint8).tobytes())
-    sets = [a for item in [*TINY, f"data.corpus={tmp / 'texts' / 'part0.txt'}", f"run.dir={tmp / 'run'}"]
-            for a in ("--set", item)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    made = subprocess.run([PY, "-m", "hpcpar", "train", *sets], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=120)
-    assert made.returncode == 0, made.stdout + made.stderr
-    return tmp
+    return texts_and_tiny_run(tmp_path_factory.mktemp("one-process-verbs"), files=3, size=3000, seed=0)
 
 
 def two_ranks(mpirun, *args: str):
@@ -61,7 +48,7 @@ def test_data_prepare_is_done_once_by_rank_0(mpirun, place, tmp_path):
 def test_ckpt_info_prints_once(mpirun, place):
     job = two_ranks(mpirun, "ckpt", "info", str(place / "run" / "checkpoints"))
     assert job.returncode == 0, job.output
-    step = checkpoint.latest(str(place / "run" / "checkpoints"))
+    step = latest(str(place / "run" / "checkpoints"))
     assert job.stdout.count(f"checkpoint {step}\n") == 1, job.output
     assert job.stderr == "", job.output
 

@@ -101,7 +101,7 @@ import os, signal, sys, time
 from mpi4py import MPI
 from hpcpar.cli import main as cli
 from hpcpar.training import trainer as train
-from hpcpar.parallel.ps.parameter_server import ParameterServer
+from hpcpar.parallel.ps.server import ParameterServer
 
 train_step = train.Trainer.train_step
 

@@ -19,7 +19,9 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar.checkpoint import checkpoint
+from hpcpar.checkpoint.directory import latest
+from hpcpar.checkpoint.format import INDEX, MANIFEST
+from hpcpar.checkpoint.tools import verify
 
 NP = 4
 TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "model.dtype=float64",
@@ -75,7 +77,7 @@ def metrics(run_dir):
 
 def tensors(ckpt_dir) -> dict:
     """Every global tensor of a checkpoint, read through index.h5 as one process would."""
-    with h5py.File(ckpt_dir / checkpoint.INDEX, "r") as f:
+    with h5py.File(ckpt_dir / INDEX, "r") as f:
         out = {}
         f.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
     return out
@@ -92,8 +94,8 @@ def test_resume_is_bitwise_exact(mpirun, tmp_path, corpus, case):
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(mpirun, straight, corpus, mesh + ["train.steps=4"])
     train(mpirun, split, corpus, mesh + ["train.steps=2"] + first_half)
-    assert checkpoint.latest(str(split / "checkpoints")) == str(split / "checkpoints" / "step-0000002")
-    storage = json.loads((split / "checkpoints" / "step-0000002" / checkpoint.MANIFEST).read_text()).get("storage")
+    assert latest(str(split / "checkpoints")) == str(split / "checkpoints" / "step-0000002")
+    storage = json.loads((split / "checkpoints" / "step-0000002" / MANIFEST).read_text()).get("storage")
     assert storage == ("shared" if first_half else "per_rank")
     job = train(mpirun, split, corpus, mesh + ["train.steps=4", "checkpoint.resume=auto"])
     assert "resumed from" in job.output and "at step 2" in job.output, job.output[-2000:]
@@ -110,8 +112,8 @@ def test_resume_is_bitwise_exact(mpirun, tmp_path, corpus, case):
     assert any(n.startswith("optim/") for n in a) and "model/transformer.wte.weight" in a
     for name in a:
         assert a[name].dtype == np.float64 and np.array_equal(a[name], b[name]), name
-    meta = json.loads(h5py.File(split / "checkpoints" / "step-0000004" / checkpoint.INDEX, "r").attrs["meta"])
+    meta = json.loads(h5py.File(split / "checkpoints" / "step-0000004" / INDEX, "r").attrs["meta"])
     assert meta["step"] == 4 and meta["optimizer_step"] == 4 and meta["data_position"]["next_step"] == 4
     if "async" in case:  # every=1: the step-1 save ran in the background and was committed
         assert (split / "checkpoints" / "step-0000001").is_dir()
-        assert checkpoint.verify(str(split / "checkpoints" / "step-0000001")) == []
+        assert verify(str(split / "checkpoints" / "step-0000001")) == []

@@ -7,7 +7,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpar import backend
-from hpcpar.checkpoint import checkpoint
+from hpcpar.checkpoint.format import INDEX
 
 WORLD = MPI.COMM_WORLD
 
@@ -33,7 +33,7 @@ def rel_err(a, b) -> float:
 def one_process_losses(overrides: list, steps: int, tokens) -> list:
     """The losses of steps 0 .. steps-1 of the config `overrides` on this rank alone (the
     single-process model the parallel runs are held to). Not collective."""
-    from hpcpar.config.config import load_config
+    from hpcpar.config.load import load_config
     from hpcpar.training.trainer import Trainer
     ref = Trainer(load_config(None, list(overrides)), MPI.COMM_SELF, tokens=tokens)
     losses = [ref.train_step(step).loss for step in range(steps)]
@@ -71,7 +71,7 @@ def stored(path: str) -> dict:
     """Every global tensor of a checkpoint, through index.h5 (each rank reads it)."""
     import h5py
     out = {}
-    with h5py.File(os.path.join(path, checkpoint.INDEX), "r", locking=False) as f:
+    with h5py.File(os.path.join(path, INDEX), "r", locking=False) as f:
         f.visititems(lambda n, obj: out.__setitem__(n, obj[()]) if isinstance(obj, h5py.Dataset) else None)
     return out
 

@@ -17,10 +17,15 @@ from mpi4py import MPI
 
 from collective import collective_assert
 
-from hpcpar.checkpoint import checkpoint
-from hpcpar.runtime.comm import Communicator
+from hpcpar.checkpoint.directory import latest
+from hpcpar.checkpoint.format import INDEX, MANIFEST
+from hpcpar.checkpoint.load import load
+from hpcpar.checkpoint.save import save
+from hpcpar.checkpoint.tools import verify
+from hpcpar.checkpoint.writers import assign_writers
 from hpcpar.errors import CheckpointError
-from hpcpar.layout import Layout
+from hpcpar.layout import Layout, bounds
+from hpcpar.runtime.comm import Communicator
 
 WORLD = MPI.COMM_WORLD
 COMM = Communicator(WORLD, "world")  # checkpoint functions take hpcpar Communicators
@@ -68,7 +73,7 @@ def save_layouts() -> dict[str, Layout]:
 def save_reference(directory: str, step: int = 1, comm=COMM, **kw) -> str:
     g = reference()
     tensors = {name: (layout.take(g[name]), layout) for name, layout in save_layouts().items()}
-    return checkpoint.save(directory, step, tensors, {"mesh": {"dp": DP, "tp": TP}}, comm, **kw)
+    return save(directory, step, tensors, {"mesh": {"dp": DP, "tp": TP}}, comm, **kw)
 
 
 def load_layouts(kind: str) -> dict[str, Layout]:
@@ -88,7 +93,7 @@ def load_layouts(kind: str) -> dict[str, Layout]:
 def test_reshard_on_load_is_bitwise(shared_dir, kind):
     path = save_reference(shared_dir)
     wanted = load_layouts(kind)
-    got, meta = checkpoint.load(shared_dir, wanted, COMM)
+    got, meta = load(shared_dir, wanted, COMM)
     g = reference()
     ok = all(got[n].dtype == g[n].dtype and np.array_equal(got[n], layout.take(g[n]))
              for n, layout in wanted.items())
@@ -118,7 +123,7 @@ def test_each_block_written_once_and_index_reads_globals(shared_dir):
                 ok, why = False, f"{name} written by {per_tensor[name]}"
         if TP == 2 and sorted(f for f, _ in per_tensor["model/a"]) != ["rank-00000.h5", "rank-00001.h5"]:
             ok, why = False, f"model/a written by {per_tensor['model/a']}, expected the dp=0 tp group"
-        with h5py.File(os.path.join(path, checkpoint.INDEX), "r") as f:
+        with h5py.File(os.path.join(path, INDEX), "r") as f:
             for name, a in g.items():
                 if not np.array_equal(f[name][()], a):
                     ok, why = False, f"index {name} differs from the global tensor"
@@ -130,7 +135,7 @@ def test_cart_comm_and_async_save(shared_dir):
     handle = save_reference(shared_dir, step=3, comm=cart, async_save=True)
     path = handle.wait()
     cart.free()
-    got, meta = checkpoint.load(path, load_layouts("split_all"), COMM)
+    got, meta = load(path, load_layouts("split_all"), COMM)
     g = reference()
     ok = all(np.array_equal(got[n], lay.take(g[n])) for n, lay in load_layouts("split_all").items())
     collective_assert(ok and meta["step"] == 3, "async save / cart comm round trip differs")
@@ -155,17 +160,17 @@ def test_only_the_rank_writing_a_block_touches_its_data(shared_dir, async_save):
     """dp replicas (and ranks 1.. of a replicated tensor) hand over arrays nobody may read: the
     save plans from shapes and regions, and only a block's writer snapshots it."""
     g = reference()
-    held = {n: (lay.global_shape, g[n].dtype.str, [checkpoint._region(b.glob) for b in lay.blocks])
+    held = {n: (lay.global_shape, g[n].dtype.str, [bounds(b.glob) for b in lay.blocks])
             for n, lay in save_layouts().items()}
-    plan = checkpoint.assign_writers(WORLD.allgather(held))
+    plan = assign_writers(WORLD.allgather(held))
     tensors = {}
     for name, layout in save_layouts().items():
         local = layout.take(g[name])
         writes = any(b.rank == RANK for b in plan[name].blocks)
         tensors[name] = (local if writes else _Untouchable(local), layout)
-    result = checkpoint.save(shared_dir, 2, tensors, {}, COMM, async_save=async_save)
+    result = save(shared_dir, 2, tensors, {}, COMM, async_save=async_save)
     path = result.wait() if async_save else result
-    got, _ = checkpoint.load(path, load_layouts("split_all"), COMM)
+    got, _ = load(path, load_layouts("split_all"), COMM)
     ok = all(np.array_equal(got[n], lay.take(g[n])) for n, lay in load_layouts("split_all").items())
     untouched = sum(isinstance(a, _Untouchable) for a, _ in tensors.values())
     counts = WORLD.allgather(untouched)
@@ -177,7 +182,7 @@ def test_keep_and_latest(shared_dir):
         save_reference(shared_dir, step=step, keep=2)
     entries = sorted(os.listdir(shared_dir))
     collective_assert(entries == ["latest", "step-0000002", "step-0000003"]
-                      and checkpoint.latest(shared_dir).endswith("step-0000003"), f"entries {entries}")
+                      and latest(shared_dir).endswith("step-0000003"), f"entries {entries}")
 
 
 @pytest.mark.parametrize("storage", ["per_rank", pytest.param("shared", marks=needs_parallel_h5py)])
@@ -185,7 +190,7 @@ def test_corrupt_shard_seen_by_one_rank_raises_everywhere(shared_dir, storage):
     path = save_reference(shared_dir, storage=storage)
     damaged = None
     if RANK == 0:  # flip a byte in the first block of model/a, wherever the index says it is
-        with h5py.File(os.path.join(path, checkpoint.INDEX), "r") as f:
+        with h5py.File(os.path.join(path, INDEX), "r") as f:
             block = json.loads(f["model/a"].attrs["sharding"])[0]
         damaged = block["file"]
         with h5py.File(os.path.join(path, damaged), "r") as f:  # rank files: contiguous; shared: chunked
@@ -202,9 +207,9 @@ def test_corrupt_shard_seen_by_one_rank_raises_everywhere(shared_dir, storage):
     wanted = ({"model/a": Layout.replicated(g["model/a"].shape)} if RANK == 0
               else {"model/ln.bias": Layout.replicated(g["model/ln.bias"].shape)})
     with pytest.raises(CheckpointError) as err:
-        checkpoint.load(path, wanted, COMM)
+        load(path, wanted, COMM)
     messages = WORLD.allgather(str(err.value))
-    problems = checkpoint.verify(path) if RANK == 0 else None  # one process reads every block back
+    problems = verify(path) if RANK == 0 else None  # one process reads every block back
     verified = RANK != 0 or (len(problems) == 1 and damaged in problems[0] and "model/a" in problems[0])
     collective_assert(len(set(messages)) == 1 and damaged in messages[0] and "model/a" in messages[0] and verified,
                       f"messages differ or miss file/tensor: {messages}; verify: {problems}")
@@ -214,7 +219,7 @@ def test_wrong_shape_on_one_rank_raises_everywhere(shared_dir):
     save_reference(shared_dir)
     wanted = {"model/ln.bias": Layout.replicated((13,) if RANK == SIZE - 1 else (12,))}
     with pytest.raises(CheckpointError, match=r"model/ln\.bias.*\[12\].*\[13\].*another model"):
-        checkpoint.load(shared_dir, wanted, COMM)
+        load(shared_dir, wanted, COMM)
 
 
 # ----------------------------------------------------------------------------------------
@@ -223,8 +228,8 @@ def test_wrong_shape_on_one_rank_raises_everywhere(shared_dir):
 
 def globals_of(path: str) -> dict[str, np.ndarray]:
     """Every global tensor of a checkpoint, read by hpcpar on one process."""
-    stored = json.load(open(os.path.join(path, checkpoint.MANIFEST)))["tensors"]
-    got, _ = checkpoint.load(path, {n: Layout.replicated(t["shape"]) for n, t in stored.items()}, Communicator.local())
+    stored = json.load(open(os.path.join(path, MANIFEST)))["tensors"]
+    got, _ = load(path, {n: Layout.replicated(t["shape"]) for n, t in stored.items()}, Communicator.local())
     return got
 
 
@@ -234,17 +239,17 @@ def test_shared_and_per_rank_load_into_each_other_bitwise(shared_dir):
     # shared, saved on (dp, tp): loads into every other layout
     shared = save_reference(os.path.join(shared_dir, "a"), storage="shared")
     for kind in ("replicated", "split_all", "other_dim"):
-        got, meta = checkpoint.load(shared, load_layouts(kind), COMM)
+        got, meta = load(shared, load_layouts(kind), COMM)
         ok = all(got[n].dtype == g[n].dtype and np.array_equal(got[n], lay.take(g[n]))
                  for n, lay in load_layouts(kind).items())
         collective_assert(ok and meta["mesh"] == {"dp": DP, "tp": TP}, f"shared -> {kind} differs")
     # -> per-rank files from another layout -> shared again from a third: the same global tensors
     other = load_layouts("other_dim")
-    got, _ = checkpoint.load(shared, other, COMM)
-    per_rank = checkpoint.save(os.path.join(shared_dir, "b"), 2, {n: (got[n], other[n]) for n in other}, {}, COMM)
+    got, _ = load(shared, other, COMM)
+    per_rank = save(os.path.join(shared_dir, "b"), 2, {n: (got[n], other[n]) for n in other}, {}, COMM)
     split = load_layouts("split_all")
-    got, _ = checkpoint.load(per_rank, split, COMM)
-    again = checkpoint.save(os.path.join(shared_dir, "c"), 3, {n: (got[n], split[n]) for n in split}, {}, COMM,
+    got, _ = load(per_rank, split, COMM)
+    again = save(os.path.join(shared_dir, "c"), 3, {n: (got[n], split[n]) for n in split}, {}, COMM,
                     storage="shared")
     ok, why = True, ""
     if RANK == 0:
@@ -252,7 +257,7 @@ def test_shared_and_per_rank_load_into_each_other_bitwise(shared_dir):
         for name, ref in g.items():
             if not all(x[name].dtype == ref.dtype and np.array_equal(x[name], ref) for x in (a, b, c)):
                 ok, why = False, f"{name} differs after shared -> per_rank -> shared"
-        if sorted(os.listdir(shared)) != [checkpoint.INDEX, checkpoint.MANIFEST] or not any(
+        if sorted(os.listdir(shared)) != [INDEX, MANIFEST] or not any(
                 f.startswith("rank-") for f in os.listdir(per_rank)):
             ok, why = False, f"files: {os.listdir(shared)} / {os.listdir(per_rank)}"
     collective_assert(ok, why)
@@ -264,7 +269,7 @@ def test_shared_file_reads_as_globals_with_plain_h5py_and_h5dump(shared_dir):
     ok, why = True, ""
     if RANK == 0:
         g = reference()
-        index = os.path.join(path, checkpoint.INDEX)
+        index = os.path.join(path, INDEX)
         with h5py.File(index, "r") as f:  # real datasets, not virtual: the data is in this one file
             for name, a in g.items():
                 if f[name].is_virtual or not np.array_equal(f[name][()], a):

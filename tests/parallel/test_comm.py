@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcpar.runtime import comm as comm_module
+from hpcpar.runtime import transports
 from hpcpar.runtime import watchdog
 from hpcpar.runtime.comm import Communicator
 
@@ -68,16 +68,16 @@ def split_world(monkeypatch):
     """(a polling Communicator whose every all_reduce into a new result of at least one element
     per rank runs as reduce-scatter + all-gather, the list of those split all-reduces)."""
     monkeypatch.setenv("HPCPAR_MPI_WAIT", "poll")  # blocking waits keep MPI's own all-reduce
-    monkeypatch.setattr(comm_module, "_SPLIT_ALL_REDUCE_BYTES", 1)
+    monkeypatch.setattr(transports, "_SPLIT_ALL_REDUCE_BYTES", 1)
     splits = []
 
-    class Counted(comm_module._SplitAllReduce):
+    class Counted(transports._SplitAllReduce):
         __slots__ = ()
 
         def __init__(self, *args):
             splits.append(args[1].shape)
             super().__init__(*args)
-    monkeypatch.setattr(comm_module, "_SplitAllReduce", Counted)
+    monkeypatch.setattr(transports, "_SplitAllReduce", Counted)
     comm = Communicator(MPI.COMM_WORLD.Dup(), "split")
     yield comm, splits
     comm.free()
@@ -338,8 +338,8 @@ def test_a_missing_peer_raises_comm_timeout_instead_of_hanging():
 def test_dtypes_without_an_mpi_type_reduce_in_float32(world, monkeypatch):
     # Pretend MPI has no float16 (as for bfloat16, or float16 on MPIs without it): the
     # reductions must upcast, reduce, and cast back; data movement goes as raw bytes.
-    from hpcpar import backend
-    monkeypatch.setitem(backend._mpi_types, np.dtype(np.float16), None)
+    from hpcpar.runtime import buffers
+    monkeypatch.setitem(buffers._mpi_types, np.dtype(np.float16), None)
     parts = everyone((2 * N, 3), np.float16, seed=5)
     expected = reference_reduce(parts, "sum", np.float16)
     assert_matches(world.all_reduce(parts[world.rank], op="sum"), expected, np.float16)

@@ -29,7 +29,7 @@ from mpi4py import MPI
 from collective import collective_assert, rel_err, stored
 from compression_reference import ref_int8, ref_powersgd, ref_topk, run_steps
 
-from hpcpar.config import config
+from hpcpar.config.load import load_config
 from hpcpar.runtime.comm import Communicator
 from hpcpar.parallel.dp.compression.compressors import BucketSpec, Int8, SpecSlot, TopK
 from hpcpar.parallel.dp.compression.powersgd import PowerSGD, initial_q
@@ -174,7 +174,7 @@ TOKENS = np.random.default_rng(5).integers(32, 127, size=20_000, dtype=np.uint8)
 def make_trainer(layout, *extra: str) -> Trainer:
     dp, tp, pp, zero, replicate, schedule = layout
     chunks = 2 if schedule == "interleaved" else 1
-    cfg = config.load_config(None, TINY + [f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"train.zero={zero}",
+    cfg = load_config(None, TINY + [f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"train.zero={zero}",
                                            f"mesh.dp_replicate={replicate}", f"pipeline.schedule={schedule}",
                                            f"pipeline.chunks={chunks}", f"train.micro_batch_size={4 // dp}",
                                            *extra])

@@ -4,7 +4,7 @@ Run: mpiexec -n 4 python -m pytest tests/parallel/test_context.py (also -n 1, 2,
 do not fit the world are skipped on every rank alike).
 
 - ops: ring attention (zigzag and contiguous layouts) and Ulysses, forward and backward, equal
-  `ops.causal_attention` on the whole sequence; the ring posts its messages before the block's
+  `causal_attention` on the whole sequence; the ring posts its messages before the block's
   attention and waits after it; Ulysses' all-to-all is the adjoint of its backward.
 - training: cp = world (each design), cp x dp (ZeRO-1 too), cp x tp (+ sequence parallelism) and
   cp x pp, dropout on, match a one-process Trainer (COMM_SELF) on the same global batch to 1e-10
@@ -23,10 +23,10 @@ from mpi4py import MPI
 
 from collective import collective_assert, one_step_trace, rel_err, stored, training_problems
 
-from hpcpar.checkpoint import checkpoint
-from hpcpar.autograd import ops
+from hpcpar.checkpoint.directory import latest
+from hpcpar.autograd.attention import causal_attention
 from hpcpar.runtime.comm import Communicator
-from hpcpar.config.config import load_config
+from hpcpar.config.load import load_config
 from hpcpar.parallel.cp.attention import ContextParallel, all_to_all_dim, positions
 from hpcpar.autograd.tensor import Tensor
 from hpcpar.training.trainer import Trainer
@@ -70,7 +70,7 @@ def test_attention_matches_the_whole_sequence(cp_world, impl, layout):
     rng = np.random.default_rng(11)
     qkv, g = rng.standard_normal((b, t, 3 * h * d)), rng.standard_normal((b, t, h * d))
     whole = Tensor(qkv.copy(), requires_grad=True)
-    want = ops.causal_attention(whole, h)
+    want = causal_attention(whole, h)
     want.backward(g)
     cp = ContextParallel(cp_world, impl, layout)
     mine = cp.positions(t)
@@ -229,14 +229,14 @@ def test_checkpoint_of_a_cp_run_loads_on_cp_1_and_back(shared_dir):
     old_params = old.global_parameters()
 
     single = make_trainer(1, 1, 1, 1, "ring", [], comm=MPI.COMM_SELF)   # each rank: a 1-process run
-    single.load(checkpoint.latest(os.path.join(shared_dir, "cp")))
+    single.load(latest(os.path.join(shared_dir, "cp")))
     resaved = stored(single.save(os.path.join(shared_dir, f"single-{RANK}"), keep=1))
     problems = [n for n in original if not np.array_equal(original[n], resaved.get(n))]
     single_losses = [single.train_step(s).loss for s in (2, 3)]
     single_params = single.global_parameters()
 
     back = make_trainer(1, 1, 1, SIZE, impl_back, [])
-    meta = back.load(checkpoint.latest(os.path.join(shared_dir, "single-0")))
+    meta = back.load(latest(os.path.join(shared_dir, "single-0")))
     problems += [f"back: {n}" for n, p in back.global_parameters().items()
                  if not np.array_equal(p, original[f"model/{n}"])]
     back_losses = [back.train_step(s).loss for s in (2, 3)]

@@ -21,7 +21,7 @@ from collective import collective_assert, host
 
 from hpcpar.interop import huggingface, safetensors
 from hpcpar.data import prepare
-from hpcpar.config.config import load_config
+from hpcpar.config.load import load_config
 from hpcpar.nn import GPTConfig
 from hpcpar.training.trainer import Trainer
 

@@ -21,7 +21,7 @@ from hpcpar.data import corpus
 from hpcpar.runtime.mesh import Mesh
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.optim.optimizers import AdamW, clip_grad_norm
-from hpcpar.parallel.dp.data_parallel import DataParallel
+from hpcpar.parallel.dp.sync import make_gradient_sync
 from hpcpar.autograd.tensor import Tensor
 
 WORLD = MPI.COMM_WORLD
@@ -80,8 +80,8 @@ class Setup:
         self.model = GPT(self.cfg, tp_comm=self.mesh.comm("tp"), layers=layers, embed=stage == 0,
                          head=stage == stages - 1, seed=SEED)
         self.named = list(self.model.named_parameters())
-        self.dp = DataParallel(self.named, self.mesh, bucket_mb=bucket_mb, compression=compression, zero=zero,
-                               make_optimizer=make_optimizer)
+        self.dp = make_gradient_sync(self.named, self.mesh, bucket_mb=bucket_mb, compression=compression, zero=zero,
+                                     make_optimizer=make_optimizer)
 
     def backward_microbatch(self, step: int, j: int, m: int) -> float:
         """Forward and backward of micro-batch j (loss scaled by 1/m); the loss on the last stage, else 0."""
@@ -246,8 +246,8 @@ def test_compressed_wire_close_to_exact_and_identical_on_replicas(wire, zero):
 # -- through the Trainer (pipeline executor + DataParallel as the training loop uses them) ------
 
 def trainer_config(dp: int, tp: int, pp: int, mbs: int, m: int, zero: int, extra: tuple = ()):
-    from hpcpar.config import config
-    return config.load_config(None, list(extra) + [
+    from hpcpar.config.load import load_config
+    return load_config(None, list(extra) + [
         f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"train.micro_batch_size={mbs}",
         f"train.microbatches={m}", f"train.zero={zero}", f"train.bucket_mb={BUCKET_MB}", "train.steps=5",
         "train.warmup=2", f"train.grad_clip={CLIP}", f"train.seed={SEED}", "model.dtype=\"float64\"",

@@ -11,9 +11,10 @@ from mpi4py import MPI
 
 from hpcpar import backend
 from hpcpar.cli import info
-from hpcpar.runtime import mesh
+from hpcpar.runtime import topology
 from hpcpar.errors import MeshError
-from hpcpar.runtime.mesh import Mesh, Placement
+from hpcpar.runtime.mesh import Mesh
+from hpcpar.runtime.topology import Placement
 
 N = MPI.COMM_WORLD.Get_size()
 ONE = lambda n: [[r] for r in range(n)]  # noqa: E731 - every rank alone
@@ -205,9 +206,9 @@ def test_ep_must_divide_dp_shard():
 
 def test_info_fills_dp_with_the_config_rule():
     # `hpcpar info`: tp and pp left out are 1, dp left out fills the world as the config's dp = 0 does.
-    assert mesh.resolve_degrees(12, 0, 2, 3) == (2, 2, 3, 1)
-    assert mesh.resolve_degrees(8, 2, 4, 1) == (2, 4, 1, 1)
-    assert mesh.resolve_degrees(8, 0, 2, 1, 2) == (2, 2, 1, 2)
+    assert topology.resolve_degrees(12, 0, 2, 3) == (2, 2, 3, 1)
+    assert topology.resolve_degrees(8, 2, 4, 1) == (2, 4, 1, 1)
+    assert topology.resolve_degrees(8, 0, 2, 1, 2) == (2, 2, 1, 2)
     with pytest.raises(MeshError, match=rf"mesh tp={N + 1} x pp=1 = {N + 1} does not divide the world size {N}"):
         info.report(tp=N + 1)
     with pytest.raises(MeshError, match=f"mesh pp=0: pp must be a positive integer \\(dp fills the rest of the {N}"):

@@ -31,9 +31,9 @@ from mpi4py import MPI
 from collective import collective_assert, host, run_and_free, stored, training_problems
 
 from hpcpar import backend
-from hpcpar.config import config
-from hpcpar.autograd import ops
+from hpcpar.config.load import load_config
 from hpcpar.runtime.comm import Communicator
+from hpcpar.nn import moe as moe_layer
 from hpcpar.parallel.mappings import all_to_all_v
 from hpcpar.autograd.tensor import Tensor
 from hpcpar.training.trainer import Trainer
@@ -67,7 +67,7 @@ def layouts(world: int) -> list:
 
 
 def make(overrides, comm=WORLD, microbatches=2) -> Trainer:
-    cfg = config.load_config(None, TINY + [f"train.micro_batch_size={MBS}", f"train.microbatches={microbatches}"]
+    cfg = load_config(None, TINY + [f"train.micro_batch_size={MBS}", f"train.microbatches={microbatches}"]
                              + overrides)
     return Trainer(cfg, comm=comm, tokens=TOKENS)
 
@@ -145,12 +145,12 @@ def test_experts_without_tokens_match_single_process(overrides, monkeypatch):
     parameter equal the one-process model's to 1e-10 in float64, also with capacity dropping."""
     overrides = STARVE + overrides
     seen = []                                                # rows per local expert, every call
-    grouped_linear = ops.grouped_linear
+    grouped_linear = moe_layer.grouped_linear
 
     def spy(x, weight, bias, counts):
         seen.append([int(c) for c in counts])
         return grouped_linear(x, weight, bias, counts)
-    monkeypatch.setattr(ops, "grouped_linear", spy)
+    monkeypatch.setattr(moe_layer, "grouped_linear", spy)
     results, params, dp = run_and_free(favour(make(overrides)), STEPS)
     monkeypatch.undo()
     model = tuple(o for o in overrides if o.startswith("model."))

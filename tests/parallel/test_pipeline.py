@@ -16,8 +16,8 @@ from mpi4py import MPI
 
 from collective import collective_assert, one_step_trace, rel_err, training_problems
 
-from hpcpar.config.config import load_config
-from hpcpar.parallel.pp import schedules
+from hpcpar.config.load import load_config
+from hpcpar.parallel.pp import schedules, simulate
 from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
@@ -87,14 +87,14 @@ def test_pipeline_messages_through_host_match_single_process():
                                                 (2, 2, 1, "1f1b", 2, False)])
 def test_training_with_every_all_reduce_split_matches_single_process(dp, tp, pp, name, m, sp, monkeypatch):
     # Every polled all-reduce into a new array (tensor-parallel activations and gradients, the
-    # step's reductions) as reduce-scatter + all-gather (hpcpar.runtime.comm._SplitAllReduce), which runs
+    # step's reductions) as reduce-scatter + all-gather (hpcpar.runtime.transports._SplitAllReduce), which runs
     # from 1 MiB up otherwise: at this size never.
-    import hpcpar.runtime.comm
+    import hpcpar.runtime.transports
     monkeypatch.setenv("HPCPAR_MPI_WAIT", "poll")
-    monkeypatch.setattr(hpcpar.runtime.comm, "_SPLIT_ALL_REDUCE_BYTES", 1)
+    monkeypatch.setattr(hpcpar.runtime.transports, "_SPLIT_ALL_REDUCE_BYTES", 1)
     made = []
-    monkeypatch.setattr(hpcpar.runtime.comm, "_SplitAllReduce",
-                        lambda *args, split=hpcpar.runtime.comm._SplitAllReduce: made.append(1) or split(*args))
+    monkeypatch.setattr(hpcpar.runtime.transports, "_SplitAllReduce",
+                        lambda *args, split=hpcpar.runtime.transports._SplitAllReduce: made.append(1) or split(*args))
     check_training(dp, tp, pp, name, m, 1, sp)
     collective_assert(bool(made), "no all-reduce was split")
 
@@ -110,7 +110,7 @@ def check_training(dp, tp, pp, name, m, chunks, sp, host_messages=False):
 
     problems = training_problems(results, ref_steps, trainer.global_parameters(), ref_params, RTOL)
     # The activations the executor held at once are the simulator's count for this rank.
-    every_rank = schedules.simulate(schedules.build(name, pp, m, chunks), placement=trainer.placement)
+    every_rank = simulate.simulate(schedules.build(name, pp, m, chunks), placement=trainer.placement)
     predicted = every_rank.peak_stash[trainer.executor.pp_rank]
     if trainer.executor.peak_stash != predicted:
         problems.append(f"peak stash {trainer.executor.peak_stash} chunk activations, simulator {predicted}")

@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 from collective import collective_assert, training_problems
 
-from hpcpar.config.config import load_config
+from hpcpar.config.load import load_config
 from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from collective import collective_assert, host, stored
 
-from hpcpar.config import config
+from hpcpar.config.load import load_config
 from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(SIZE not in LAYOUTS, reason="needs 2, 3 or 4 ran
 
 def make_trainer(layout, tokens) -> Trainer:
     dp, tp, pp, zero, name = (*layout, "1f1b")[:5]
-    cfg = config.load_config(None, TINY + [f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"train.zero={zero}",
+    cfg = load_config(None, TINY + [f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"train.zero={zero}",
                                            f"pipeline.schedule={name}",
                                            f"train.micro_batch_size={SEQUENCES_PER_MICROBATCH[SIZE] // dp}"])
     return Trainer(cfg, WORLD, tokens=tokens)

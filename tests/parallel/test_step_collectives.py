@@ -31,7 +31,7 @@ from mpi4py import MPI
 from collective import collective_assert, one_process_losses
 
 from hpcpar.runtime.comm import bytes_sent
-from hpcpar.config.config import load_config
+from hpcpar.config.load import load_config
 from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
@@ -199,7 +199,7 @@ def test_parameter_server_workers_with_sequence_parallelism():
     `finish_backward`) to two synchronous servers: the one-process losses."""
     if SIZE != 4:
         pytest.skip("a tp = 2 worker and 2 servers: 4 ranks")
-    from hpcpar.training.trainer import build
+    from hpcpar.training.run import build
     overrides = ["model.n_layer=2", "train.microbatches=2", "mesh.dp=1", "mesh.pp=1"]
     rank = build(load_config(None, TINY + overrides + ["ps.servers=2", "mesh.tp=2", "mesh.sequence_parallel=true"]),
                  WORLD, tokens=TOKENS)
@@ -238,10 +238,10 @@ def test_the_executor_reads_the_losses_once_per_step(monkeypatch):
 @pytest.mark.parametrize("sp", [False, True])
 def test_dropout_draws_only_this_ranks_rows(monkeypatch, sp):
     """tp = 2: with sequence parallelism every mask drawn has T/tp rows (this rank's of the whole
-    sequence's mask, `ops.counter_uniform(rows=...)`), without it T (the activations are whole)."""
+    sequence's mask, `splitmix.counter_uniform(rows=...)`), without it T (the activations are whole)."""
     if SIZE % 2:
         pytest.skip("tp = 2")
-    from hpcpar.autograd import ops
+    from hpcpar.backend import splitmix
     from hpcpar.runtime.mesh import Mesh
     from hpcpar.nn import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, dtype="float64", dropout=0.1)
@@ -249,8 +249,8 @@ def test_dropout_draws_only_this_ranks_rows(monkeypatch, sp):
     model = GPT(cfg, tp_comm=mesh.comm("tp"), sequence_parallel=sp, seed=1)
     model.rng_context = (1, 0, [0, 1])
     drawn = []
-    draw = ops.counter_uniform
-    monkeypatch.setattr(ops, "counter_uniform", lambda *a, **k: (lambda u: (drawn.append(u.shape), u)[1])(draw(*a, **k)))
+    draw = splitmix.counter_uniform
+    monkeypatch.setattr(splitmix, "counter_uniform", lambda *a, **k: (lambda u: (drawn.append(u.shape), u)[1])(draw(*a, **k)))
     x = np.random.default_rng(0).integers(0, 64, (2, 8))
     model(x, x).backward()
     mesh.free()

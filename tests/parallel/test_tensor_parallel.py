@@ -110,15 +110,15 @@ def test_gpt_loss_logits_and_grads_match_single_process(groups, sp, dropout):
 @pytest.mark.parametrize("sp", [False, True])
 def test_split_all_reduces_match_single_process(tp, sp, monkeypatch):
     # Every tp all-reduce of activations and their gradients as reduce-scatter + all-gather
-    # (hpcpar.runtime.comm._SplitAllReduce, normally from 1 MiB up and when polling).
+    # (hpcpar.runtime.transports._SplitAllReduce, normally from 1 MiB up and when polling).
     if SIZE % tp:
         pytest.skip(f"tp={tp} does not divide {SIZE} ranks")
-    import hpcpar.runtime.comm
+    import hpcpar.runtime.transports
     monkeypatch.setenv("HPCPAR_MPI_WAIT", "poll")
-    monkeypatch.setattr(hpcpar.runtime.comm, "_SPLIT_ALL_REDUCE_BYTES", 1)
+    monkeypatch.setattr(hpcpar.runtime.transports, "_SPLIT_ALL_REDUCE_BYTES", 1)
     made = []
-    monkeypatch.setattr(hpcpar.runtime.comm, "_SplitAllReduce",
-                        lambda *args, split=hpcpar.runtime.comm._SplitAllReduce: made.append(1) or split(*args))
+    monkeypatch.setattr(hpcpar.runtime.transports, "_SplitAllReduce",
+                        lambda *args, split=hpcpar.runtime.transports._SplitAllReduce: made.append(1) or split(*args))
     mesh = Mesh(dp=SIZE // tp, tp=tp, comm=WORLD)
     x, y = batch(3, seed=12)
     reference = GPT(CFG, seed=SEED)

@@ -20,9 +20,10 @@ from mpi4py import MPI
 
 from collective import collective_assert
 
-from hpcpar.config.config import load_config
+from hpcpar.config.load import load_config
 from hpcpar.errors import HpcparError
-from hpcpar.training.trainer import StepResult, Trainer
+from hpcpar.training.trainer import Trainer
+from hpcpar.training.update import StepResult
 
 WORLD = MPI.COMM_WORLD
 TINY = ["model.n_layer=2", "model.n_embd=16", "model.n_head=2", "model.block_size=8", "model.dtype=float64",

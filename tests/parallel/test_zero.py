@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from collective import collective_assert, host, run_and_free, stored
 
-from hpcpar.config import config
+from hpcpar.config.load import load_config
 from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
@@ -103,7 +103,7 @@ def _value(overrides, key, default):
 
 def make(overrides, comm=WORLD, mbs=MBS) -> Trainer:
     m = _value(overrides, "train.microbatches", 3)
-    cfg = config.load_config(None, TINY + [f"train.micro_batch_size={mbs}", f"train.microbatches={m}"] + overrides)
+    cfg = load_config(None, TINY + [f"train.micro_batch_size={mbs}", f"train.microbatches={m}"] + overrides)
     return Trainer(cfg, comm=comm, tokens=TOKENS)
 
 
@@ -316,7 +316,7 @@ def test_non_finite_step_is_skipped_and_names_a_parameter(zero):
 # -- a padded vocabulary (tp does not divide it) inside ZeRO shards ----------------------------------
 
 class _PoisonedEmpty:
-    """numpy for `hpcpar.checkpoint.checkpoint`, except that `np.empty` returns NaN: a load that left an
+    """numpy for `hpcpar.checkpoint.load`, except that `np.empty` returns NaN: a load that left an
     element no stored block covers unwritten shows up, whatever memory the allocator hands out."""
 
     def __getattr__(self, name):
@@ -353,7 +353,7 @@ def test_padded_vocabulary_rows_stay_zero_in_zero_shards_and_checkpoints(zero, s
     checkpoint holds no padding; loading it into zero=3 flat shards (and zero=1 whole parameters)
     zero-fills the padding although the assembly buffer starts as NaN, and training goes on like
     the saving run."""
-    from hpcpar.checkpoint import checkpoint
+    from hpcpar.checkpoint import load as loading
     mesh = ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1"] if SIZE == 4 else ["mesh.dp=1", "mesh.tp=2", "mesh.pp=1"]
     extra = mesh + [PADDED_VOCAB, "train.microbatches=1"]
     t = make(extra + [f"train.zero={zero}"])
@@ -367,7 +367,7 @@ def test_padded_vocabulary_rows_stay_zero_in_zero_shards_and_checkpoints(zero, s
     collective_assert(not problems and sum(WORLD.allgather(padding)) > 0 and
                       all(s == (257, 16) for s in shapes.values()),
                       f"zero={zero}: {problems[:3]}; padding {padding}; stored {shapes}")
-    monkeypatch.setattr(checkpoint, "np", _PoisonedEmpty())
+    monkeypatch.setattr(loading, "np", _PoisonedEmpty())
     for target in (3, 1):
         new = make(extra + [f"train.zero={target}"])
         new.load(path)
@@ -396,14 +396,14 @@ def test_evaluation_on_an_hsdp_mesh_matches_one_rank(shared_dir):
     WORLD.barrier()
     data = [f"data.corpus={corpus}", "data.format=bytes", "train.microbatches=2"]
     hsdp = [f"mesh.dp={SIZE}", "mesh.pp=1", f"mesh.dp_replicate={replicate}", "train.zero=3"]
-    cfg = config.load_config(None, TINY + data + hsdp + [f"train.micro_batch_size={MBS}"])
+    cfg = load_config(None, TINY + data + hsdp + [f"train.micro_batch_size={MBS}"])
     t = Trainer(cfg, comm=WORLD)
     for step in range(2):
         t.train_step(step)
     path = t.save(os.path.join(shared_dir, "ckpt"), keep=1)
     mine = (t.evaluate(2), evaluate.evaluate(t, t.val_tokens)["loss"], t.mesh.size("dp_replicate"))
     t.mesh.free()
-    one_cfg = config.load_config(None, TINY + data + ["mesh.dp=1", "mesh.pp=1", f"train.micro_batch_size={MBS * SIZE}"])
+    one_cfg = load_config(None, TINY + data + ["mesh.dp=1", "mesh.pp=1", f"train.micro_batch_size={MBS * SIZE}"])
     one = Trainer(one_cfg, comm=MPI.COMM_SELF)
     one.load(path, weights_only=True)
     want = (one.evaluate(2), evaluate.evaluate(one, one.val_tokens)["loss"])

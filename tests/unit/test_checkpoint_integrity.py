@@ -16,10 +16,13 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar.checkpoint import checkpoint
-from hpcpar.runtime.comm import Communicator
+from hpcpar.checkpoint.format import INDEX, MANIFEST
+from hpcpar.checkpoint.load import load
+from hpcpar.checkpoint.save import save
+from hpcpar.checkpoint.tools import verify
 from hpcpar.errors import CheckpointError
 from hpcpar.layout import Layout
+from hpcpar.runtime.comm import Communicator
 
 COMM = Communicator.local()
 
@@ -34,14 +37,14 @@ def tensors():
     }
 
 
-@pytest.mark.parametrize("storage,file", [("per_rank", "rank-00000.h5"), ("per_rank", checkpoint.INDEX),
-                                          ("per_rank", checkpoint.MANIFEST),
-                                          pytest.param("shared", checkpoint.INDEX, marks=pytest.mark.skipif(
+@pytest.mark.parametrize("storage,file", [("per_rank", "rank-00000.h5"), ("per_rank", INDEX),
+                                          ("per_rank", MANIFEST),
+                                          pytest.param("shared", INDEX, marks=pytest.mark.skipif(
                                               not h5py.get_config().mpi, reason="h5py is not built with MPI: "
                                               "no shared-file checkpoints (parallel HDF5)"))])
 def test_flipped_bytes_are_caught_or_harmless(tmp_path, storage, file):
     glob = tensors()
-    path = checkpoint.save(str(tmp_path), 4, {n: (a, Layout.replicated(a.shape)) for n, a in glob.items()},
+    path = save(str(tmp_path), 4, {n: (a, Layout.replicated(a.shape)) for n, a in glob.items()},
                    {"note": "integrity", "count": 12345}, COMM, storage=storage)
     wanted = {n: Layout.replicated(a.shape) for n, a in glob.items()}
     target = os.path.join(path, file)
@@ -54,10 +57,10 @@ def test_flipped_bytes_are_caught_or_harmless(tmp_path, storage, file):
         with open(target, "wb") as f:
             f.write(damaged)
         try:
-            got, meta = checkpoint.load(path, wanted, COMM)
+            got, meta = load(path, wanted, COMM)
         except CheckpointError:
             caught += 1
-            assert checkpoint.verify(path), f"offset {offset}: load fails but verify finds nothing"
+            assert verify(path), f"offset {offset}: load fails but verify finds nothing"
             continue
         same = all(got[n].dtype == a.dtype and np.array_equal(got[n], a) for n, a in glob.items())
         silent += not (same and meta["count"] == 12345 and meta["step"] == 4)
@@ -65,4 +68,4 @@ def test_flipped_bytes_are_caught_or_harmless(tmp_path, storage, file):
         f.write(original)
     assert silent == 0, f"{silent} flipped bytes in {file} changed what loads without an error"
     assert caught > 0
-    assert checkpoint.verify(path) == []
+    assert verify(path) == []

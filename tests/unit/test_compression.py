@@ -24,7 +24,8 @@ import pytest
 from compression_reference import ref_int8, ref_orthogonalize, ref_powersgd, ref_topk, run_steps
 from test_data_parallel import run_ranks
 
-from hpcpar.config import config
+from hpcpar.config.load import load_config, loads, to_toml
+from hpcpar.config.sections import COMPRESSION_KINDS, WIRE_DTYPE_ALIAS, Config
 from hpcpar.runtime.comm import bytes_sent
 from hpcpar.errors import ConfigError
 from hpcpar.parallel.dp.compression import compressors
@@ -354,15 +355,15 @@ def test_bad_compression_arguments_are_one_line_errors(kw, match):
 
 
 def test_config_keys_and_the_grad_wire_dtype_alias():
-    assert config.COMPRESSION_KINDS == compressors.KINDS
-    assert config.WIRE_DTYPE_ALIAS == compressors.WIRE_DTYPE_KINDS
-    assert config.load_config(None, ["train.grad_wire_dtype=float16"]).train.grad_compression == "fp16"
-    assert config.load_config(None, ["train.grad_wire_dtype=bfloat16"]).train.grad_compression == "bf16"
-    kept = config.load_config(None, ["train.grad_compression=int8", "train.grad_wire_dtype=float32"])
+    assert COMPRESSION_KINDS == compressors.KINDS
+    assert WIRE_DTYPE_ALIAS == compressors.WIRE_DTYPE_KINDS
+    assert load_config(None, ["train.grad_wire_dtype=float16"]).train.grad_compression == "fp16"
+    assert load_config(None, ["train.grad_wire_dtype=bfloat16"]).train.grad_compression == "bf16"
+    kept = load_config(None, ["train.grad_compression=int8", "train.grad_wire_dtype=float32"])
     assert kept.train.grad_compression == "int8"  # float32 was the old default: it means nothing
-    old = config.to_toml(config.Config()).replace('grad_compression = "none"', 'grad_wire_dtype = "float32"')
-    assert config.loads(old).train.grad_compression == "none"  # configs saved before the new key load
-    assert "grad_wire_dtype" not in config.to_toml(config.Config())
-    c = config.Config()
+    old = to_toml(Config()).replace('grad_compression = "none"', 'grad_wire_dtype = "float32"')
+    assert loads(old).train.grad_compression == "none"  # configs saved before the new key load
+    assert "grad_wire_dtype" not in to_toml(Config())
+    c = Config()
     assert (c.train.grad_compression, c.train.compression_ratio, c.train.powersgd_rank, c.train.error_feedback,
             c.train.compression_start_step, c.train.int8_block_size) == ("none", 0.01, 4, True, 0, 256)

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from hpcpar import schema
-from hpcpar.config import config
-from hpcpar.config.config import Config, ConfigError, doubts, load_config, to_toml, validate
-from hpcpar.errors import HpcparError, MeshError
-from hpcpar.runtime.mesh import resolve_degrees
+from hpcpar.config.load import load_config, loads, to_dict, to_toml
+from hpcpar.config.memory import estimate_memory, memory_parts, stage_parameters, stage_units
+from hpcpar.config.sections import SECTIONS, Config, DataConfig
+from hpcpar.config.validate import _RANGES, doubts, validate
+from hpcpar.errors import ConfigError, HpcparError, MeshError
+from hpcpar.runtime.topology import resolve_degrees
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.parallel.tp import layers as tensor_parallel
 
@@ -255,7 +257,7 @@ def test_bad_mesh(overrides, world, fragment):
 
 def test_every_range_rule_is_tested():
     tested = {o.split("=")[0] for overrides, _, _ in BAD for o in overrides[:1]}
-    untested = [name for name, _, _ in config._RANGES if name not in tested and name not in ("mesh.dp", "mesh.pp")]
+    untested = [name for name, _, _ in _RANGES if name not in tested and name not in ("mesh.dp", "mesh.pp")]
     assert untested == []
 
 
@@ -308,7 +310,7 @@ def test_preset_fills_the_keys_not_given():
     m = cfg.model
     assert (m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias) == (50257, 1024, 2, 12, 768, True)
     assert load_config(None, ["model.preset=gpt2"]).model.num_params() == 124_439_808   # GPT-2 small
-    assert config.loads(to_toml(cfg)) == cfg       # written out whole: the round trip needs no preset logic
+    assert loads(to_toml(cfg)) == cfg       # written out whole: the round trip needs no preset logic
     assert load_config(None, ["model.preset=\"\""]).model == GPTConfig()
 
 
@@ -326,8 +328,8 @@ def test_bf16_is_refused_on_cupy_and_the_reduce_dtype_folds_into_compression():
 
 def test_doubts_are_listed_not_logged_by_validate(caplog):
     # validate runs for every planner candidate and more than once per run: it warns about nothing;
-    # the run logs config.doubts once, on rank 0.
-    with caplog.at_level(logging.WARNING, logger="hpcpar.config.config"):
+    # the run logs doubts once, on rank 0.
+    with caplog.at_level(logging.WARNING, logger="hpcpar.config.validate"):
         warm = _validate(["train.warmup=10", "train.steps=10"])
         bubble = _validate(["train.microbatches=1"], world=4)
         idle = _validate(["train.grad_compression=int8"], world=1)
@@ -464,7 +466,7 @@ def test_unreadable_file(tmp_path):
 def test_non_utf8_path_rejected_by_validate():
     # A path argument with undecodable bytes arrives as surrogate escapes (os.fsdecode).
     bad = os.fsdecode(b"/data/caf\xe9")
-    cfg = dataclasses.replace(Config(), data=config.DataConfig(corpus=bad))
+    cfg = dataclasses.replace(Config(), data=DataConfig(corpus=bad))
     with pytest.raises(ConfigError, match="data.corpus=.* is not valid UTF-8"):
         validate(cfg, 1)
 
@@ -502,9 +504,9 @@ def test_to_toml_marks_changed_values():
 
 
 def test_to_dict():
-    d = config.to_dict(load_config(None, ["train.steps=9"]))
+    d = to_dict(load_config(None, ["train.steps=9"]))
     assert d["train"]["steps"] == 9 and d["model"]["n_embd"] == 128
-    assert set(d) == set(config.SECTIONS)
+    assert set(d) == set(SECTIONS)
 
 
 def test_shipped_default_toml_is_current():
@@ -515,7 +517,7 @@ def test_shipped_default_toml_is_current():
 
 def test_docs_cover_every_key():
     text = (REPO / "docs" / "config.md").read_text()
-    for section, cls in config.SECTIONS.items():
+    for section, cls in SECTIONS.items():
         assert f"[{section}]" in text
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in text, f"{section}.{f.name} missing from docs/config.md"
@@ -531,37 +533,37 @@ def test_checkpoint_dir():
 
 def test_memory_estimate_scales_as_documented():
     base = Config()
-    m0 = config.estimate_memory(base, 1, 1, 1)
+    m0 = estimate_memory(base, 1, 1, 1)
     wide = load_config(None, ["model.n_embd=256", "model.n_head=4"])
-    assert config.estimate_memory(wide, 1, 1, 1) > m0
+    assert estimate_memory(wide, 1, 1, 1) > m0
     # ZeRO-1 shards only the optimizer state: the saving is 2 moments x (1 - 1/dp) of the params.
     zero = load_config(None, ["train.zero=1"])
-    state, _ = config._memory_parts(base, 4, 1, 1)
-    state_z, _ = config._memory_parts(zero, 4, 1, 1)
-    params = config._stage_parameters(base, 1, 1, 0)
+    state, _ = memory_parts(base, 4, 1, 1)
+    state_z, _ = memory_parts(zero, 4, 1, 1)
+    params = stage_parameters(base, 1, 1, 0)
     assert state == 4 * params * 4 and state_z == 2 * params * 4 + params * 2 * 4 // 4
     # tp splits the matrices; pp splits the layers; the busiest rank holds less.
-    assert config.estimate_memory(base, 1, 2, 1) < m0
-    assert config._stage_parameters(base, 1, 2, 1) < config._stage_parameters(base, 1, 1, 0)
+    assert estimate_memory(base, 1, 2, 1) < m0
+    assert stage_parameters(base, 1, 2, 1) < stage_parameters(base, 1, 1, 0)
     # GPipe stashes every micro-batch; 1F1B at most pp.
     many = ["train.microbatches=8"]
     gpipe = load_config(None, many + ["pipeline.schedule=gpipe"])
     one_f = load_config(None, many + ["pipeline.schedule=1f1b"])
-    assert config._memory_parts(gpipe, 1, 1, 2)[1] > config._memory_parts(one_f, 1, 1, 2)[1]
+    assert memory_parts(gpipe, 1, 1, 2)[1] > memory_parts(one_f, 1, 1, 2)[1]
 
 
 def test_memory_estimate_by_zero_stage():
     """Model state by ZeRO stage (docs/config.md): the ZeRO paper's terms plus what a step keeps
     alive at its peak (buckets in flight, gathered units); HSDP shards over dp_shard only."""
     one = ["train.microbatches=1", "train.bucket_mb=0.25"]
-    p = config._stage_parameters(Config(), 1, 1, 0)
+    p = stage_parameters(Config(), 1, 1, 0)
     s, n = 4, 4
-    state = {z: config._memory_parts(load_config(None, one + [f"train.zero={z}"]), n, 1, 1)[0] for z in range(4)}
+    state = {z: memory_parts(load_config(None, one + [f"train.zero={z}"]), n, 1, 1)[0] for z in range(4)}
     assert state[0] == 16 * p
     assert state[1] == 8 * p + -(-8 * p // n)
     bucket = int(0.25 * 2**20) // s
     assert state[2] == 4 * p + min(p, 3 * bucket) * s + p * s // n + -(-8 * p // n)
-    units = config._stage_units(Config(), 1, 1, 0)
+    units = stage_units(Config(), 1, 1, 0)
     largest = max(units)
     m = Config().model
     assert largest == m.block_params() and units[-1] == m.head_params(1, tied=False) + 128 * 128  # head: + wte, wpe
@@ -569,18 +571,18 @@ def test_memory_estimate_by_zero_stage():
     assert state[0] > state[1] > state[2]
     # ZeRO-3's peak holds a few whole units (two gathered, up to four gradients in flight): it pays
     # off once a unit is a small part of the model.
-    deep = {z: config._memory_parts(load_config(None, one + ["model.n_layer=24", f"train.zero={z}"]), n, 1, 1)[0]
+    deep = {z: memory_parts(load_config(None, one + ["model.n_layer=24", f"train.zero={z}"]), n, 1, 1)[0]
             for z in (2, 3)}
     assert deep[3] < deep[2]
     # Accumulation keeps every full gradient until the last micro-batch; keeping units from
     # forward to backward keeps all parameters gathered.
-    acc = config._memory_parts(load_config(None, ["train.zero=3", "train.microbatches=2"]), n, 1, 1)[0]
-    keep = config._memory_parts(load_config(None, one + ["train.zero=3", "train.reshard_after_forward=false"]),
+    acc = memory_parts(load_config(None, ["train.zero=3", "train.microbatches=2"]), n, 1, 1)[0]
+    keep = memory_parts(load_config(None, one + ["train.zero=3", "train.reshard_after_forward=false"]),
                                 n, 1, 1)[0]
     assert acc > state[3] and keep > state[3]
     # HSDP: dp = 4 as 2 replicas x 2 shards holds what ZeRO over 2 ranks holds.
     hsdp = load_config(None, one + ["train.zero=3", "mesh.dp_replicate=2"])
-    assert config._memory_parts(hsdp, 4, 1, 1)[0] == config._memory_parts(
+    assert memory_parts(hsdp, 4, 1, 1)[0] == memory_parts(
         load_config(None, one + ["train.zero=3"]), 2, 1, 1)[0]
 
 
@@ -588,21 +590,21 @@ def test_memory_estimate_divides_activations_by_cp():
     """Context parallelism shards no weight: the model state stays, the activations of a rank's
     T/cp tokens shrink. Ring keeps no [T, T] probabilities; Ulysses keeps them for H/cp heads."""
     long = ["model.block_size=1024", "train.micro_batch_size=1", "model.n_layer=2"]
-    plain = config._memory_parts(load_config(None, long), 1, 1, 1)
+    plain = memory_parts(load_config(None, long), 1, 1, 1)
     for impl in ("ring", "ulysses"):
         cfg = load_config(None, long + [f"mesh.cp_impl={impl}"])
-        parts = {cp: config._memory_parts(cfg, 1, 1, 1, cp) for cp in (1, 2, 4)}
+        parts = {cp: memory_parts(cfg, 1, 1, 1, cp) for cp in (1, 2, 4)}
         assert parts[1] == plain and all(state == plain[0] for state, _ in parts.values())
         assert parts[4][1] < parts[2][1] < parts[1][1]
         # About 1/cp: everything but Ulysses' [T, T] causal mask (one per rank) scales with T/cp.
         assert parts[4][1] <= 0.5 * parts[2][1] * (1.05 if impl == "ring" else 1.25)
-    ring = config._memory_parts(load_config(None, long + ["mesh.cp_impl=ring"]), 1, 1, 1, 4)[1]
-    ulysses = config._memory_parts(load_config(None, long + ["mesh.cp_impl=ulysses"]), 1, 1, 1, 4)[1]
+    ring = memory_parts(load_config(None, long + ["mesh.cp_impl=ring"]), 1, 1, 1, 4)[1]
+    ulysses = memory_parts(load_config(None, long + ["mesh.cp_impl=ulysses"]), 1, 1, 1, 4)[1]
     assert ring < ulysses                                      # no [T, T] per layer
     # The resolved config carries cp; ZeRO-1 shards the optimizer state over dp x cp.
     zero = validate(load_config(None, long + ["mesh.cp=4", "train.zero=1"]), 4)
-    assert config.estimate_memory(zero, 1, 1, 1) == sum(config._memory_parts(zero, 1, 1, 1, 4))
-    assert config._memory_parts(zero, 1, 1, 1)[0] < plain[0]
+    assert estimate_memory(zero, 1, 1, 1) == sum(memory_parts(zero, 1, 1, 1, 4))
+    assert memory_parts(zero, 1, 1, 1)[0] < plain[0]
 
 
 def test_memory_estimate_counts_recomputation():
@@ -612,7 +614,7 @@ def test_memory_estimate_counts_recomputation():
              "mesh.pp=1"]
 
     def parts(*extra, tp=1, cp=1):
-        return config._memory_parts(load_config(None, shape + list(extra)), 1, tp, 1, cp)
+        return memory_parts(load_config(None, shape + list(extra)), 1, tp, 1, cp)
 
     none, selective, full = (parts(f"train.recompute={m}") for m in ("none", "selective", "full"))
     assert none[0] == selective[0] == full[0]
@@ -638,7 +640,7 @@ def test_memory_estimate_keeps_zero_and_recompute_terms_apart():
     and a padded vocabulary (tp not dividing it) counts its padding rows in the sharded state."""
     shape = ["model.block_size=256", "model.n_layer=4", "train.micro_batch_size=2", "model.dropout=0.1",
              "mesh.pp=1", "train.microbatches=1", "train.bucket_mb=0.25"]
-    parts = {(z, r): config._memory_parts(load_config(None, shape + [f"train.zero={z}", f"train.recompute={r}"]),
+    parts = {(z, r): memory_parts(load_config(None, shape + [f"train.zero={z}", f"train.recompute={r}"]),
                                           4, 1, 1)
              for z in range(4) for r in ("none", "selective", "full")}
     for z in range(4):
@@ -648,34 +650,34 @@ def test_memory_estimate_keeps_zero_and_recompute_terms_apart():
         assert len({parts[(z, r)][1] for z in range(4)}) == 1
         assert parts[(0, r)][0] > parts[(1, r)][0] > parts[(2, r)][0]
     hsdp = load_config(None, shape + ["train.zero=3", "train.recompute=full", "mesh.dp_replicate=2"])
-    assert config._memory_parts(hsdp, 4, 1, 1) == config._memory_parts(
+    assert memory_parts(hsdp, 4, 1, 1) == memory_parts(
         load_config(None, shape + ["train.zero=3", "train.recompute=full"]), 2, 1, 1)
     odd = load_config(None, shape + ["model.vocab_size=257", "train.zero=3"])
     even = load_config(None, shape + ["model.vocab_size=258", "train.zero=3"])
-    assert config._memory_parts(odd, 4, 2, 1)[0] == config._memory_parts(even, 4, 2, 1)[0]
+    assert memory_parts(odd, 4, 2, 1)[0] == memory_parts(even, 4, 2, 1)[0]
 
 
 def test_parameter_count_matches_nanogpt_formula():
     # Whole model, tied embedding: 12 L C^2 + 13 L C (biases, LayerNorms) + V C + T C + 2 C.
     cfg = Config()
     c, layers, v, t = 128, 4, 256, 128
-    assert config._stage_parameters(cfg, 1, 1, 0) == 12 * layers * c * c + 13 * layers * c + v * c + t * c + 2 * c
-    assert config._stage_parameters(cfg, 1, 1, 0) == cfg.model.num_params()
+    assert stage_parameters(cfg, 1, 1, 0) == 12 * layers * c * c + 13 * layers * c + v * c + t * c + 2 * c
+    assert stage_parameters(cfg, 1, 1, 0) == cfg.model.num_params()
 
 
 def test_memory_estimate_uses_the_executors_layer_split():
     # 5 layers on 2 stages: the executor gives the head stage 2 blocks ([0, 3), [3, 5)), not ceil(5/2) = 3.
     cfg = load_config(None, ["model.n_layer=5"])
     m = cfg.model
-    assert config._stage_parameters(cfg, 1, 2, 0) == m.stage_params(3, embed=True, head=False)
-    assert config._stage_parameters(cfg, 1, 2, 1) == m.stage_params(2, embed=False, head=True)
+    assert stage_parameters(cfg, 1, 2, 0) == m.stage_params(3, embed=True, head=False)
+    assert stage_parameters(cfg, 1, 2, 1) == m.stage_params(2, embed=False, head=True)
     # Interleaved, 2 chunks per rank on 2 ranks: rank 0 holds virtual stages 0 and 2, rank 1 holds 1 and 3.
     inter = load_config(None, ["model.n_layer=6", "pipeline.schedule=interleaved", "pipeline.chunks=2",
                                "train.microbatches=4"])
     m = inter.model
-    assert config._stage_parameters(inter, 2, 2, 0) == (m.stage_params(2, embed=True, head=False, tp=2)
+    assert stage_parameters(inter, 2, 2, 0) == (m.stage_params(2, embed=True, head=False, tp=2)
                                                         + m.stage_params(1, embed=False, head=False, tp=2))
-    assert config._stage_parameters(inter, 2, 2, 1) == (m.stage_params(2, embed=False, head=False, tp=2)
+    assert stage_parameters(inter, 2, 2, 1) == (m.stage_params(2, embed=False, head=False, tp=2)
                                                         + m.stage_params(1, embed=False, head=True, tp=2))
 
 
@@ -710,7 +712,7 @@ def test_layer_guards_say_what_config_validation_says():
 
 
 def test_memory_check():
-    need = config.estimate_memory(validate(Config(), 1), 1, 1, 1)
+    need = estimate_memory(validate(Config(), 1), 1, 1, 1)
     validate(Config(), 1, available_memory_bytes=need)
     with pytest.raises(ConfigError) as info:
         validate(Config(), 1, available_memory_bytes=need - 1)
@@ -720,7 +722,7 @@ def test_memory_check():
     assert 'train.recompute="full"' in message
     full = load_config(None, ["train.recompute=full", "train.recompute_every=2"])
     with pytest.raises(ConfigError, match="train.recompute_every=1 "):
-        validate(full, 1, available_memory_bytes=config.estimate_memory(validate(full, 1), 1, 1, 1) - 1)
+        validate(full, 1, available_memory_bytes=estimate_memory(validate(full, 1), 1, 1, 1) - 1)
     with pytest.raises(ConfigError, match="train.zero=1"):
         _validate(["model.n_embd=1024", "model.n_layer=8", "model.n_head=8", "train.micro_batch_size=1",
                    "model.block_size=16", "mesh.dp=4"], world=4, memory=2**20)
@@ -729,13 +731,11 @@ def test_memory_check():
 def test_the_memory_estimate_counts_16_bit_activations_and_full_model_state():
     """Under bf16/fp16 the masters, gradients and optimizer state stay in model.dtype (no 16-bit
     weight copy), and every stored activation takes 2 bytes instead of 4."""
-    from hpcpar.config.config import _memory_parts
-
     full = load_config(None, ["model.dropout=0.1"])
     for precision in ("bf16", "fp16"):
         low = load_config(None, ["model.dropout=0.1", f"train.precision={precision}"])
-        state_full, act_full = _memory_parts(full, 2, 1, 2, 1)
-        state_low, act_low = _memory_parts(low, 2, 1, 2, 1)
+        state_full, act_full = memory_parts(full, 2, 1, 2, 1)
+        state_low, act_low = memory_parts(low, 2, 1, 2, 1)
         assert state_low == state_full
         # Halved, except for the float32 working sets (attention in backward, the loss's probabilities).
         assert 0.5 * act_full < act_low < 0.7 * act_full

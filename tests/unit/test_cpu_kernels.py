@@ -1,4 +1,4 @@
-"""The cache-blocked CPU kernels (hpcpar/backend/cpu/kernels.py) against the plain NumPy formulas.
+"""The cache-blocked CPU kernels (hpcpar/backend/cpu/) against the plain NumPy formulas.
 
 Elementwise and row-wise results must be bitwise those of the unblocked composition (same
 operations on each element in the same order), whatever the block size and the thread count; the
@@ -14,7 +14,8 @@ import math
 import numpy as np
 import pytest
 
-from hpcpar.backend.cpu import kernels as ck
+from hpcpar.backend import kernel_pool
+from hpcpar.backend.cpu import adamw, attention, bias, blocks, cross_entropy, gelu, layer_norm
 from hpcpar.backend.precision import down, up
 
 RNG = np.random.default_rng(7)
@@ -31,10 +32,10 @@ except ImportError:
 def loops(request, monkeypatch):
     """Each test with the NumPy chains, and with Numba's compiled loops when the `fast` extra is in."""
     if request.param == "numpy":
-        monkeypatch.setattr(ck, "_jit_module", False)
+        monkeypatch.setattr(blocks, "_jit_module", False)
     else:
         from hpcpar.backend.jit import kernels as jit_kernels
-        monkeypatch.setattr(ck, "_jit_module", jit_kernels)
+        monkeypatch.setattr(blocks, "_jit_module", jit_kernels)
     return request.param
 
 
@@ -43,12 +44,12 @@ def blocking(request, monkeypatch, loops):
     """Run each test with one thread and default blocks, and with three threads and tiny blocks (with
     either kind of loops)."""
     threads, block = request.param
-    ck.set_threads(threads)
+    kernel_pool.set_threads(threads)
     if block:
-        monkeypatch.setattr(ck, "BLOCK_BYTES", block)
-        monkeypatch.setattr(ck, "ATTENTION_BYTES", block)
+        monkeypatch.setattr(blocks, "BLOCK_BYTES", block)
+        monkeypatch.setattr(attention, "ATTENTION_BYTES", block)
     yield loops
-    ck.set_threads(None)
+    kernel_pool.set_threads(None)
 
 
 C_GELU = math.sqrt(2.0 / math.pi)
@@ -86,20 +87,20 @@ def gelu_grad_reference(x, t, g):
 def test_gelu_is_bitwise_the_plain_formula(blocking, dtype):
     x = RNG.standard_normal((5, 37, 24)).astype(dtype)
     g = RNG.standard_normal(x.shape).astype(dtype)
-    y, t = ck.gelu_forward(x)
+    y, t = gelu.gelu_forward(x)
     ry, rt = gelu_reference(x)
     assert y.dtype == dtype and np.array_equal(y, ry) and np.array_equal(t, rt)
-    assert np.array_equal(ck.gelu_backward(x, t, g), gelu_grad_reference(x, rt, g))
-    assert np.array_equal(ck.gelu_backward(x, None, g), gelu_grad_reference(x, rt, g))  # t recomputed
+    assert np.array_equal(gelu.gelu_backward(x, t, g), gelu_grad_reference(x, rt, g))
+    assert np.array_equal(gelu.gelu_backward(x, None, g), gelu_grad_reference(x, rt, g))  # t recomputed
 
 
 def test_gelu_in_16_bits_computes_in_float32_and_rounds_once(blocking):
     x = down(RNG.standard_normal((7, 33)).astype(np.float32), np.dtype("bfloat16"))
     g = down(RNG.standard_normal(x.shape).astype(np.float32), np.dtype("bfloat16"))
-    y, t = ck.gelu_forward(x, keep_tanh=False)
+    y, t = gelu.gelu_forward(x, keep_tanh=False)
     ry, rt = gelu_reference(up(x))
     assert t is None and y.dtype == x.dtype and np.array_equal(y, down(ry, x.dtype))
-    assert np.array_equal(ck.gelu_backward(x, None, g), down(gelu_grad_reference(up(x), rt, up(g)), x.dtype))
+    assert np.array_equal(gelu.gelu_backward(x, None, g), down(gelu_grad_reference(up(x), rt, up(g)), x.dtype))
 
 
 def row_mean(a, b=None):
@@ -127,13 +128,13 @@ def test_layer_norm_is_bitwise_the_plain_formula(blocking, dtype):
     x = (RNG.standard_normal((3, 41, 16)) * 3 + 1).astype(dtype)
     w, b = RNG.standard_normal(16).astype(dtype), RNG.standard_normal(16).astype(dtype)
     g = RNG.standard_normal(x.shape).astype(dtype)
-    y, mean, rstd = ck.layer_norm_forward(x, w, b, 1e-5)
+    y, mean, rstd = layer_norm.layer_norm_forward(x, w, b, 1e-5)
     ry, rxhat, rrstd = layer_norm_reference(x, w, b, 1e-5)
     gxhat = g * w
     rgx = gxhat - row_mean(gxhat)
     rgx -= rxhat * row_mean(gxhat, rxhat)
     rgx *= rrstd
-    gx, dw, db = ck.layer_norm_backward(x, w, mean, rstd, g, True, True, True)
+    gx, dw, db = layer_norm.layer_norm_backward(x, w, mean, rstd, g, True, True, True)
     if blocking == "numpy":
         assert np.array_equal(y, ry) and np.array_equal(rstd.reshape(rrstd.shape), rrstd)
         assert np.array_equal(gx, rgx)
@@ -145,22 +146,22 @@ def test_layer_norm_is_bitwise_the_plain_formula(blocking, dtype):
     tol = 1e-12 if dtype == np.float64 else 1e-5
     np.testing.assert_allclose(dw, rows.sum(axis=0), rtol=tol, atol=tol)
     np.testing.assert_allclose(db, g.reshape(-1, 16).sum(axis=0), rtol=tol, atol=tol)
-    alone_dx = ck.layer_norm_backward(x, w, mean, rstd, g, True, False, True)
-    alone_dw = ck.layer_norm_backward(x, w, mean, rstd, g, False, True, True)
+    alone_dx = layer_norm.layer_norm_backward(x, w, mean, rstd, g, True, False, True)
+    alone_dw = layer_norm.layer_norm_backward(x, w, mean, rstd, g, False, True, True)
     assert alone_dx[1] is None and alone_dw[0] is None and alone_dw[2] is not None
     assert np.array_equal(alone_dx[0], gx) and np.array_equal(alone_dw[1], dw) and np.array_equal(alone_dw[2], db)
-    assert ck.layer_norm_backward(x, w, mean, rstd, g, False, True, False)[2] is None
+    assert layer_norm.layer_norm_backward(x, w, mean, rstd, g, False, True, False)[2] is None
 
 
 def test_layer_norm_rows_do_not_depend_on_their_neighbours(loops):
     x, g = RNG.standard_normal((37, 24)), RNG.standard_normal((37, 24))
     w, b = RNG.standard_normal(24), RNG.standard_normal(24)
-    y, mean, rstd = ck.layer_norm_forward(x, w, b, 1e-5)
-    gx = ck.layer_norm_backward(x, w, mean, rstd, g, True, False, True)[0]
+    y, mean, rstd = layer_norm.layer_norm_forward(x, w, b, 1e-5)
+    gx = layer_norm.layer_norm_backward(x, w, mean, rstd, g, True, False, True)[0]
     for rows in (slice(5, 6), slice(10, 31)):
-        y1, m1, r1 = ck.layer_norm_forward(x[rows], w, b, 1e-5)
+        y1, m1, r1 = layer_norm.layer_norm_forward(x[rows], w, b, 1e-5)
         assert np.array_equal(y1, y[rows])
-        assert np.array_equal(ck.layer_norm_backward(x[rows], w, m1, r1, g[rows], True, False, True)[0], gx[rows])
+        assert np.array_equal(layer_norm.layer_norm_backward(x[rows], w, m1, r1, g[rows], True, False, True)[0], gx[rows])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -170,13 +171,13 @@ def test_layer_norm_does_not_depend_on_threads(monkeypatch, loops, dtype):
     blocks'), with blocks that do not divide the rows."""
     x, g = RNG.standard_normal((300, 8)).astype(dtype), RNG.standard_normal((300, 8)).astype(dtype)
     w, b = RNG.standard_normal(8).astype(dtype), RNG.standard_normal(8).astype(dtype)
-    monkeypatch.setattr(ck, "BLOCK_BYTES", 256)
+    monkeypatch.setattr(blocks, "BLOCK_BYTES", 256)
     results = []
     for threads in (1, 2, 5):
-        ck.set_threads(threads)
-        y, mean, rstd = ck.layer_norm_forward(x, w, b, 1e-5)
-        results.append((y, mean, rstd) + ck.layer_norm_backward(x, w, mean, rstd, g, True, True, True))
-    ck.set_threads(None)
+        kernel_pool.set_threads(threads)
+        y, mean, rstd = layer_norm.layer_norm_forward(x, w, b, 1e-5)
+        results.append((y, mean, rstd) + layer_norm.layer_norm_backward(x, w, mean, rstd, g, True, True, True))
+    kernel_pool.set_threads(None)
     assert all(np.array_equal(a, c) for r in results[1:] for a, c in zip(r, results[0]))
 
 
@@ -184,12 +185,12 @@ def test_layer_norm_in_16_bits_keeps_the_statistics_and_rebuilds_xhat(blocking):
     x = down((RNG.standard_normal((9, 16)) * 2).astype(np.float32), np.dtype("float16"))
     w, b = RNG.standard_normal(16).astype(np.float32), RNG.standard_normal(16).astype(np.float32)
     g = down(RNG.standard_normal(x.shape).astype(np.float32), np.dtype("float16"))
-    y, mean, rstd = ck.layer_norm_forward(x, w, b, 1e-5)
+    y, mean, rstd = layer_norm.layer_norm_forward(x, w, b, 1e-5)
     ry, rxhat, _ = layer_norm_reference(up(x), w, b, 1e-5)
     assert mean.dtype == rstd.dtype == np.float32 and np.array_equal(y, down(ry, x.dtype))
-    stats = ck.layer_norm_forward(up(x), w, b, 1e-5)[1:]
-    full = ck.layer_norm_backward(up(x), w, *stats, up(g), True, False, True)[0]
-    assert np.array_equal(ck.layer_norm_backward(x, w, mean, rstd, g, True, False, True)[0], down(full, x.dtype))
+    stats = layer_norm.layer_norm_forward(up(x), w, b, 1e-5)[1:]
+    full = layer_norm.layer_norm_backward(up(x), w, *stats, up(g), True, False, True)[0]
+    assert np.array_equal(layer_norm.layer_norm_backward(x, w, mean, rstd, g, True, False, True)[0], down(full, x.dtype))
 
 
 def attention_reference(qkv, n_head):
@@ -216,10 +217,10 @@ def attention_reference(qkv, n_head):
 def test_attention_equals_the_dense_reference(blocking, t):
     qkv = RNG.standard_normal((3, t, 3 * 4 * 6))
     g = RNG.standard_normal((3, t, 4 * 6))
-    y, saved = ck.causal_attention_forward(qkv, 4)
+    y, saved = attention.causal_attention_forward(qkv, 4)
     ry, rgrad = attention_reference(qkv, 4)
     np.testing.assert_allclose(y, ry, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(ck.causal_attention_backward(qkv, 4, saved, g), rgrad(g), rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(attention.causal_attention_backward(qkv, 4, saved, g), rgrad(g), rtol=1e-11, atol=1e-12)
 
 
 needs_numba = pytest.mark.skipif("numba" not in LOOPS, reason="the compiled kernels need the `fast` extra")
@@ -251,15 +252,15 @@ def test_compiled_attention_with_the_openblas_gemm_equals_the_reference(monkeypa
     fn = blas._numpy_openblas("scipy_cblas_dgemm64_", "cblas_dgemm64_", argtypes=None)
     if fn is None:
         pytest.skip("this NumPy bundles no ILP64 OpenBLAS")
-    monkeypatch.setattr(ck, "_jit_module", None)
+    monkeypatch.setattr(blocks, "_jit_module", None)
     monkeypatch.setattr(blas, "compiled_gemm", lambda dtype: ctypes.cast(fn, ctypes.c_void_p).value)
     qkv = RNG.standard_normal((3, 70, 3 * 4 * 6))
     g = RNG.standard_normal((3, 70, 4 * 6))
-    y, saved = ck.causal_attention_forward(qkv, 4)
+    y, saved = attention.causal_attention_forward(qkv, 4)
     assert saved.compiled
     ry, rgrad = attention_reference(qkv, 4)
     np.testing.assert_allclose(y, ry, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(ck.causal_attention_backward(qkv, 4, saved, g), rgrad(g), rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(attention.causal_attention_backward(qkv, 4, saved, g), rgrad(g), rtol=1e-11, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -269,12 +270,12 @@ def test_attention_rows_whose_exponentials_leave_the_range_are_recomputed_shifte
     qkv = RNG.standard_normal((2, 70, 3 * 2 * 4))
     qkv[0, :, :8] *= 3000.0                       # sample 0's queries: scores of +-thousands
     g = RNG.standard_normal((2, 70, 8))
-    y, saved = ck.causal_attention_forward(qkv.astype(dtype), 2)
+    y, saved = attention.causal_attention_forward(qkv.astype(dtype), 2)
     ry, rgrad = attention_reference(qkv.astype(dtype).astype(np.float64), 2)
     tol = 1e-10 if dtype == np.float64 else 2e-3
     assert np.isfinite(y).all()
     np.testing.assert_allclose(y, ry, rtol=tol, atol=tol)
-    grad = ck.causal_attention_backward(qkv.astype(dtype), 2, saved, g.astype(dtype))
+    grad = attention.causal_attention_backward(qkv.astype(dtype), 2, saved, g.astype(dtype))
     scale = np.abs(rgrad(g)).max()
     np.testing.assert_allclose(grad / scale, rgrad(g) / scale, atol=tol * 10)
 
@@ -283,45 +284,45 @@ def test_attention_rows_do_not_depend_on_their_batch_or_heads_or_threads(loops):
     """A sample's and a head's results are the same bits alone or among others (dp, tp, threads)."""
     qkv = RNG.standard_normal((5, 130, 3 * 4 * 8))
     g = RNG.standard_normal((5, 130, 4 * 8))
-    y, saved = ck.causal_attention_forward(qkv, 4)
-    grad = ck.causal_attention_backward(qkv, 4, saved, g)
+    y, saved = attention.causal_attention_forward(qkv, 4)
+    grad = attention.causal_attention_backward(qkv, 4, saved, g)
     alone = qkv[3:4]
-    y1, saved1 = ck.causal_attention_forward(alone, 4)
+    y1, saved1 = attention.causal_attention_forward(alone, 4)
     assert np.array_equal(y1, y[3:4])
-    assert np.array_equal(ck.causal_attention_backward(alone, 4, saved1, g[3:4]), grad[3:4])
+    assert np.array_equal(attention.causal_attention_backward(alone, 4, saved1, g[3:4]), grad[3:4])
     # Heads 2..3 alone (a tensor-parallel rank's share): c_attn's per-head blocks of q, k and v.
     heads = qkv.reshape(5, 130, 3, 4, 8)[:, :, :, 2:].reshape(5, 130, 3 * 2 * 8)
-    yh, savedh = ck.causal_attention_forward(heads, 2)
+    yh, savedh = attention.causal_attention_forward(heads, 2)
     assert np.array_equal(yh, y.reshape(5, 130, 4, 8)[:, :, 2:].reshape(5, 130, 16))
-    gh = ck.causal_attention_backward(heads, 2, savedh, g.reshape(5, 130, 4, 8)[:, :, 2:].reshape(5, 130, 16))
+    gh = attention.causal_attention_backward(heads, 2, savedh, g.reshape(5, 130, 4, 8)[:, :, 2:].reshape(5, 130, 16))
     assert np.array_equal(gh, grad.reshape(5, 130, 3, 4, 8)[:, :, :, 2:].reshape(5, 130, 48))
-    ck.set_threads(3)
+    kernel_pool.set_threads(3)
     try:
-        y3, saved3 = ck.causal_attention_forward(qkv, 4)
-        assert np.array_equal(y3, y) and np.array_equal(ck.causal_attention_backward(qkv, 4, saved3, g), grad)
+        y3, saved3 = attention.causal_attention_forward(qkv, 4)
+        assert np.array_equal(y3, y) and np.array_equal(attention.causal_attention_backward(qkv, 4, saved3, g), grad)
     finally:
-        ck.set_threads(None)
+        kernel_pool.set_threads(None)
 
 
 def test_attention_recomputed_probabilities_give_the_same_bits(blocking):
     qkv = RNG.standard_normal((2, 70, 3 * 2 * 4)).astype(np.float32)
     g = RNG.standard_normal((2, 70, 8)).astype(np.float32)
-    kept = ck.causal_attention_forward(qkv, 2, keep_probs=True)
-    again = ck.causal_attention_forward(qkv, 2, keep_probs=False)
+    kept = attention.causal_attention_forward(qkv, 2, keep_probs=True)
+    again = attention.causal_attention_forward(qkv, 2, keep_probs=False)
     assert np.array_equal(kept[0], again[0]) and again[1].probs is None
-    assert np.array_equal(ck.causal_attention_backward(qkv, 2, kept[1], g),
-                          ck.causal_attention_backward(qkv, 2, again[1], g))
+    assert np.array_equal(attention.causal_attention_backward(qkv, 2, kept[1], g),
+                          attention.causal_attention_backward(qkv, 2, again[1], g))
 
 
 def test_attention_in_16_bits_tracks_float32(blocking):
     qkv32 = RNG.standard_normal((2, 66, 3 * 2 * 8)).astype(np.float32)
     qkv = down(qkv32, np.dtype("bfloat16"))
     g = down(RNG.standard_normal((2, 66, 16)).astype(np.float32), np.dtype("bfloat16"))
-    y, saved = ck.causal_attention_forward(qkv, 2)
+    y, saved = attention.causal_attention_forward(qkv, 2)
     ry, rgrad = attention_reference(up(qkv).astype(np.float64), 2)
     assert y.dtype == qkv.dtype
     np.testing.assert_allclose(up(y), ry, atol=3e-2)
-    grad = ck.causal_attention_backward(qkv, 2, saved, g)
+    grad = attention.causal_attention_backward(qkv, 2, saved, g)
     np.testing.assert_allclose(up(grad), rgrad(up(g).astype(np.float64)), atol=6e-2)
 
 
@@ -330,7 +331,7 @@ def test_cross_entropy_is_the_plain_formula(blocking):
     t = RNG.integers(0, 11, 50)
     valid = RNG.random(50) > 0.2
     safe = np.where(valid, t, 0)
-    nll, probs, total = ck.cross_entropy_forward(z, safe, valid)
+    nll, probs, total = cross_entropy.cross_entropy_forward(z, safe, valid)
     shifted = z - z.max(axis=1, keepdims=True)
     e = np.exp(shifted)
     assert np.array_equal(total, e.sum(axis=1))
@@ -339,7 +340,7 @@ def test_cross_entropy_is_the_plain_formula(blocking):
     expected = e / e.sum(axis=1)[:, None]
     expected[np.arange(50), safe] -= 1.0
     expected *= coef[:, None]
-    assert np.array_equal(ck.cross_entropy_backward(probs, total, safe, coef), expected)
+    assert np.array_equal(cross_entropy.cross_entropy_backward(probs, total, safe, coef), expected)
 
 
 @pytest.mark.parametrize("contiguous", [True, False])
@@ -351,7 +352,7 @@ def test_adamw_is_the_order_of_the_formula(blocking, contiguous):
     if not contiguous:
         p, g, m, v = (np.asfortranarray(a) for a in (p, g, m, v))
     small = [a.copy() for a in (p, g, m, v)]  # a second, small parameter in the same call
-    ck.adamw_update([(p, g, m, v, 0.99), tuple(small) + (1.0,)], 0.9, 0.95, 1e-8, 0.01, 1.3)
+    adamw.adamw_update([(p, g, m, v, 0.99), tuple(small) + (1.0,)], 0.9, 0.95, 1e-8, 0.01, 1.3)
     rp, rg, rm, rv = ref
     rp *= 0.99
     rv *= 0.95
@@ -380,23 +381,23 @@ def test_adamw_gives_the_same_bits_on_any_thread_count_and_follows_new_arrays(lo
     def reference(ps, decays):
         ref = [[a.copy() for a in p] for p in ps]
         for (p, g, m, v), d in zip(ref, decays):
-            ck._adamw_block(p, g, m, v, d, 0.9, 0.95, 1e-8, 0.01, 1.3)
+            adamw._adamw_block(p, g, m, v, d, 0.9, 0.95, 1e-8, 0.01, 1.3)
         return ref
     decays = [0.99, 1.0, 0.98, 1.0]
     first = params()
     want_first = reference(first, decays)
     for threads in (1, 2, 5):
-        ck.set_threads(threads)
+        kernel_pool.set_threads(threads)
         ps = [[a.copy() for a in p] for p in first]
-        ck.adamw_update([(*p, d) for p, d in zip(ps, decays)], 0.9, 0.95, 1e-8, 0.01, 1.3)
+        adamw.adamw_update([(*p, d) for p, d in zip(ps, decays)], 0.9, 0.95, 1e-8, 0.01, 1.3)
         assert all(np.array_equal(a, b) for p, q in zip(ps, want_first) for a, b in zip(p, q))
         before = [[a.copy() for a in p] for p in ps]
         other = params()
         want_other = reference(other, decays)
-        ck.adamw_update([(*p, d) for p, d in zip(other, decays)], 0.9, 0.95, 1e-8, 0.01, 1.3)
+        adamw.adamw_update([(*p, d) for p, d in zip(other, decays)], 0.9, 0.95, 1e-8, 0.01, 1.3)
         assert all(np.array_equal(a, b) for p, q in zip(other, want_other) for a, b in zip(p, q))
         assert all(np.array_equal(a, b) for p, q in zip(ps, before) for a, b in zip(p, q))
-    ck.set_threads(None)
+    kernel_pool.set_threads(None)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -404,16 +405,16 @@ def test_bias_add_and_column_sums_give_the_same_bits_on_any_thread_count(loops, 
     """A linear's bias add (elementwise) and its gradient's column sums (per-block sums added in block
     order) on 1, 2 and 5 threads, with blocks that do not divide the rows (row tasks on the kernel
     threads with the compiled loops): the same bits, equal to NumPy's to rounding."""
-    monkeypatch.setattr(ck, "BLOCK_BYTES", 512)
+    monkeypatch.setattr(blocks, "BLOCK_BYTES", 512)
     a = RNG.standard_normal((301, 24)).astype(dtype)
     b = RNG.standard_normal(24).astype(dtype)
     results = []
     for threads in (1, 2, 5):
-        ck.set_threads(threads)
+        kernel_pool.set_threads(threads)
         y = a.copy()
-        ck.add_bias(y, b)
-        results.append((y, ck.column_sums(a)))
-    ck.set_threads(None)
+        bias.add_bias(y, b)
+        results.append((y, bias.column_sums(a)))
+    kernel_pool.set_threads(None)
     assert np.array_equal(results[0][0], a + b)
     tol = 1e-12 if dtype == np.float64 else 1e-5
     np.testing.assert_allclose(results[0][1], a.sum(axis=0), rtol=tol, atol=tol)
@@ -421,18 +422,19 @@ def test_bias_add_and_column_sums_give_the_same_bits_on_any_thread_count(loops, 
 
 
 def test_kept_probabilities_count_the_causal_blocks():
-    assert ck.kept_probabilities(128) == 64 * 64 + 64 * 128
-    assert ck.kept_probabilities(5) == 25
+    assert attention.kept_probabilities(128) == 64 * 64 + 64 * 128
+    assert attention.kept_probabilities(5) == 25
     qkv = RNG.standard_normal((2, 130, 3 * 3 * 2))
-    _, saved = ck.causal_attention_forward(qkv, 3)
-    assert sum(p.size for p in saved.probs) == 2 * 3 * ck.kept_probabilities(130)
+    _, saved = attention.causal_attention_forward(qkv, 3)
+    assert sum(p.size for p in saved.probs) == 2 * 3 * attention.kept_probabilities(130)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.dtype("bfloat16")])
 def test_fused_bias_gelu_equals_the_separate_ops(blocking, dtype):
-    """ops.linear(..., activation="gelu") against ops.gelu(ops.linear(...)): the same values and
+    """linear(..., activation="gelu") against ops.gelu(linear(...)): the same values and
     gradients (bitwise but for the bias gradient's summation order)."""
     from hpcpar.autograd import ops
+    from hpcpar.autograd.linear import linear
     from hpcpar.autograd.tensor import Tensor
     x0 = down(RNG.standard_normal((3, 37, 8)), np.dtype(dtype)) if dtype != np.float64 else RNG.standard_normal((3, 37, 8))
     w0, b0 = RNG.standard_normal((24, 8)) * 0.3, RNG.standard_normal(24) * 0.3
@@ -440,7 +442,7 @@ def test_fused_bias_gelu_equals_the_separate_ops(blocking, dtype):
     outs = []
     for fused in (False, True):
         x, w, b = Tensor(x0.copy(), True), Tensor(w0.copy(), True), Tensor(b0.copy(), True)
-        y = ops.linear(x, w, b, activation="gelu") if fused else ops.gelu(ops.linear(x, w, b))
+        y = linear(x, w, b, activation="gelu") if fused else ops.gelu(linear(x, w, b))
         y.backward(g)
         outs.append((y.data, x.grad, w.grad, b.grad))
     (y1, gx1, gw1, gb1), (y2, gx2, gw2, gb2) = outs

@@ -10,7 +10,8 @@ from mpi4py import MPI
 
 from hpcpar import backend
 from hpcpar.data import corpus
-from hpcpar.runtime.comm import Communicator, Handle
+from hpcpar.runtime.comm import Communicator
+from hpcpar.runtime.transports import Handle
 from hpcpar.errors import CheckpointError, ConfigError
 from hpcpar.layout import Layout
 from hpcpar.runtime.mesh import Mesh
@@ -20,7 +21,11 @@ from hpcpar.optim.optimizers import SGD, AdamW, clip_grad_norm
 from hpcpar.parallel.dp.buckets import Bucket, BucketManager, CompressedReduction, plan_buckets
 from hpcpar.parallel.dp.clipping import clip_global_norm, counts_toward_norm
 from hpcpar.parallel.dp.compression.compressors import Wire16, decode16, encode16, make_compressor
-from hpcpar.parallel.dp.data_parallel import DataParallel
+from hpcpar.parallel.dp.ddp import DDP
+from hpcpar.parallel.dp.experts import ExpertDataParallel
+from hpcpar.parallel.dp.fsdp import FSDP
+from hpcpar.parallel.dp.sync import GradientSync, make_gradient_sync
+from hpcpar.parallel.dp.zero import ZeRO
 from hpcpar.parallel.dp.zero import ZeroOptimizer
 
 CFG = GPTConfig(vocab_size=256, block_size=8, n_layer=2, n_head=2, n_embd=16, dtype="float64")
@@ -387,8 +392,8 @@ def test_clip_scales_every_buffer_by_the_norm_of_the_counted_items():
 def make_dp(zero=0, bucket_mb=0.002, **kw):
     model = GPT(CFG, seed=5)
     mesh = Mesh(comm=MPI.COMM_SELF)
-    dp = DataParallel(list(model.named_parameters()), mesh, bucket_mb=bucket_mb, zero=zero,
-                      make_optimizer=lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1), **kw)
+    dp = make_gradient_sync(list(model.named_parameters()), mesh, bucket_mb=bucket_mb, zero=zero,
+                            make_optimizer=lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1), **kw)
     return model, dp
 
 
@@ -474,6 +479,14 @@ def test_optimizer_state_roundtrip_zero():
     bad["transformer.wpe.weight"]["exp_avg"] = np.zeros(3)
     with pytest.raises(CheckpointError, match="wpe"):
         dp2.load_optimizer_state(bad)
+
+
+def test_every_strategy_answers_the_whole_gradient_sync_interface():
+    members = [n for n in dir(GradientSync) if not n.startswith("_")]
+    for strategy in (DDP, ZeRO, FSDP, ExpertDataParallel):
+        assert not [m for m in members if not hasattr(strategy, m)], strategy.__name__
+    for zero, strategy in [(0, DDP), (1, ZeRO), (2, ZeRO)]:
+        assert type(make_dp(zero=zero)[1]) is strategy
 
 
 @pytest.mark.parametrize("kw, match", [({"compression": "int4"}, "compression 'int4' is unknown"),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hpcpar.data import corpus as data, formats as datasets, tokenizer
-from hpcpar.config.config import DataConfig
+from hpcpar.config.sections import DataConfig
 from hpcpar.errors import ConfigError, DataError
 
 T = 16

@@ -7,7 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hpcpar.config import config
+from hpcpar.config.load import to_toml
+from hpcpar.config.sections import Config, DataConfig
 from hpcpar.training import generate
 from hpcpar.data import tokenizer
 from hpcpar.errors import DataError
@@ -38,8 +39,8 @@ def test_sampling_a_real_model_with_the_limit():
 
 
 def meta(data_format="bytes", tok=None):
-    cfg = dataclasses.replace(config.Config(), data=config.DataConfig(format=data_format))
-    return {"config": config.to_toml(cfg), **({"tokenizer": tok} if tok is not None else {})}
+    cfg = dataclasses.replace(Config(), data=DataConfig(format=data_format))
+    return {"config": to_toml(cfg), **({"tokenizer": tok} if tok is not None else {})}
 
 
 def test_tokenizer_of_a_checkpoint(tmp_path):

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from hpcpar.autograd import ops
+from hpcpar.autograd.attention import causal_attention
+from hpcpar.autograd.functional import cross_entropy, embedding, layer_norm
 from hpcpar.optim.optimizers import AdamW
 from hpcpar.autograd.tensor import Tensor
 
@@ -47,19 +49,20 @@ def both(fn, arrays, dtype):
 @pytest.mark.parametrize("op", ["gelu", "layer_norm", "layer_norm_nobias", "attention", "attention_chunked",
                                 "cross_entropy"])
 def test_fused_kernel_matches_numpy(op, dtype, monkeypatch):
-    monkeypatch.setattr(ops, "_QUERY_CHUNK", 16)  # attention_chunked: 3 query chunks (16, 16, 5); attention: 1
+    # attention_chunked: 3 query chunks (16, 16, 5); attention: 1
+    monkeypatch.setattr("hpcpar.autograd.attention._QUERY_CHUNK", 16)
     rng = np.random.default_rng(3)
     targets = rng.integers(0, 50, (4, 6))
     targets[0, :2] = -100  # ignored positions
     cases = {
         "gelu": (lambda x: ops.gelu(x), [rng.standard_normal((4, 6, 40)) * 3]),
-        "layer_norm": (lambda x, w, b: ops.layer_norm(x, w, b),
+        "layer_norm": (lambda x, w, b: layer_norm(x, w, b),
                        [rng.standard_normal((4, 6, 40)) + 2, rng.standard_normal(40), rng.standard_normal(40)]),
-        "layer_norm_nobias": (lambda x, w: ops.layer_norm(x, w, None),
+        "layer_norm_nobias": (lambda x, w: layer_norm(x, w, None),
                               [rng.standard_normal((4, 6, 40)), rng.standard_normal(40)]),
-        "attention": (lambda qkv: ops.causal_attention(qkv, 4), [rng.standard_normal((2, 13, 3 * 32))]),
-        "attention_chunked": (lambda qkv: ops.causal_attention(qkv, 4), [rng.standard_normal((2, 37, 3 * 32))]),
-        "cross_entropy": (lambda z: ops.cross_entropy(z, (cp if isinstance(z.data, cp.ndarray) else np).asarray(
+        "attention": (lambda qkv: causal_attention(qkv, 4), [rng.standard_normal((2, 13, 3 * 32))]),
+        "attention_chunked": (lambda qkv: causal_attention(qkv, 4), [rng.standard_normal((2, 37, 3 * 32))]),
+        "cross_entropy": (lambda z: cross_entropy(z, (cp if isinstance(z.data, cp.ndarray) else np).asarray(
             targets)), [rng.standard_normal((4, 6, 50)) * 4]),
     }
     fn, arrays = cases[op]
@@ -128,13 +131,13 @@ def test_gpt_training_on_gpu_matches_numpy(dtype):
 def test_fused_selective_attention_is_bitwise_the_kept_one(dtype, monkeypatch):
     """Selective recomputation on the fused path: each chunk's probabilities recomputed in backward
     give bitwise the output and gradient of keeping them (3 query chunks)."""
-    monkeypatch.setattr(ops, "_QUERY_CHUNK", 16)
+    monkeypatch.setattr("hpcpar.autograd.attention._QUERY_CHUNK", 16)
     qkv = np.random.default_rng(2).standard_normal((2, 37, 3 * 32)).astype(dtype)
     g = cp.asarray(np.random.default_rng(3).standard_normal((2, 37, 32)).astype(dtype))
     got = []
     for recompute in (False, True):
         x = Tensor(cp.asarray(qkv), requires_grad=True)
-        y = ops.causal_attention(x, 4, recompute=recompute)
+        y = causal_attention(x, 4, recompute=recompute)
         y.backward(g)
         got.append((cp.asnumpy(y.data), cp.asnumpy(x.grad)))
     assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
@@ -153,7 +156,7 @@ def test_gather_gradient_is_numpys_add_at_bitwise_and_reproducible(dtype):
     weight = Tensor(cp.zeros((9, 33), dtype), requires_grad=True)
     for _ in range(3):
         weight.grad = None
-        ops.embedding(cp.asarray(ids), weight).backward(cp.asarray(g))
+        embedding(cp.asarray(ids), weight).backward(cp.asarray(g))
         assert np.array_equal(cp.asnumpy(weight.grad), expected)
     rows = Tensor(cp.zeros((9, 33), dtype), requires_grad=True)
     ops.getitem(rows, cp.asarray(ids)).backward(cp.asarray(g))
@@ -190,7 +193,7 @@ def test_nccl_transport_runs_every_kind_on_one_rank():
     from cupy.cuda import nccl
     from mpi4py import MPI
 
-    from hpcpar.runtime.comm import NcclTransport
+    from hpcpar.runtime.transports import NcclTransport
     if not nccl.available:
         pytest.skip("CuPy was built without NCCL")
     t = NcclTransport(MPI.COMM_SELF)

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 from hpcpar import backend
-from hpcpar.checkpoint import checkpoint
-from hpcpar.config import config
+from hpcpar.checkpoint.load import load
+from hpcpar.checkpoint.save import save
+from hpcpar.config.load import load_config, loads, to_toml
+from hpcpar.config.sections import Config
 from hpcpar.training import generate
 from hpcpar.interop import huggingface, safetensors
 from hpcpar.data import tokenizer
@@ -37,10 +39,10 @@ def random_checkpoint(directory, model_cfg: GPTConfig = TINY, seed: int = 0) -> 
     for name, p in model.named_parameters():
         noise = rng.standard_normal(p.shape)
         p.data[...] = backend.to_device(1 + 0.1 * noise if "ln_" in name and name.endswith("weight") else 0.1 * noise)
-    cfg = dataclasses.replace(config.Config(), model=model_cfg)
-    meta = {"config": config.to_toml(cfg), "tokenizer": tokenizer.BYTES_RECORD}
-    return checkpoint.save(str(directory), 1, {f"model/{n}": (p.data, p.layout) for n, p in model.named_parameters()},
-                           meta, Communicator.local(), keep=None)
+    cfg = dataclasses.replace(Config(), model=model_cfg)
+    meta = {"config": to_toml(cfg), "tokenizer": tokenizer.BYTES_RECORD}
+    return save(str(directory), 1, {f"model/{n}": (p.data, p.layout) for n, p in model.named_parameters()},
+                meta, Communicator.local(), keep=None)
 
 
 def hpcpar_logits(path, ids) -> np.ndarray:
@@ -159,8 +161,8 @@ def test_transformers_gpt2_imports_with_the_same_logits(tmp_path):
     ckpt = huggingface.import_(str(tmp_path / "hf"), str(tmp_path / "imported"))
     ours = hpcpar_logits(ckpt, IDS)
     assert np.abs(theirs - ours).max() < TOL
-    _, meta = checkpoint.load(ckpt, {}, Communicator.local())
-    assert meta["weights_only"] and config.loads(meta["config"]).model == dataclasses.replace(TINY, dtype="float32")
+    _, meta = load(ckpt, {}, Communicator.local())
+    assert meta["weights_only"] and loads(meta["config"]).model == dataclasses.replace(TINY, dtype="float32")
     # The weights file alone needs the head count, or a config.json beside it.
     alone = tmp_path / "alone"
     alone.mkdir()
@@ -177,7 +179,7 @@ def test_round_trip_hpcpar_to_hf_to_hpcpar_is_exact(tmp_path):
     back = huggingface.import_(str(tmp_path / "hf"), str(tmp_path / "back"))
     a, b = dict(generate.load_model(ckpt).named_parameters()), dict(generate.load_model(back).named_parameters())
     assert a.keys() == b.keys() and all(np.array_equal(a[n].data, b[n].data) for n in a)
-    _, meta = checkpoint.load(back, {}, Communicator.local())
+    _, meta = load(back, {}, Communicator.local())
     assert meta["tokenizer"] is None      # a bytes tokenizer is not a HF tokenizer.json
 
 
@@ -187,7 +189,7 @@ def test_gpt2_shapes_get_the_preset(tmp_path):
     tensors = {n: np.zeros(s, np.float32) for n, s in huggingface._model_names(gpt2).items()}
     got = huggingface._architecture(None, tensors, None, "x")          # no config.json: 12 heads from the shapes
     assert got.preset == "gpt2" and got.n_head == 12
-    assert config.load_config(None, ["model.preset=gpt2"]).model == dataclasses.replace(got, dtype="float32")
+    assert load_config(None, ["model.preset=gpt2"]).model == dataclasses.replace(got, dtype="float32")
 
 
 @pytest.mark.parametrize("change, fragment", [

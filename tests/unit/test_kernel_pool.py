@@ -199,7 +199,7 @@ def test_training_with_split_gemms_on_two_threads_equals_one_thread(monkeypatch)
     blocks shared out) gives the one-thread losses and parameters to rounding."""
     from mpi4py import MPI
 
-    from hpcpar.config.config import load_config
+    from hpcpar.config.load import load_config
     from hpcpar.training.trainer import Trainer
     overrides = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.block_size=64",
                  "model.dtype=float64", "model.dropout=0.1", "mesh.dp=1", "mesh.tp=1", "mesh.pp=1",

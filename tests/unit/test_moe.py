@@ -11,7 +11,7 @@
 - The expert weights' gradients are weight work: under a split backward (B/W, zero-bubble
   pipelines) B leaves them, W gives bitwise the one-pass gradients.
 - Zero tokens: a row gather of no rows (`ops.getitem`, as the dispatch does on a rank that no row
-  reaches) has a zero gradient; `ops.grouped_linear` with empty groups (or no rows at all) equals
+  reaches) has a zero gradient; `grouped_linear` with empty groups (or no rows at all) equals
   per-group linears, the empty groups' weight gradients zero; a layer with more experts than
   assignments passes the finite-difference check, its idle experts getting zero gradients.
 - Parameter counts (total, per ep rank, active for MFU) are the elements of a built GPT.
@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 
 from hpcpar.autograd import ops
+from hpcpar.autograd.functional import softmax
+from hpcpar.autograd.linear import grouped_linear, linear
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.nn.moe import MoE, capacity, plan_dispatch, top_k
 from hpcpar.autograd.tensor import Tensor, WeightGrads
@@ -83,7 +85,7 @@ def test_a_token_dropped_by_every_expert_gets_a_zero_output():
     x = Tensor(np.random.default_rng(1).standard_normal((1, 8, cfg.n_embd)))
     y = moe(x).data.reshape(8, -1)
     routed, dropped, assignments, _ = moe.stats[-1]
-    probs = ops.softmax(ops.linear(Tensor(x.data.reshape(8, -1)), moe.router.weight)).data
+    probs = softmax(linear(Tensor(x.data.reshape(8, -1)), moe.router.weight)).data
     plan = plan_dispatch(top_k(probs, 1), 2, capacity(8, 1, 2, 0.5))
     lost = plan["row"] == plan["order"].size
     assert dropped == int(lost.sum()) > 0 and assignments == 8
@@ -193,7 +195,7 @@ def test_grouped_linear_with_empty_groups_equals_per_group_linears(counts, bias)
     x = Tensor(rng.standard_normal((m, n_in)), requires_grad=True)
     w = Tensor(rng.standard_normal((g, n_out, n_in)), requires_grad=True)
     b = Tensor(rng.standard_normal((g, n_out)), requires_grad=True) if bias else None
-    y = ops.grouped_linear(x, w, b, np.array(counts))
+    y = grouped_linear(x, w, b, np.array(counts))
     gy = rng.standard_normal((m, n_out))
     y.backward(gy)
     ends = np.cumsum(counts)
@@ -217,7 +219,7 @@ def test_grouped_linear_with_empty_groups_equals_per_group_linears(counts, bias)
 def test_grouped_linear_refuses_counts_that_do_not_cover_the_rows(counts):
     x, w = Tensor(np.zeros((3, 2))), Tensor(np.zeros((4, 5, 2)))
     with pytest.raises(ValueError, match="group sizes"):
-        ops.grouped_linear(x, w, None, counts)
+        grouped_linear(x, w, None, counts)
 
 
 @pytest.mark.parametrize("factor", [0.0, 0.5])

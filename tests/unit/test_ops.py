@@ -5,7 +5,12 @@ import numpy as np
 import pytest
 
 from hpcpar.autograd import ops
+from hpcpar.autograd.attention import causal_attention
+from hpcpar.autograd.dropout import dropout
+from hpcpar.autograd.functional import cross_entropy, embedding, layer_norm, softmax
+from hpcpar.autograd.linear import linear
 from hpcpar.autograd.tensor import Tensor, no_grad
+from hpcpar.backend import splitmix
 
 RNG = np.random.default_rng(0)
 
@@ -56,8 +61,8 @@ CASES = {
     "matmul": (lambda a, b: a @ b, lambda: [leaf(3, 4), leaf(4, 2)]),
     "matmul_batched_broadcast": (lambda a, b: a @ b, lambda: [leaf(2, 3, 4), leaf(4, 5)]),
     "matmul_batched": (lambda a, b: a @ b, lambda: [leaf(2, 2, 3, 4), leaf(2, 1, 4, 3)]),
-    "linear": (ops.linear, lambda: [leaf(2, 3, 4), leaf(5, 4), leaf(5)]),
-    "linear_nobias": (lambda x, w: ops.linear(x, w), lambda: [leaf(3, 4), leaf(2, 4)]),
+    "linear": (linear, lambda: [leaf(2, 3, 4), leaf(5, 4), leaf(5)]),
+    "linear_nobias": (lambda x, w: linear(x, w), lambda: [leaf(3, 4), leaf(2, 4)]),
     "sum_all": (lambda a: a.sum().reshape(1), lambda: [leaf(3, 4)]),
     "sum_axis": (lambda a: a.sum(axis=1), lambda: [leaf(3, 4, 2)]),
     "sum_keepdims": (lambda a: a.sum(axis=(0, 2), keepdims=True), lambda: [leaf(3, 4, 2)]),
@@ -71,15 +76,15 @@ CASES = {
     "split": (lambda a: ops.split(a, [1, 3], axis=1)[1] * ops.split(a, 2, axis=1)[0].sum(),
               lambda: [leaf(2, 4)]),
     "concat": (lambda a, b: ops.concat([a, b], axis=1), lambda: [leaf(2, 3), leaf(2, 1)]),
-    "embedding_repeat": (lambda w: ops.embedding(np.array([[0, 2], [2, 2]]), w), lambda: [leaf(3, 4)]),
-    "softmax": (lambda a: ops.softmax(a, axis=-1), lambda: [leaf(3, 5)]),
-    "layer_norm": (lambda x, w, b: ops.layer_norm(x, w, b), lambda: [leaf(2, 3, 6), leaf(6), leaf(6)]),
-    "layer_norm_nobias": (lambda x, w: ops.layer_norm(x, w, None), lambda: [leaf(4, 5), leaf(5)]),
-    "cross_entropy": (lambda z: ops.cross_entropy(z, np.array([[1, 0, 4], [3, 3, 2]])).reshape(1),
+    "embedding_repeat": (lambda w: embedding(np.array([[0, 2], [2, 2]]), w), lambda: [leaf(3, 4)]),
+    "softmax": (lambda a: softmax(a, axis=-1), lambda: [leaf(3, 5)]),
+    "layer_norm": (lambda x, w, b: layer_norm(x, w, b), lambda: [leaf(2, 3, 6), leaf(6), leaf(6)]),
+    "layer_norm_nobias": (lambda x, w: layer_norm(x, w, None), lambda: [leaf(4, 5), leaf(5)]),
+    "cross_entropy": (lambda z: cross_entropy(z, np.array([[1, 0, 4], [3, 3, 2]])).reshape(1),
                       lambda: [leaf(2, 3, 5)]),
-    "cross_entropy_ignore": (lambda z: ops.cross_entropy(z, np.array([1, -100, 4, 0]), -100).reshape(1),
+    "cross_entropy_ignore": (lambda z: cross_entropy(z, np.array([1, -100, 4, 0]), -100).reshape(1),
                              lambda: [leaf(4, 5)]),
-    "causal_attention": (lambda qkv: ops.causal_attention(qkv, 2), lambda: [leaf(2, 5, 12)]),
+    "causal_attention": (lambda qkv: causal_attention(qkv, 2), lambda: [leaf(2, 5, 12)]),
 }
 
 
@@ -92,9 +97,9 @@ def test_gradient_matches_finite_differences(name):
 def test_dropout_gradient_and_seeding():
     x = leaf(2, 3, 4)
     keys = [(1, 5, 0, 7), (1, 5, 1, 7)]
-    gradcheck(lambda a: ops.dropout(a, 0.5, keys), [x])
-    y1 = ops.dropout(Tensor(np.ones((2, 3, 4))), 0.5, keys).data
-    y2 = ops.dropout(Tensor(np.ones((1, 3, 4))), 0.5, keys[1:]).data
+    gradcheck(lambda a: dropout(a, 0.5, keys), [x])
+    y1 = dropout(Tensor(np.ones((2, 3, 4))), 0.5, keys).data
+    y2 = dropout(Tensor(np.ones((1, 3, 4))), 0.5, keys[1:]).data
     np.testing.assert_array_equal(y1[1], y2[0])  # a sample's mask ignores its batch-mates
     assert set(np.unique(y1)) <= {0.0, 2.0} and 0 < (y1 == 0).mean() < 1
 
@@ -106,7 +111,7 @@ def composed_attention(qkv, n_head):
     q, k, v = [z.reshape(b, t, n_head, d).transpose(0, 2, 1, 3) for z in ops.split(qkv, 3, axis=-1)]
     s = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / np.sqrt(d))
     mask = np.triu(np.full((t, t), -np.inf), k=1)
-    p = ops.softmax(s + Tensor(mask), axis=-1)
+    p = softmax(s + Tensor(mask), axis=-1)
     return (p @ v).transpose(0, 2, 1, 3).reshape(b, t, c)
 
 
@@ -130,10 +135,10 @@ def composed_gelu(x):
 
 
 @pytest.mark.parametrize("fused,composed,make", [
-    (lambda qkv: ops.causal_attention(qkv, 3), lambda qkv: composed_attention(qkv, 3),
+    (lambda qkv: causal_attention(qkv, 3), lambda qkv: composed_attention(qkv, 3),
      lambda: [leaf(2, 6, 18)]),
-    (lambda x, w, b: ops.layer_norm(x, w, b), composed_layer_norm, lambda: [leaf(3, 7), leaf(7), leaf(7)]),
-    (lambda z: ops.cross_entropy(z, np.array([1, 2, 0, 4])), lambda z: composed_cross_entropy(z, np.array([1, 2, 0, 4])),
+    (lambda x, w, b: layer_norm(x, w, b), composed_layer_norm, lambda: [leaf(3, 7), leaf(7), leaf(7)]),
+    (lambda z: cross_entropy(z, np.array([1, 2, 0, 4])), lambda z: composed_cross_entropy(z, np.array([1, 2, 0, 4])),
      lambda: [leaf(4, 5)]),
     (ops.gelu, composed_gelu, lambda: [leaf(4, 5)]),
 ])
@@ -184,7 +189,7 @@ def test_backward_frees_graph():
 
 def test_counter_uniform_is_uniform_sliceable_and_keyed():
     keys = [(3, 1, 0, 2), (3, 1, 1, 2), (3, 2, 0, 2)]
-    u = ops.counter_uniform(np, keys, (64, 512))
+    u = splitmix.counter_uniform(np, keys, (64, 512))
     assert u.shape == (3, 64, 512) and 0.0 <= u.min() and u.max() < 1.0
     # Uniform: mean 1/2, variance 1/12, flat histogram; streams of neighbouring keys uncorrelated.
     assert abs(u.mean() - 0.5) < 3e-3 and abs(u.var() - 1 / 12) < 2e-3
@@ -192,8 +197,8 @@ def test_counter_uniform_is_uniform_sliceable_and_keyed():
     assert counts.min() > 0.95 * u.size / 16
     assert np.abs(np.corrcoef(u.reshape(3, -1)) - np.eye(3)).max() < 0.01
     # A row range is exactly that part of the full draw; a key's stream ignores its batch-mates.
-    np.testing.assert_array_equal(ops.counter_uniform(np, keys, (64, 512), rows=slice(16, 48)), u[:, 16:48])
-    np.testing.assert_array_equal(ops.counter_uniform(np, keys[1:2], (64, 512))[0], u[1])
+    np.testing.assert_array_equal(splitmix.counter_uniform(np, keys, (64, 512), rows=slice(16, 48)), u[:, 16:48])
+    np.testing.assert_array_equal(splitmix.counter_uniform(np, keys[1:2], (64, 512))[0], u[1])
 
 
 def test_graph_keeps_no_reference_to_parameter_arrays():
@@ -212,9 +217,9 @@ def test_graph_keeps_no_reference_to_parameter_arrays():
 
     def forward():
         ids = np.array([[1, 3, 0], [6, 2, 2]])
-        h = ops.embedding(ids, table) + ops.getitem(pos, (slice(0, 3),))
-        h = ops.layer_norm(h, Tensor.view_of_leaf(ln_w, lambda g: (g,)), ln_b)
-        return (ops.linear(h, w, b) ** 2).sum()
+        h = embedding(ids, table) + ops.getitem(pos, (slice(0, 3),))
+        h = layer_norm(h, Tensor.view_of_leaf(ln_w, lambda g: (g,)), ln_b)
+        return (linear(h, w, b) ** 2).sum()
 
     forward().backward()
     expected = [p.grad.copy() for p in params]

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from hpcpar.layout import Layout
-from hpcpar.parallel.ps.parameter_server import FlatSpace, ParameterServer, _Segment, server_ranges, sync_points
+from hpcpar.parallel.ps.ownership import FlatSpace, server_ranges, sync_points
+from hpcpar.parallel.ps.server import ParameterServer, _Segment
 
 
 @pytest.mark.parametrize("total, servers", [(10, 1), (10, 3), (7, 7), (1000003, 4)])

@@ -13,9 +13,8 @@ from hpcpar.runtime.comm import Communicator
 from hpcpar.errors import ConfigError
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.parallel.pp import schedules
-from hpcpar.parallel.pp.pipeline import (
-    PipelineExecutor, build_stages, head_cost, split_layers,
-)
+from hpcpar.parallel.pp.executor import PipelineExecutor
+from hpcpar.parallel.pp.stages import build_stages, head_cost, split_layers
 from hpcpar.runtime.trace import Tracer
 
 

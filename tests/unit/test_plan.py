@@ -7,12 +7,17 @@ import dataclasses
 
 import pytest
 
-from hpcpar.config import config
-from hpcpar.planner import planner as plan
+from hpcpar.config.load import load_config
+from hpcpar.config.memory import estimate_memory, peak_stash
+from hpcpar.config.sections import Config
+from hpcpar.config.validate import validate
+from hpcpar.planner.hardware import PRESETS, Link, all_gather_time, all_reduce_time
+from hpcpar.planner.predict import pipeline_time, predict
+from hpcpar.planner.search import MODEL_PRESETS, fastest_layouts, reasons, write_plan
 from hpcpar.errors import ConfigError
-from hpcpar.parallel.pp import schedules
+from hpcpar.parallel.pp import schedules, simulate
 
-A100 = plan.PRESETS["a100"]
+A100 = PRESETS["a100"]
 
 
 @pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
@@ -22,8 +27,8 @@ def test_peak_stash_closed_forms_are_the_simulators(name, chunks, pp, m):
         pytest.skip("interleaved needs m % pp == 0")
     if name == "1f1b" and m < pp:
         pytest.skip("1f1b with m < pp: gpipe's case")
-    simulated = schedules.simulate(schedules.build(name, pp, m, chunks)).peak_stash
-    assert list(config.peak_stash(name, pp, m, chunks)) == list(simulated)
+    simulated = simulate.simulate(schedules.build(name, pp, m, chunks)).peak_stash
+    assert list(peak_stash(name, pp, m, chunks)) == list(simulated)
 
 
 @pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zbh1", 1),
@@ -37,21 +42,21 @@ def test_long_schedules_extrapolate_to_the_simulators_makespan(name, chunks, pp,
     t_f, t_b, t_w, t_msg = 1.0, 1.3, 0.9, 0.05
     place = schedules.placement(name, pp, chunks)
     zero_bubble = name.startswith("zb")
-    full = schedules.simulate(schedules.build(name, pp, m, place.chunks), t_f, t_b if zero_bubble else t_b + t_w,
-                             t_msg, t_w if zero_bubble else 0.0, placement=place).makespan
-    monkeypatch.setattr(plan, "_SIMULATE_MAX", 1)
-    assert plan.pipeline_time(name, pp, m, chunks, t_f, t_b, t_msg, t_w) == pytest.approx(full, rel=1e-9)
+    full = simulate.simulate(schedules.build(name, pp, m, place.chunks), t_f, t_b if zero_bubble else t_b + t_w,
+                            t_msg, t_w if zero_bubble else 0.0, placement=place).makespan
+    monkeypatch.setattr("hpcpar.planner.predict._SIMULATE_MAX", 1)
+    assert pipeline_time(name, pp, m, chunks, t_f, t_b, t_msg, t_w) == pytest.approx(full, rel=1e-9)
 
 
-def cfg_of(*overrides: str) -> config.Config:
-    return config.load_config(None, list(overrides))
+def cfg_of(*overrides: str) -> Config:
+    return load_config(None, list(overrides))
 
 
 def test_collective_costs_follow_the_ring_model():
-    link = plan.Link(alpha=1e-5, beta=1e9)
-    assert plan.all_reduce_time(4e6, 1, link) == 0
-    assert plan.all_reduce_time(4e6, 4, link) == pytest.approx(2 * 3 * (1e-5 + 1e6 / 1e9))
-    assert plan.all_gather_time(4e6, 4, link) == pytest.approx(plan.all_reduce_time(4e6, 4, link) / 2)
+    link = Link(alpha=1e-5, beta=1e9)
+    assert all_reduce_time(4e6, 1, link) == 0
+    assert all_reduce_time(4e6, 4, link) == pytest.approx(2 * 3 * (1e-5 + 1e6 / 1e9))
+    assert all_gather_time(4e6, 4, link) == pytest.approx(all_reduce_time(4e6, 4, link) / 2)
     hw = dataclasses.replace(A100, ranks_per_node=8)
     assert hw.link(8, 1) == hw.intra and hw.link(2, 8) == hw.inter
 
@@ -59,17 +64,17 @@ def test_collective_costs_follow_the_ring_model():
 def test_ranks_sharing_cores_run_the_schedule_at_a_whole_core_or_the_work_over_the_cores():
     """cores_per_rank c < 1 (calibrated with every rank busy): a pipeline's step is its schedule
     at c of the calibrated times, or its work m (F + B), whichever is longer; pp = 1 is unchanged."""
-    cfg = config.validate(cfg_of("model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
+    cfg = validate(cfg_of("model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
                                  "mesh.dp=1", "mesh.pp=4", "train.microbatches=3", "pipeline.schedule=1f1b"), 4)
     shared = dataclasses.replace(A100, cores_per_rank=0.5)
-    alone, busy = plan.predict(cfg, A100), plan.predict(cfg, shared)
+    alone, busy = predict(cfg, A100), predict(cfg, shared)
     f, b = alone.parts["t_forward"], alone.parts["t_backward"]
-    bubbly = plan.pipeline_time("1f1b", 4, 3, 1, 0.5 * f, 0.5 * b, _msg(cfg))
+    bubbly = pipeline_time("1f1b", 4, 3, 1, 0.5 * f, 0.5 * b, _msg(cfg))
     assert busy.parts["pipeline"] == pytest.approx(max(bubbly, 3 * (f + b)))
     assert busy.parts["pipeline"] < alone.parts["pipeline"]      # the bubble is others' core time
-    flat = config.validate(cfg_of("model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
+    flat = validate(cfg_of("model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
                                   "mesh.dp=4", "mesh.pp=1"), 4)
-    assert plan.predict(flat, shared).step_time == plan.predict(flat, A100).step_time
+    assert predict(flat, shared).step_time == predict(flat, A100).step_time
 
 
 def _msg(cfg):
@@ -80,19 +85,19 @@ def _msg(cfg):
 
 
 def test_tp_scale_per_degree_falls_back_to_the_common_one():
-    cfg = config.validate(cfg_of("model.n_layer=2", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
+    cfg = validate(cfg_of("model.n_layer=2", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
                                  "mesh.dp=2", "mesh.tp=2"), 4)
-    base = plan.predict(cfg, A100).parts["tp_in_pipeline"]
+    base = predict(cfg, A100).parts["tp_in_pipeline"]
     assert base > 0
-    assert plan.predict(cfg, dataclasses.replace(A100, tp_scale=3.0)).parts["tp_in_pipeline"] == pytest.approx(3 * base)
+    assert predict(cfg, dataclasses.replace(A100, tp_scale=3.0)).parts["tp_in_pipeline"] == pytest.approx(3 * base)
     own = dataclasses.replace(A100, tp_scale=3.0, tp_scales={2: 0.5, 4: 9.0})
-    assert plan.predict(cfg, own).parts["tp_in_pipeline"] == pytest.approx(0.5 * base)
+    assert predict(cfg, own).parts["tp_in_pipeline"] == pytest.approx(0.5 * base)
 
 
 def test_plans_validate_fit_and_come_fastest_first(tmp_path):
     cfg = cfg_of("model.n_layer=4", "model.n_head=4", "model.n_embd=64", "model.block_size=64")
     hw = dataclasses.replace(A100, ranks_per_node=4, memory_bytes=2**30)
-    plans = plan.plan(cfg, 4, hw, top=0)
+    plans = fastest_layouts(cfg, 4, hw, top=0)
     assert len(plans) > 10
     times = [p.step_time for p in plans]
     assert times == sorted(times)
@@ -100,31 +105,31 @@ def test_plans_validate_fit_and_come_fastest_first(tmp_path):
         m = p.cfg.mesh
         assert m.dp * m.tp * m.pp * m.cp == 4
         assert m.dp * p.cfg.train.micro_batch_size * p.cfg.train.microbatches == 48   # auto dp=2 x 12 x 2
-        assert config.validate(p.cfg, 4) == p.cfg
-        assert p.memory_bytes == config.estimate_memory(p.cfg, m.dp, m.tp, m.pp, m.cp) <= hw.memory_bytes
+        assert validate(p.cfg, 4) == p.cfg
+        assert p.memory_bytes == estimate_memory(p.cfg, m.dp, m.tp, m.pp, m.cp) <= hw.memory_bytes
         assert sum(v for k, v in p.parts.items() if not k.startswith("t_") and "_in_" not in k) == \
             pytest.approx(p.step_time)
     out = tmp_path / "plan.toml"
-    plan.write_plan(plans[0], str(out))
-    assert config.validate(config.load_config(str(out)), 4) == plans[0].cfg
-    why = plan.reasons(plans[0], plans[1:])
+    write_plan(plans[0], str(out))
+    assert validate(load_config(str(out)), 4) == plans[0].cfg
+    why = reasons(plans[0], plans[1:])
     assert any(line.startswith("tp=") for line in why) and all("x slower" in line or "only value" in line
                                                             for line in why)
 
 
 def test_memory_limit_drops_layouts_that_do_not_fit():
     cfg = cfg_of("model.n_layer=8", "model.n_head=8", "model.n_embd=512", "model.block_size=256")
-    roomy = plan.plan(cfg, 8, dataclasses.replace(A100, memory_bytes=2**34), top=0, keep=10**6)
+    roomy = fastest_layouts(cfg, 8, dataclasses.replace(A100, memory_bytes=2**34), top=0, keep=10**6)
     tight_bytes = sorted(p.memory_bytes for p in roomy)[len(roomy) // 2]
-    tight = plan.plan(cfg, 8, dataclasses.replace(A100, memory_bytes=tight_bytes), top=0, keep=10**6)
+    tight = fastest_layouts(cfg, 8, dataclasses.replace(A100, memory_bytes=tight_bytes), top=0, keep=10**6)
     assert tight and all(p.memory_bytes <= tight_bytes for p in tight)
     assert len(tight) < len(roomy)
 
 
 def test_a_model_that_fits_nowhere_says_how_many_ranks_it_needs():
-    cfg = cfg_of(*(f"model.{k}={v}" for k, v in plan.MODEL_PRESETS["70b"].items()))
+    cfg = cfg_of(*(f"model.{k}={v}" for k, v in MODEL_PRESETS["70b"].items()))
     with pytest.raises(ConfigError, match=r"no layout of 8 ranks fits .* need >= \d+ such ranks"):
-        plan.plan(cfg, 8, A100)
+        fastest_layouts(cfg, 8, A100)
 
 
 # Narayanan et al., SC'21 (arXiv 2104.04473), Table 1 / Megatron-LM README: GPT with s = 2048,
@@ -137,7 +142,7 @@ NARAYANAN = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 
              (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
 
 
-def narayanan_config(heads, hidden, layers, tp, pp, gpus, batch) -> config.Config:
+def narayanan_config(heads, hidden, layers, tp, pp, gpus, batch) -> Config:
     dp = gpus // (tp * pp)
     return cfg_of(f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={hidden}",
                   "model.block_size=2048", "model.vocab_size=51200", "model.dtype=bfloat16", f"mesh.dp={dp}",
@@ -155,25 +160,25 @@ def paper_tflops_per_gpu(step_time, heads, hidden, layers, gpus, batch) -> float
 @pytest.mark.parametrize("row", NARAYANAN, ids=[f"{r[0]}B" for r in NARAYANAN])
 def test_predicted_tflops_per_gpu_within_20_percent_of_the_paper(row):
     _, heads, hidden, layers, tp, pp, gpus, batch, published = row
-    predicted = plan.predict(narayanan_config(heads, hidden, layers, tp, pp, gpus, batch), A100)
+    predicted = predict(narayanan_config(heads, hidden, layers, tp, pp, gpus, batch), A100)
     tflops = paper_tflops_per_gpu(predicted.step_time, heads, hidden, layers, gpus, batch)
     assert tflops == pytest.approx(published, rel=0.20)
 
 
 def test_plans_for_ten_thousand_ranks():
     """One representative rank per role: a 175B model on 16,384 GPUs plans without simulating them all."""
-    cfg = cfg_of(*(f"model.{k}={v}" for k, v in plan.MODEL_PRESETS["175b"].items()))
+    cfg = cfg_of(*(f"model.{k}={v}" for k, v in MODEL_PRESETS["175b"].items()))
     hw = dataclasses.replace(A100, ranks_per_node=8)
-    best = plan.plan(cfg, 16384, hw, top=3, global_batch=4096)
+    best = fastest_layouts(cfg, 16384, hw, top=3, global_batch=4096)
     assert len(best) == 3 and all(p.cfg.mesh.dp * p.cfg.mesh.tp * p.cfg.mesh.pp * p.cfg.mesh.cp == 16384
                                   for p in best)
 
 
 def test_a_16_bit_what_if_is_written_as_float32_masters_with_train_precision(tmp_path):
     cfg = cfg_of("model.dtype=bfloat16")
-    best = plan.plan(cfg, 4, dataclasses.replace(A100, ranks_per_node=4), top=1)[0]
+    best = fastest_layouts(cfg, 4, dataclasses.replace(A100, ranks_per_node=4), top=1)[0]
     out = tmp_path / "plan.toml"
-    plan.write_plan(best, str(out))
-    written = config.validate(config.load_config(str(out)), 4)
+    write_plan(best, str(out))
+    written = validate(load_config(str(out)), 4)
     assert (written.model.dtype, written.train.precision) == ("float32", "bf16")
     assert written.mesh == best.cfg.mesh

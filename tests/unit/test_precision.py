@@ -16,6 +16,10 @@ import numpy as np
 import pytest
 
 from hpcpar.autograd import ops
+from hpcpar.autograd.attention import causal_attention
+from hpcpar.autograd.dropout import dropout
+from hpcpar.autograd.functional import cross_entropy, layer_norm
+from hpcpar.autograd.linear import linear
 from hpcpar.errors import CheckpointError, ConfigError
 from hpcpar.optim.loss_scale import LossScaler
 from hpcpar.nn.gpt import GPT, GPTConfig
@@ -110,12 +114,12 @@ def close_in_low(got, want, precision, ulps=1.0):
 
 
 OPS = {
-    "linear": (lambda x, w, b: ops.linear(x, w, b), [(6, 8)], [(5, 8), (5,)]),
-    "layer_norm": (lambda x, w, b: ops.layer_norm(x, w, b), [(4, 3, 16)], [(16,), (16,)]),
+    "linear": (lambda x, w, b: linear(x, w, b), [(6, 8)], [(5, 8), (5,)]),
+    "layer_norm": (lambda x, w, b: layer_norm(x, w, b), [(4, 3, 16)], [(16,), (16,)]),
     "gelu": (lambda x: ops.gelu(x), [(4, 9)], []),
-    "attention": (lambda qkv: ops.causal_attention(qkv, 2), [(2, 5, 3 * 8)], []),
-    "attention-recompute": (lambda qkv: ops.causal_attention(qkv, 2, recompute=True), [(2, 5, 3 * 8)], []),
-    "dropout": (lambda x: ops.dropout(x, 0.25, [(1, 2, i) for i in range(3)]), [(3, 4, 8)], []),
+    "attention": (lambda qkv: causal_attention(qkv, 2), [(2, 5, 3 * 8)], []),
+    "attention-recompute": (lambda qkv: causal_attention(qkv, 2, recompute=True), [(2, 5, 3 * 8)], []),
+    "dropout": (lambda x: dropout(x, 0.25, [(1, 2, i) for i in range(3)]), [(3, 4, 8)], []),
 }
 
 
@@ -148,11 +152,11 @@ def test_cross_entropy_of_16_bit_logits_is_float32(precision):
     rng = np.random.default_rng(4)
     logits = low_input(rng, (3, 5, 11), dtype)
     targets = rng.integers(0, 11, (3, 5))
-    loss = ops.cross_entropy(logits, targets)
+    loss = cross_entropy(logits, targets)
     assert loss.dtype == np.float32
     loss.backward()
     ref = Tensor(logits.data.astype(np.float32), requires_grad=True)
-    want = ops.cross_entropy(ref, targets)
+    want = cross_entropy(ref, targets)
     want.backward()
     assert loss.data == want.data
     assert logits.grad.dtype == dtype
@@ -212,9 +216,9 @@ def test_the_16_bit_gemm_path_tracks_the_float32_one(monkeypatch):
     g = rng.standard_normal((6, 5)).astype(np.float16)
     runs = []
     for sixteen in (False, True):
-        monkeypatch.setattr(ops, "_gemm_in_16_bits", lambda a, dt, on=sixteen: on and dt == np.float16)
+        monkeypatch.setattr("hpcpar.autograd.linear._gemm_in_16_bits", lambda a, dt, on=sixteen: on and dt == np.float16)
         xs, ws, bs = (Tensor(t.data.copy(), requires_grad=True) for t in (x, w, b))
-        out = ops.linear(xs, ws, bs)
+        out = linear(xs, ws, bs)
         out.backward(g)
         runs.append((out, xs.grad, ws.grad, bs.grad))
     (o32, gx32, gw32, gb32), (o16, gx16, gw16, gb16) = runs

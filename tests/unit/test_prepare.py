@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hpcpar.data import corpus as data, formats as datasets, prepare, tokenizer
-from hpcpar.config.config import DataConfig
+from hpcpar.config.sections import DataConfig
 from hpcpar.errors import DataError, HpcparError
 
 _WORDS = ["alpha", "beta", "gamma", "délta", "\n", "\n\n", "  ", "\t", "epsilon ", "zeta.", "η,", " theta"]

@@ -1,5 +1,5 @@
-"""Activation recomputation in one process: `ops.recompute` (full) and
-`ops.causal_attention(recompute=True)` (selective) give bitwise the gradients of keeping
+"""Activation recomputation in one process: `recompute` (full) and
+`causal_attention(recompute=True)` (selective) give bitwise the gradients of keeping
 everything, parameters inside a recomputed function get exactly one gradient (and one hook call)
 per backward, the re-run uses the dropout context of its own micro-batch, and the memory held
 between forward and backward shrinks as documented. Parallel meshes: tests/parallel/test_recompute.py."""
@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 
 from hpcpar import backend
-from hpcpar.backend.cpu import kernels
+from hpcpar.backend.cpu.attention import kept_probabilities
 from hpcpar.autograd import ops
+from hpcpar.autograd.attention import causal_attention
+from hpcpar.autograd.linear import linear
+from hpcpar.autograd.recompute import recompute as recompute_op
 from hpcpar.errors import ConfigError
 from hpcpar.nn import GPT, GPTConfig
 from hpcpar.nn.gpt import recomputed
@@ -84,18 +87,18 @@ def test_recompute_op_runs_fn_again_in_backward_only():
 
     def fn(a):
         calls.append(a.requires_grad)
-        return ops.gelu(ops.linear(a, w)) * 2.0
+        return ops.gelu(linear(a, w)) * 2.0
 
-    y = ops.recompute(fn, x)
+    y = recompute_op(fn, x)
     assert calls == [True] and y.requires_grad and y._parents == (x,)
     g = RNG.standard_normal(y.shape)
     y.backward(g)
     assert calls == [True, True]
     x_ref, w_ref = Tensor(x.data.copy(), requires_grad=True), Parameter(w.data.copy())
-    (ops.gelu(ops.linear(x_ref, w_ref)) * 2.0).backward(g)
+    (ops.gelu(linear(x_ref, w_ref)) * 2.0).backward(g)
     assert np.array_equal(x.grad, x_ref.grad) and np.array_equal(w.grad, w_ref.grad)
     with no_grad():  # evaluation: just fn, no graph and no re-run
-        out = ops.recompute(fn, x)
+        out = recompute_op(fn, x)
     assert calls == [True, True, True] and not out.requires_grad
 
 
@@ -109,14 +112,14 @@ def test_parameters_inside_get_one_gradient_and_one_hook_per_backward():
     x = Tensor(RNG.standard_normal((3, 5)))                     # requires no grad
 
     def fn(a):
-        return ops.linear(ops.tanh(ops.linear(a, w)), w)
+        return linear(ops.tanh(linear(a, w)), w)
 
     for mb in range(2):
-        ops.recompute(fn, x).sum().backward()
+        recompute_op(fn, x).sum().backward()
         assert len(fired) == mb + 1
     w_ref = Parameter(w.data.copy())
     for _ in range(2):
-        fn_ref = ops.linear(ops.tanh(ops.linear(x, w_ref)), w_ref)
+        fn_ref = linear(ops.tanh(linear(x, w_ref)), w_ref)
         fn_ref.sum().backward()
     assert np.array_equal(w.grad, w_ref.grad) and np.array_equal(fired[-1], w.grad)
     assert x.grad is None
@@ -128,7 +131,7 @@ def test_selective_attention_is_bitwise_the_same():
     out = {}
     for recompute in (False, True):
         x = Tensor(qkv.copy(), requires_grad=True)
-        y = ops.causal_attention(x, 3, recompute=recompute)
+        y = causal_attention(x, 3, recompute=recompute)
         y.backward(g)
         out[recompute] = (y.data, x.grad)
     assert np.array_equal(out[True][0], out[False][0]) and np.array_equal(out[True][1], out[False][1])
@@ -162,7 +165,7 @@ def _held_bytes(recompute: str, every: int) -> int:
 def test_recomputation_holds_less_between_forward_and_backward():
     none, selective, full, half = held_bytes("none"), held_bytes("selective"), held_bytes("full"), held_bytes("full", 2)
     b, h, t = 2, 4, 128
-    probs = b * h * kernels.kept_probabilities(t) * 4  # one block's float32 probabilities (causal blocks)
+    probs = b * h * kept_probabilities(t) * 4  # one block's float32 probabilities (causal blocks)
     # (+ small Python objects: the list of blocks and each block's array header, a few hundred bytes a block)
     assert none - selective == pytest.approx(2 * probs, abs=2048)
     saved = none - half                                # full recomputation of block 0 alone

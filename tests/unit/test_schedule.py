@@ -8,9 +8,11 @@ import pytest
 
 from hpcpar.errors import ConfigError
 from hpcpar.parallel.pp.schedules import (
-    RECVS, SENDS, Action, Placement, ScheduleError, build, check_in_order_transport, gpipe, in_order_safe,
-    interleaved_1f1b, message_groups, message_tag, one_f_one_b, placement, predict_step_time, resolve_chunks,
-    simulate, timeline, validate, zbh1, zbv,
+    RECVS, SENDS, Action, Placement, ScheduleError, build, gpipe, interleaved_1f1b, message_tag, one_f_one_b,
+    placement, resolve_chunks, validate, zbh1, zbv,
+)
+from hpcpar.parallel.pp.simulate import (
+    check_in_order_transport, in_order_safe, message_groups, predict_step_time, simulate, timeline,
 )
 
 ALL = ["gpipe", "1f1b", "interleaved", "zbh1", "zbv"]

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hpcpar.runtime import comm, watchdog
+from hpcpar.runtime import waiting, watchdog
 from hpcpar.backend import threads
 from hpcpar.errors import ConfigError
 
@@ -36,18 +36,18 @@ def test_bad_timeout_environment(monkeypatch, raw):
     ("2", "", True), ("2", "auto", True), ("3", "auto", False), ("8", "", False),  # 2 cores
     ("8", "block", True), ("1", "poll", False), ("2", " Poll ", False)])
 def test_blocking_ops_poll_where_ranks_share_cores(monkeypatch, ranks, wait, blocks):
-    monkeypatch.setattr(comm.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(waiting.os, "sched_getaffinity", lambda pid: {0, 1})
     for var in threads._LOCAL_SIZE_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MPI_LOCALNRANKS", ranks)
     monkeypatch.setenv("HPCPAR_MPI_WAIT", wait)
-    assert comm.mpi_waits_block() is blocks
+    assert waiting.mpi_waits_block() is blocks
 
 
 def test_bad_wait_mode_environment(monkeypatch):
     monkeypatch.setenv("HPCPAR_MPI_WAIT", "spin")
     with pytest.raises(ConfigError, match="HPCPAR_MPI_WAIT='spin'.*auto, block or poll"):
-        comm.mpi_waits_block()
+        waiting.mpi_waits_block()
 
 
 def test_set_timeout_rejects_non_positive():

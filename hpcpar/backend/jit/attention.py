@@ -1,7 +1,7 @@
 """Causal self-attention as one compiled call per run of (sample, head) pairs (Numba + the GEMM's C
 entry point), when the `fast` extra is installed.
 
-`cpu_kernels.causal_attention_forward/_backward` without Numba run a (batch group, query block) as
+`cpu.attention.causal_attention_forward/_backward` without Numba run a (batch group, query block) as
 a dozen NumPy calls. Each holds the GIL for its Python part, and with two kernel threads every
 call also waits for the other thread's GIL hand-off (tens of microseconds of thread wake-ups on a
 VM): two threads ran the default model's attention 1.1x faster than one, where two processes run
@@ -13,7 +13,7 @@ loops over rows that stay in L1.
 Layouts. qkv [B, T, 3 C] (rows [q; k; v] of c_attn, head h in columns h D .. h D + D of each),
 C = H D. A unit u = b H + h is one (sample, head) pair; query blocks [a, e) of `qblock` rows (the
 last one shorter) see keys [0, e). probs [B H, K] keeps E = exp(S) of every block of a unit, block
-j at `offsets[j]` as a C-ordered [e - a, e] matrix (K = cpu_kernels.kept_probabilities(T));
+j at `offsets[j]` as a C-ordered [e - a, e] matrix (K = cpu.attention.kept_probabilities(T));
 rowsum [B, H, T, 1] holds l = rowsum(E). The arithmetic of a unit never depends on the other units
 in the call, the thread it runs on or the memory around it (same products, same loops), which is
 what lets every mesh (dp rows, tp heads) reproduce the single-process model bit for bit.
@@ -21,7 +21,7 @@ what lets every mesh (dp rows, tp heads) reproduce the single-process model bit 
 exp is jit_kernels.exp32 / exp64, not libm's (a scalar call per element, 4x slower than NumPy's
 SIMD exp): a range reduction and a polynomial, within an ulp (tests/unit/test_cpu_kernels.py), whose
 loops vectorize. A row whose sum leaves the range where E keeps full precision is recomputed with
-its maximum subtracted, as in cpu_kernels._exp_scores.
+its maximum subtracted, as in cpu.attention._exp_scores.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def attention_forward(gemm, qkv, n_head, scale, zero, qblock, offsets, u0, u1, o
                       tiny, huge):
     """Units u0..u1-1: out [B, T, C] (their heads' columns) = softmax(S) V, rowsum [B, H, T, 1] = l,
     and with `keep` probs[u] = each block's E (else nothing is kept). `scale` (1/sqrt(D)), `zero`,
-    `tiny` and `huge` (cpu_kernels._exp_range) in qkv's dtype; offsets [blocks + 1] int64."""
+    `tiny` and `huge` (cpu.attention._exp_range) in qkv's dtype; offsets [blocks + 1] int64."""
     t, three_c = qkv.shape[1], qkv.shape[2]
     c = three_c // 3
     d = c // n_head
@@ -148,7 +148,7 @@ def attention_forward(gemm, qkv, n_head, scale, zero, qblock, offsets, u0, u1, o
 def attention_backward(gemm, qkv, g, n_head, scale, zero, qblock, offsets, u0, u1, grad, rowsum, probs,
                        keep, tiny, huge):
     """Units u0..u1-1 of dqkv = grad [B, T, 3 C] for dy = g [B, T, C], as
-    cpu_kernels.causal_attention_backward: with dY' = dY / l, per query block (last to first, so the
+    cpu.attention.causal_attention_backward: with dY' = dY / l, per query block (last to first, so the
     first writes dK and dV whole and the others add to their leading rows) dV += E^T dY',
     dP' = dY' V^T, dS = E (dP' - rowsum(dP' E) / l), dQ = dS K scale, dK += dS^T Q scale."""
     t, three_c = qkv.shape[1], qkv.shape[2]

@@ -1,6 +1,6 @@
 """Compiled loops for the CPU kernels' blocks (Numba), when the `fast` extra is installed.
 
-`cpu_kernels.py` runs each op as a chain of NumPy calls over cache-sized blocks; a chain of ten
+`backend/cpu/` runs each op as a chain of NumPy calls over cache-sized blocks; a chain of ten
 calls reads and writes its block ten times and holds the GIL between calls. Here the arithmetic of
 a chain is one loop per block, compiled once (Numba, cached on disk) and run without the GIL, so
 the kernel pool's threads compute at once: GELU's backward and AdamW's update 2.5-4x faster per
@@ -16,7 +16,7 @@ GELU and AdamW give the NumPy path's bits. LayerNorm's row sums run in eight int
 instead of einsum's order: equal to rounding. The gradient norm's sum of squares is vectorized by
 LLVM in its own lane order (reassociation allowed in that sum alone: 4x faster than eight scalar
 lanes), fixed by the array's length and the build. Float32 and float64 arrays only (16-bit activations
-take the NumPy path). This module imports Numba: `cpu_kernels` imports it on first use, and goes
+take the NumPy path). This module imports Numba: `cpu.blocks` imports it on first use, and goes
 without it when Numba is not installed or HPCPAR_JIT=0.
 """
 
@@ -127,7 +127,7 @@ def exp64(x):
     return x if x != x else y
 
 
-# Every constant comes in as an argument of the arrays' dtype (cpu_kernels makes them): a literal
+# Every constant comes in as an argument of the arrays' dtype (the CPU kernels make them): a literal
 # would make Numba compute a float32 expression in float64 and round once, not as NumPy does.
 
 
@@ -148,7 +148,7 @@ def gelu_outer(x, t, o, one, half):
 
 @jit
 def gelu_grad(x, t, g, s, a3, one, c, half):
-    """s = g (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)) in cpu_kernels._gelu_grad's order."""
+    """s = g (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)) in cpu.gelu._gelu_grad's order."""
     for i in range(x.size):
         v = x[i]
         tt = t[i]
@@ -285,7 +285,7 @@ def layer_norm_backward(x, w, mean, rstd, g, consts, dx, dw, db, want_dx, want_d
 @jit
 def softmax_grad_rows(gs, p, rowsum, has_rowsum, zero):
     """dS in place in gs [n, e] (the rows of attention blocks): delta = rowsum(gs p) (/ l when
-    has_rowsum, l = rowsum[n]), then gs = (gs - delta) p; cpu_kernels.causal_attention_backward."""
+    has_rowsum, l = rowsum[n]), then gs = (gs - delta) p; cpu.attention.causal_attention_backward."""
     n, e = gs.shape
     prod = np.empty(e, dtype=gs.dtype)
     for i in range(n):

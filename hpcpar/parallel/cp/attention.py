@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from hpcpar.autograd import ops
+from hpcpar.autograd.attention import causal_attention
 from hpcpar.backend import array_module
 from hpcpar.backend.precision import down, up
 from hpcpar.autograd.tensor import Tensor
@@ -168,12 +169,12 @@ class ContextParallel:
 
     def attention(self, qkv: Tensor, n_head: int, recompute: bool = False) -> Tensor:
         """Causal self-attention of my tokens over the whole sequence: [B, T/cp, 3 n_head D] ->
-        [B, T/cp, n_head D], as `ops.causal_attention` of the full sequence would give my rows.
-        `recompute` (selective recomputation): Ulysses' inner `ops.causal_attention` keeps no
+        [B, T/cp, n_head D], as `causal_attention` of the full sequence would give my rows.
+        `recompute` (selective recomputation): Ulysses' inner `causal_attention` keeps no
         probabilities; ring attention keeps none in any case (its backward rebuilds each block's
         from the saved log-sum-exp), so the flag changes nothing there."""
         if self.size == 1:
-            return ops.causal_attention(qkv, n_head, recompute)
+            return causal_attention(qkv, n_head, recompute)
         self.stats["calls"] += 1
         if self.impl == RING:
             return ring_attention(qkv, n_head, self)
@@ -252,7 +253,7 @@ def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
     """Causal attention of my tokens against the whole sequence, K/V passed around the cp ring.
 
     In: qkv [B, T/cp, 3 H D] (my tokens in `cp.layout` order; H = the heads on this tp rank).
-    Out: [B, T/cp, H D], equal to my rows of `ops.causal_attention` on the full sequence.
+    Out: [B, T/cp, H D], equal to my rows of `causal_attention` on the full sequence.
     Backward: dQ locally, dK/dV accumulated around the ring and delivered to their owners.
     """
     xp = array_module(qkv.data)
@@ -419,7 +420,7 @@ def all_to_all_dim(x: Tensor, comm: Communicator | None, split_dim: int, concat_
 
 def ulysses_attention(qkv: Tensor, n_head: int, cp: ContextParallel, recompute: bool = False) -> Tensor:
     """DeepSpeed-Ulysses: [B, T/cp, 3 H D] (contiguous chunk r) -> all-to-all -> [B, T, 3, H/cp, D]
-    -> `ops.causal_attention` on my H/cp heads (`recompute`: keeping no probabilities) -> all-to-all
+    -> `causal_attention` on my H/cp heads (`recompute`: keeping no probabilities) -> all-to-all
     -> [B, T/cp, H D]."""
     comm, size = cp.comm, cp.size
     if n_head % size:
@@ -434,6 +435,6 @@ def ulysses_attention(qkv: Tensor, n_head: int, cp: ContextParallel, recompute: 
 
     x = all_to_all_dim(ops.reshape(qkv, (b, tl, 3, n_head, d)), comm, 3, 1, on_exchange)   # [B, T, 3, H/cp, D]
     cp.stats["pairs"] += b * heads * t * (t + 1) // 2
-    y = ops.causal_attention(ops.reshape(x, (b, t, 3 * heads * d)), heads, recompute)     # [B, T, H/cp D]
+    y = causal_attention(ops.reshape(x, (b, t, 3 * heads * d)), heads, recompute)         # [B, T, H/cp D]
     y = all_to_all_dim(ops.reshape(y, (b, t, heads, d)), comm, 1, 2, on_exchange)         # [B, T/cp, H, D]
     return ops.reshape(y, (b, tl, n_head * d))

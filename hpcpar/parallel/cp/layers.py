@@ -7,7 +7,7 @@ base plan's, run on this rank's T/cp tokens:
 
     attn        the base attention module, its attention computed by `cp.attention`
                 (ring attention or Ulysses, `parallel/context.py`) instead of
-                `ops.causal_attention`;
+                `causal_attention`;
     position_ids  my tokens' global positions (`cp.positions(T)`: zigzag chunks r and 2cp-1-r
                 for ring, chunk r for Ulysses): wpe rows are gathered there, and the gradient
                 scatter-adds back into those rows;

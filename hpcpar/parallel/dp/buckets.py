@@ -57,7 +57,8 @@ from hpcpar import backend
 from hpcpar.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hpcpar.runtime.comm import Communicator, Handle
+    from hpcpar.runtime.comm import Communicator
+    from hpcpar.runtime.transports import Handle
     from hpcpar.parallel.dp.compression.compressors import Compressor
 
 

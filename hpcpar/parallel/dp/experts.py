@@ -12,40 +12,46 @@ group sent it (the dispatch's backward brings them home), so averaging it over t
 gives (ep/dp) sum_d dL_d/dW: `finish_backward` divides by ep, leaving (1/dp) sum_d dL_d/dW,
 what the single-process model computes. With ep = 1 the edp group is dp x cp and nothing changes.
 
-`ExpertDataParallel` holds one `DataParallel` for each kind (the expert one over (edp,
-edp_shard, dp_replicate): ZeRO-1/2 shards expert optimizer state over edp_shard) and answers
-the training loop as one: a single global gradient norm over both, one step, one checkpoint.
-Gradient compression and ZeRO-3 are refused with experts by config validation.
+`ExpertDataParallel` is a gradient sync strategy (`sync.GradientSync`) made of two: one for
+each kind of weight, both of the run's ZeRO stage (`sync.make_gradient_sync`; the expert one over
+(edp, edp_shard, dp_replicate): ZeRO-1/2 shards expert optimizer state over edp_shard). It
+answers the training loop as one: a single global gradient norm over both, one step, one
+checkpoint. Gradient compression and ZeRO-3 are refused with experts by config validation.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from hpcpar.runtime.mesh import Axis
+from hpcpar.runtime.topology import Axis
 from hpcpar.parallel.dp.clipping import clip_global_norm
 from hpcpar.parallel.dp.data_parallel import DataParallel
+from hpcpar.parallel.dp.sync import make_gradient_sync
 
 
 class ExpertDataParallel:
-    """`DataParallel`'s per-step API over dense weights (dp x cp) and expert weights (edp).
+    """`sync.GradientSync` over dense weights (dp x cp) and expert weights (edp).
 
     Args:
         named_params: (global name, Parameter) of every parameter on this rank; those with
             `expert` set are the experts.
         mesh: the Mesh (with its ep groups).
-        **kwargs: `DataParallel`'s other arguments, for both parts (the expert part sums no
-            tied weights: it has none).
+        **kwargs: `sync.make_gradient_sync`'s other arguments, for both parts (the expert part
+            sums no tied weights: it has none).
+
+    Attributes:
+        dense, experts: the two parts (`experts` None on a rank without expert weights).
+        parts: both, dense first.
     """
 
     def __init__(self, named_params, mesh, **kwargs):
         named = list(named_params)
         self.mesh = mesh
         self.ep = mesh.size(Axis.EP)
-        self.dense = DataParallel([(n, p) for n, p in named if not p.expert], mesh, **kwargs)
+        self.dense = make_gradient_sync([(n, p) for n, p in named if not p.expert], mesh, **kwargs)
         experts = [(n, p) for n, p in named if p.expert]
         # Every rank of an edp group sits on the same pipeline stage: all have experts, or none.
-        self.experts = DataParallel(experts, mesh, **{**kwargs, "local_tied": True}, groups=(
+        self.experts = make_gradient_sync(experts, mesh, **{**kwargs, "local_tied": True}, groups=(
             mesh.comm(Axis.EDP), mesh.comm(Axis.EDP_SHARD), mesh.comm(Axis.DP_REPLICATE))) if experts else None
         self.parts = [self.dense] + ([self.experts] if self.experts is not None else [])
         self.unit_hooks = None  # no ZeRO-3 with experts

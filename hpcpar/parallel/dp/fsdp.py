@@ -30,10 +30,10 @@ per flat parameter. Tied copies across pipeline stages (`wte` on the first stage
 their shards line up: their gradient shards are summed over `tied_comm` after the reductions.
 
 Nothing here references a gathered buffer once it is freed; the ops that consume parameters read
-`p.data` when their backward runs (`ops.linear`, `ops.embedding`, `Tensor.view_of_leaf`), so the
+`p.data` when their backward runs (`linear`, `embedding`, `Tensor.view_of_leaf`), so the
 memory really goes. A freed parameter's `.data` is a read-only NaN of its shape (one element of
 memory): a use outside its unit shows up as NaN, not as stale values. A block under full
-activation recomputation (`ops.recompute`) runs inside its unit: its no-graph forward between
+activation recomputation (`recompute`) runs inside its unit: its no-graph forward between
 pre- and post-forward, its re-run inside the recompute op's backward, after pre-backward has
 gathered the unit again, so recomputation costs no extra gather.
 
@@ -41,21 +41,27 @@ A padded vocabulary (wte's rows past V under tp, `Layout.split_padded`) is part 
 buffer like any element: zero from the start, it gets zero gradient and so stays zero; the
 segments' layouts do not cover it, so checkpoints never store it and loads zero-fill it.
 
-The optimizer sees segments (`zero.Segment`): the piece of each parameter inside this rank's
+The optimizer sees segments (`segments.Segment`): the piece of each parameter inside this rank's
 shard, views of the shard and of the gradient shard; checkpoints save them with the layout
 `param.layout.flat_range(lo, hi)`. `events` logs (kind, unit, time) for the overlap test.
+
+`FSDP` is the gradient sync strategy (`sync.GradientSync`) of ZeRO stage 3: `ShardedUnits` for
+the parameters and gradients, an optimizer over the segments. The model's chunks call its
+`unit_hooks` (the `ShardedUnits`) around each unit.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from hpcpar import backend
 from hpcpar.runtime.comm import Communicator
 from hpcpar.errors import ConfigError
+from hpcpar.optim.optimizers import AdamW
 from hpcpar.parallel.dp.buckets import Slot
-from hpcpar.parallel.dp.zero import segments_of
+from hpcpar.parallel.dp.data_parallel import DataParallel, distinct_nbytes
+from hpcpar.parallel.dp.segments import ShardedState, segments_of
 
 
 class FlatParameter:
@@ -431,3 +437,105 @@ class ShardedUnits:
     def gathered_bytes(self) -> int:
         """Bytes of gathered buffers alive now (the shards' memory excluded when n > 1)."""
         return sum(f.gathered.nbytes for f in self.flats if f.gathered is not None and f.comm.size > 1)
+
+
+class FSDP(ShardedState, DataParallel):
+    """ZeRO stage 3: parameters, gradients and optimizer state sharded over the shard group, the
+    parameters gathered unit by unit (`ShardedUnits`).
+
+    Args (besides `DataParallel`'s):
+        units: (chunk index, unit name, [(name, Parameter)]) in forward order (`GPT.fsdp_units()`
+            of every chunk); each chunk's `unit_hooks` must be set to this object's `unit_hooks`
+            so that the model gathers its units.
+        make_optimizer: builds the optimizer from this rank's segments.
+        reshard_after_forward: free a unit's gathered parameters after its forward.
+        prefetch: issue the next unit's all-gather while the current one computes.
+
+    Attributes:
+        unit_hooks: the `ShardedUnits`.
+        segments: this rank's pieces of the parameters, the optimizer's "parameters".
+        events: the `ShardedUnits` events of this step.
+    """
+
+    def __init__(self, named_params: Iterable[tuple[str, Any]], mesh, units: Iterable[tuple[int, str, list]] | None,
+                 make_optimizer: Callable[[list], Any] = AdamW, *, reshard_after_forward: bool = True,
+                 prefetch: bool = True, local_tied: bool = False, groups: tuple | None = None):
+        super().__init__(named_params, mesh, local_tied=local_tied, groups=groups)
+        if units is None:
+            raise ConfigError("zero=3 needs the model's units (make_gradient_sync(..., units=[(chunk, name, "
+                              "[(name, param)]), ...]), e.g. from GPT.fsdp_units())")
+        units = list(units)
+        listed = {id(p) for _, _, ps in units for _, p in ps}
+        missing = [n for n, p in zip(self.names, self.params) if id(p) not in listed]
+        if missing:
+            raise ConfigError(f"zero=3: parameters {missing[:3]} belong to no unit")
+        self.unit_hooks = ShardedUnits(units, self.shard_comm, self.replicate_comm, self._tied,
+                                       self.embedding_comm, reshard_after_forward, prefetch)
+        self.segments = self.unit_hooks.segments
+        if self.embedding_comm is not None:
+            self._check_tied_match([(f.size, f.dtype) for f in self.unit_hooks.flats if f.tied])
+        self.optimizer = make_optimizer(self.segments)
+        self._norm_items = self._sharded_norm_items()
+
+    @property
+    def overlap(self) -> bool:
+        """Reductions always start from grad hooks under FSDP (setting it changes nothing)."""
+        return True
+
+    @overlap.setter
+    def overlap(self, value: bool) -> None:
+        pass
+
+    @property
+    def events(self) -> list[tuple[str, Any, float]]:
+        return self.unit_hooks.events
+
+    @events.setter
+    def events(self, value: list) -> None:
+        self.unit_hooks.events = value
+
+    def on_bucket_ready(self, listener: Callable[[Any], None]) -> None:
+        raise ConfigError("on_bucket_ready needs gradient buckets (zero 0-2); ZeRO-3 has none")
+
+    def begin_step(self, microbatches: int = 1, step: int | None = None) -> None:
+        """Arm the unit hooks (gradient buffers come with each unit's backward)."""
+        self.unit_hooks.begin_step(microbatches)
+
+    def _reduce(self) -> None:
+        self.unit_hooks.finish_backward()
+        flat_of = {id(p): f for f in self.unit_hooks.flats for p in f.params}
+        self._sum_local_tied([(flat_of[id(a)].grad_shard, flat_of[id(b)].grad_shard) for a, b in self._local_tied])
+
+    def _grad_buffers(self) -> list:
+        return [f.grad_shard for f in self.unit_hooks.flats]
+
+    def uncompressed_bytes(self) -> None:
+        """None: no compression under ZeRO-3, what is measured is what an uncompressed step sends."""
+        return None
+
+    def full_parameters(self) -> dict[str, Any]:
+        """{name: this rank's whole local array}: copies, gathered (collective over the shard group)."""
+        self.unit_hooks.gather_all()
+        try:
+            return {n: p.data.copy() for n, p in zip(self.names, self.params)}
+        finally:
+            self.unit_hooks.release_all()
+
+    def _state_groups(self) -> list[tuple[list, Any, list]]:
+        return [(list(zip(f.slots, f.params)), f.shard, f.segments) for f in self.unit_hooks.flats]
+
+    def _parameter_pieces(self) -> list[tuple[Any, str, Any, Any]]:
+        """This rank's shards of the parameters (its segments)."""
+        return [(seg.param, seg.name, seg.layout, seg.data) for seg in self.segments]
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind: parameter shards, gradients (shards and the full
+        buffers alive), optimizer state, gathered buffers (each buffer counted once)."""
+        seen: set = set()
+        state = [v for st in self.optimizer.state_dict()["state"] for v in st.values()]
+        flats = self.unit_hooks.flats
+        return {"parameters": distinct_nbytes((f.shard for f in flats), seen),
+                "gradients": distinct_nbytes((f.grad_shard for f in flats), seen)
+                + distinct_nbytes((f.grad for f in flats), seen),
+                "optimizer": distinct_nbytes(state, seen),
+                "gathered": distinct_nbytes((f.gathered for f in flats if f.comm.size > 1), seen)}

@@ -15,58 +15,28 @@ kept); a non-blocking all-gather per bucket then fills every rank's whole `flat`
 updated parts. ZeRO-2 is the same optimizer: only the bucket manager differs (it drops each
 full gradient buffer once reduced, buckets.py).
 
-The optimizer never sees a whole parameter. It sees *segments*: for each parameter that
-overlaps this rank's part, the overlapping piece, as an object with flat `.data` (a view of
-`Part.data`), `.grad` (a view of `bucket.part`, set after each reduction) and the parameter's
-`.no_decay`, so decoupled weight decay stays masked per element. Elementwise AdamW (or SGD) on
-segments is the same arithmetic as on whole parameters, so results equal the unsharded
-optimizer's bit for bit.
+The optimizer sees this rank's part as segments (segments.py): the piece of each parameter
+inside it, flat views of the part and of the reduced gradient part, so results equal the
+unsharded optimizer's bit for bit and checkpoints save every piece as it is (no rank ever holds
+another rank's state).
 
-Checkpoints: every segment is a flat range of its parameter's local array, so it is saved as it
-is, with the layout `param.layout.flat_range(lo, hi)` (`shard_tensors`): no rank ever holds
-another rank's state. `state` (all-gathered whole-parameter state, for tests and tools) and
-`load_state` (its inverse) remain.
+`ZeRO` is the gradient sync strategy (`sync.GradientSync`) of stages 1 and 2: the bucketed
+reductions of bucketed.py with a reduce-scatter, and `ZeroOptimizer` over the parts.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
+
+import numpy as np
 
 from hpcpar import backend
 from hpcpar.runtime.comm import Communicator, bytes_sent
-from hpcpar.parallel.dp.buckets import Bucket
-
-
-class Segment:
-    """The piece of one parameter inside this rank's ZeRO part, seen by the optimizer as a
-    parameter: flat `.data`/`.grad` views and the parameter's `no_decay`."""
-
-    __slots__ = ("data", "grad", "no_decay", "param", "name", "lo", "hi", "part_lo")
-
-    def __init__(self, data, param, name: str, lo: int, hi: int, part_lo: int):
-        self.data = data            # view of the part buffer
-        self.grad = None            # view of the reduced gradient part (set each step)
-        self.no_decay = bool(getattr(param, "no_decay", False))
-        self.param = param
-        self.name = name            # the parameter's global name (checkpoint key)
-        self.lo, self.hi = lo, hi   # element range within the flattened parameter
-        self.part_lo = part_lo      # start within the part buffer
-
-    @property
-    def layout(self):
-        """Where this piece sits in the global tensor: a flat range of the parameter's layout."""
-        return self.param.layout.flat_range(self.lo, self.hi)
-
-
-def segments_of(slots, params, lo: int, hi: int, data) -> list[Segment]:
-    """The pieces of the parameters of `slots` (name, offset, numel; with `params` alongside)
-    inside elements [lo, hi) of a flat buffer, `data` being those elements."""
-    out = []
-    for s, p in zip(slots, params):
-        a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
-        if a < z:
-            out.append(Segment(data[a - lo:z - lo], p, s.name, a - s.offset, z - s.offset, a - lo))
-    return out
+from hpcpar.optim.optimizers import AdamW
+from hpcpar.parallel.dp.bucketed import BucketedDataParallel
+from hpcpar.parallel.dp.buckets import Bucket, ReduceScatterAvg
+from hpcpar.parallel.dp.compression.compressors import Compression
+from hpcpar.parallel.dp.segments import ShardedState, gather_state, load_state, segments_of
 
 
 class Part:
@@ -134,34 +104,83 @@ class ZeroOptimizer:
             return 0.0
         return sum(bytes_sent("all_gather", part.data.nbytes, self.comm.size) for part in self.parts)
 
-    def gather_parameters(self) -> None:
-        """All-gather every bucket's parts into the parameters (after loading parts; collective)."""
-        if self.comm.size > 1:
-            for h in [self.comm.iall_gather(part.data.copy(), dim=0, out=part.flat) for part in self.parts]:
-                h.wait()
+    def state_groups(self) -> list[tuple[list, Any, list]]:
+        """Per bucket: ([(slot, param)], this rank's part of the parameters, its segments)."""
+        return [(list(zip(part.bucket.plan.slots, part.bucket.params)), part.data, part.segments)
+                for part in self.parts]
 
     def state(self, state_names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
         """{parameter name: {state name: array of the parameter's local shape}}, gathered over
         the shard group (collective: one all-gather per bucket and state name, in that order).
-        For tests and tools; checkpoints save the shards (`shard_tensors`)."""
-        out: dict[str, dict[str, Any]] = {}
-        for part in self.parts:
-            b = part.bucket
-            for k in state_names:
-                mine = backend.array_module(part.data).zeros_like(part.data)
-                for seg in part.segments:
-                    mine[seg.part_lo:seg.part_lo + (seg.hi - seg.lo)] = self.optimizer.state_of(seg)[k]
-                full = self.comm.all_gather(mine, dim=0)
-                for s, p in zip(b.plan.slots, b.params):
-                    out.setdefault(s.name, {})[k] = full[s.offset:s.offset + s.numel].reshape(p.shape).copy()
-        return out
+        For tests and tools; checkpoints save the shards."""
+        return gather_state(self.state_groups(), self.optimizer, state_names, self.comm)
 
     def load_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Take this rank's part of whole-parameter state (the structure of `state`, already
         checked). The parameters themselves are loaded whole beforehand (views of the flat
         buffers: nothing to re-read)."""
-        for part in self.parts:
-            xp = backend.array_module(part.data)
-            for seg in part.segments:
-                for k, dst in self.optimizer.state_of(seg).items():
-                    dst[...] = xp.asarray(state[seg.name][k]).reshape(-1)[seg.lo:seg.hi]
+        load_state(self.segments, self.optimizer, state)
+
+
+class ZeRO(ShardedState, BucketedDataParallel):
+    """ZeRO stage 1 (optimizer state sharded) or 2 (gradients too) over the shard group.
+
+    Args: those of `BucketedDataParallel`, `stage` (1 or 2), and `make_optimizer`, which builds
+    the optimizer from this rank's segments.
+
+    Attributes:
+        segments: this rank's pieces of the parameters, the optimizer's "parameters".
+    """
+
+    shards_parts = True
+
+    def __init__(self, named_params: Iterable[tuple[str, Any]], mesh, make_optimizer: Callable[[list], Any] = AdamW,
+                 *, stage: int, bucket_mb: float = 25.0, compression: Compression = Compression(),
+                 overlap: bool = True, local_tied: bool = False, groups: tuple | None = None):
+        self.stage = stage
+        super().__init__(named_params, mesh, bucket_mb=bucket_mb, compression=compression, overlap=overlap,
+                         release=stage == 2, local_tied=local_tied, groups=groups)
+        self._zero = ZeroOptimizer(self.buckets, self.shard_comm, make_optimizer)
+        self.segments = self._zero.segments
+        self.optimizer = self._zero.optimizer
+        self._norm_items = self._sharded_norm_items()
+
+    def _plain_reduction(self) -> ReduceScatterAvg:
+        # ZeRO-1 keeps the whole gradient buffer anyway: the part goes back into it.
+        return ReduceScatterAvg(self.shard_comm, self.replicate_comm, in_bucket=self.stage == 1)
+
+    def _reduce(self) -> None:
+        super()._reduce()
+        self._zero.attach_grads()
+
+    def _grad_buffers(self) -> list:
+        return [b.part for b in self.buckets]
+
+    def _update(self, lr: float | None) -> None:
+        """Update this rank's part, all-gather the parameters."""
+        self._zero.step(lr)
+
+    def step_bytes(self) -> float:
+        """Bytes `step()` will send from this rank: the all-gather of the updated parts, known
+        before it runs (the step's traffic is agreed on before the optimizer step)."""
+        return self._zero.step_bytes()
+
+    def uncompressed_bytes(self) -> float:
+        """Bytes this rank sends per step to synchronise gradients without compression: per bucket
+        a reduce-scatter in the shard group, HSDP's all-reduce of the part over the replicas and
+        the all-gather of the updated part (`comm.bytes_sent`)."""
+        total = 0.0
+        n = self.shard_comm.size
+        for b in self.buckets:
+            nbytes = b.plan.size * np.dtype(b.plan.dtype).itemsize
+            total += (bytes_sent("reduce_scatter", nbytes, n) + bytes_sent("all_reduce", nbytes // n,
+                                                                          self.replicate_comm.size)
+                      + bytes_sent("all_gather", nbytes // n, n))
+        return total
+
+    def _state_groups(self) -> list[tuple[list, Any, list]]:
+        return self._zero.state_groups()
+
+    def _parameter_pieces(self) -> list[tuple[Any, str, Any, Any]]:
+        """The parameters whole: ZeRO-1/2 keeps them whole on every rank."""
+        return [(p, n, p.layout, p.data) for n, p in zip(self.names, self.params)]

@@ -39,6 +39,10 @@ from typing import TYPE_CHECKING
 
 from hpcpar import backend
 from hpcpar.autograd import ops
+from hpcpar.autograd.attention import causal_attention
+from hpcpar.autograd.dropout import dropout
+from hpcpar.autograd.functional import embedding, layer_norm
+from hpcpar.autograd.linear import add_bias, linear
 from hpcpar.layout import Layout
 from hpcpar.nn.layers import LayerNorm
 from hpcpar.nn.module import Module, Parameter
@@ -110,9 +114,9 @@ class ColumnParallelLinear(Module):
                      if bias else None)
 
     def forward(self, x: Tensor, activation: str | None = None) -> Tensor:
-        """`activation="gelu"`: gelu of my output columns, fused into the linear (`ops.linear`)."""
+        """`activation="gelu"`: gelu of my output columns, fused into the linear (`linear`)."""
         x = all_gather_dim(x, self.comm, SEQ_DIM) if self.sequence_parallel else copy_to(x, self.comm)
-        y = ops.linear(x, self.weight, self.bias, activation=activation)
+        y = linear(x, self.weight, self.bias, activation=activation)
         return gather_from(y, self.comm, -1) if self.gather_output else y
 
 
@@ -137,7 +141,7 @@ class RowParallelLinear(Module):
     def forward(self, x_shard: Tensor) -> Tensor:
         # 16-bit activations: the partial sums stay float32 through the reduction and are rounded
         # once, after the bias, as the one-rank layer rounds its whole sum.
-        partial = ops.linear(x_shard, self.weight, out_dtype=up_dtype(x_shard.dtype))
+        partial = linear(x_shard, self.weight, out_dtype=up_dtype(x_shard.dtype))
         if self.sequence_parallel:
             y = reduce_scatter_dim(partial, self.comm, SEQ_DIM)
             # Added to my tokens only: the bias gradient is my part of the sum over the sequence.
@@ -145,7 +149,7 @@ class RowParallelLinear(Module):
         else:
             y = reduce_from(partial, self.comm)
             bias = self.bias
-        return ops.add_bias(y, bias, x_shard.dtype)
+        return add_bias(y, bias, x_shard.dtype)
 
 
 class ParallelSelfAttention(Module):
@@ -154,12 +158,12 @@ class ParallelSelfAttention(Module):
     In/out: [B, T, C] replicated, or [B, T/tp, C] under sequence parallelism.
     """
 
-    def __init__(self, config, comm: Communicator, sequence_parallel: bool = False, attend=ops.causal_attention):
+    def __init__(self, config, comm: Communicator, sequence_parallel: bool = False, attend=causal_attention):
         super().__init__()
         require_divisible("n_head", config.n_head, "tp", comm.size, _WHOLE_HEADS)
         c = config.n_embd
         self.n_head_local = config.n_head // comm.size
-        self.attend = attend  # ops.causal_attention, or context-parallel attention over my heads
+        self.attend = attend  # causal_attention, or context-parallel attention over my heads
         self.recompute_scores = False  # selective recomputation (GPT.set_recompute)
         self.c_attn = ColumnParallelLinear(c, 3 * c, comm, config.bias, config.dtype, groups=3,
                                            sequence_parallel=sequence_parallel)
@@ -200,7 +204,7 @@ class SequenceParallelLayerNorm(LayerNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         bias = sequence_parallel_param(self.bias, self.comm) if self.bias is not None else None
-        return ops.layer_norm(x, sequence_parallel_param(self.weight, self.comm), bias, self.eps)
+        return layer_norm(x, sequence_parallel_param(self.weight, self.comm), bias, self.eps)
 
 
 class VocabParallelEmbedding(Module):
@@ -223,7 +227,7 @@ class VocabParallelEmbedding(Module):
         ids = xp.asarray(idx.data if isinstance(idx, Tensor) else idx)   # ids on the weight's device
         lo = self.comm.rank * self.weight.shape[0]
         mine = (ids >= lo) & (ids < lo + self.weight.shape[0])
-        rows = ops.embedding(xp.where(mine, ids - lo, 0), self.weight)
+        rows = embedding(xp.where(mine, ids - lo, 0), self.weight)
         partial = rows * mine[..., None].astype(rows.dtype)   # zero for ids another rank owns
         if self.sequence_parallel:
             return reduce_scatter_dim(partial, self.comm, SEQ_DIM)
@@ -282,7 +286,7 @@ def parallel_lm_head(h: Tensor, weight_shard: Parameter, targets, comm: Communic
     cut back to V when padded; for evaluation and sampling only).
     """
     h = all_gather_dim(h, comm, SEQ_DIM) if sequence_parallel else copy_to(h, comm)
-    logits = ops.linear(h, weight_shard)                        # [B, T, V/tp]
+    logits = linear(h, weight_shard)                            # [B, T, V/tp]
     vocab = weight_shard.layout.global_shape[0]                 # V; the shards may be padded past it
     if targets is None:
         full = gather_from(logits, comm, -1)
@@ -299,7 +303,7 @@ def sequence_parallel_dropout(x_shard: Tensor, p: float, mask_rng_keys, comm: Co
     n = x_shard.shape[SEQ_DIM]
     mine = slice(comm.rank * n, (comm.rank + 1) * n)
     full = ((n * comm.size,) if rows is None else (length,)) + x_shard.shape[SEQ_DIM + 1:]
-    return ops.dropout(x_shard, p, mask_rng_keys, rows=mine if rows is None else rows[mine], full_shape=full)
+    return dropout(x_shard, p, mask_rng_keys, rows=mine if rows is None else rows[mine], full_shape=full)
 
 
 class TensorParallelPlan:
@@ -316,7 +320,7 @@ class TensorParallelPlan:
     def wte(self, cfg) -> Module:
         return VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, self.comm, cfg.dtype, self.sequence_parallel)
 
-    def attn(self, cfg, attend=ops.causal_attention) -> Module:
+    def attn(self, cfg, attend=causal_attention) -> Module:
         return ParallelSelfAttention(cfg, self.comm, self.sequence_parallel, attend)
 
     def mlp(self, cfg) -> Module:
@@ -357,7 +361,7 @@ class TensorParallelPlan:
         if self.sequence_parallel:  # x is a sequence shard: use my rows of the full-sequence mask
             return sequence_parallel_dropout(x, p, keys, self.comm, rows, length)
         full = None if rows is None else (length,) + tuple(x.shape[2:])
-        return ops.dropout(x, p, keys, rows=rows, full_shape=full)
+        return dropout(x, p, keys, rows=rows, full_shape=full)
 
     def lm_head(self, h: Tensor, weight: Tensor, targets) -> Tensor:
         return parallel_lm_head(h, weight, targets, self.comm, self.sequence_parallel)

@@ -59,7 +59,8 @@ from typing import Any, Hashable
 import numpy as np
 
 from hpcpar import backend
-from hpcpar.runtime.comm import Communicator, Handle
+from hpcpar.runtime.comm import Communicator
+from hpcpar.runtime.transports import Handle
 from hpcpar.errors import ConfigError
 
 KINDS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")

@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from hpcpar import backend
-from hpcpar.runtime.comm import Communicator, Handle
+from hpcpar.runtime.comm import Communicator
+from hpcpar.runtime.transports import Handle
 from hpcpar.errors import ConfigError
 from hpcpar.parallel.dp.compression.compressors import BucketSpec, Compressor, Residuals
 

@@ -1,20 +1,6 @@
-"""Pipeline parallelism: split the layers into stages, and replay a schedule with Isend/Irecv.
+"""The pipeline executor: replays one rank's schedule actions with Isend/Irecv (`PipelineExecutor`).
 
-Virtual stages. With `chunks` = v model chunks per pipeline rank there are V = pp * v virtual
-stages; a `schedule.Placement` says which: chunk c of pp rank r is virtual stage c * pp + r
-(the loop, `schedule.stage_of`), or under ZB-V's V stage r for chunk 0 and 2 pp - 1 - r for
-chunk 1. Virtual stage 0 holds the embedding and reads token ids; virtual stage V - 1 holds
-ln_f, the LM head and the loss. Each is one `GPT(config, layers=range(a, b), embed=..., head=...)`.
-
-Layer split (`split_layers`). Cost unit: one transformer block's forward FLOPs per token,
-24 C^2 (QKV 6C^2 + projection 2C^2 + MLP 16C^2, 2 FLOPs per multiply-add; attention's T-dependent
-part is ignored). The LM head costs 2 C V per token, i.e. `head_cost = V / (12 C)` blocks
-(~0.17 for the byte-level default V=256, C=128; ~5.5 for GPT-2's V=50257, C=768). The
-embedding is a gather and costs ~0. The split is contiguous, gives every virtual stage at least
-one block, minimises the most expensive stage and then maximises the cheapest; remaining ties
-give the head stage the fewest blocks, and leftover blocks go to the earliest stages.
-
-Executor (`PipelineExecutor`). One step replays this rank's action list from `schedule.build`:
+One step replays this rank's action list from `schedules.build` (its chunks from `stages.build_stages`):
     recv_act   Irecv into a fresh buffer of the known activation shape [mbs, T, C] ([mbs, T/tp, C]
                with sequence parallelism; T is the rank's T/cp tokens under context
                parallelism, as the batches it is given), wait, wrap as a leaf Tensor;
@@ -32,22 +18,22 @@ Executor (`PipelineExecutor`). One step replays this rank's action list from `sc
 Two consecutive stages on this rank (ZB-V's chunk 0 -> 1 on the last rank) hand over without a
 message: the forward's output becomes the next chunk's input leaf, B's input gradient the
 previous chunk's output gradient.
-Tags come from `schedule.message_tag`, so every MPI message is matched by tag, not by order.
-A send and the receive right after it are posted together (`schedule.message_groups`,
+Tags come from `schedules.message_tag`, so every MPI message is matched by tag, not by order.
+A send and the receive right after it are posted together (`simulate.message_groups`,
 `Communicator.isend_irecv`): NCCL has no tags, matches messages in posting order and its sends
 wait for their receiver, so 1F1B's "send the activation, then receive a gradient" on both
 sides of a boundary would deadlock if posted one by one; as one NCCL group it cannot. Where the
-schedule still could (`schedule.check_in_order_transport`: interleaved with m > pp), GPU arrays
+schedule still could (`simulate.check_in_order_transport`: interleaved with m > pp), GPU arrays
 go through host memory and MPI instead. Arrays travel with the buffer methods (never pickled). The pp communicator
 is per (dp, tp) coordinate, so with tp > 1 every tp rank of a stage talks to the same tp rank of
 its neighbour. Data-parallel gradient hooks on the parameters simply fire inside the backwards
 (inside the weight actions where the schedule splits them);
 the tied embedding/head copies on the first and last stage are kept equal by DataParallel
 (gradients summed over `mesh.embedding_comm`). `run(batches, forward_only=True)` evaluates:
-forwards only, in `schedule.forward_only` order, no graph. `measured_bubble()` is the idle
+forwards only, in `schedules.forward_only` order, no graph. `measured_bubble()` is the idle
 fraction of the steps so far (time outside forward/backward/weight over time in `run`);
 `peak_stash` the most chunk activations held at once (from a forward until its backward, or its
-weight action where the backward is split), the executor's count of what `schedule.simulate` predicts.
+weight action where the backward is split), the executor's count of what `simulate.simulate` predicts.
 """
 
 from __future__ import annotations
@@ -58,100 +44,35 @@ from typing import Any, Sequence
 import numpy
 
 from hpcpar import backend
-from hpcpar.errors import ConfigError
-from hpcpar.runtime.mesh import Axis
-from hpcpar.nn.gpt import GPT, GPTConfig
-from hpcpar.parallel.pp import schedules
-from hpcpar.parallel.cp.attention import ContextParallel
-from hpcpar.parallel.pp.schedules import Action, Kind, Placement
 from hpcpar.autograd.tensor import Tensor, WeightGrads, no_grad
+from hpcpar.parallel.pp import schedules
+from hpcpar.parallel.pp.schedules import Action, Kind, Placement
+from hpcpar.parallel.pp.simulate import message_groups
+from hpcpar.runtime.topology import Axis
 from hpcpar.runtime.trace import Tracer
-
-
-def head_cost(config: GPTConfig) -> float:
-    """Cost of ln_f + LM head + loss in transformer blocks: 2 C V / (24 C^2) = V / (12 C)."""
-    return config.vocab_size / (12 * config.n_embd)
-
-
-def split_layers(n_layer: int, virtual_stages: int, head_cost: float = 0.0) -> list[range]:
-    """Contiguous block ranges, one per virtual stage, balanced by cost (see the module doc).
-
-    A block costs 1; the last virtual stage also pays `head_cost`. Every stage gets >= 1 block.
-    Returns `virtual_stages` ranges covering 0 .. n_layer - 1 in order.
-    """
-    if virtual_stages < 1 or n_layer < virtual_stages:
-        raise ConfigError(f"model.n_layer={n_layer} cannot be split into {virtual_stages} virtual pipeline "
-                          "stages (mesh.pp x pipeline.chunks) of >= 1 layer each; need n_layer >= "
-                          f"{max(virtual_stages, 1)}")
-    if head_cost < 0:
-        raise ValueError(f"head_cost must be >= 0, got {head_cost}")
-    rest = virtual_stages - 1
-    if rest == 0:
-        return [range(n_layer)]
-
-    def spread(last: int) -> tuple[float, float]:
-        """(costliest, -cheapest) stage cost when the head stage takes `last` blocks."""
-        others = n_layer - last
-        return (max(last + head_cost, -(-others // rest)), -min(last + head_cost, others // rest))
-
-    # Most balanced: smallest maximum, then largest minimum; on a tie the fewest head-stage blocks.
-    last = min(range(1, n_layer - rest + 1), key=spread)
-    base, extra = divmod(n_layer - last, rest)
-    sizes = [base + (1 if s < extra else 0) for s in range(rest)] + [last]
-    ranges, start = [], 0
-    for size in sizes:
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
-
-
-def build_stages(gpt_config: GPTConfig, mesh, chunks: int, seed: int,
-                 sequence_parallel: bool = False, cp: ContextParallel | None = None,
-                 placement: Placement | None = None, precision: str = "full") -> list[GPT]:
-    """This rank's model chunks: element c is virtual stage `placement.stage(pp_rank, c)`
-    (default placement: the loop, c * pp + pp_rank, with `chunks` chunks).
-
-    Parameters are initialised from the seed by global name, so they equal the whole model's.
-    `cp`: the context-parallel group every chunk's attention uses (default: ring attention over
-    `mesh.comm(Axis.CP)`). MoE layers divide their experts over `mesh.comm(Axis.EP)`. `precision`:
-    train.precision (see `GPT`).
-    """
-    if cp is None:
-        cp = ContextParallel(mesh.comm(Axis.CP))
-    pp, rank = mesh.size(Axis.PP), mesh.rank(Axis.PP)
-    place = placement if placement is not None else Placement(pp, chunks)
-    n_virtual = place.stages
-    ranges = split_layers(gpt_config.n_layer, n_virtual, head_cost(gpt_config))
-    stages = []
-    for chunk in range(place.chunks):
-        v = place.stage(rank, chunk)
-        stages.append(GPT(gpt_config, tp_comm=mesh.comm(Axis.TP), layers=ranges[v], embed=v == 0,
-                          head=v == n_virtual - 1, sequence_parallel=sequence_parallel, seed=seed, cp=cp,
-                          ep_comm=mesh.comm(Axis.EP), precision=precision))
-    return stages
 
 
 class PipelineExecutor:
     """Replays one rank's schedule actions for a training step (see the module doc).
 
     Args:
-        stages: this rank's chunks (from `build_stages`); anything callable as
+        stages: this rank's chunks (from `stages.build_stages`); anything callable as
             `stage(x, targets=None)` with a `.config` (`n_embd`, `dtype`) works.
         mesh: gives `size/rank("pp")`, `size("tp")` and `comm("pp")`.
-        actions: this rank's list, `schedule.build(name, pp, m, chunks)[mesh.rank(Axis.PP)]`.
+        actions: this rank's list, `schedules.build(name, pp, m, chunks)[mesh.rank(Axis.PP)]`.
         microbatches: m; each micro-batch's loss is backpropagated with scale 1/m.
         tracer: a `Tracer`; when enabled, every action becomes a span (pid = its rank,
             tid = the chunk) and the final wait for sends one more.
         in_order_safe: the whole schedule (every rank's list) passes
-            `schedule.check_in_order_transport`; if not, GPU arrays travel through host memory.
-        placement: where the virtual stages are (`schedule.placement(name, pp, chunks)`);
+            `simulate.check_in_order_transport`; if not, GPU arrays travel through host memory.
+        placement: where the virtual stages are (`schedules.placement(name, pp, chunks)`);
             default the loop over `len(stages)` chunks.
 
     Attributes:
         rng_contexts: None, or per micro-batch the `rng_context` (seed, step, sample_ids) that is
             set on the stage before that micro-batch's forward (dropout masks), for the next `run`.
         peak_stash: the most chunk activations this rank held at once in any training step so far
-            (`schedule.SimResult.peak_stash` predicts it).
+            (`simulate.SimResult.peak_stash` predicts it).
     """
 
     def __init__(self, stages: Sequence[Any], mesh, actions: Sequence[Action], microbatches: int,
@@ -188,7 +109,7 @@ class PipelineExecutor:
         self.loss_scale = 1.0
         self._compute = {Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward, Kind.WEIGHT: self._weight}
         # Pipeline messages of GPU arrays go through host memory (MPI, matched by tag) when this
-        # schedule could deadlock on NCCL's in-order matching (`schedule.check_in_order_transport`).
+        # schedule could deadlock on NCCL's in-order matching (`simulate.check_in_order_transport`).
         self.host_messages = backend.name() == "cupy" and not in_order_safe
 
     def run(self, batches: Sequence[tuple[Any, Any]], forward_only: bool = False) -> list[float]:
@@ -197,7 +118,7 @@ class PipelineExecutor:
 
         Training (default): exactly `microbatches` batches, replayed per the schedule, gradients
         accumulated into the parameters' `.grad`. `forward_only=True` (evaluation): any number
-        of batches, forwards only (`schedule.forward_only`), no graph kept.
+        of batches, forwards only (`schedules.forward_only`), no graph kept.
         """
         if forward_only:
             actions = schedules.forward_only(self.pp, self.pp_rank, len(batches), self.chunks, self.placement)
@@ -230,7 +151,7 @@ class PipelineExecutor:
         mbs, t = st.batches[0][0].shape
         st.act_shape = (mbs, t // self._split_t, self._channels)
         tracer = self.tracer if self.tracer is not None and self.tracer.enabled else None
-        for group in schedules.message_groups(actions):
+        for group in message_groups(actions):
             start = time.perf_counter()
             kind = group[0].kind
             if kind in schedules.COMPUTE:

@@ -1,31 +1,11 @@
-"""Parameter-server training: server ranks own the parameters and the optimizer, worker replicas
-push gradients and pull parameters (ps-lite, Li et al., OSDI'14; stale synchronous parallel, Ho
-et al., NIPS'13).
+"""A parameter server rank: its range of the parameters, the optimizer over it, and the loop that
+answers the workers' pushes (`ParameterServer`; ps-lite, Li et al., OSDI'14; stale synchronous
+parallel, Ho et al., NIPS'13).
 
-Ranks and ownership. The last S ranks of the job are servers; the first W form the training mesh
-(dp x tp x pp) exactly as without servers, and each dp coordinate is a *replica* (R = dp of them).
-The model's global tensors (the checkpoint's names and shapes, `FlatSpace`) laid end to end in
-name order form one flat vector of P elements; server s owns the contiguous range
-`server_ranges(P, S)[s]`, about P/S elements: their values and their optimizer state.
-
-A step (clock c) on a worker rank: forward and backward of its micro-batches, gradients
-accumulated locally (a tied copy's summed into its weight within the replica, as without
-servers), and a *push* to every server: `[clock, loss, flags | the gradient elements it owns
-in the server's range]`, sent in pieces, one per gradient bucket, each as soon as the last
-micro-batch's backward has completed its bucket (overlapping the rest of the backward), the
-header last (`ParameterClient`). Every element has one owner per replica: tp-split parameters
-on every tp rank, tp-replicated ones (LayerNorm, biases) on tp rank 0, the embedding on the
-first stage (its tied head copy is not pushed). The server answers with a *pull*: `[loss, norm, flags,
-staleness, stop_at | every parameter element the rank holds in its range]`, copies included, so
-the rank's arrays become the server's. Index lists are exchanged once (`ParameterClient` setup);
-per step only values travel, by point-to-point messages on the job communicator (`isend`,
-`irecv`, and `Communicator.wait_any` on the server, which takes pushes in arrival order), seen
-by the watchdog and the flight recorder like every other op.
-
-Per server and step, bytes in = 8 * (3 W + R * P/S) (float64; float32 halves the values), bytes
-out = 8 * (5 W + sum over worker ranks of the elements each holds in the range): every replica
-pushes the range once, and pulls it once plus what its tp ranks hold twice (tp-replicated
-parameters) and the tied head copy.
+Ranks. The last S ranks of the job are servers; the first W form the training mesh (dp x tp x pp)
+exactly as without servers, and each dp coordinate is a *replica* (R = dp of them). Server s owns
+range s of the flat parameter vector (`ownership`). Pushes arrive in any order: the server takes
+them as they come (`Communicator.wait_any`) and answers each replica with a pull (`wire`).
 
 Modes (`ps.mode`, `ps.staleness` = k):
 
@@ -56,224 +36,25 @@ completed when its parameters were sent: 0 when synchronous, at most k under SSP
 push's staleness and lateness tau are recorded (`ParameterServer.staleness`, `.late`).
 
 Sync points. A pull that precedes an evaluation, a checkpoint, the end of the run or a
-preemption stop (`sync_points`) waits for every replica in every mode, so those see one model.
-A preemption signal travels in the pushes; server 0 picks the step every replica can still reach
-(`stop_at` in its pulls). When a worker's run ends it sends each server a push of empty pieces with
-clock -1, and the server's loop ends once every worker has.
+preemption stop (`ownership.sync_points`) waits for every replica in every mode, so those see one
+model. A preemption signal travels in the pushes; server 0 picks the step every replica can still
+reach (`stop_at` in its pulls). When a worker's run ends it sends each server a push of empty
+pieces with clock -1 (`wire.BYE`), and the server's loop ends once every worker has.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from hpcpar.runtime.comm import Communicator
 from hpcpar.layout import Layout
-
-TAG_SETUP, TAG_PUSH, TAG_PULL, TAG_PIECE = 7601, 7602, 7603, 7604
-PUSH_HEADER = 3   # clock, loss (sum over the rank's micro-batches; 0 off the loss ranks), flags
-PULL_HEADER = 5   # loss, norm, flags, staleness, stop_at
-FLAG_SKIP = 1     # pull: the step was skipped (a non-finite gradient norm or loss)
-FLAG_PREEMPT = 2  # push: this rank was signalled to stop
-BYE = -1          # push clock: this worker's run has ended
-
-
-def server_ranges(total: int, servers: int) -> list[tuple[int, int]]:
-    """Balanced contiguous ranges [lo, hi) of a flat vector of `total` elements over `servers`."""
-    return [(total * s // servers, total * (s + 1) // servers) for s in range(servers)]
-
-
-class FlatSpace:
-    """The global tensors end to end in name order: `offsets[name]`, `shapes[name]`, `total`."""
-
-    def __init__(self, shapes: dict[str, tuple]):
-        self.names = sorted(shapes)
-        self.shapes = {n: tuple(int(d) for d in shapes[n]) for n in self.names}
-        self.offsets: dict[str, int] = {}
-        offset = 0
-        for n in self.names:
-            self.offsets[n] = offset
-            offset += math.prod(self.shapes[n])
-        self.total = offset
-
-    def local_indices(self, name: str, layout: Layout) -> np.ndarray:
-        """Flat offsets of the elements of a local array of global tensor `name` in `layout`,
-        C order, int64 [local size]; -1 where the local array holds no global element (padding)."""
-        shape = self.shapes[name]
-        glob = np.arange(self.offsets[name], self.offsets[name] + math.prod(shape), dtype=np.int64).reshape(shape)
-        out = np.full(tuple(layout.local_shape), -1, dtype=np.int64)
-        for b in layout.blocks:
-            out[b.local] = glob[b.glob].reshape(out[b.local].shape)
-        return out.reshape(-1)
-
-    def pieces(self, lo: int, hi: int) -> list[tuple[str, int, int]]:
-        """(name, first, last + 1) flat element ranges of the tensors inside [lo, hi), in order."""
-        out = []
-        for n in self.names:
-            a, size = self.offsets[n], math.prod(self.shapes[n])
-            first, last = max(lo, a), min(hi, a + size)
-            if first < last:
-                out.append((n, first - a, last - a))
-        return out
-
-
-def ownership_report(shapes: dict[str, tuple], servers: int, first_rank: int, itemsize: int) -> str:
-    """`hpcpar info --servers`: each server's range of the flat parameter vector, in elements,
-    bytes and the tensors it starts and ends in."""
-    space = FlatSpace(shapes)
-    lines = [f"parameter servers: {servers} (ranks {first_rank}..{first_rank + servers - 1}) over {space.total:,} "
-             f"parameters in {len(space.names)} tensors, laid end to end in name order"]
-    for s, (lo, hi) in enumerate(server_ranges(space.total, servers)):
-        pieces = space.pieces(lo, hi)
-        (first, a, _), (last, _, b) = pieces[0], pieces[-1]
-        lines.append(f"  server {s} (rank {first_rank + s}): [{lo:,}, {hi:,}), {hi - lo:,} elements, "
-                     f"{(hi - lo) * itemsize / 2**20:.2f} MiB of parameters; {first}[{a}:] .. {last}[:{b}] "
-                     f"({len(pieces)} tensor pieces)")
-    return "\n".join(lines) + "\n"
-
-
-def sync_points(start: int, end: int, every: int, eval_every: int) -> set[int]:
-    """The steps before which every replica waits (`end`, checkpoint and evaluation steps)."""
-    points = {end}
-    for k in (every, eval_every):
-        if k:
-            points.update(range((start // k + 1) * k, end, k))
-    return points
-
-
-@dataclass
-class Reply:
-    """What a worker rank learns from the servers after a push (the same on every rank of its replica)."""
-
-    loss: float       # synchronous: mean over the global batch; else: over this replica's batch
-    norm: float       # gradient norm before clipping (synchronous: global; else: this replica's)
-    skipped: bool     # the update was not applied (a non-finite gradient or loss)
-    staleness: int    # of this push (see the module docstring)
-    stop_at: int      # the step at which to stop for a preemption signal (-1: none)
-
-
-class ParameterClient:
-    """A worker rank's side: the routes of its elements to the servers, push and pull.
-
-    A push travels in *pieces*, one per group of parameters (`groups`, in push order) and server
-    whose range holds elements of the group this rank owns, then the header [clock, loss, flags]
-    (`TAG_PIECE` then `TAG_PUSH`). `push_ready(g)` sends the pieces of groups up to g as soon as
-    their gradients are final, during the last micro-batch's backward (the trainer calls it from
-    `DataParallel.on_bucket_ready`: a group is a gradient bucket); `exchange` sends the rest and
-    the header, which is only known at the end. Every piece of one server has the same tag and
-    goes in group order, so MPI's non-overtaking rule matches the k-th piece to the server's k-th
-    posted receive: the server's buffer is [header | piece 0 | piece 1 ...], the message of the
-    single push it replaces, filled in place.
-
-    Args:
-        named_params: (global name, Parameter) of this rank's parameters (a tied copy is named by
-            the weight it mirrors through `tied_to`).
-        space: the `FlatSpace` of the model's global tensors.
-        job: the communicator over every rank, workers first, servers last.
-        servers: the servers' ranks in `job`.
-        replica: this rank's replica (its dp coordinate).
-        owns: whether this rank pushes a parameter's gradient (one owner per element per replica).
-        dtype: the parameters' dtype (the wire's).
-        groups: lists of parameters in push order, together holding every pushed one (default:
-            one group, the push in one piece).
-    Collective with the servers' `ParameterServer` construction (the routes are sent there).
-    """
-
-    def __init__(self, named_params: list, space: FlatSpace, job: Communicator, servers: list[int], replica: int,
-                 owns: Callable[[Any], bool], dtype, groups: list[list] | None = None):
-        self.job, self.servers = job, servers
-        ranges = server_ranges(space.total, len(servers))
-        groups = groups if groups is not None else [[p for _, p in named_params]]
-        group_of = {id(p): g for g, members in enumerate(groups) for p in members}
-        self.pull_parts: list[list] = [[] for _ in servers]   # per server: (param, local positions)
-        pushed: list[list] = [[[] for _ in groups] for _ in servers]   # per server, group: (param, local positions)
-        pull_at: list[list] = [[] for _ in servers]            # per server: positions in its range
-        for name, p in named_params:
-            idx = space.local_indices(p.tied_to or name, p.layout)
-            for s, (lo, hi) in enumerate(ranges):
-                sel = np.nonzero((idx >= lo) & (idx < hi))[0]
-                if not sel.size:
-                    continue
-                self.pull_parts[s].append((p, sel))
-                pull_at[s].append(idx[sel] - lo)
-                if owns(p):
-                    if id(p) not in group_of:
-                        raise ValueError(f"ParameterClient: pushed parameter {name} is in no group; "
-                                         "groups must hold every parameter this rank owns")
-                    pushed[s][group_of[id(p)]].append((p, sel, idx[sel] - lo))
-        # Per group: its pieces as (server index, first element after the header, [(param, local positions)]).
-        self.pieces: list[list] = [[] for _ in groups]
-        self.piece_counts: list[int] = []   # per server
-        self.push_bufs, self.pull_bufs = [], []
-        for s, rank in enumerate(servers):
-            at, push_at, sizes = PUSH_HEADER, [], []
-            for g, parts in enumerate(pushed[s]):
-                n = sum(sel.size for _, sel, _ in parts)
-                if n:
-                    self.pieces[g].append((s, at, [(p, sel) for p, sel, _ in parts]))
-                    push_at.extend(pos for _, _, pos in parts)
-                    sizes.append(n)
-                    at += n
-            self.piece_counts.append(len(sizes))
-            push = np.concatenate(push_at) if push_at else np.zeros(0, np.int64)
-            pull = np.concatenate(pull_at[s]) if pull_at[s] else np.zeros(0, np.int64)
-            job.send(np.array([replica, push.size, pull.size, len(sizes)], dtype=np.int64), rank, TAG_SETUP)
-            job.send(push, rank, TAG_SETUP)
-            job.send(pull, rank, TAG_SETUP)
-            job.send(np.array(sizes, dtype=np.int64), rank, TAG_SETUP)
-            self.push_bufs.append(np.zeros(PUSH_HEADER + push.size, dtype=dtype))
-            self.pull_bufs.append(np.zeros(PULL_HEADER + pull.size, dtype=dtype))
-        self.groups = len(groups)
-        self._next = 0       # the first group of this step's push not sent yet
-        self._sends: list = []
-
-    def push_ready(self, group: int) -> None:
-        """The gradients of `group` (and of every group before it) are final on this rank: send
-        their pieces not sent yet to every server (non-blocking)."""
-        for g in range(self._next, group + 1):
-            for s, at, parts in self.pieces[g]:
-                buf, first = self.push_bufs[s], at
-                for p, sel in parts:
-                    np.take(p.grad.reshape(-1), sel, out=buf[at:at + sel.size])
-                    at += sel.size
-                self._sends.append(self.job.isend(buf[first:at], self.servers[s], TAG_PIECE))
-        self._next = max(self._next, group + 1)
-        if self._sends:
-            self.job.progress()   # MPI moves the pieces in flight only inside MPI calls
-
-    def exchange(self, clock: int, loss: float, flags: int) -> Reply:
-        """Push this rank's gradients of step `clock` (`.grad` of its owned parameters: the pieces
-        `push_ready` has not sent yet, then the header with its loss sum and flags), wait for the
-        pull and write the servers' parameters into `.data`."""
-        pulls = [self.job.irecv(buf, rank, TAG_PULL) for buf, rank in zip(self.pull_bufs, self.servers)]
-        self.push_ready(self.groups - 1)
-        for buf, rank in zip(self.push_bufs, self.servers):
-            buf[:PUSH_HEADER] = (clock, loss, flags)
-            self._sends.append(self.job.isend(buf[:PUSH_HEADER], rank, TAG_PUSH))
-        for h in self._sends:
-            h.wait()
-        self._sends, self._next = [], 0
-        for h, buf, parts in zip(pulls, self.pull_bufs, self.pull_parts):
-            h.wait()
-            at = PULL_HEADER
-            for p, sel in parts:
-                p.data.reshape(-1)[sel] = buf[at:at + sel.size]
-                at += sel.size
-        heads = np.stack([buf[:PULL_HEADER] for buf in self.pull_bufs])
-        return Reply(loss=float(heads[0, 0]), norm=float(heads[0, 1]), skipped=bool(int(heads[0, 2]) & FLAG_SKIP),
-                     staleness=int(heads[:, 3].max()), stop_at=int(heads[:, 4].max()))
-
-    def bye(self) -> None:
-        """Tell every server this rank's run has ended: an empty message for each of its posted
-        piece receives, then a header with clock BYE."""
-        msg = np.array([BYE, 0.0, 0.0], dtype=self.push_bufs[0].dtype)
-        for count, rank in zip(self.piece_counts, self.servers):
-            for _ in range(count):
-                self.job.send(msg[:0], rank, TAG_PIECE)
-            self.job.send(msg, rank, TAG_PUSH)
+from hpcpar.parallel.ps.ownership import FlatSpace, server_ranges
+from hpcpar.parallel.ps.wire import (
+    BYE, FLAG_PREEMPT, FLAG_SKIP, PULL_HEADER, PUSH_HEADER, TAG_PIECE, TAG_PULL, TAG_PUSH, TAG_SETUP,
+)
+from hpcpar.runtime.comm import Communicator
 
 
 class _Segment:
