@@ -97,7 +97,7 @@ def main() -> None:
     def async_save():
         t0 = time.perf_counter()
         handle = save(ckpt_dir, step, tensors, {}, world, keep=1, async_save=True)
-        # What training waits for before it may go on: the snapshot and the plan.
+        # What training waits for before it may go on: the snapshot and the writers' assignment.
         times["hpcpar async: call returns"].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
         handle.wait()
 

@@ -114,7 +114,7 @@ def overrides(embd: int, s: Setting, steps: int) -> list[str]:
 
 def formula_bytes(trainer: Trainer, setting: Setting) -> float:
     """Bytes one rank sends per step by the compressor's formula (module docstring), from the
-    model's parameters and the bucket plan (top-k's per-bucket k)."""
+    model's parameters and the bucket assignments (top-k's per-bucket k)."""
     kind, n, s = setting.kind, SIZE, 4
     params = [p for _, p in trainer.named_parameters if not getattr(p, "tied_to", None)]
     numel = sum(int(p.data.size) for p in params)
@@ -126,7 +126,7 @@ def formula_bytes(trainer: Trainer, setting: Setting) -> float:
     if kind == "int8":
         return ring * numel * (1 + 4 / trainer.cfg.train.int8_block_size)
     if kind == "topk":
-        used = [sum(sl.numel for sl in b.plan.slots) for b in trainer.dp.buckets]
+        used = [sum(sl.numel for sl in b.assignment.slots) for b in trainer.dp.buckets]
         return (n - 1) * sum(math.ceil(setting.ratio * u) for u in used) * (4 + s)
     factors = sum(min(setting.rank, p.shape[0], math.prod(p.shape[1:])) * (p.shape[0] + math.prod(p.shape[1:]))
                   if len(p.shape) >= 2 else int(p.data.size) for p in params)

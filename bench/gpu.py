@@ -106,7 +106,7 @@ def gpt_step_rates(cp, precision: str, args) -> dict:
     import numpy as np
 
     from hpcpar import metrics
-    from hpcpar.nn import GPT, GPTConfig
+    from hpcpar.nn.gpt import GPT, GPTConfig
     from hpcpar.optim.optimizers import AdamW
     cfg = GPTConfig(vocab_size=50304, block_size=args.block_size, n_layer=args.n_layer, n_head=12, n_embd=768,
                     dtype="float32")

@@ -56,7 +56,7 @@ from hpcpar import metrics
 from hpcpar.backend import blas
 from hpcpar.config.load import load_config
 from hpcpar.autograd import ops  # noqa: E402
-from hpcpar.nn import GPT, GPTConfig  # noqa: E402
+from hpcpar.nn.gpt import GPT, GPTConfig  # noqa: E402
 from hpcpar.autograd.tensor import Tensor  # noqa: E402
 from hpcpar.training.trainer import Trainer  # noqa: E402
 

@@ -18,7 +18,7 @@ The transformer's hot paths are fused into single ops (linear, layer_norm, gelu,
 causal attention, cross_entropy) so that per-op Python overhead stays small and
 no temporary outlives the op that needs it.
 
-Mixed precision (`precision.py`): when activations arrive in 16 bits, the fused ops compute in
+Mixed precision (`backend/precision.py`): when activations arrive in 16 bits, the fused ops compute in
 float32 (`up`), read weights rounded to the activations' dtype (`rounded`), store their outputs and
 input gradients in 16 bits (`down`) and keep only 16-bit arrays (or per-row statistics) for
 backward; weight gradients stay float32. In full precision every helper is the identity.

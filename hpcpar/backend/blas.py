@@ -12,7 +12,7 @@ product in a different order, so results agree to rounding, and every rank of a 
     single_threaded()             called on a thread that runs GEMMs of its own (the kernel pool):
                                   MKL gives that thread's calls one thread, not the process's count
     compiled_gemm(dtype)          the address of an ILP64 cblas_?gemm that compiled loops call directly
-                                  (jit_attention): MKL's, else the OpenBLAS inside NumPy's wheel
+                                  (jit.attention): MKL's, else the OpenBLAS inside NumPy's wheel
 
 Threads: the rank's BLAS threads (MKL_NUM_THREADS, which `threads.py` sets like OMP_NUM_THREADS).
 One thread runs MKL's sequential layer, which starts no OpenMP runtime. Two or more with Numba
@@ -136,7 +136,7 @@ _compiled: dict = {}
 
 def compiled_gemm(dtype, lib=None) -> int | None:
     """The address of a row-major CBLAS ?gemm with 64-bit integer arguments (ILP64) for float32 /
-    float64, for compiled code to call without the GIL (jit_attention): MKL's `cblas_?gemm_64` where
+    float64, for compiled code to call without the GIL (jit.attention): MKL's `cblas_?gemm_64` where
     MKL is loaded (oneMKL 2023 on), else the one in the OpenBLAS that NumPy's wheel bundles, else
     None (the callers take their NumPy path). `lib`: libmkl_rt while `_load` sets it up."""
     dtype = np.dtype(dtype)
@@ -202,32 +202,32 @@ def matmul(a, b, out=None):
     transposed view of one, or with strided rows (a column block); `out` (optional) with unit
     column stride. Through MKL where it is loaded and the matrices are large enough to gain from
     it (`MIN_MKL_WORK`); NumPy's matmul otherwise. How to call MKL for a given set of shapes and
-    strides is worked out once and kept (`_plans`): a step makes the same calls every time."""
+    strides is worked out once and kept (`_prepared_gemms`): a step makes the same calls every time."""
     if not _loaded:
         _load()
     if _lib is None:
         return np.matmul(a, b, out=out)
     key = (a.dtype, a.shape, a.strides, b.dtype, b.shape, b.strides,
            None if out is None else (out.dtype, out.shape, out.strides), _split and kernel_pool.num_threads())
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= 4096:  # (shapes change only with the model or batch: a bound, not a policy)
-            _plans.clear()
-        plan = _plans[key] = _plan(a, b, out)
-    if plan is False:
+    gemm = _prepared_gemms.get(key)
+    if gemm is None:
+        if len(_prepared_gemms) >= 4096:  # (shapes change only with the model or batch: a bound, not a policy)
+            _prepared_gemms.clear()
+        gemm = _prepared_gemms[key] = _prepare_gemm(a, b, out)
+    if gemm is False:
         return np.matmul(a, b, out=out)
-    if plan.copy_a:
+    if gemm.copy_a:
         a = np.ascontiguousarray(a)
-    if plan.copy_b:
+    if gemm.copy_b:
         b = np.ascontiguousarray(b)
     if out is None:
-        out = np.empty(plan.shape, dtype=a.dtype)
+        out = np.empty(gemm.shape, dtype=a.dtype)
     pa, pb, pc = a.ctypes.data, b.ctypes.data, out.ctypes.data
-    if plan.split is not None:
-        address, f64, pieces, ta, tb, k, lda, ldb, ldc = plan.split
+    if gemm.split is not None:
+        address, f64, pieces, ta, tb, k, lda, ldb, ldc = gemm.split
         if kernel_pool.split_gemm(address, f64, pieces, ta, tb, k, pa, lda, pb, ldb, pc, ldc):
             return out
-    for fn, head, lda, ldb, tail, oa, ob, oc in plan.calls:
+    for fn, head, lda, ldb, tail, oa, ob, oc in gemm.calls:
         fn(*head, pa + oa, *lda, pb + ob, *ldb, 0.0, pc + oc, *tail)
     return out
 
@@ -235,10 +235,13 @@ def matmul(a, b, out=None):
 # Work per matrix (m n k) below which NumPy's matmul is used: OpenBLAS is as fast there and a
 # ctypes call costs a few microseconds (attention's per-head products at small head sizes).
 MIN_MKL_WORK = 1 << 20
-_plans: dict = {}
+_prepared_gemms: dict = {}
 
 
-class _Plan:
+class _PreparedGemm:
+    """How matmul calls MKL for one set of operand shapes and strides (`_prepare_gemm`): the output
+    shape, which operands to copy first, the cblas calls, and the split among threads (or None)."""
+
     __slots__ = ("shape", "copy_a", "copy_b", "calls", "split")
 
 
@@ -268,7 +271,7 @@ def _pieces(m: int, n: int, oa: tuple, ob: tuple, ldc: int, item: int, threads: 
     return np.array(pieces, dtype=np.int64)
 
 
-def _plan(a, b, out):
+def _prepare_gemm(a, b, out):
     """How matmul calls MKL for these operands, or False for NumPy."""
     dtype = a.dtype
     fn = _gemm.get(dtype)
@@ -283,33 +286,33 @@ def _plan(a, b, out):
         return False
     if out is not None and out.shape != batch + (m, n):
         return False
-    plan = _Plan()
-    plan.shape = batch + (m, n)
+    gemm = _PreparedGemm()
+    gemm.shape = batch + (m, n)
     oa, ob = _operand(a), _operand(b)
-    plan.copy_a, plan.copy_b = oa is None, ob is None
-    if plan.copy_a:
+    gemm.copy_a, gemm.copy_b = oa is None, ob is None
+    if gemm.copy_a:
         a = np.ascontiguousarray(a)
         oa = _operand(a)
-    if plan.copy_b:
+    if gemm.copy_b:
         b = np.ascontiguousarray(b)
         ob = _operand(b)
-    c = out if out is not None else np.empty(plan.shape, dtype=dtype)
+    c = out if out is not None else np.empty(gemm.shape, dtype=dtype)
     oc = _operand(c)
     if oc is None or oc[0] != _NO_TRANS:
         return False
     head = (_ROW_MAJOR, oa[0], ob[0], m, n, k, 1.0)
     count = math.prod(batch)
     sa, sb, sc = _batch_stride(a), _batch_stride(b), _batch_stride(c)
-    plan.split = None
+    gemm.split = None
     if count == 1:
-        plan.calls = [(fn, head, (oa[1],), (ob[1],), (oc[1],), 0, 0, 0)]
+        gemm.calls = [(fn, head, (oa[1],), (ob[1],), (oc[1],), 0, 0, 0)]
         threads = kernel_pool.num_threads() if _split else 1
         if threads > 1:
             pieces = _pieces(m, n, oa, ob, oc[1], a.itemsize, threads)
             if len(pieces) > 1:
-                plan.split = (compiled_gemm(dtype), dtype == np.float64, pieces, oa[0], ob[0], k, oa[1], ob[1], oc[1])
+                gemm.split = (compiled_gemm(dtype), dtype == np.float64, pieces, oa[0], ob[0], k, oa[1], ob[1], oc[1])
     elif sa is not None and sb is not None and sc:
-        plan.calls = [(_gemm_batch[dtype], head, (oa[1], sa), (ob[1], sb), (oc[1], sc, count), 0, 0, 0)]
+        gemm.calls = [(_gemm_batch[dtype], head, (oa[1], sa), (ob[1], sb), (oc[1], sc, count), 0, 0, 0)]
     else:
         # Batch dims that do not collapse to one stride (the heads of a [B, T, 3, H, D] block): one
         # call per index of the first batch dim, batched over the rest where those collapse.
@@ -326,5 +329,5 @@ def _plan(a, b, out):
             one = (fn, head, (oa[1],), (ob[1],), (oc[1],))
         else:
             one = (_gemm_batch[dtype], head, (oa[1], sa), (ob[1], sb), (oc[1], sc, rest))
-        plan.calls = [one + (i * step_a, i * step_b, i * c.strides[0]) for i in range(batch[0])]
-    return plan
+        gemm.calls = [one + (i * step_a, i * step_b, i * c.strides[0]) for i in range(batch[0])]
+    return gemm

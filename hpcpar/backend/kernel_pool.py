@@ -4,7 +4,7 @@
     run(fn, parts)                   fn(part) for every part, parts[0] on the caller, parts[i] on
                                      kernel thread i - 1 (the blocks of backend/cpu's kernels)
     split_gemm(...)                  one matrix product in pieces, piece 0 on the caller (blas.matmul)
-    run_tasks(rows)                  compiled tasks (jit_pool's rows: LayerNorm's passes, the bias
+    run_tasks(rows)                  compiled tasks (jit.pool's rows: LayerNorm's passes, the bias
                                      kernels, AdamW's step), row 0 on the caller
     splits_gemms()                   whether split_gemm is available (Numba), so that the BLAS may
                                      run sequentially and leave its threads to this pool
@@ -18,7 +18,7 @@ long as a [1536, 128] x [128, 128] product takes on one core. Intel OpenMP's GEM
 same per call: they had to sleep at once (`KMP_BLOCKTIME=0`) so as not to spin on the cores this
 pool's threads needed next, and two threads ran the default model's GEMMs ~100 us per call slower
 than PyTorch's (one OpenMP pool for everything, its threads spinning between calls). With Numba
-(`jit_pool`) this pool is that one pool: `blas` runs MKL sequentially and splits each product here
+(`jit.pool`) this pool is that one pool: `blas` runs MKL sequentially and splits each product here
 (`split_gemm`); an idle kernel thread spins without the GIL for `SPIN_S` after its last task and runs
 a posted GEMM piece without returning to Python; the caller posts with a few stores and waits for
 the pieces spinning too. Then it sleeps on its lock; a poster that finds it asleep releases it (a
@@ -50,15 +50,15 @@ _threads_set: int | None = None
 _polite = False          # more threads than cores: no spinning, waits yield the core
 _busy = threading.Lock()
 _workers: list = []
-_jit = None              # jit_pool, False when unavailable, None before the first look
+_jit = None              # jit.pool, False when unavailable, None before the first look
 _spins_per_s = 0.0
 _spin_allowed = False
-_ctrl = _task = None     # the mailbox (jit_pool's docstring): int64 [_MAX_THREADS - 1, 16] each
+_ctrl = _task = None     # the mailbox (jit.pool's docstring): int64 [_MAX_THREADS - 1, 16] each
 
 
 def set_threads(n: int | None) -> None:
     """Threads the kernels use (None: this rank's BLAS threads, `threads.blas_threads()`; at most
-    64, the bits of the mask in which `jit_pool.post_tasks` reports sleeping threads)."""
+    64, the bits of the mask in which `jit.pool.post_tasks` reports sleeping threads)."""
     global _threads_set, _polite
     if n is not None and n < 1:
         raise ValueError(f"kernel threads must be >= 1, got {n}")
@@ -74,7 +74,7 @@ def num_threads() -> int:
 
 
 def _compiled():
-    """jit_pool, or None: Numba not installed, or HPCPAR_JIT=0."""
+    """jit.pool, or None: Numba not installed, or HPCPAR_JIT=0."""
     global _jit, _ctrl, _task
     if _jit is None:
         jit_pool = load_jit("pool")
@@ -125,7 +125,7 @@ def _run_task(thread) -> None:
 
 
 class _SpinningThread:
-    """A kernel thread that waits in `jit_pool.serve` (spinning, then on its lock `wake`)."""
+    """A kernel thread that waits in `jit.pool.serve` (spinning, then on its lock `wake`)."""
 
     def __init__(self, t: int):
         self.t = t
@@ -242,7 +242,7 @@ def split_gemm(address: int, f64: bool, pieces: np.ndarray, trans_a: int, trans_
 
 
 def run_tasks(rows: np.ndarray) -> None:
-    """Compiled tasks (`jit_pool` task rows, int64 [n, 16]: `jit_pool.row_tasks`, `adamw_tasks`) at once,
+    """Compiled tasks (`jit.pool` task rows, int64 [n, 16]: `jit.pool.row_tasks`, `adamw_tasks`) at once,
     rows[0] on this thread, rows[i] on kernel thread i - 1; all on this thread, in order, when the
     pool is busy or its threads wait on locks (no compiled side)."""
     jit = _compiled()

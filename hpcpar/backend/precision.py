@@ -4,7 +4,7 @@
 
     full   every array in `model.dtype` (float32 or float64): today's arithmetic, bit for bit
     bf16   activations (and the gradients that flow between ops) stored as bfloat16
-    fp16   the same as float16, with dynamic loss scaling (see `loss_scale.py`)
+    fp16   the same as float16, with dynamic loss scaling (see `optim/loss_scale.py`)
 
 Under bf16/fp16 the parameters stay in `model.dtype` (the master weights the optimizer updates,
 the checkpoints hold and ZeRO shards); each op that reads a weight uses it rounded to the 16-bit

@@ -6,5 +6,6 @@
     writers     who writes which block; the rank-file, shared-file and index writers
     save        a save's steps, asynchronous saves (`SaveHandle`) and the commit
     load        loading into any layout (reshard), every byte read checked
+    parts       saving and loading `Checkpointable` parts (hpcpar/state.py): the trainer's entry
     tools       info, verify, export (one process, no MPI)
 """

@@ -1,10 +1,10 @@
-"""Saving a checkpoint: agree on a plan, write the files (in the background if asked), commit.
+"""Saving a checkpoint: agree on who writes what, write the files (in the background if asked), commit.
 
 A save is collective over all ranks and takes these steps (`save`):
 
 1. describe: every rank's shapes, dtypes and regions are gathered (no data is touched); rank 0
    makes the temporary directory.
-2. plan: which rank writes which block (`writers.assign_writers`), the same on every rank.
+2. assign: which rank writes which block (`writers.assign_writers`), the same on every rank.
 3. snapshot: the blocks this rank writes, cut from its arrays (host copies when asynchronous).
 4. write: this rank's file, and on one rank the index (`writers`); with `async_save` in a
    background thread, returning a `SaveHandle` whose `wait()` does the rest.
@@ -38,7 +38,7 @@ from hpcpar.checkpoint.directory import TMP_PREFIX, commit_dir, doomed_shards, f
 from hpcpar.checkpoint.format import (FORMAT, FORMAT_VERSION, INDEX, MANIFEST, PER_RANK, SHARED, STORAGES,
                                       Extent, StoredTensor, chunk_shape, crc32, manifest_digest, rank_file_name)
 from hpcpar.checkpoint.writers import (Background, Item, assign_writers, blocks_to_write, check_space, index_bytes,
-                                       index_writer, shared_plan, write_rank_file, write_shared)
+                                       in_shared_file, index_writer, write_rank_file, write_shared)
 from hpcpar.errors import CheckpointError
 from hpcpar.layout import Layout, bounds
 
@@ -122,22 +122,22 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
     # shared 2-core machine, where a 64 MiB-per-rank save takes ~0.2 s): a save makes three
     # all-gathers (the last two after a non-spinning barrier, `agreement.arrive`) and a barrier.
     holdings, tmp = _describe(directory, step, tensors, comm)
-    plan = _plan(holdings, storage, tmp, comm.rank)
+    assignment = _assignment(holdings, storage, tmp, comm.rank)
     try:
-        items, failed = blocks_to_write(plan, tensors, comm.rank, private=async_save), None
+        items, failed = blocks_to_write(assignment, tensors, comm.rank, private=async_save), None
     except Exception as err:  # noqa: BLE001 - raised where the ranks next agree (the write's outcome)
         items, failed = [], err
     # Rank 0's meta, stamped now (the snapshot's time); the ranks that write it need rank 0's copy.
     stored_meta = dict(meta, step=step, format_version=FORMAT_VERSION, world_size=comm.size,
                        hpcpar_version=hpcpar.__version__,
                        timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat())
-    writer = index_writer(plan, comm.size, storage)
+    writer = index_writer(assignment, comm.size, storage)
     if storage == SHARED or writer != 0:
         stored_meta = comm.broadcast_object(stored_meta if comm.rank == 0 else None, root=0)
-    commit = _Commit(directory, tmp, step, keep, storage, plan, stored_meta, comm)
+    commit = _Commit(directory, tmp, step, keep, storage, assignment, stored_meta, comm)
     if storage == SHARED:
-        return _save_shared(os.path.join(tmp, INDEX), plan, items, failed, stored_meta, commit, comm)
-    write = functools.partial(_write_files, tmp, plan, items, failed, stored_meta, comm.rank, writer)
+        return _save_shared(os.path.join(tmp, INDEX), assignment, items, failed, stored_meta, commit, comm)
+    write = functools.partial(_write_files, tmp, assignment, items, failed, stored_meta, comm.rank, writer)
     handle = SaveHandle(write, commit.written, background=async_save)
     return handle if async_save else handle.wait()
 
@@ -178,18 +178,18 @@ def _describe(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout
     return [held for held, _ in answers], answers[0][1]
 
 
-def _plan(holdings: list[dict], storage: str, tmp: str, rank: int) -> dict[str, StoredTensor]:
-    """Who writes what (`assign_writers`); a plan that fails removes rank 0's temporary directory."""
+def _assignment(holdings: list[dict], storage: str, tmp: str, rank: int) -> dict[str, StoredTensor]:
+    """Who writes what (`assign_writers`); an assignment that fails removes rank 0's temporary directory."""
     try:  # the same input everywhere: it fails (or not) on every rank alike
-        plan = assign_writers(holdings)
+        assignment = assign_writers(holdings)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return shared_plan(plan) if storage == SHARED else plan
+    return in_shared_file(assignment) if storage == SHARED else assignment
 
 
-def _write_files(tmp: str, plan: dict[str, StoredTensor], items: list[Item], failed: Exception | None,
+def _write_files(tmp: str, assignment: dict[str, StoredTensor], items: list[Item], failed: Exception | None,
                  meta: dict, rank: int, writer: int) -> tuple[dict, dict]:
     """This rank's part of a per-rank save: its rank file (when it writes blocks) and, on the index
     writer, the index. No MPI here: this may run in the background thread. Returns its files'
@@ -199,7 +199,7 @@ def _write_files(tmp: str, plan: dict[str, StoredTensor], items: list[Item], fai
     files, extents = {}, {}
     # The index writer writes it in a second thread, beside its own data: HDF5 and h5py hold
     # the GIL there while the data's pwrite, checksums and fsync release it.
-    index = Background(functools.partial(_write_index, tmp, plan, meta)) if rank == writer else None
+    index = Background(functools.partial(_write_index, tmp, assignment, meta)) if rank == writer else None
     try:
         if items:
             files[rank_file_name(rank)], extents = write_rank_file(os.path.join(tmp, rank_file_name(rank)), items)
@@ -211,9 +211,9 @@ def _write_files(tmp: str, plan: dict[str, StoredTensor], items: list[Item], fai
     return files, extents
 
 
-def _write_index(tmp: str, plan: dict[str, StoredTensor], meta: dict) -> dict:
+def _write_index(tmp: str, assignment: dict[str, StoredTensor], meta: dict) -> dict:
     """The per-rank index file, durable; returns its manifest entry."""
-    data = index_bytes(plan, meta)
+    data = index_bytes(assignment, meta)
     with open(os.path.join(tmp, INDEX), "wb") as f:
         f.write(data)
         f.flush()
@@ -221,15 +221,15 @@ def _write_index(tmp: str, plan: dict[str, StoredTensor], meta: dict) -> dict:
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def _save_shared(path: str, plan: dict[str, StoredTensor], items: list[Item], failed: Exception | None, meta: dict,
-                 commit: "_Commit", comm: Communicator) -> str:
+def _save_shared(path: str, assignment: dict[str, StoredTensor], items: list[Item], failed: Exception | None,
+                 meta: dict, commit: "_Commit", comm: Communicator) -> str:
     """`save` for storage="shared": the index file holds the data, written collectively (MPI-IO)."""
     # What every rank must write identically: rank 0's meta (`meta`), the crc32 of every unchunked block.
     crcs: dict[str, int] = {}
     for part in comm.all_gather_object({name: crc32(data) for _, name, data in items
                                         if chunk_shape(data.shape, data.dtype.itemsize) is None}):
         crcs.update(part)
-    nbytes = sum(prod(t.shape) * np.dtype(t.dtype).itemsize for t in plan.values())
+    nbytes = sum(prod(t.shape) * np.dtype(t.dtype).itemsize for t in assignment.values())
 
     # The snapshot, the free-space check and the write fail together: a rank that raised before a
     # collective write would leave the others waiting in it.
@@ -237,10 +237,10 @@ def _save_shared(path: str, plan: dict[str, StoredTensor], items: list[Item], fa
         if failed is not None:
             raise failed
         if comm.rank == 0:
-            check_space(path, nbytes, len(plan))
+            check_space(path, nbytes, len(assignment))
 
     collective(comm, check)
-    digest = collective(comm, lambda: write_shared(path, plan, items, json.dumps(meta), crcs, comm.io_comm()))
+    digest = collective(comm, lambda: write_shared(path, assignment, items, json.dumps(meta), crcs, comm.io_comm()))
     if comm.rank == 0:
         fsync_path(path)
     return commit.finish({INDEX: {"size": os.path.getsize(path), "attrs_sha256": digest}}, {})
@@ -256,7 +256,7 @@ class _Commit:
     step: int
     keep: int | None
     storage: str
-    plan: dict[str, StoredTensor]
+    assignment: dict[str, StoredTensor]
     meta: dict
     comm: Any
 
@@ -277,19 +277,19 @@ class _Commit:
         if self.comm.rank != 0:
             return None
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "storage": self.storage,
-                    "meta": self.meta, "files": file_table, "tensors": _tensor_table(self.plan, extents)}
+                    "meta": self.meta, "files": file_table, "tensors": _tensor_table(self.assignment, extents)}
         _write_json(os.path.join(self.tmp, MANIFEST), dict(manifest, sha256=manifest_digest(manifest)))
         fsync_path(self.tmp)
         final, doomed = commit_dir(self.directory, self.tmp, self.step, self.keep)
         return final, doomed, doomed_shards(doomed)
 
 
-def _tensor_table(plan: dict[str, StoredTensor], extents: Mapping[tuple, Extent]) -> dict:
-    """The manifest's tensor table: the plan, each rank-file block with its `Extent`."""
+def _tensor_table(assignment: dict[str, StoredTensor], extents: Mapping[tuple, Extent]) -> dict:
+    """The manifest's tensor table: the assignment, each rank-file block with its `Extent`."""
     return {name: {"shape": list(t.shape), "dtype": t.dtype,
                    "blocks": [dict(b.to_json(), **(extents[(b.file, b.dataset)].to_json()
                                                   if (b.file, b.dataset) in extents else {}))
-                              for b in t.blocks]} for name, t in plan.items()}
+                              for b in t.blocks]} for name, t in assignment.items()}
 
 
 def _write_json(path: str, obj: dict) -> None:

@@ -38,7 +38,7 @@ Item = tuple  # tuple[StoredBlock, str, np.ndarray]: a block this rank writes, i
 # Who writes what.
 
 def assign_writers(holdings: list[dict]) -> dict[str, StoredTensor]:
-    """Decide which rank writes which global block (pure; every rank computes the same plan).
+    """Decide which rank writes which global block (pure; every rank computes the same assignment).
 
     Args:
         holdings: per rank, `{name: (global_shape, dtype_str, [global regions held])}`.
@@ -59,7 +59,7 @@ def assign_writers(holdings: list[dict]) -> dict[str, StoredTensor]:
                                       f"({kinds[name]} vs {kind} on rank {rank})")
             for region in regions:
                 owners.setdefault(name, {}).setdefault(tuple(region), rank)
-    plan = {}
+    assignment = {}
     for name in sorted(owners):
         shape, dtype = kinds[name]
         chosen: list[tuple[Bounds, int]] = []
@@ -76,26 +76,26 @@ def assign_writers(holdings: list[dict]) -> dict[str, StoredTensor]:
         chosen.sort()
         blocks = tuple(StoredBlock(rank_file_name(rank), f"{name}/block-{k}", region, rank)
                        for k, (region, rank) in enumerate(chosen))
-        plan[name] = StoredTensor(shape, dtype, blocks)
-    return plan
+        assignment[name] = StoredTensor(shape, dtype, blocks)
+    return assignment
 
 
-def shared_plan(plan: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
-    """The same plan with every block stored in its global dataset of the shared file."""
+def in_shared_file(assignment: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
+    """The same assignment with every block stored in its global dataset of the shared file."""
     return {name: StoredTensor(t.shape, t.dtype, tuple(StoredBlock(INDEX, name, b.region, b.rank)
                                                        for b in t.blocks))
-            for name, t in plan.items()}
+            for name, t in assignment.items()}
 
 
-def index_writer(plan: dict[str, StoredTensor], world: int, storage: str) -> int:
-    """The rank that writes the per-rank index. It depends on the plan only: the rank with the
+def index_writer(assignment: dict[str, StoredTensor], world: int, storage: str) -> int:
+    """The rank that writes the per-rank index. It depends on the assignment only: the rank with the
     least data to write writes it while the others write theirs (a dp replica that writes nothing,
     if there is one; rank 0 among equals, which needs no copy of the meta). The shared file is its
     own index, written by all ranks: 0."""
     if storage != PER_RANK:
         return 0
     load_of = collections.Counter()
-    for t in plan.values():
+    for t in assignment.values():
         for b in t.blocks:
             load_of[b.rank] += volume(b.region) * np.dtype(t.dtype).itemsize
     return min(range(world), key=lambda r: (load_of[r], r))
@@ -109,13 +109,13 @@ def _to_host(a) -> np.ndarray:
     return to_host(a)
 
 
-def blocks_to_write(plan: dict[str, StoredTensor], tensors: Mapping[str, tuple[Any, Layout]], rank: int,
+def blocks_to_write(assignment: dict[str, StoredTensor], tensors: Mapping[str, tuple[Any, Layout]], rank: int,
                     private: bool) -> list[Item]:
     """The blocks `rank` writes, cut from its arrays: host views, or with `private` host copies
     (an asynchronous save: training goes on changing the arrays). A rank that writes none of a
     tensor's blocks copies nothing of it."""
     items = []
-    for name, t in plan.items():
+    for name, t in assignment.items():
         if name not in tensors:
             continue
         array, layout = tensors[name]
@@ -244,12 +244,12 @@ def check_space(path: str, nbytes: int, datasets: int) -> None:
 # ----------------------------------------------------------------------------------------
 # The shared file.
 
-def write_shared(path: str, plan: dict[str, StoredTensor], items: list[Item], meta_json: str,
+def write_shared(path: str, assignment: dict[str, StoredTensor], items: list[Item], meta_json: str,
                  crcs: Mapping[str, int], mpi_comm) -> str:
     """Every rank: write the shared file through MPI-IO (collective); returns the attributes' digest.
 
     Creating datasets and attributes is collective in parallel HDF5 (every rank, same order, same
-    values: the plan, the meta and the crc32s are the same everywhere). Data: per tensor, as many
+    values: the assignment, the meta and the crc32s are the same everywhere). Data: per tensor, as many
     collective writes as the rank writing most of its blocks has; a rank with fewer blocks joins
     the remaining writes with an empty selection. HDF5 >= 1.10.2 computes fletcher32 in such
     collective writes, moving each chunk written by several ranks to one of them first.
@@ -265,10 +265,10 @@ def write_shared(path: str, plan: dict[str, StoredTensor], items: list[Item], me
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["storage"] = fixed_string(SHARED)
         f.attrs["meta"] = fixed_string(meta_json)
-        for name, t in plan.items():
+        for name, t in assignment.items():
             dtype = np.dtype(t.dtype)
             chunks = chunk_shape(t.shape, dtype.itemsize)
-            # No fill values: every element is written below (the plan covers the tensor), and parallel
+            # No fill values: every element is written below (the assignment covers the tensor), and parallel
             # HDF5 allocates chunks at creation, so filling them first would write (and checksum)
             # the whole file twice: a 256 MiB save measured 5.6 s with fill values, 0.9 s without.
             ds = f.create_dataset(name, shape=t.shape, dtype=dtype, chunks=chunks, fletcher32=chunks is not None,
@@ -278,7 +278,7 @@ def write_shared(path: str, plan: dict[str, StoredTensor], items: list[Item], me
             ds.attrs["dtype"], ds.attrs["sharding"] = (fixed_string(v) for v in attrs[name])
             if chunks is None:
                 ds.attrs[CRC_ATTR] = crcs[name]
-        for name, t in plan.items():
+        for name, t in assignment.items():
             if prod(t.shape) == 0:
                 continue
             rounds = max(collections.Counter(b.rank for b in t.blocks).values())
@@ -308,22 +308,22 @@ def _write_selection(ds, block: StoredBlock | None, data: np.ndarray | None, dxp
 # ----------------------------------------------------------------------------------------
 # The per-rank index.
 
-# The index of the last plan saved, without meta, as file bytes: a save with the same plan (every
+# The index of the last assignment saved, without meta, as file bytes: a save with the same one (every
 # save of a training run) copies it and adds the meta instead of making every virtual dataset
 # again (~20 ms for 16 tensors here, ~1 ms per tensor; the copy ~2 ms).
 _INDEX_TEMPLATE: dict[tuple, bytes] = {}
 
 
-def index_bytes(plan: dict[str, StoredTensor], meta: dict) -> bytes:
+def index_bytes(assignment: dict[str, StoredTensor], meta: dict) -> bytes:
     """The index file: a virtual dataset per tensor over the rank files (relative paths), root
     attributes `format`, `format_version` and `meta`."""
-    key = tuple(plan.items())
+    key = tuple(assignment.items())
     if key not in _INDEX_TEMPLATE:
         buf = io.BytesIO()
         with h5py.File(buf, "w", libver=LIBVER) as f:
             f.attrs["format"] = FORMAT
             f.attrs["format_version"] = FORMAT_VERSION
-            for name, t in plan.items():
+            for name, t in assignment.items():
                 dtype = np.dtype(t.dtype)
                 vlayout = h5py.VirtualLayout(shape=t.shape, dtype=dtype)
                 for b in t.blocks:

@@ -5,7 +5,7 @@
 
 writes ``DIR/tokens.bin`` (flat uint16/uint32 tokens, nanoGPT's layout) or ``DIR/tokens.h5``
 (dataset ``tokens``), ``DIR/tokenizer.json`` and ``DIR/meta.json`` (token count, dtype and
-largest id: what `datasets.load` checks instead of scanning). Train on it with
+largest id: what `formats.load` checks instead of scanning). Train on it with
 ``--set data.format=bin --set data.corpus=DIR``.
 
 The text is what ``data.format = "bytes"`` would read from the same paths: one path is read as

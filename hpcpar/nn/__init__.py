@@ -1,11 +1,7 @@
-"""Model code: modules, layers, the GPT, and tensor-parallel layers.
+"""Model code that runs on one process or any mesh: `module` (Module, Parameter), `layers` (Linear,
+Embedding, LayerNorm), `gpt` (the GPT, whole or one pipeline stage), `moe` (mixture of experts),
+`init` (parameters as a pure function of seed, name and shape).
 
-Never imports mpi4py: tensor-parallel layers call the mappings of `hpcpar.parallel.mappings` on a
-`Communicator` they are given.
+Never imports mpi4py: tensor- and context-parallel layers (hpcpar/parallel/tp, cp) call the mappings of
+`hpcpar.parallel.mappings` on a `Communicator` they are given.
 """
-
-from hpcpar.nn.module import Module, Parameter
-from hpcpar.nn.layers import Embedding, LayerNorm, Linear
-from hpcpar.nn.gpt import GPT, GPTConfig
-
-__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "GPT", "GPTConfig"]

@@ -5,7 +5,7 @@ Pre-LayerNorm blocks: h = h + attn(ln_1(h)); h = h + mlp(ln_2(h)). The LM head i
 tied to `transformer.wte.weight`.
 
 With a tensor-parallel communicator of size tp > 1 the blocks, wte and the head are the
-layers of `tensor_parallel.py` (same names, parameters are shards of the same global
+layers of `parallel/tp/layers.py` (same names, parameters are shards of the same global
 tensors); with `sequence_parallel` the activations between blocks (and a stage's input
 and output) are sequence shards [B, T/tp, C].
 
@@ -33,17 +33,17 @@ from hpcpar.errors import ConfigError
 from hpcpar.layout import Layout
 from hpcpar.nn import init
 from hpcpar.nn.layers import Embedding, LayerNorm, Linear
-from hpcpar.parallel.cp.layers import ContextParallelPlan
+from hpcpar.parallel.cp.layers import ContextParallelLayers
 from hpcpar.nn.module import Module, Parameter
 from hpcpar.nn.moe import MoE
-from hpcpar.parallel.tp.layers import TensorParallelPlan
+from hpcpar.parallel.tp.layers import TensorParallelLayers
 from hpcpar.backend.precision import PRECISIONS, activation_dtype
 from hpcpar.schema import field
 from hpcpar.autograd.tensor import Tensor
 
 # model.dtype: bytes per element of each dtype name (the memory estimate's s). A model's own dtype
 # (its master weights) is float32 or float64; the 16-bit ones are what activations are stored in
-# under train.precision = "bf16" / "fp16" (see precision.py), and what the planner's 16-bit
+# under train.precision = "bf16" / "fp16" (see backend/precision.py), and what the planner's 16-bit
 # what-ifs assume.
 DTYPES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 MASTER_DTYPES = ("float32", "float64")
@@ -235,11 +235,11 @@ class Transformer(Module):
     """Container matching nanoGPT's `transformer.*` names."""
 
 
-class PlainPlan:
-    """The one-process layer plan: which module fills each role of a GPT, and how the head and
-    the sequence are treated. `tensor_parallel.TensorParallelPlan` has the same methods (the
-    Megatron plan); GPT is built from whichever plan its tensor-parallel degree calls for, and
-    `context_parallel.ContextParallelPlan` wraps either when the sequence is split over cp ranks."""
+class PlainLayers:
+    """The one-process layers: which module fills each role of a GPT, and how the head and the
+    sequence are treated. `parallel.tp.layers.TensorParallelLayers` has the same methods (Megatron's
+    layers); GPT is built from whichever layer set its tensor-parallel degree calls for, and
+    `parallel.cp.layers.ContextParallelLayers` wraps either when the sequence is split over cp ranks."""
 
     sequence_parallel = False
 
@@ -305,7 +305,7 @@ class GPT(Module):
             whole sequence on this rank). With cp > 1 token ids, targets and activations are this
             rank's tokens only, [B, T/cp(, C)] (`cp.positions(T)`).
         precision: train.precision: "full", or "bf16"/"fp16" (activations in 16 bits from the
-            embedding sum on, parameters in config.dtype; see `precision.py`).
+            embedding sum on, parameters in config.dtype; see `backend/precision.py`).
         ep_comm: the expert-parallel group of the MoE layers (`moe.MoE`; None or size 1: every
             expert here). Experts are whole and replicated over tp (docs/parallelism.md).
     """
@@ -327,29 +327,29 @@ class GPT(Module):
         cfg = config
         # Tensor parallelism only when there is more than one tp rank (size 1: the plain layers).
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
-        self.plan = (PlainPlan() if self.tp_comm is None
-                     else TensorParallelPlan(cfg, self.tp_comm, bool(sequence_parallel)))
+        self.layer_set = (PlainLayers() if self.tp_comm is None
+                          else TensorParallelLayers(cfg, self.tp_comm, bool(sequence_parallel)))
         self.cp = cp if cp is not None and cp.size > 1 else None
         if self.cp is not None:
-            self.plan = ContextParallelPlan(cfg, self.plan, self.cp)
-        self.sequence_parallel = self.plan.sequence_parallel
-        plan = self.plan
+            self.layer_set = ContextParallelLayers(cfg, self.layer_set, self.cp)
+        self.sequence_parallel = self.layer_set.sequence_parallel
+        layer_set = self.layer_set
         self.transformer = Transformer()
         if embed:
-            self.transformer.wte = plan.wte(cfg)
+            self.transformer.wte = layer_set.wte(cfg)
             self.transformer.wpe = Embedding(cfg.block_size, cfg.n_embd, cfg.dtype)
-            # Under sequence parallelism a tp rank adds only its tokens' rows (`plan.positions`).
+            # Under sequence parallelism a tp rank adds only its tokens' rows (`layer_set.positions`).
             self.transformer.wpe.weight.sequence_parallel = self.sequence_parallel
         self.transformer.h = Blocks([
-            Block(i, plan.norm(cfg), plan.attn(cfg), plan.norm(cfg),
-                  MoE(cfg, ep_comm, i) if cfg.is_moe(i) else plan.mlp(cfg), self._dropout)
+            Block(i, layer_set.norm(cfg), layer_set.attn(cfg), layer_set.norm(cfg),
+                  MoE(cfg, ep_comm, i) if cfg.is_moe(i) else layer_set.mlp(cfg), self._dropout)
             for i in self.layer_ids])
         if head:
-            self.transformer.ln_f = plan.norm(cfg)
+            self.transformer.ln_f = layer_set.norm(cfg)
             if embed:
                 object.__setattr__(self, "head_weight", self.transformer.wte.weight)
             else:
-                layout = plan.vocab_layout(cfg)
+                layout = layer_set.vocab_layout(cfg)
                 self.lm_head = Module()
                 self.lm_head.weight = Parameter(backend.xp.zeros(layout.local_shape, dtype=cfg.dtype),
                                                 layout, tied_to="transformer.wte.weight")
@@ -432,7 +432,7 @@ class GPT(Module):
         if self.rng_context is None:
             raise RuntimeError("dropout > 0 needs model.rng_context = (seed, step, sample_ids)")
         seed, step, sample_ids = self.rng_context
-        return self.plan.dropout(x, p, [(seed, step, int(k), site) for k in sample_ids])
+        return self.layer_set.dropout(x, p, [(seed, step, int(k), site) for k in sample_ids])
 
     def _recomputed(self, block: Block, h: Tensor) -> Tensor:
         """`block(h)` keeping only h (`recompute`). The re-run in backward uses this
@@ -481,9 +481,9 @@ class GPT(Module):
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
         tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
-        rows = self.plan.position_ids(t)   # slice(0, t), or my positions under context parallelism
+        rows = self.layer_set.position_ids(t)   # slice(0, t), or my positions under context parallelism
         rows = rows if isinstance(rows, slice) else xp.asarray(rows)
-        pos = self.plan.positions(self.transformer.wpe.weight, rows, t)
+        pos = self.layer_set.positions(self.transformer.wpe.weight, rows, t)
         h = tok + pos
         if h.dtype != self.activation_dtype:  # mixed precision: 16 bits from here to the loss
             h = ops.cast(h, self.activation_dtype)
@@ -493,4 +493,4 @@ class GPT(Module):
         if targets is not None:
             targets = backend.array_module(self.head_weight.data).asarray(
                 targets.data if isinstance(targets, Tensor) else targets)
-        return self.plan.lm_head(self.transformer.ln_f(h), self.head_weight, targets)
+        return self.layer_set.lm_head(self.transformer.ln_f(h), self.head_weight, targets)

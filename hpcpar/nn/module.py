@@ -3,6 +3,7 @@
 A `Parameter` is a leaf Tensor that knows how its local array maps onto the global
 tensor (`layout`), whether weight decay applies (`no_decay`) and, for a copy of a
 weight that lives on another pipeline stage, the global name it mirrors (`tied_to`).
+A `Module` saves and loads its parameters as checkpoint tensors (`Checkpointable`, hpcpar/state.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Iterator
 
 from hpcpar.backend import array_module
 from hpcpar.layout import Layout
+from hpcpar.state import SavedState, StoredState, key_of
 from hpcpar.autograd.tensor import Tensor
 
 
@@ -101,22 +103,18 @@ class Module:
         for p in self.parameters():
             p.grad = None
 
-    def state_dict(self) -> dict:
-        """Global name -> this rank's local array (not a copy)."""
-        return {name: p.data for name, p in self.named_parameters()}
+    def checkpoint_state(self) -> SavedState:
+        """`model/<global name>` -> (this rank's local array, its layout) of every parameter, a
+        tied copy under the weight it mirrors (`Checkpointable`, hpcpar/state.py). A training run
+        saves the model through its gradient sync instead, which knows what it shards: this is for
+        a whole model on one process (`hpcpar sample`)."""
+        return SavedState({f"model/{key_of(p, name)}": (p.data, p.layout) for name, p in self.named_parameters()})
 
-    def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Copy arrays in by global name; shapes must match the local shards."""
-        params = dict(self.named_parameters())
-        if strict:
-            missing = sorted(set(params) - set(state))
-            unexpected = sorted(set(state) - set(params))
-            if missing or unexpected:
-                raise KeyError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
-        for name, p in params.items():
-            if name not in state:
-                continue
-            value = state[name]
-            if tuple(value.shape) != tuple(p.shape):
-                raise ValueError(f"{name}: shape {tuple(value.shape)} does not match {tuple(p.shape)}")
-            p.data[...] = array_module(p.data).asarray(value)  # host arrays onto a GPU parameter
+    def load_checkpoint_state(self, stored: StoredState) -> None:
+        """Every parameter's slice of its stored global tensor, in its layout."""
+        params = list(self.named_parameters())
+
+        def take(arrays: dict) -> None:
+            for name, p in params:
+                p.data[...] = array_module(p.data).asarray(arrays[f"model/{key_of(p, name)}"])  # onto a GPU parameter
+        stored.read({f"model/{key_of(p, name)}": p.layout for name, p in params}, take)

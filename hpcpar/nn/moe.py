@@ -58,7 +58,7 @@ def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int | None
     return None if factor == 0 else math.ceil(factor * tokens * top_k / experts)
 
 
-def plan_dispatch(choices: np.ndarray, experts: int, cap: int | None) -> dict:
+def dispatch_order(choices: np.ndarray, experts: int, cap: int | None) -> dict:
     """Which assignments are kept and in which order they travel.
 
     choices: int [N, k], the experts of each token (`top_k`). Assignment a = j * N + n is token
@@ -148,21 +148,21 @@ class MoE(Module):
         logits = linear(tokens, self.router.weight)                          # [N, E]
         probs = softmax(logits, axis=-1)
         choices = top_k(backend.to_host(probs.data), k)                      # [N, k], host
-        plan = plan_dispatch(choices, e, capacity(n, k, e, cfg.moe_capacity_factor))
+        routing = dispatch_order(choices, e, capacity(n, k, e, cfg.moe_capacity_factor))
         gates = ops.getitem(probs, (xp.arange(n)[:, None], xp.asarray(choices)))   # [N, k]
-        aux = self._aux_loss(logits, probs, plan["routed"], n * k)
+        aux = self._aux_loss(logits, probs, routing["routed"], n * k)
         if self.training and self.record:
-            self.stats.append((plan["routed"], int(n * k - plan["order"].size), n * k, aux.data))
+            self.stats.append((routing["routed"], int(n * k - routing["order"].size), n * k, aux.data))
 
         # Dispatch: kept assignments sorted by expert -> the ranks holding their experts.
-        sent = ops.getitem(tokens, xp.asarray(plan["order"] % n))          # [K, C]
-        arrived, counts, undo = self._dispatch(sent, plan["kept"])
+        sent = ops.getitem(tokens, xp.asarray(routing["order"] % n))       # [K, C]
+        arrived, counts, undo = self._dispatch(sent, routing["kept"])
         out = self.experts(arrived, counts)
         back = undo(out)                                                     # [K, C], order of `sent`
 
         # Combine: each assignment's expert output (zero when dropped) times its gate, summed over k.
         padded = ops.concat([back, Tensor(xp.zeros((1, c), dtype=back.dtype))], axis=0)
-        per_choice = ops.reshape(ops.getitem(padded, xp.asarray(plan["row"])), (k, n, c))
+        per_choice = ops.reshape(ops.getitem(padded, xp.asarray(routing["row"])), (k, n, c))
         weights = ops.reshape(ops.transpose(gates), (k, n, 1))
         y = ops.reshape(ops.sum(per_choice * weights, axis=0), (b, t, c))
         return ops.with_loss(y, aux, self.loss_scale) if aux.requires_grad else y

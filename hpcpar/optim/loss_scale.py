@@ -14,11 +14,13 @@ gradients are divided by `scale` again (in the master dtype) before clipping and
 
 A static scale (`dynamic=False`) never changes. The overflow verdict must be the same on every
 rank: the trainer takes it from the global gradient norm, which every rank already agrees on.
+Checkpoints keep the scale and its counters in their metadata (`checkpoint_state`).
 """
 
 from __future__ import annotations
 
 from hpcpar.errors import CheckpointError
+from hpcpar.state import SavedState, StoredState
 
 
 class LossScaler:
@@ -67,12 +69,21 @@ class LossScaler:
             self.hysteresis_left = self.hysteresis
             self.scale *= self.growth
 
-    def state_dict(self) -> dict:
-        """JSON-able state (checkpoint meta): resuming restores the exact scale and counters."""
-        return {"scale": self.scale, "good_steps": self.good_steps, "hysteresis_left": self.hysteresis_left,
-                "overflows": self.overflows}
+    def checkpoint_state(self) -> SavedState:
+        """The scale and its counters, as checkpoint metadata (`loss_scale`): resuming restores
+        the exact scale and counters (`Checkpointable`, hpcpar/state.py)."""
+        return SavedState(meta={"loss_scale": {"scale": self.scale, "good_steps": self.good_steps,
+                                               "hysteresis_left": self.hysteresis_left,
+                                               "overflows": self.overflows}})
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_checkpoint_state(self, stored: StoredState) -> None:
+        """The checkpoint's scale and counters; a weights-only load, or a checkpoint saved without
+        fp16, keeps this fresh scaler."""
+        if stored.weights_only or "loss_scale" not in stored.meta:
+            return
+        stored.read({}, lambda _: self._restore(stored.meta["loss_scale"]))
+
+    def _restore(self, state: dict) -> None:
         try:
             self.scale = float(state["scale"])
             self.good_steps = int(state["good_steps"])

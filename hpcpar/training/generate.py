@@ -19,11 +19,11 @@ from hpcpar import backend
 from hpcpar.autograd.tensor import no_grad
 from hpcpar.checkpoint.directory import latest
 from hpcpar.checkpoint.load import load as load_checkpoint
+from hpcpar.checkpoint.parts import load_parts
 from hpcpar.config.load import loads
 from hpcpar.data import tokenizer
 from hpcpar.errors import ConfigError, DataError
-from hpcpar.layout import Layout
-from hpcpar.nn import GPT
+from hpcpar.nn.gpt import GPT
 from hpcpar.runtime.solo import SoloCommunicator
 
 
@@ -34,9 +34,7 @@ def load(path: str) -> tuple[GPT, dict]:
     _, meta = load_checkpoint(resolved, {}, SoloCommunicator())
     cfg = loads(meta["config"], origin=f"config stored in {resolved}")
     model = GPT(cfg.model, seed=cfg.train.seed)
-    wanted = {f"model/{name}": Layout.replicated(p.shape) for name, p in model.named_parameters()}
-    arrays, _ = load_checkpoint(resolved, wanted, SoloCommunicator())
-    model.load_state_dict({name[len("model/"):]: a for name, a in arrays.items()})
+    load_parts(resolved, [model], SoloCommunicator(), weights_only=True)
     return model.eval(), meta
 
 

@@ -80,7 +80,7 @@ def elastic_batch(cfg: Config, world_size: int, given: set[str]) -> Config:
     train.micro_batch_size nor train.microbatches was given, the batch keys are derived from the
     checkpoint's global batch G = dp * micro_batch_size * microbatches and the dp this world
     resolves to: micro_batch_size the largest divisor of G / dp not above the saved one, and
-    microbatches the rest. Samples are drawn by (seed, step, global sample id) (data.py), so
+    microbatches the rest. Samples are drawn by (seed, step, global sample id) (data/corpus.py), so
     the run goes on with the same samples in every step, and its losses are the uninterrupted
     run's up to the order of the sums. Anything else: `cfg` unchanged.
     """

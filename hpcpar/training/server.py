@@ -3,8 +3,8 @@
 With `ps.servers` = S the job's last S ranks are servers (`run.build` makes them), each holding
 a range of the model's flat parameter space and its optimizer state (`ParameterServer`, see
 hpcpar/parallel/ps/server.py); the workers' side is `update.ServerUpdate`. A `ServerRank` has the
-same `train`, `save`, `load` and `step` as a `Trainer`, each collective with the workers', so that
-the job's code treats every rank alike.
+same `train`, `save`, `load` and `step` as a `Trainer`, and the same `Checkpointable` pair, each
+collective with the workers', so that the job's code treats every rank alike.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hpcpar import backend
-from hpcpar.checkpoint.load import load as read_checkpoint
-from hpcpar.checkpoint.save import save as save_checkpoint
 from hpcpar.config.sections import Config
 from hpcpar.optim.optimizers import lr_at
 from hpcpar.parallel.pp.stages import build_stages
@@ -22,6 +20,7 @@ from hpcpar.parallel.ps.server import ParameterServer
 from hpcpar.runtime.agreement import agree
 from hpcpar.runtime.comm import Communicator, mpi_self
 from hpcpar.runtime.mesh import Mesh
+from hpcpar.state import SavedState, StoredState
 from hpcpar.training.trainer import REQUEUE_STATUS, RunResult, Trainer, optimizer_factory
 
 
@@ -75,30 +74,19 @@ class ServerRank:
         ck = self.cfg.checkpoint
         self.save(self.cfg.checkpoint_dir, keep=ck.keep, async_save=ck.async_save and not final)
 
-    def save(self, directory: str, keep: int, async_save: bool = False):
-        """This server's part of a checkpoint (collective with the workers' `Trainer.save`)."""
-        self.finish_save()
-        self.job.broadcast_object(self.server.optimizer.step_count, root=self.job.size - self.cfg.ps.servers)
-        result = save_checkpoint(directory, self.step, self.server.checkpoint_tensors(), {"step": self.step},
-                                 self.job, keep=keep, async_save=async_save, storage=self.cfg.checkpoint.format)
-        self.save_in_flight = result if async_save else None
-        return result
+    def checkpoint_state(self) -> SavedState:
+        """This server's range of the model and optimizer state, and the run position
+        (collective with the workers' `Trainer.checkpoint_state`: the optimizer step goes to them)."""
+        return SavedState.merged([SavedState(meta={"step": self.step}), self.server.checkpoint_state()])
 
-    finish_save = Trainer.finish_save   # the same rule: commit the asynchronous save in flight
+    def load_checkpoint_state(self, stored: StoredState) -> None:
+        """Learn the workers' verdict on the checkpoint (`ServerUpdate.agree_on`), then take this
+        server's range and, unless weights only, the run position."""
+        agree(self.job)
+        self.server.load_checkpoint_state(stored)
+        if not stored.weights_only:
+            stored.read({}, lambda _: setattr(self, "step", int(stored.meta["step"])))
 
-    def load(self, path: str, weights_only: bool = False) -> dict:
-        """This server's range of a checkpoint of any layout (collective with `Trainer.load`)."""
-        _, meta = read_checkpoint(path, {}, self.job)
-        agree(self.job)   # the workers check the checkpoint: learn their verdict (`ServerUpdate.agree_on`)
-        weights_only = weights_only or bool(meta.get("weights_only"))
-        wanted = self.server.checkpoint_wanted(weights_only)
-        all_names = set().union(*self.job.all_gather_object(set(wanted)))
-        stored = meta.get("compression")
-        if not weights_only and stored:
-            all_names |= set(stored["names"])
-        arrays, meta = read_checkpoint(path, wanted, self.job, all_names=all_names,
-                                       only_prefix="model/" if weights_only else "")
-        self.server.load_checkpoint(arrays, None if weights_only else int(meta["optimizer_step"]))
-        if not weights_only:
-            self.step = int(meta["step"])
-        return meta
+    # Saving and loading go by `checkpoint_state` / `load_checkpoint_state` as a Trainer's do, and
+    # with the same rule for the asynchronous save in flight.
+    save, finish_save, load = Trainer.save, Trainer.finish_save, Trainer.load

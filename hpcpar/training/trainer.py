@@ -8,7 +8,7 @@ checkpoint cadence, preemption, metrics records and the run summary. Benchmarks 
 the same loop with `train(steps=..., files=False, on_step=...)`; `hpcpar train` sets it up in
 run.py.
 
-Every rank builds the same global batch for step s (samples 0 .. dp*mbs*m - 1, see data.py) and
+Every rank builds the same global batch for step s (samples 0 .. dp*mbs*m - 1, see data/corpus.py) and
 takes its dp share, so results do not depend on the mesh.
 """
 
@@ -29,8 +29,7 @@ import numpy as np
 import hpcpar
 from hpcpar import backend, metrics
 from hpcpar.autograd.tensor import no_grad
-from hpcpar.checkpoint.load import load as read_checkpoint
-from hpcpar.checkpoint.save import save as save_checkpoint
+from hpcpar.checkpoint.parts import load_parts, save_parts
 from hpcpar.config.load import to_toml
 from hpcpar.config.memory import estimate_memory
 from hpcpar.config.sections import Config, TrainConfig
@@ -52,6 +51,7 @@ from hpcpar.runtime.comm import Communicator, mpi_world
 from hpcpar.runtime.mesh import Mesh
 from hpcpar.runtime.topology import Axis
 from hpcpar.runtime.trace import Tracer
+from hpcpar.state import SavedState, StoredState
 from hpcpar.training import routing
 from hpcpar.training.mfu import measure_peak, model_flops_per_token
 from hpcpar.training.report import StepLog, ps_text, traffic_summary
@@ -218,7 +218,7 @@ class Trainer:
         if self.cfg.ps.servers:
             return ServerUpdate(self.cfg, comm, workers_comm, self.mesh, self.dp, self.named_parameters,
                                 self.is_loss_reporter, lambda: self._bytes_sent())
-        return LocalUpdate(self.cfg.train, self.mesh, self.dp, self.named_parameters, self.scaler,
+        return LocalUpdate(self.cfg.train, self.mesh, self.dp, self.scaler,
                            lambda *args: self._agree(*args))
 
     def _build_loss_scaler(self) -> LossScaler | None:
@@ -577,43 +577,52 @@ class Trainer:
             out[name] = world.all_reduce(full, op="sum")
         return out
 
-    # -- checkpoints ----------------------------------------------------------------------
-    def checkpoint_tensors(self) -> dict:
-        """Global name -> (local array, layout) of what this rank saves: the model and optimizer
-        state (`update.checkpoint_tensors`; none with parameter servers, which hold them) and the
-        gradient compressor's state (`compress/...`: residuals, PowerSGD's Q)."""
-        compression = self.dp.compression_tensors()
-        return {**self.update.checkpoint_tensors(), **compression}
+    # -- checkpoints (`Checkpointable`, hpcpar/state.py) ------------------------------------
+    def checkpoint_state(self) -> SavedState:
+        """What this rank saves: the run position and how to resume it (metadata), the model and
+        optimizer state with the compressor's (`update`: this rank's gradient sync, or with
+        parameter servers none but the optimizer step), and the loss scale. Collective.
 
-    def save(self, directory: str, keep: int, async_save: bool = False):
-        """Checkpoint the model, optimizer state and run position (collective).
-
-        A save still in flight is committed first. Returns the committed `step-NNNNNNN` path,
-        or with `async_save` a `checkpoint.SaveHandle` (also kept in `save_in_flight`): the
-        rank files are written in a background thread and `finish_save()` commits them.
         Everything else that shapes the trajectory is a pure function of (seed, step): batch
         sampling and dropout masks are keyed by (seed, step, sample id) and the learning rate
         by step, so `step` is the data, RNG and schedule position.
         """
-        self.finish_save()
         t = self.cfg.train
-        meta = {"step": self.step, "optimizer_step": self.update.optimizer_step_count(),
-                "config": to_toml(self.cfg), "hpcpar_version": hpcpar.__version__,
-                "mesh": {**{str(a): self.mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP, Axis.CP)}, "zero": t.zero,
-                         "dp_replicate": self.mesh.size(Axis.DP_REPLICATE)},
-                "data_position": {"next_step": self.step, "seed": t.seed},
-                "rng": {"kind": "counter-based: (seed, step, sample id)", "seed": t.seed, "next_step": self.step},
-                "lr_schedule": {"next_step": self.step, "warmup": t.warmup, "total": t.steps},
-                "tokenizer": self.dataset.tokenizer}
+        run = SavedState(meta={
+            "step": self.step, "config": to_toml(self.cfg), "hpcpar_version": hpcpar.__version__,
+            "mesh": {**{str(a): self.mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP, Axis.CP)}, "zero": t.zero,
+                     "dp_replicate": self.mesh.size(Axis.DP_REPLICATE)},
+            "data_position": {"next_step": self.step, "seed": t.seed},
+            "rng": {"kind": "counter-based: (seed, step, sample id)", "seed": t.seed, "next_step": self.step},
+            "lr_schedule": {"next_step": self.step, "warmup": t.warmup, "total": t.steps},
+            "tokenizer": self.dataset.tokenizer})
+        scaler = [self.scaler.checkpoint_state()] if self.scaler is not None else []
+        return SavedState.merged([run, self.update.checkpoint_state(), *scaler])
+
+    def load_checkpoint_state(self, stored: StoredState) -> None:
+        """A checkpoint whose tokenizer differs from the data's is refused (one line, on every
+        rank of the job); then the parts (`checkpoint_state`'s), and unless weights only the run
+        position."""
+        def check():
+            tokenizer.require_match(stored.meta.get("tokenizer"), self.dataset.tokenizer, f"checkpoint {stored.path}",
+                                    f"data {self.cfg.data.corpus or '(default corpus)'}")
+        self.update.agree_on(check)
+        self.update.load_checkpoint_state(stored)
         if self.scaler is not None:
-            meta["loss_scale"] = self.scaler.state_dict()
-        tensors = self.checkpoint_tensors()
-        compression = self.dp.compression_meta()
-        if compression is not None:  # what a loader needs to map the compressor state back
-            names = self.mesh.world.all_gather_object(sorted(n for n in tensors if n.startswith("compress/")))
-            meta["compression"] = {**compression, "names": sorted(set().union(*names))}
-        result = save_checkpoint(directory, self.step, tensors, meta, self.job, keep=keep, async_save=async_save,
-                                 storage=self.cfg.checkpoint.format)
+            self.scaler.load_checkpoint_state(stored)
+        if not stored.weights_only:
+            stored.read({}, lambda _: setattr(self, "step", int(stored.meta["step"])))
+
+    def save(self, directory: str, keep: int, async_save: bool = False):
+        """Checkpoint this rank's `checkpoint_state` (collective).
+
+        A save still in flight is committed first. Returns the committed `step-NNNNNNN` path,
+        or with `async_save` a `checkpoint.SaveHandle` (also kept in `save_in_flight`): the
+        rank files are written in a background thread and `finish_save()` commits them.
+        """
+        self.finish_save()
+        result = save_parts(directory, self.step, [self], self.job, keep=keep, async_save=async_save,
+                            storage=self.cfg.checkpoint.format)
         self.save_in_flight = result if async_save else None
         return result
 
@@ -631,30 +640,7 @@ class Trainer:
         compressor state (residuals, PowerSGD's Q) is loaded when this run compresses and the
         checkpoint has it (see parallel/dp/compression/state.py); otherwise it starts afresh / is
         ignored, so a checkpoint loads with and without compression."""
-        _, meta = read_checkpoint(path, {}, self.job)
-
-        def check():
-            tokenizer.require_match(meta.get("tokenizer"), self.dataset.tokenizer, f"checkpoint {path}",
-                                    f"data {self.cfg.data.corpus or '(default corpus)'}")
-        self.update.agree_on(check)
-        weights_only = weights_only or bool(meta.get("weights_only"))
-        wanted = self.update.checkpoint_wanted(weights_only)
-        stored = meta.get("compression")
-        if not weights_only:
-            wanted.update(self.dp.compression_wanted(stored))
-        all_names = set().union(*self.job.all_gather_object(set(wanted)))  # every stage's (and server's) tensors
-        if not weights_only and stored:
-            all_names |= set(stored["names"])  # loaded or not, they belong to the checkpoint
-        arrays, meta = read_checkpoint(path, wanted, self.job, all_names=all_names,
-                                       only_prefix="model/" if weights_only else "")
-        if not weights_only:
-            self.dp.load_compression(arrays, stored)
-            if self.scaler is not None and "loss_scale" in meta:  # else: a fresh scaler (a run without fp16)
-                self.scaler.load_state_dict(meta["loss_scale"])
-        self.update.load_checkpoint(arrays, meta, weights_only)
-        if not weights_only:
-            self.step = int(meta["step"])
-        return meta
+        return load_parts(path, [self], self.job, weights_only)
 
 
 def optimizer_factory(t: TrainConfig) -> Callable[[list], Any]:

@@ -2,7 +2,8 @@
 
 A `Trainer` chooses one of two classes once, in its constructor, and asks it the same questions
 where the two kinds of run differ: how a step ends after the backward (`finish_step`), what a
-checkpoint gets from this rank and how it is read back, and how the run ends.
+checkpoint gets from this rank and how it is read back (each is the `Checkpointable` part of the
+model and optimizer state, hpcpar/state.py), and how the run ends.
 
 - `LocalUpdate` (no parameter server): the optimizer state lives on this rank (the
   `DataParallel`'s optimizer; under ZeRO its shard). The world agrees on the step's figures in
@@ -35,6 +36,7 @@ from hpcpar.runtime.agreement import agree
 from hpcpar.runtime.comm import Communicator
 from hpcpar.runtime.mesh import Mesh
 from hpcpar.runtime.topology import Axis
+from hpcpar.state import SavedState, StoredState, key_of
 from hpcpar.training.report import server_summary
 
 
@@ -60,15 +62,13 @@ class LocalUpdate:
         train: the run's train section (learning-rate schedule, clipping).
         mesh: the workers' mesh (its world is the job).
         dp: this rank's `DataParallel` (or `ExpertDataParallel`), which owns the optimizer.
-        named_parameters: (global name, Parameter) of this rank's stages.
         scaler: the fp16 `LossScaler`, or None.
         agree: the step's agreement, `Trainer._agree`'s signature: (losses, norm items, bytes
             before) -> an agreement with `loss`, `norm`, `stop`, `moe` and `bytes(stepped)`.
     """
 
-    def __init__(self, train: TrainConfig, mesh: Mesh, dp, named_parameters: list, scaler,
-                 agree: Callable[[list, list, tuple], Any]):
-        self.train, self.dp, self.named_parameters, self.scaler = train, dp, named_parameters, scaler
+    def __init__(self, train: TrainConfig, mesh: Mesh, dp, scaler, agree: Callable[[list, list, tuple], Any]):
+        self.train, self.dp, self.scaler = train, dp, scaler
         self.agree = agree
         self.job = mesh.world        # every rank of the run: checkpoints
         self.step_comm = mesh.world  # the ranks that agree on a step's figures
@@ -102,55 +102,13 @@ class LocalUpdate:
         """Bytes pushed to parameter servers: none."""
         return 0.0
 
-    def optimizer_step_count(self) -> int:
-        """Optimizer steps taken so far (the checkpoint's `optimizer_step`)."""
-        return self.dp.optimizer_step_count()
+    def checkpoint_state(self) -> SavedState:
+        """The model and optimizer state, which this rank's gradient sync holds (whole, or under
+        ZeRO its shards) with the compressor's state and the optimizer step."""
+        return self.dp.checkpoint_state()
 
-    def checkpoint_tensors(self) -> dict:
-        """Global name -> (local array, layout) of the model and optimizer state. Under ZeRO each
-        rank gives its shards of both, flat ranges of the parameters, nothing gathered."""
-        if self.train.zero:
-            return self.dp.checkpoint_shards()
-        # The optimizer's live arrays, not optimizer_state()'s copies: checkpoint.save copies (or
-        # moves to the host) only the blocks this rank writes, and a dp replica writes none.
-        state = {n: part.optimizer.state_of(p) for part in getattr(self.dp, "parts", (self.dp,))
-                 for n, p in zip(part.names, part.params)}
-        tensors = {}
-        for name, p in self.named_parameters:
-            key = _key_of(p, name)
-            tensors[f"model/{key}"] = (p.data, p.layout)
-            for state_name, array in state.get(name, {}).items():
-                tensors[f"optim/{key}/{state_name}"] = (array, p.layout)
-        return tensors
-
-    def checkpoint_wanted(self, weights_only: bool) -> dict:
-        """Global name -> layout of what this rank loads of the model and optimizer state (ZeRO 1/2:
-        whole parameters, sharded state)."""
-        if self.train.zero:
-            return self.dp.checkpoint_wanted(_key_of, weights_only=weights_only)
-        wanted = {}
-        for name, p in self.named_parameters:
-            key = _key_of(p, name)
-            wanted[f"model/{key}"] = p.layout
-            if not weights_only:
-                wanted.update({f"optim/{key}/{state}": p.layout for state in self.dp.state_names()})
-        return wanted
-
-    def load_checkpoint(self, arrays: dict, meta: dict, weights_only: bool) -> None:
-        """Put the loaded `arrays` (`checkpoint_wanted`'s names) in place: the parameters, and
-        unless `weights_only` the optimizer state at the checkpoint's optimizer step."""
-        if self.train.zero:
-            self.dp.load_checkpoint(arrays, _key_of, None if weights_only else int(meta["optimizer_step"]),
-                                    weights_only=weights_only)
-            return
-        _load_weights(self.named_parameters, arrays)
-        if weights_only:
-            return
-        state = {}
-        for name, p in self.named_parameters:
-            prefix = f"optim/{_key_of(p, name)}/"
-            state[name] = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
-        self.dp.load_optimizer_state(state, int(meta["optimizer_step"]))
+    def load_checkpoint_state(self, stored: StoredState) -> None:
+        self.dp.load_checkpoint_state(stored)
 
     def agree_on(self, check: Callable[[], None]) -> None:
         """Run a check of the checkpoint that every worker makes alike (no server waits for it)."""
@@ -229,21 +187,20 @@ class ServerUpdate:
         """Bytes this rank has sent to the servers so far."""
         return self.job.bytes_sent_total()
 
-    def optimizer_step_count(self) -> int:
-        """Optimizer steps taken so far: server 0's count (collective with `ServerRank.save`)."""
-        return self.job.broadcast_object(None, root=self.workers)
+    def checkpoint_state(self) -> SavedState:
+        """No tensors: the servers hold the model and the optimizer state. The optimizer step for
+        the metadata, from server 0 (collective with `ParameterServer.checkpoint_state`)."""
+        return SavedState(meta={"optimizer_step": self.job.broadcast_object(None, root=self.workers)})
 
-    def checkpoint_tensors(self) -> dict:
-        """Nothing: the servers hold the model and the optimizer state."""
-        return {}
+    def load_checkpoint_state(self, stored: StoredState) -> None:
+        """The weights (whatever `weights_only`), to start from the servers' values; the servers
+        load the optimizer state."""
+        params = self.named_parameters
 
-    def checkpoint_wanted(self, weights_only: bool) -> dict:
-        """The weights, to start from the servers' values; the servers load the optimizer state."""
-        return {f"model/{_key_of(p, name)}": p.layout for name, p in self.named_parameters}
-
-    def load_checkpoint(self, arrays: dict, meta: dict, weights_only: bool) -> None:
-        """Put the loaded weights in place."""
-        _load_weights(self.named_parameters, arrays)
+        def take(arrays: dict) -> None:
+            for name, p in params:
+                p.data[...] = backend.to_device(arrays[f"model/{key_of(p, name)}"])
+        stored.read({f"model/{key_of(p, name)}": p.layout for name, p in params}, take)
 
     def agree_on(self, check: Callable[[], None]) -> None:
         """Run a check of the checkpoint and raise its error on every rank of the job when it failed
@@ -281,17 +238,6 @@ def first_bad_parameter(dp, comm: Communicator) -> str:
     local = bad[0] if bad else ""
     names = [n for n in comm.all_gather_object(local) if n]
     return names[0] if names else "(loss only)"
-
-
-def _key_of(p, name: str) -> str:
-    """A parameter's name in checkpoints: a tied copy is stored under the weight it mirrors."""
-    return p.tied_to or name
-
-
-def _load_weights(named_parameters: list, arrays: dict) -> None:
-    """Copy the loaded `model/...` arrays into the parameters."""
-    for name, p in named_parameters:
-        p.data[...] = backend.to_device(arrays[f"model/{_key_of(p, name)}"])
 
 
 def _global_shapes(named_parameters: list, world: Communicator) -> dict[str, tuple]:

@@ -67,6 +67,15 @@ def training_problems(results, reference_steps, params: dict, reference_params: 
     return problems
 
 
+def optimizer_pieces(dp, named) -> list[tuple[str, dict, object]]:
+    """(checkpoint name of the parameter, {state name: local array}, Layout) of every piece of
+    optimizer state this rank holds: whole parameters (`named`: its (name, Parameter) pairs), or
+    under ZeRO the segments, flat ranges of them. Compare with `layout.take(global state)`."""
+    if hasattr(dp, "segments"):
+        return [(seg.param.tied_to or seg.name, dp.optimizer.state_of(seg), seg.layout) for seg in dp.segments]
+    return [(p.tied_to or name, dp.optimizer.state_of(p), p.layout) for name, p in named]
+
+
 def stored(path: str) -> dict:
     """Every global tensor of a checkpoint, through index.h5 (each rank reads it)."""
     import h5py

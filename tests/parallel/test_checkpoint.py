@@ -158,15 +158,15 @@ class _Untouchable:
 @pytest.mark.parametrize("async_save", [False, True])
 def test_only_the_rank_writing_a_block_touches_its_data(shared_dir, async_save):
     """dp replicas (and ranks 1.. of a replicated tensor) hand over arrays nobody may read: the
-    save plans from shapes and regions, and only a block's writer snapshots it."""
+    save assigns the writers from shapes and regions, and only a block's writer snapshots it."""
     g = reference()
     held = {n: (lay.global_shape, g[n].dtype.str, [bounds(b.glob) for b in lay.blocks])
             for n, lay in save_layouts().items()}
-    plan = assign_writers(WORLD.allgather(held))
+    assignment = assign_writers(WORLD.allgather(held))
     tensors = {}
     for name, layout in save_layouts().items():
         local = layout.take(g[name])
-        writes = any(b.rank == RANK for b in plan[name].blocks)
+        writes = any(b.rank == RANK for b in assignment[name].blocks)
         tensors[name] = (local if writes else _Untouchable(local), layout)
     result = save(shared_dir, 2, tensors, {}, COMM, async_save=async_save)
     path = result.wait() if async_save else result

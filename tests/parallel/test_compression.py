@@ -330,7 +330,7 @@ def test_residuals_load_into_another_group_size(shared_dir):
     stored_rows = stored(path)
     b = make_trainer(LAYOUTS[1], "train.grad_compression=topk", "train.compression_ratio=0.1")
     b.load(path)
-    residuals = b.dp.compression_state.tensors()  # {name: (local array, layout)} of what it now owes
+    residuals = b.dp.compression_state.checkpoint_state().tensors  # {name: (local array, layout)} of what it now owes
     bad = []
     for name, (local, layout) in residuals.items():
         mean = stored_rows[name].mean(axis=0)  # [*shape]: the mean over the 4 stored rows

@@ -22,7 +22,7 @@ from collective import collective_assert, host
 from hpcpar.interop import huggingface, safetensors
 from hpcpar.data import prepare
 from hpcpar.config.load import load_config
-from hpcpar.nn import GPTConfig
+from hpcpar.nn.gpt import GPTConfig
 from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD

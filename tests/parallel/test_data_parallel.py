@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert, host
+from collective import collective_assert, host, optimizer_pieces
 
 from hpcpar import backend
 from hpcpar.data import corpus
 from hpcpar.runtime.mesh import Mesh
-from hpcpar.nn import GPT, GPTConfig
+from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.optim.optimizers import AdamW, clip_grad_norm
 from hpcpar.parallel.dp.sync import make_gradient_sync
 from hpcpar.autograd.tensor import Tensor
@@ -141,14 +141,14 @@ def test_training_matches_single_process(degrees, zero, m):
         problems.append(f"losses {losses} vs {ref_losses}")
     if rel_err(norms, ref_norms) > 1e-10:
         problems.append(f"norms {norms} vs {ref_norms}")
-    state = s.dp.optimizer_state()
     for name, p in s.named:
         key = p.tied_to or name
         if rel_err(p.data, p.layout.take(ref_params[key])) > 1e-10:
             problems.append(f"parameter {name}")
-        for k, v in state[name].items():
-            if rel_err(v, p.layout.take(ref_state[key][k])) > 1e-10:
-                problems.append(f"optimizer state {name}/{k}")
+    for key, state, layout in optimizer_pieces(s.dp, s.named):
+        for k, v in state.items():
+            if rel_err(v, layout.take(ref_state[key][k])) > 1e-10:
+                problems.append(f"optimizer state {key}/{k}")
     clipped = max(ref_norms) > CLIP  # the comparison covers clipping
     s.close()
     collective_assert(not problems and clipped, f"{degrees} zero={zero} m={m}: {problems[:4]}")
@@ -172,7 +172,7 @@ def test_bucket_reductions_overlap_backward(m):
                            if kind == "grad_ready" and name.startswith("transformer.h.0."))
     buckets = s.dp.buckets
     late = [b.index for b in buckets
-            if all(sl.name.startswith(("transformer.h.2.", "transformer.ln_f.")) for sl in b.plan.slots)]
+            if all(sl.name.startswith(("transformer.h.2.", "transformer.ln_f.")) for sl in b.assignment.slots)]
     started = {i: t for kind, i, t in events if kind == "bucket_start"}
     problems = []
     if not late or not all(i in started and started[i] < first_layer_done for i in late):
@@ -205,7 +205,7 @@ def test_zero_shards_optimizer_state():
     s = Setup((SIZE, 1, 1), zero=1)
     mine = sum(v.size for st in s.dp.optimizer.state_dict()["state"] for v in st.values())
     full = 2 * sum(p.data.size for _, p in s.named)      # exp_avg and exp_avg_sq
-    padding = 2 * sum(b.plan.size - b.plan.used for b in s.dp.buckets)
+    padding = 2 * sum(b.assignment.size - b.assignment.used for b in s.dp.buckets)
     total = WORLD.allreduce(mine)
     s.close()
     collective_assert(total == full and mine <= (full + padding) // SIZE,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collective import collective_assert, host, stored
+from collective import collective_assert, host, optimizer_pieces, stored
 
 from hpcpar.config.load import load_config
 from hpcpar.training.trainer import Trainer
@@ -53,15 +53,15 @@ def make_trainer(layout, tokens) -> Trainer:
 
 def local_mismatches(trainer: Trainer, glob: dict) -> list[str]:
     """Local parameters and optimizer state that are not the slice of the stored global tensor."""
-    state = trainer.dp.optimizer_state()  # collective over dp under ZeRO: every rank calls it
     bad = []
     for name, p in trainer.named_parameters:
         key = p.tied_to or name  # the last stage's lm_head.weight is a copy of transformer.wte.weight
         if not np.array_equal(host(p.data), p.layout.take(glob[f"model/{key}"])):
             bad.append(f"model/{name}")
-        for k, v in state[name].items():
-            if not np.array_equal(host(v), p.layout.take(glob[f"optim/{key}/{k}"])):
-                bad.append(f"optim/{name}/{k}")
+    for key, state, layout in optimizer_pieces(trainer.dp, trainer.named_parameters):
+        for k, v in state.items():
+            if not np.array_equal(host(v), layout.take(glob[f"optim/{key}/{k}"])):
+                bad.append(f"optim/{key}/{k}")
     return bad
 
 

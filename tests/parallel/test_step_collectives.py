@@ -243,7 +243,7 @@ def test_dropout_draws_only_this_ranks_rows(monkeypatch, sp):
         pytest.skip("tp = 2")
     from hpcpar.backend import splitmix
     from hpcpar.runtime.mesh import Mesh
-    from hpcpar.nn import GPT, GPTConfig
+    from hpcpar.nn.gpt import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, dtype="float64", dropout=0.1)
     mesh = Mesh(dp=SIZE // 2, tp=2, comm=WORLD)
     model = GPT(cfg, tp_comm=mesh.comm("tp"), sequence_parallel=sp, seed=1)

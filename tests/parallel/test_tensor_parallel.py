@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from hpcpar.runtime.comm import Communicator
 from hpcpar.runtime.mesh import Mesh
-from hpcpar.nn import GPT, GPTConfig
+from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.parallel.mappings import all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim, split_to
 from hpcpar.autograd.tensor import Tensor
 

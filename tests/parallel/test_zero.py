@@ -199,7 +199,7 @@ def test_zero_shards_are_saved_by_every_rank_of_replica_0_only(shared_dir):
     replicate = 2 if SIZE % 2 == 0 else 1
     t = make([f"mesh.dp={SIZE}", "mesh.pp=1", "train.zero=3", f"mesh.dp_replicate={replicate}"])
     t.train_step(0)
-    mine = t.checkpoint_tensors()
+    mine = t.checkpoint_state().tensors
     shard = t.mesh.size("dp_shard")
     replica = t.mesh.rank("dp_replicate")
     path = t.save(shared_dir, keep=1)

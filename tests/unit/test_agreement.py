@@ -2,8 +2,6 @@
 communicator it runs over without MPI (`runtime.solo`)."""
 
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -59,11 +57,3 @@ def test_without_an_error_type_the_first_user_error_itself_is_raised_everywhere(
         raise KeyError("x")
     with pytest.raises(KeyError):  # not a user error: raised on its own rank, with its traceback
         agree(SoloCommunicator(), bug)
-
-
-def test_the_one_process_verbs_load_no_mpi():
-    code = ("import sys, hpcpar.checkpoint.tools, hpcpar.checkpoint.save, hpcpar.interop.huggingface, "
-            "hpcpar.training.generate, hpcpar.runtime.agreement, hpcpar.runtime.solo; print('mpi4py' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
-                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -1,7 +1,7 @@
 """The layer rule of docs/architecture.md, checked on the source: a module's folder is its layer,
 and imports point down only.
 
-    foundation (hpcpar, errors, layout, schema, metrics; launch/)
+    foundation (hpcpar, errors, layout, state, schema, metrics; launch/)
       -> backend/, data/ -> runtime/ -> autograd/
       -> nn/, optim/, parallel/mappings, parallel/tp/, parallel/cp/
       -> parallel/pp/, parallel/dp/, parallel/ps/, checkpoint/
@@ -26,7 +26,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "hpcpar"
 
 # Each layer: the module names or folder prefixes ("x." = every module under hpcpar/x/) it holds.
 LAYERS = [
-    ("hpcpar", "errors", "layout", "schema", "metrics", "launch", "launch."),
+    ("hpcpar", "errors", "layout", "state", "schema", "metrics", "launch", "launch."),
     ("backend", "backend.", "data", "data."),
     ("runtime", "runtime."),
     ("autograd", "autograd."),
@@ -143,13 +143,14 @@ def test_comm_imports_no_autograd():
     assert not {d for d in deps if d.startswith(("autograd", "nn", "parallel"))}, deps
 
 
-DP_ALLOWED = ("backend", "runtime.", "optim.", "errors", "layout", "parallel.dp")
+DP_ALLOWED = ("backend", "runtime.", "optim.", "errors", "layout", "state", "parallel.dp")
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("parallel.dp")))
 def test_data_parallel_pieces_know_no_model_or_run(module):
     """Gradient sync works on any objects with .data/.grad: no nn, autograd, config or training
-    (layout: the pure shard <-> global maps its checkpoint state is described with)."""
+    (layout: the pure shard <-> global maps its checkpoint state is described with; state: the
+    Checkpointable protocol it answers)."""
     extra = sorted(d for d in _imports(MODULES[module]) if not d.startswith(DP_ALLOWED))
     assert not extra, f"hpcpar.{module} imports {extra}"
 
@@ -168,3 +169,44 @@ def test_model_code_loads_without_mpi():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent, env={"PYTHONPATH": str(PACKAGE.parent), "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_every_module_imports_first():
+    """Each module imports as the first hpcpar module of a process (an import cycle between two modules
+    shows only when one of them is imported first)."""
+    code = """
+import importlib, sys
+failed = []
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m == "hpcpar" or m.startswith("hpcpar.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except Exception as err:
+        failed.append(f"{name}: {type(err).__name__}: {err}")
+print("\\n".join(failed))
+"""
+    names = [f"hpcpar.{m}" if m != "hpcpar" else m for m in MODULES if m != "__main__"]
+    out = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "", out.stdout
+
+
+# Pure code: what config validation, the planner with a preset, job rendering, the checkpoint tools,
+# plot, data prepare and sample run on (login nodes, where MPI_Init may fail) imports no mpi4py, even
+# transitively.
+PURE = ("parallel.pp.schedules", "parallel.pp.simulate", "parallel.pp.stages", "parallel.ps.ownership",
+        "runtime.topology", "runtime.launcher", "runtime.solo", "runtime.agreement", "config.load", "config.validate", "config.memory",
+        "planner.hardware", "planner.predict", "planner.search", "launch.jobs", "checkpoint.tools",
+        "checkpoint.load", "checkpoint.save", "checkpoint.parts", "state", "training.plot", "training.generate", "interop.huggingface",
+        "data.prepare", "nn.gpt", "nn.moe", "autograd.ops", "cli.main",
+        *(f"cli.{verb}" for verb in ("train", "sample", "info", "ckpt", "job", "plot", "data", "plan", "eval")))
+
+
+def test_pure_modules_import_without_mpi4py():
+    code = "import importlib, sys; sys.modules['mpi4py'] = None\n" \
+           "for name in sys.argv[1:]: importlib.import_module(name)\n" \
+           "print(sorted(m for m in sys.modules if m.startswith('mpi4py') and sys.modules[m] is not None))"
+    out = subprocess.run([sys.executable, "-c", code, *(f"hpcpar.{m}" for m in PURE)], capture_output=True,
+                         text=True, cwd=PACKAGE.parent)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

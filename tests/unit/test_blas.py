@@ -20,9 +20,9 @@ RNG = np.random.default_rng(3)
 
 @pytest.fixture(autouse=True)
 def every_size_through_mkl(monkeypatch):
-    """The products here are small: let MKL (when loaded) take them all, with fresh plans."""
+    """The products here are small: let MKL (when loaded) take them all, with fresh prepared calls."""
     monkeypatch.setattr(blas, "MIN_MKL_WORK", 0)
-    monkeypatch.setattr(blas, "_plans", {})
+    monkeypatch.setattr(blas, "_prepared_gemms", {})
 
 
 def heads(b=3, t=20, h=4, d=5):
@@ -70,7 +70,7 @@ def test_matmul_writes_into_out_views():
     np.testing.assert_allclose(rows, scores @ k, rtol=1e-12)
 
 
-def test_a_cached_plan_serves_new_arrays_of_the_same_layout():
+def test_a_prepared_gemm_serves_new_arrays_of_the_same_layout():
     q, k = heads()
     first = blas.matmul(q, k.swapaxes(-1, -2))
     q2, k2 = heads()

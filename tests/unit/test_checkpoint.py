@@ -257,10 +257,10 @@ def test_assign_writers_lowest_rank_writes_once():
             "r": (shape, "<f8", [bounds(b.glob) for b in Layout.replicated(shape).blocks]),
         })
     holdings[0]["tied"] = holdings[3]["tied"] = (shape, "<f4", [((0, 8), (0, 4))])
-    plan = assign_writers(holdings)
-    assert [(b.rank, b.region) for b in plan["w"].blocks] == [
+    assignment = assign_writers(holdings)
+    assert [(b.rank, b.region) for b in assignment["w"].blocks] == [
         (0, ((0, 2), (0, 4))), (1, ((2, 4), (0, 4))), (0, ((4, 6), (0, 4))), (1, ((6, 8), (0, 4)))]
-    assert [b.rank for b in plan["r"].blocks] == [0] and [b.rank for b in plan["tied"].blocks] == [0]
+    assert [b.rank for b in assignment["r"].blocks] == [0] and [b.rank for b in assignment["tied"].blocks] == [0]
     holdings[2]["r"] = (shape, "<f4", holdings[2]["r"][2])
     with pytest.raises(CheckpointError, match="ranks disagree"):
         assign_writers(holdings)

@@ -205,8 +205,8 @@ def test_newer_format_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_saves_with_the_same_plan_reuse_the_index_with_their_own_meta(tmp_path):
-    """The index of a plan already saved is copied with the new meta (`_index_bytes`)."""
+def test_saves_with_the_same_assignment_reuse_the_index_with_their_own_meta(tmp_path):
+    """The index of an assignment already saved is copied with the new meta (`writers.index_bytes`)."""
     for step, seed in ((1, 3), (2, 4)):
         glob = {n: np.random.default_rng(seed).standard_normal(a.shape).astype(a.dtype) for n, a in reference().items()}
         path = save_checkpoint(str(tmp_path), step, {n: (a, Layout.replicated(a.shape)) for n, a in glob.items()},

@@ -10,7 +10,7 @@ from mpi4py import MPI
 from hpcpar.autograd.functional import cross_entropy
 from hpcpar.runtime.comm import Communicator
 from hpcpar.errors import ConfigError
-from hpcpar.nn import GPT, GPTConfig
+from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.parallel.tp import layers
 from hpcpar.parallel.mappings import all_gather_dim, copy_to, gather_from, reduce_from, reduce_scatter_dim, split_to
 from hpcpar.autograd.tensor import Tensor

@@ -29,7 +29,7 @@ from hpcpar.config.sections import COMPRESSION_KINDS, WIRE_DTYPE_ALIAS, Config
 from hpcpar.runtime.comm import bytes_sent
 from hpcpar.errors import ConfigError
 from hpcpar.parallel.dp.compression import compressors
-from hpcpar.parallel.dp.buckets import plan_buckets
+from hpcpar.parallel.dp.buckets import assign_buckets
 from hpcpar.parallel.dp.compression.compressors import (BucketSpec, Compression, Int8, SpecSlot, TopK, _unpack, int8_decode,
                                          make_compressor, topk_count)
 from hpcpar.parallel.dp.compression.powersgd import PowerSGD, initial_q, orthogonalize
@@ -323,15 +323,15 @@ def test_bucket_groups_keep_matrices_and_tp_split_parameters_apart():
     params = [("a", 6, "float32"), ("b", 2, "float32"), ("c", 6, "float32"), ("d", 2, "float32")]
     psgd = Compression("powersgd")
     groups = [psgd.bucket_group(nd, False) for nd in (2, 1, 2, 1)]
-    plans = plan_buckets(params, bucket_bytes=1 << 20, pad_to=4, groups=groups)
-    assert [[s.name for s in p.slots] for p in plans] == [["d", "b"], ["c", "a"]]
-    assert [p.size for p in plans] == [4, 12]
+    assignments = assign_buckets(params, bucket_bytes=1 << 20, pad_to=4, groups=groups)
+    assert [[s.name for s in p.slots] for p in assignments] == [["d", "b"], ["c", "a"]]
+    assert [p.size for p in assignments] == [4, 12]
     topk = Compression("topk")
     groups = [topk.bucket_group(2, split) for split in (True, False, True, False)]
-    plans = plan_buckets(params, bucket_bytes=40, groups=groups)  # 40 bytes: 10 float32
+    assignments = assign_buckets(params, bucket_bytes=40, groups=groups)  # 40 bytes: 10 float32
     # c + a reach 40 bytes and close first; d + b stay open until the end
-    assert [[s.name for s in p.slots] for p in plans] == [["c", "a"], ["d", "b"]]
-    assert plan_buckets(params, bucket_bytes=1 << 20) == plan_buckets(params, bucket_bytes=1 << 20, groups=None)
+    assert [[s.name for s in p.slots] for p in assignments] == [["c", "a"], ["d", "b"]]
+    assert assign_buckets(params, bucket_bytes=1 << 20) == assign_buckets(params, bucket_bytes=1 << 20, groups=None)
     assert Compression("fp16").bucket_group(2, True) is None
 
 

@@ -14,7 +14,7 @@ from hpcpar.config.sections import SECTIONS, Config, DataConfig
 from hpcpar.config.validate import _RANGES, doubts, validate
 from hpcpar.errors import ConfigError, HpcparError, MeshError
 from hpcpar.runtime.topology import resolve_degrees
-from hpcpar.nn import GPT, GPTConfig
+from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.parallel.tp import layers as tensor_parallel
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Data parallelism in one process: the bucket plan, the bucket manager's launch order, the
+"""Data parallelism in one process: the bucket assignment, the bucket manager's launch order, the
 16-bit wire (also as a compressor between simulated ranks), ZeRO's segments, the clipping rule,
 and dp = 1 (same API, no communication) against plain AdamW on the whole batch."""
 
@@ -9,16 +9,19 @@ import pytest
 from mpi4py import MPI
 
 from hpcpar import backend
+from hpcpar.checkpoint.parts import load_parts, save_parts
+from hpcpar.checkpoint.save import save
 from hpcpar.data import corpus
 from hpcpar.runtime.comm import Communicator
 from hpcpar.runtime.transports import Handle
 from hpcpar.errors import CheckpointError, ConfigError
 from hpcpar.layout import Layout
 from hpcpar.runtime.mesh import Mesh
-from hpcpar.nn import GPT, GPTConfig
+from hpcpar.runtime.solo import SoloCommunicator
+from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.nn.module import Parameter
 from hpcpar.optim.optimizers import SGD, AdamW, clip_grad_norm
-from hpcpar.parallel.dp.buckets import Bucket, BucketManager, CompressedReduction, plan_buckets
+from hpcpar.parallel.dp.buckets import Bucket, BucketManager, CompressedReduction, assign_buckets
 from hpcpar.parallel.dp.clipping import clip_global_norm, counts_toward_norm
 from hpcpar.parallel.dp.compression.compressors import Wire16, decode16, encode16, make_compressor
 from hpcpar.parallel.dp.ddp import DDP
@@ -32,33 +35,33 @@ CFG = GPTConfig(vocab_size=256, block_size=8, n_layer=2, n_head=2, n_embd=16, dt
 TOKENS = np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint8)
 
 
-# -- plan -------------------------------------------------------------------------------------
+# -- assignment -------------------------------------------------------------------------------
 
-def test_plan_reverse_order_cap_and_padding():
+def test_assignment_reverse_order_cap_and_padding():
     params = [("a", 10, "float32"), ("b", 3, "float32"), ("c", 300, "float32"), ("d", 5, "float32")]
-    plan = plan_buckets(params, bucket_bytes=40, pad_to=4)
-    assert [[s.name for s in b.slots] for b in plan] == [["d", "c"], ["b", "a"]]
-    assert [b.size for b in plan] == [308, 16]          # 305 -> 308, 13 -> 16 (multiples of 4)
-    assert [b.used for b in plan] == [305, 13]
-    assert [(s.offset, s.numel) for s in plan[0].slots] == [(0, 5), (5, 300)]
-    assert [s.index for s in plan[1].slots] == [1, 0]
+    assignments = assign_buckets(params, bucket_bytes=40, pad_to=4)
+    assert [[s.name for s in b.slots] for b in assignments] == [["d", "c"], ["b", "a"]]
+    assert [b.size for b in assignments] == [308, 16]   # 305 -> 308, 13 -> 16 (multiples of 4)
+    assert [b.used for b in assignments] == [305, 13]
+    assert [(s.offset, s.numel) for s in assignments[0].slots] == [(0, 5), (5, 300)]
+    assert [s.index for s in assignments[1].slots] == [1, 0]
 
 
-def test_plan_large_parameter_alone_and_dtype_change_splits():
+def test_assignment_large_parameter_alone_and_dtype_change_splits():
     params = [("a", 4, "float64"), ("b", 1000, "float32"), ("c", 4, "float32")]
-    plan = plan_buckets(params, bucket_bytes=64)
-    assert [[s.name for s in b.slots] for b in plan] == [["c", "b"], ["a"]]
-    assert [b.dtype for b in plan] == ["float32", "float64"]
-    plan = plan_buckets([("a", 1000, "float32"), ("b", 4, "float32")], bucket_bytes=64)
-    assert [[s.name for s in b.slots] for b in plan] == [["b", "a"]]  # closed once past the cap
+    assignments = assign_buckets(params, bucket_bytes=64)
+    assert [[s.name for s in b.slots] for b in assignments] == [["c", "b"], ["a"]]
+    assert [b.dtype for b in assignments] == ["float32", "float64"]
+    assignments = assign_buckets([("a", 1000, "float32"), ("b", 4, "float32")], bucket_bytes=64)
+    assert [[s.name for s in b.slots] for b in assignments] == [["b", "a"]]  # closed once past the cap
 
 
-def test_plan_tied_weights_go_last_sorted():
+def test_assignment_tied_weights_go_last_sorted():
     params = [("wte", 8, "float64"), ("x", 2, "float64"), ("lm_head", 8, "float64")]
-    plan = plan_buckets(params, bucket_bytes=1 << 20, pad_to=3, tied={"wte", "lm_head"})
-    assert [s.name for s in plan[0].slots] == ["x"] and not plan[0].tied
-    assert [s.name for s in plan[1].slots] == ["lm_head", "wte"] and plan[1].tied
-    assert plan[1].size == 18
+    assignments = assign_buckets(params, bucket_bytes=1 << 20, pad_to=3, tied={"wte", "lm_head"})
+    assert [s.name for s in assignments[0].slots] == ["x"] and not assignments[0].tied
+    assert [s.name for s in assignments[1].slots] == ["lm_head", "wte"] and assignments[1].tied
+    assert assignments[1].size == 18
 
 
 # -- bucket manager -----------------------------------------------------------------------------
@@ -97,14 +100,15 @@ def make_manager(shards=False, overlap=True, size=2):
     log = []
     comm = FakeComm(log, size)
     named = [(n, Parameter(np.zeros(4))) for n in "abcdt"]
-    plans = plan_buckets([(n, 4, "float64") for n, _ in named], bucket_bytes=64, tied={"t"})
-    manager = BucketManager(named, plans, FakeReduction(comm, log, shards), tied_comm=FakeComm(log), overlap=overlap)
+    assignments = assign_buckets([(n, 4, "float64") for n, _ in named], bucket_bytes=64, tied={"t"})
+    manager = BucketManager(named, assignments, FakeReduction(comm, log, shards), tied_comm=FakeComm(log),
+                            overlap=overlap)
     return manager, dict(named), comm, log
 
 
 def test_manager_launches_complete_buckets_in_index_order_on_the_last_microbatch():
     manager, p, comm, log = make_manager()
-    assert [[s.name for s in b.plan.slots] for b in manager.buckets] == [["d", "c"], ["b", "a"], ["t"]]
+    assert [[s.name for s in b.assignment.slots] for b in manager.buckets] == [["d", "c"], ["b", "a"], ["t"]]
     manager.begin_step(microbatches=2)
     for n in "dcbat":          # first micro-batch: no parameter has all its contributions
         manager.on_grad(p[n])
@@ -277,8 +281,8 @@ def test_manager_with_compressed_reduction_on_simulated_ranks(shards):
 
     def rank(comm):
         named = [("w", Parameter(np.zeros(6))), ("v", Parameter(np.zeros(6)))]
-        plans = plan_buckets([(name, 6, "float64") for name, _ in named], bucket_bytes=1 << 20, pad_to=n)
-        manager = BucketManager(named, plans, CompressedReduction(Wire16(comm, "float16"), shards))
+        assignments = assign_buckets([(name, 6, "float64") for name, _ in named], bucket_bytes=1 << 20, pad_to=n)
+        manager = BucketManager(named, assignments, CompressedReduction(Wire16(comm, "float16"), shards))
         manager.begin_step(microbatches=1)
         for (_, p), g in zip(named, grads[comm.rank]):
             p.grad += g
@@ -304,8 +308,8 @@ def test_manager_with_compressed_reduction_on_simulated_ranks(shards):
 def test_zero_segments_cut_parameters_at_part_boundaries():
     named = [("a", Parameter(np.arange(5.0))), ("b", Parameter(np.arange(3.0) + 10, no_decay=True)),
              ("c", Parameter(np.arange(4.0) + 20))]
-    plans = plan_buckets([(n, p.data.size, "float64") for n, p in named], bucket_bytes=1 << 20, pad_to=3)
-    bucket = Bucket(0, plans[0], [p for _, p in named], np)       # c [0, 4), b [4, 7), a [7, 12)
+    assignments = assign_buckets([(n, p.data.size, "float64") for n, p in named], bucket_bytes=1 << 20, pad_to=3)
+    bucket = Bucket(0, assignments[0], [p for _, p in named], np)  # c [0, 4), b [4, 7), a [7, 12)
     zo = ZeroOptimizer([bucket], FakeComm([], size=3, rank=1), lambda ps: SGD(ps, lr=0.1))
     assert [(s.name, s.lo, s.hi, s.part_lo, s.no_decay) for s in zo.segments] == [
         ("b", 0, 3, 0, True), ("a", 0, 1, 3, False)]                # rank 1's part is [4, 8)
@@ -335,8 +339,9 @@ def test_zero_step_and_state_match_the_unsharded_optimizer_on_simulated_ranks():
 
     def rank(comm):
         def zero(named):
-            plans = plan_buckets([(n, p.data.size, "float64") for n, p in named], bucket_bytes=48, pad_to=comm.size)
-            buckets = [Bucket(i, plan, [p for _, p in named], np) for i, plan in enumerate(plans)]
+            assignments = assign_buckets([(n, p.data.size, "float64") for n, p in named], bucket_bytes=48,
+                                         pad_to=comm.size)
+            buckets = [Bucket(i, assignment, [p for _, p in named], np) for i, assignment in enumerate(assignments)]
             return buckets, ZeroOptimizer(buckets, comm, make)
 
         named = params(init)
@@ -344,10 +349,10 @@ def test_zero_step_and_state_match_the_unsharded_optimizer_on_simulated_ranks():
         assert len(buckets) == 2
         for _ in range(2):
             for b in buckets:  # what the reduce-scatter leaves: this rank's part of the average
-                full = np.zeros(b.plan.size)
-                for s in b.plan.slots:
+                full = np.zeros(b.assignment.size)
+                for s in b.assignment.slots:
                     full[s.offset:s.offset + s.numel] = grad[s.name].reshape(-1)
-                k = b.plan.size // comm.size
+                k = b.assignment.size // comm.size
                 b.part = full[comm.rank * k:(comm.rank + 1) * k]
             zo.attach_grads()
             zo.step()
@@ -464,21 +469,21 @@ def test_second_backward_beyond_microbatches_is_an_error():
         model(x, y).backward()
 
 
-def test_optimizer_state_roundtrip_zero():
+def test_optimizer_state_roundtrip_zero(tmp_path):
     model, dp = make_dp(zero=1)
     run_dp(model, dp, steps=2)
-    state = dp.optimizer_state()
-    assert set(state) == {n for n, _ in model.named_parameters()}
+    state = dp.checkpoint_state()
+    assert {n.split("/")[1] for n in state.tensors if n.startswith("optim/")} == {n for n, _ in model.named_parameters()}
+    path = save_parts(str(tmp_path / "good"), 2, [dp], SoloCommunicator())
     model2, dp2 = make_dp(zero=1)
-    dp2.load_optimizer_state(state, dp.optimizer_step_count())
-    for name, st in dp2.optimizer_state().items():
-        for k, v in st.items():
-            np.testing.assert_array_equal(backend.to_host(v), backend.to_host(state[name][k]))
+    load_parts(path, [dp2], SoloCommunicator())
+    for name, (v, _) in dp2.checkpoint_state().tensors.items():
+        np.testing.assert_array_equal(backend.to_host(v), backend.to_host(state.tensors[name][0]))
     assert dp2.optimizer_step_count() == 2
-    bad = {n: dict(st) for n, st in state.items()}
-    bad["transformer.wpe.weight"]["exp_avg"] = np.zeros(3)
+    bad = dict(state.tensors, **{"optim/transformer.wpe.weight/exp_avg": (np.zeros(3), Layout.replicated((3,)))})
+    path = save(str(tmp_path / "bad"), 2, bad, state.meta, SoloCommunicator())
     with pytest.raises(CheckpointError, match="wpe"):
-        dp2.load_optimizer_state(bad)
+        load_parts(path, [dp2], SoloCommunicator())
 
 
 def test_every_strategy_answers_the_whole_gradient_sync_interface():

@@ -12,7 +12,7 @@ from hpcpar.config.sections import Config, DataConfig
 from hpcpar.training import generate
 from hpcpar.data import tokenizer
 from hpcpar.errors import DataError
-from hpcpar.nn import GPT, GPTConfig
+from hpcpar.nn.gpt import GPT, GPTConfig
 
 
 class Padded:

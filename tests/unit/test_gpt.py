@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hpcpar import backend
-from hpcpar.nn import GPT, GPTConfig
+from hpcpar.nn.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=32, dtype="float64")
 

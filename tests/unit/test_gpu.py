@@ -94,7 +94,7 @@ def test_gpt_training_on_gpu_matches_numpy(dtype):
     the final parameters agree with NumPy's."""
     from hpcpar import backend
     from hpcpar.data import corpus
-    from hpcpar.nn import GPT, GPTConfig
+    from hpcpar.nn.gpt import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1, dtype=dtype)
     tokens = np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint8)
     runs = []
@@ -167,7 +167,7 @@ def test_gather_gradient_is_numpys_add_at_bitwise_and_reproducible(dtype):
 def test_gpt_recompute_on_gpu_is_bitwise_none(mode):
     """A GPT with dropout on CuPy: loss and every gradient under recomputation equal "none"'s bitwise."""
     from hpcpar import backend
-    from hpcpar.nn import GPT, GPTConfig
+    from hpcpar.nn.gpt import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1, dtype="float32")
     x, y = (np.random.default_rng(s).integers(0, 256, (3, 32)) for s in (0, 1))
     previous = backend.name()

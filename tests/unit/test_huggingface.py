@@ -26,7 +26,7 @@ from hpcpar.interop import huggingface, safetensors
 from hpcpar.data import tokenizer
 from hpcpar.runtime.comm import Communicator
 from hpcpar.errors import CheckpointError
-from hpcpar.nn import GPT, GPTConfig
+from hpcpar.nn.gpt import GPT, GPTConfig
 
 TINY = GPTConfig(vocab_size=301, block_size=32, n_layer=2, n_head=4, n_embd=32)   # 301: not a multiple of anything
 TOL = 1e-5

@@ -26,8 +26,8 @@ import pytest
 from hpcpar.autograd import ops
 from hpcpar.autograd.functional import softmax
 from hpcpar.autograd.linear import grouped_linear, linear
-from hpcpar.nn import GPT, GPTConfig
-from hpcpar.nn.moe import MoE, capacity, plan_dispatch, top_k
+from hpcpar.nn.gpt import GPT, GPTConfig
+from hpcpar.nn.moe import MoE, capacity, dispatch_order, top_k
 from hpcpar.autograd.tensor import Tensor, WeightGrads
 
 
@@ -62,20 +62,20 @@ def test_capacity_keeps_first_choices_in_token_order_then_second_choices():
     choices = np.array([[0, 1], [0, 2], [0, 1], [1, 0]])
     cap = capacity(4, 2, 3, 0.75)
     assert cap == 2 and capacity(4, 2, 3, 0.0) is None
-    plan = plan_dispatch(choices, 3, cap)
-    assert plan["routed"].tolist() == [4, 3, 1]              # before dropping
+    routing = dispatch_order(choices, 3, cap)
+    assert routing["routed"].tolist() == [4, 3, 1]           # before dropping
     # Expert 0: first choices of tokens 0, 1, 2 -> keeps tokens 0 and 1; token 2's first choice and
     # token 3's second choice are dropped. Expert 1: token 3's first choice, then token 0's second
     # choice; token 2's second choice dropped. Expert 2: token 1's second choice.
     assignment = {(j, n): j * 4 + n for j in range(2) for n in range(4)}   # choice-major
-    kept = [a for a in range(8) if plan["row"][a] < plan["order"].size]
+    kept = [a for a in range(8) if routing["row"][a] < routing["order"].size]
     assert sorted(kept) == sorted([assignment[0, 0], assignment[0, 1], assignment[0, 3], assignment[1, 0],
                                    assignment[1, 1]])
-    assert plan["kept"].tolist() == [2, 2, 1]
+    assert routing["kept"].tolist() == [2, 2, 1]
     # Sorted by expert, priority order inside each.
-    assert plan["order"].tolist() == [assignment[0, 0], assignment[0, 1], assignment[0, 3], assignment[1, 0],
-                                      assignment[1, 1]]
-    unlimited = plan_dispatch(choices, 3, None)
+    assert routing["order"].tolist() == [assignment[0, 0], assignment[0, 1], assignment[0, 3], assignment[1, 0],
+                                         assignment[1, 1]]
+    unlimited = dispatch_order(choices, 3, None)
     assert unlimited["kept"].tolist() == [4, 3, 1] and (unlimited["row"] < 8).all()
 
 
@@ -86,8 +86,8 @@ def test_a_token_dropped_by_every_expert_gets_a_zero_output():
     y = moe(x).data.reshape(8, -1)
     routed, dropped, assignments, _ = moe.stats[-1]
     probs = softmax(linear(Tensor(x.data.reshape(8, -1)), moe.router.weight)).data
-    plan = plan_dispatch(top_k(probs, 1), 2, capacity(8, 1, 2, 0.5))
-    lost = plan["row"] == plan["order"].size
+    routing = dispatch_order(top_k(probs, 1), 2, capacity(8, 1, 2, 0.5))
+    lost = routing["row"] == routing["order"].size
     assert dropped == int(lost.sum()) > 0 and assignments == 8
     assert np.all(y[lost] == 0) and np.all(np.abs(y[~lost]).sum(axis=1) > 0)
 

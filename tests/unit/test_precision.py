@@ -10,8 +10,6 @@
   same with and without the precision argument), and bf16/fp16 GPT gradients track float32's.
 """
 
-import json
-
 import numpy as np
 import pytest
 
@@ -25,6 +23,9 @@ from hpcpar.optim.loss_scale import LossScaler
 from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.backend.precision import activation_dtype, is_low
 from hpcpar.autograd.tensor import Tensor
+from hpcpar.checkpoint.parts import load_parts, save_parts
+from hpcpar.checkpoint.save import save
+from hpcpar.runtime.solo import SoloCommunicator
 
 LOW = {"bf16": np.dtype("bfloat16"), "fp16": np.dtype("float16")}
 ULP = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
@@ -74,19 +75,20 @@ def test_static_scale_never_moves_and_every_overflow_is_at_minimum():
     assert s.at_minimum and s.overflows == 2
 
 
-def test_checkpoint_round_trip_continues_exactly():
+def test_checkpoint_round_trip_continues_exactly(tmp_path):
     a = LossScaler(1024.0, window=3, hysteresis=2)
     run(a, ".x.")
-    state = json.loads(json.dumps(a.state_dict()))   # checkpoint meta is JSON
+    path = save_parts(str(tmp_path), 3, [a], SoloCommunicator())   # checkpoint meta is JSON
     b = LossScaler(1.0, window=3, hysteresis=2)
-    b.load_state_dict(state)
-    assert b.state_dict() == a.state_dict()
+    load_parts(path, [b], SoloCommunicator())
+    assert b.checkpoint_state() == a.checkpoint_state()
     assert run(a, "..x.x") == run(b, "..x.x")
 
 
-def test_malformed_state_is_refused():
+def test_malformed_state_is_refused(tmp_path):
+    path = save(str(tmp_path), 0, {}, {"loss_scale": {"scale": 2.0}}, SoloCommunicator())
     with pytest.raises(CheckpointError, match="loss_scale"):
-        LossScaler(1.0).load_state_dict({"scale": 2.0})
+        load_parts(path, [LossScaler(1.0)], SoloCommunicator())
 
 
 # -- 16-bit ops ------------------------------------------------------------------------------

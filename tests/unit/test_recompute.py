@@ -16,7 +16,7 @@ from hpcpar.autograd.attention import causal_attention
 from hpcpar.autograd.linear import linear
 from hpcpar.autograd.recompute import recompute as recompute_op
 from hpcpar.errors import ConfigError
-from hpcpar.nn import GPT, GPTConfig
+from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.nn.gpt import recomputed
 from hpcpar.nn.module import Parameter
 from hpcpar.autograd.tensor import Tensor, no_grad

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hpcpar.autograd.linear import linear
-from hpcpar.nn import GPT, GPTConfig
+from hpcpar.nn.gpt import GPT, GPTConfig
 from hpcpar.autograd.tensor import Deferred, Tensor, WeightGrads, weight_grad
 
 

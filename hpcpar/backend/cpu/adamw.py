@@ -51,7 +51,7 @@ _adam_table: dict = {"arrays": (), "table": None}
 
 
 def _adamw_tasks(params: list, b1, b2, eps, step_size, inv_bias2_sqrt) -> bool:
-    """adamw_update as compiled tasks (`jit_pool.adamw_tasks`: the threads take equal runs of all the
+    """adamw_update as compiled tasks (`jit.pool.adamw_tasks`: the threads take equal runs of all the
     parameters' elements, no Python per block), when the compiled loops are in use and every array is
     C-contiguous in one float32/float64 dtype; False (nothing done) otherwise. The table of addresses
     is kept while the same arrays come back (the optimizer's weights, moments and gradient buffers

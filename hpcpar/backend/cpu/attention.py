@@ -93,10 +93,10 @@ class AttentionSaved:
     probs: per (batch group, query block), in the order of the loops (group-major), the block's
         exponentiated scores E = exp(S) [nb, H, q, keys] (full precision; see `_exp_scores`), or its
         probabilities P rounded to 16 bits (bf16/fp16); with the compiled kernels (`compiled`) one
-        array [B H, K] of every (sample, head)'s blocks (`jit_attention`); None when backward
+        array [B H, K] of every (sample, head)'s blocks (`jit.attention`); None when backward
         recomputes them.
     rowsum: l = the row sums of E [B, H, T, 1] (full precision; None in 16 bits, where P = E / l).
-    compiled: forward ran `jit_attention`'s kernels, and so does backward (the layout of probs).
+    compiled: forward ran `jit.attention`'s kernels, and so does backward (the layout of probs).
     """
 
     __slots__ = ("probs", "rowsum", "compiled")
@@ -166,7 +166,7 @@ def _scaled_queries(q, scale: float, cd):
 
 
 def _compiled_attention(dtype):
-    """(jit_attention, cblas gemm) where attention runs as compiled kernels (the `fast` extra, a
+    """(jit.attention, cblas gemm) where attention runs as compiled kernels (the `fast` extra, a
     float32/float64 model and a GEMM compiled code can call: `blas.compiled_gemm`), else None."""
     if is_low(dtype) or compiled_loops() is None:
         return None
@@ -245,7 +245,7 @@ def causal_attention_forward(qkv, n_head: int, keep_probs: bool = True):
     In 16 bits P = E / l is formed and rounded to 16 bits first, as a 16-bit model stores it.
     `keep_probs`: keep each block's E (P) for backward; else backward recomputes them with the same
     operations (selective recomputation: the same bits). With the `fast` extra, float32/float64
-    attention runs as compiled kernels instead (`jit_attention`: the same formulas, one GIL-free call
+    attention runs as compiled kernels instead (`jit.attention`: the same formulas, one GIL-free call
     per run of (sample, head) pairs)."""
     compiled = _compiled_attention(qkv.dtype)
     if compiled is not None:

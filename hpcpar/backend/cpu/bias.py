@@ -17,8 +17,8 @@ from hpcpar.backend.kernel_pool import num_threads
 
 
 def _compiled_rows(a):
-    """(jit_kernels, jit_pool or None, rows per block) for a [N, n] that the compiled loops take
-    (C-contiguous, float32 or float64), else None. jit_pool (row tasks on the kernel threads) only
+    """(jit.kernels, jit.pool or None, rows per block) for a [N, n] that the compiled loops take
+    (C-contiguous, float32 or float64), else None. jit.pool (row tasks on the kernel threads) only
     with several threads and more than two blocks: below that a task's set-up costs more than the
     second thread gains."""
     jit = compiled_loops()

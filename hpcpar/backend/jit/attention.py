@@ -18,7 +18,7 @@ rowsum [B, H, T, 1] holds l = rowsum(E). The arithmetic of a unit never depends 
 in the call, the thread it runs on or the memory around it (same products, same loops), which is
 what lets every mesh (dp rows, tp heads) reproduce the single-process model bit for bit.
 
-exp is jit_kernels.exp32 / exp64, not libm's (a scalar call per element, 4x slower than NumPy's
+exp is jit.kernels.exp32 / exp64, not libm's (a scalar call per element, 4x slower than NumPy's
 SIMD exp): a range reduction and a polynomial, within an ulp (tests/unit/test_cpu_kernels.py), whose
 loops vectorize. A row whose sum leaves the range where E keeps full precision is recomputed with
 its maximum subtracted, as in cpu.attention._exp_scores.
@@ -34,7 +34,7 @@ _NO_TRANS, _TRANS = 111, 112
 
 @jit
 def _exp_row(s, n):
-    """s[:n] = exp(s[:n]) in place (s 1-D, float32 or float64): jit_kernels.exp32 / exp64."""
+    """s[:n] = exp(s[:n]) in place (s 1-D, float32 or float64): jit.kernels.exp32 / exp64."""
     if s.itemsize == 4:
         for i in range(n):
             s[i] = exp32(s[i])

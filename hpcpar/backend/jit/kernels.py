@@ -7,8 +7,8 @@ the kernel pool's threads compute at once: GELU's backward and AdamW's update 2.
 thread, LayerNorm 2-3x. Transcendentals stay NumPy's (its SIMD tanh and exp; Numba's are scalar
 libm calls, several times slower): GELU's forward is u = poly(x) here, tanh(u) in NumPy, then
 y = 0.5 x (1 + t) here. The exception is `exp32`/`exp64`, a range reduction and a polynomial that
-vectorize (within an ulp), for the compiled attention (jit_attention), which runs without NumPy;
-and `gemm`, a call of the BLAS's ILP64 `cblas_?gemm` from compiled code (jit_attention, jit_pool).
+vectorize (within an ulp), for the compiled attention (jit.attention), which runs without NumPy;
+and `gemm`, a call of the BLAS's ILP64 `cblas_?gemm` from compiled code (jit.attention, jit.pool).
 
 Each elementwise loop performs the NumPy chain's operations on each element in the same order
 with the same constants (rounded to the array's dtype, as NumPy does with a Python float), so

@@ -141,7 +141,7 @@ def _run_gemm(row):
 
 @jit
 def _run_rows(row, one):
-    """The row task a task row holds, on arrays of `one`'s dtype (jit_kernels' kernels)."""
+    """The row task a task row holds, on arrays of `one`'s dtype (jit.kernels' kernels)."""
     kind, n, c, flags = row[KIND], row[N], row[C], row[FLAGS]
     x = numba.carray(_pointer_to(row[X], one), (n, c))
     if kind == ADD_BIAS:
@@ -169,7 +169,7 @@ def _run_rows(row, one):
 @jit
 def _run_adamw(row, one):
     """The AdamW part a task row holds: the elements [START, END) of the parameters in its table, on
-    arrays of `one`'s dtype (jit_kernels.adamw, one call per parameter the range covers)."""
+    arrays of `one`'s dtype (jit.kernels.adamw, one call per parameter the range covers)."""
     n, start, end = row[N], row[START], row[END]
     table = numba.carray(_pointer_to(row[TABLE], np.int64(0)), (n, 5))
     decays = numba.carray(_pointer_to(row[DECAYS], one), n)

@@ -1,17 +1,17 @@
-"""The context-parallel layer plan: a GPT whose sequence is split over the ranks of a cp group.
+"""The context-parallel layers: a GPT whose sequence is split over the ranks of a cp group.
 
-`ContextParallelPlan(config, base, cp)` wraps the plan of the tp group (`gpt.PlainPlan` or
-`tensor_parallel.TensorParallelPlan`) and changes only what depends on which tokens a rank
+`ContextParallelLayers(config, base, cp)` wraps the layers of the tp group (`gpt.PlainLayers` or
+`parallel.tp.layers.TensorParallelLayers`) and changes only what depends on which tokens a rank
 holds; every token-wise layer (embeddings, LayerNorm, MLP, the LM head and its loss) is the
-base plan's, run on this rank's T/cp tokens:
+base layers', run on this rank's T/cp tokens:
 
     attn        the base attention module, its attention computed by `cp.attention`
-                (ring attention or Ulysses, `parallel/context.py`) instead of
+                (ring attention or Ulysses, `parallel/cp/attention.py`) instead of
                 `causal_attention`;
     position_ids  my tokens' global positions (`cp.positions(T)`: zigzag chunks r and 2cp-1-r
                 for ring, chunk r for Ulysses): wpe rows are gathered there, and the gradient
                 scatter-adds back into those rows;
-    dropout     my rows of the whole sequence's counter-based mask (then the base plan's part of
+    dropout     my rows of the whole sequence's counter-based mask (then the base layers' part of
                 them under sequence parallelism), so masks do not depend on cp.
 
 Weights are replicated over cp: each rank's weight gradient is the sum over its tokens, the cp
@@ -24,12 +24,12 @@ from __future__ import annotations
 from hpcpar.schema import require_divisible
 
 
-class ContextParallelPlan:
-    """A GPT layer plan over a cp group (see the module doc); same methods as `gpt.PlainPlan`.
+class ContextParallelLayers:
+    """A GPT's layers over a cp group (see the module doc); same methods as `gpt.PlainLayers`.
 
     Args:
         config: the GPTConfig (checked: Ulysses needs whole heads per rank).
-        base: the plan of this rank's tp group (PlainPlan or TensorParallelPlan).
+        base: the layers of this rank's tp group (PlainLayers or TensorParallelLayers).
         cp: the `parallel.context.ContextParallel` group (size > 1).
     """
 
@@ -68,7 +68,7 @@ class ContextParallelPlan:
         return self.base.positions(weight, rows, t)
 
     def dropout(self, x, p: float, keys):
-        """x [B, T/cp, ..] (or the base plan's sequence shard of it): my rows of the full mask."""
+        """x [B, T/cp, ..] (or the base layers' sequence shard of it): my rows of the full mask."""
         t = x.shape[1] * self.cp.size * (self.base.comm.size if self.sequence_parallel else 1)
         return self.base.dropout(x, p, keys, rows=self.cp.positions(t), length=t)
 

@@ -17,10 +17,11 @@ import abc
 from typing import Any, Callable, Iterable
 
 from hpcpar.runtime.topology import Axis
-from hpcpar.parallel.dp.buckets import BucketManager, CompressedReduction, Reduction, plan_buckets
+from hpcpar.parallel.dp.buckets import BucketManager, CompressedReduction, Reduction, assign_buckets
 from hpcpar.parallel.dp.compression.compressors import BucketSpec, Compression, SpecSlot, make_compressor
 from hpcpar.parallel.dp.compression.state import CompressionState
 from hpcpar.parallel.dp.data_parallel import DataParallel, distinct_nbytes
+from hpcpar.state import key_of
 
 _MIB = 1 << 20
 
@@ -36,7 +37,7 @@ class BucketedDataParallel(DataParallel):
         release: ZeRO-2: drop each full gradient buffer once reduced (`BucketManager`).
 
     Attributes:
-        buckets: the gradient buckets (`Bucket`: `.index`, `.plan`, `.grad`, ...), launch order.
+        buckets: the gradient buckets (`Bucket`: `.index`, `.assignment`, `.grad`, ...), launch order.
         events: (kind, what, time.perf_counter()) appended during the step: ("grad_ready", name, t)
             when a parameter has all its contributions, ("bucket_start", i, t) when bucket i's
             reduction is launched. Cleared by `begin_step`.
@@ -63,13 +64,14 @@ class BucketedDataParallel(DataParallel):
                 scatter=self.shard_comm if self._compress_replicas else None,
                 part_comm=self.shard_comm if self.shards_parts else None)
         self._tp_summed_per_bucket = self.compressor is not None and bool(self._sequence_parallel)
-        self.reducer = BucketManager(named, self._plan(named, bucket_mb), reduction, tied_comm=self.embedding_comm,
+        assignments = self._assign_buckets(named, bucket_mb)
+        self.reducer = BucketManager(named, assignments, reduction, tied_comm=self.embedding_comm,
                                      overlap=overlap, release=release,
                                      prepare=self._sum_bucket_over_tp if self._tp_summed_per_bucket else None)
         self.buckets = self.reducer.buckets
         if self.embedding_comm is not None:
-            tied_buckets = [b for b in self.buckets if b.plan.tied]
-            self._check_tied_match([(tied_buckets[0].plan.size, tied_buckets[0].plan.dtype)] if tied_buckets else [])
+            tied = [b.assignment for b in self.buckets if b.assignment.tied]
+            self._check_tied_match([(tied[0].size, tied[0].dtype)] if tied else [])
         if self.compressor is not None:
             self._setup_compressor(named)
 
@@ -77,36 +79,36 @@ class BucketedDataParallel(DataParallel):
     def _plain_reduction(self) -> Reduction:
         """How a bucket travels uncompressed."""
 
-    def _plan(self, named: list[tuple[str, Any]], bucket_mb: float) -> list:
-        """The bucket plans: padded to a multiple of the shard group (ZeRO's parts) or of dp x cp
+    def _assign_buckets(self, named: list[tuple[str, Any]], bucket_mb: float) -> list:
+        """The bucket assignments: padded to a multiple of the shard group (ZeRO's parts) or of dp x cp
         (the compressors' rows, also of the parts of HSDP's shards over the replicas); with a
         compressor, parameters it must compress apart in different buckets."""
         pad = self.dp_size if self.compressor is not None or not self.shards_parts else self.shard_comm.size
         groups = ([self.compression.bucket_group(p.data.ndim, not p.layout.is_replicated) for _, p in named]
                   if self.compressor is not None else None)
-        return plan_buckets([(n, int(p.data.size), str(p.data.dtype)) for n, p in named],
-                            int(bucket_mb * _MIB), pad, self._tied, groups=groups)
+        return assign_buckets([(n, int(p.data.size), str(p.data.dtype)) for n, p in named],
+                              int(bucket_mb * _MIB), pad, self._tied, groups=groups)
 
     def _setup_compressor(self, named: list[tuple[str, Any]]) -> None:
         """Tell the compressor its buckets (each whole, or under HSDP this rank's shard of it) and
         map its state onto checkpoint tensors. A tied copy is known by the weight it mirrors (its
         PowerSGD Q starts the same, its state is saved once)."""
-        names = {id(p): getattr(p, "tied_to", None) or n for n, p in named}
+        names = {id(p): key_of(p, n) for n, p in named}
         specs, starts = [], {}
         for b in self.buckets:
-            size = b.plan.size // (self.shard_comm.size if self._compress_replicas else 1)
+            size = b.assignment.size // (self.shard_comm.size if self._compress_replicas else 1)
             lo = self.shard_comm.rank * size if self._compress_replicas else 0
             starts[b.index] = lo
             slots = []
-            for s, p in zip(b.plan.slots, b.params):
+            for s, p in zip(b.assignment.slots, b.params):
                 a, z = max(lo, s.offset), min(lo + size, s.offset + s.numel)
                 if a < z:
                     whole = (a, z) == (s.offset, s.offset + s.numel)
                     slots.append(SpecSlot(names[id(p)], a - lo, z - a, tuple(p.shape) if whole else (z - a,)))
-            specs.append(BucketSpec(b.index, size, b.plan.dtype, tuple(slots)))
+            specs.append(BucketSpec(b.index, size, b.assignment.dtype, tuple(slots)))
         self.compressor.setup(specs)
         self.compression_state = CompressionState(self.compressor, self.buckets, starts, lambda p: names[id(p)],
-                                                  self.mesh.comm(Axis.TP))
+                                                  self.mesh.comm(Axis.TP), self.mesh.world)
 
     # -- hooks and events -------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Gradient buckets: the plan, the flat buffers, and launching their reductions in order.
+"""Gradient buckets: their assignment, the flat buffers, and launching their reductions in order.
 
 A bucket is one flat gradient buffer `grad` of shape `[size]` (dtype of its parameters) that
 holds the gradients of several parameters back to back, each parameter's `.grad` being a view
@@ -9,12 +9,12 @@ many small ones (PyTorch DDP, arXiv 2006.15704).
 
 Three pieces, from pure to stateful:
 
-- `plan_buckets` -> `BucketPlan`s of `Slot`s: which parameter goes where (pure, no arrays).
+- `assign_buckets` -> `BucketAssignment`s of `Slot`s: which parameter goes where (pure, no arrays).
   Buckets are filled in *reverse* registration order, about the order backward completes the
   gradients, so the first bucket can go on the wire while backward is still busy with earlier
   layers. Tied copies (the embedding and the LM head on different pipeline stages) go in one
   final bucket of their own, since they are summed across stages first.
-- `Bucket`: a plan plus its buffer, the parameter views and the state of this step's
+- `Bucket`: an assignment plus its buffer, the parameter views and the state of this step's
   reduction.
 - `BucketManager`: owns the buckets of one rank. A grad hook counts each parameter's
   contributions over the step's micro-batches; once every parameter of a bucket has all of them
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from hpcpar.parallel.dp.compression.compressors import Compressor
 
 
-# -- the plan (pure) ----------------------------------------------------------------------------
+# -- the assignment (pure) ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Slot:
@@ -75,8 +75,9 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class BucketPlan:
-    """One flat gradient buffer: its slots, padded size (a multiple of `pad_to`) and dtype."""
+class BucketAssignment:
+    """The parameters one flat gradient buffer holds: their slots, its padded size (a multiple of
+    `pad_to`) and dtype."""
 
     slots: tuple
     size: int
@@ -89,8 +90,8 @@ class BucketPlan:
         return sum(s.numel for s in self.slots)
 
 
-def plan_buckets(params: list[tuple[str, int, str]], bucket_bytes: int, pad_to: int = 1,
-                 tied: Iterable[str] = (), groups: Sequence[Hashable] | None = None) -> list[BucketPlan]:
+def assign_buckets(params: list[tuple[str, int, str]], bucket_bytes: int, pad_to: int = 1,
+                   tied: Iterable[str] = (), groups: Sequence[Hashable] | None = None) -> list[BucketAssignment]:
     """Group parameters into flat buckets.
 
     Args:
@@ -113,13 +114,13 @@ def plan_buckets(params: list[tuple[str, int, str]], bucket_bytes: int, pad_to: 
         starts where the dtype changes), then the tied bucket if any.
     """
     tied = set(tied)
-    buckets: list[BucketPlan] = []
+    buckets: list[BucketAssignment] = []
     open_buckets: dict[Hashable, tuple[list[Slot], int, str]] = {}  # key -> (slots, elements, dtype)
 
     def close(key, is_tied: bool = False) -> None:
         slots, used, dt = open_buckets.pop(key)
         if slots:
-            buckets.append(BucketPlan(tuple(slots), -(-used // pad_to) * pad_to, dt, is_tied))
+            buckets.append(BucketAssignment(tuple(slots), -(-used // pad_to) * pad_to, dt, is_tied))
 
     for index in reversed(range(len(params))):
         name, numel, dt = params[index]
@@ -197,8 +198,8 @@ class ReduceScatterAvg:
 
     def start(self, bucket: Bucket) -> Handle:
         if bucket.part_buffer is None:
-            bucket.part_buffer = backend.array_module(bucket.grad).empty(bucket.plan.size // self.comm.size,
-                                                                         dtype=bucket.plan.dtype)
+            bucket.part_buffer = backend.array_module(bucket.grad).empty(bucket.assignment.size // self.comm.size,
+                                                                         dtype=bucket.assignment.dtype)
         return self.comm.ireduce_scatter(bucket.grad, dim=0, op="avg", out=bucket.part_buffer)
 
     def finish(self, bucket: Bucket, handle: Handle):
@@ -207,7 +208,7 @@ class ReduceScatterAvg:
             self.replicate.iall_reduce(part, op="avg").wait()  # in place
         if not self.in_bucket:
             return part
-        n = bucket.plan.size // self.comm.size
+        n = bucket.assignment.size // self.comm.size
         mine = bucket.grad[self.comm.rank * n:(self.comm.rank + 1) * n]
         mine[...] = part
         bucket.part_buffer = None
@@ -245,15 +246,16 @@ class CompressedReduction:
         if self.scatter is None:
             return self.compressor.exchange(self.compressor.compress(bucket.index, bucket.grad))
         if bucket.part_buffer is None:
-            bucket.part_buffer = backend.array_module(bucket.grad).empty(bucket.plan.size // self.scatter.size,
-                                                                         dtype=bucket.plan.dtype)
+            bucket.part_buffer = backend.array_module(bucket.grad).empty(bucket.assignment.size // self.scatter.size,
+                                                                         dtype=bucket.assignment.dtype)
         return self.scatter.ireduce_scatter(bucket.grad, dim=0, op="avg", out=bucket.part_buffer)
 
     def finish(self, bucket: Bucket, handle: Handle):
         c, i = self.compressor, bucket.index
         if self.scatter is not None:  # HSDP: the shard's average over the replicas, compressed
             part = handle.wait()
-            return c.all_gather(i, c.decompress(i, c.exchange(c.compress(i, part)).wait())).astype(bucket.plan.dtype)
+            whole = c.all_gather(i, c.decompress(i, c.exchange(c.compress(i, part)).wait()))
+            return whole.astype(bucket.assignment.dtype)
         part = c.decompress(i, handle.wait())
         if not self.shards:
             bucket.grad[...] = c.all_gather(i, part)
@@ -262,19 +264,19 @@ class CompressedReduction:
             whole = c.all_gather(i, part)
             n = whole.shape[0] // self.part_comm.size
             part = whole[self.part_comm.rank * n:(self.part_comm.rank + 1) * n]
-        return part.astype(bucket.plan.dtype)
+        return part.astype(bucket.assignment.dtype)
 
 
 # -- runtime ------------------------------------------------------------------------------------
 
 class Bucket:
-    """A plan plus its buffers and the state of this step's reduction.
+    """An assignment plus its buffers and the state of this step's reduction.
 
     Attributes:
         index: position in the manager's list (= launch order).
-        plan: the BucketPlan.
-        params: the parameters of `plan.slots`, in slot order.
-        grad: the flat gradient buffer `[plan.size]`; each parameter's `.grad` is a view of it.
+        assignment: the BucketAssignment.
+        params: the parameters of `assignment.slots`, in slot order.
+        grad: the flat gradient buffer `[assignment.size]`; each parameter's `.grad` is a view of it.
         views: those views, in slot order.
         ready: parameters with all their contributions this step.
         handle: the reduction in flight (None before launch, after completion, or when dp = 1).
@@ -283,10 +285,10 @@ class Bucket:
         part_buffer: where a sharding reduction writes the part (kept from step to step).
     """
 
-    def __init__(self, index: int, plan: BucketPlan, params: list, xp, allocate: bool = True):
+    def __init__(self, index: int, assignment: BucketAssignment, params: list, xp, allocate: bool = True):
         self.index = index
-        self.plan = plan
-        self.params = [params[s.index] for s in plan.slots]
+        self.assignment = assignment
+        self.params = [params[s.index] for s in assignment.slots]
         self.xp = xp
         self.grad = None
         self.views: list = []
@@ -299,9 +301,9 @@ class Bucket:
 
     def allocate(self) -> None:
         """A zeroed flat gradient buffer and the parameters' views of it."""
-        self.grad = self.xp.zeros(self.plan.size, dtype=self.plan.dtype)
+        self.grad = self.xp.zeros(self.assignment.size, dtype=self.assignment.dtype)
         self.views = [self.grad[s.offset:s.offset + s.numel].reshape(p.shape)
-                      for s, p in zip(self.plan.slots, self.params)]
+                      for s, p in zip(self.assignment.slots, self.params)]
 
     def release(self) -> None:
         """Drop the full gradient buffer (ZeRO-2, once reduced); the parameters' `.grad` too."""
@@ -315,8 +317,8 @@ class BucketManager:
     """The buckets of one rank and the in-order launching of their reductions.
 
     Args:
-        named_params: (name, Parameter) in registration order (the order `plans` index into).
-        plans: from `plan_buckets` over the same list (regular buckets, then the tied one).
+        named_params: (name, Parameter) in registration order (the order `assignments` index into).
+        assignments: from `assign_buckets` over the same list (regular buckets, then the tied one).
         reduction: how each bucket is averaged; its `comm` is the dp communicator.
         tied_comm: the tied bucket is summed over this communicator (first and last pipeline
             stage) before its reduction; None: nothing to sum.
@@ -344,7 +346,7 @@ class BucketManager:
 
     MAX_IN_FLIGHT = 2  # ZeRO-2: reductions launched from hooks and not yet waited, at most
 
-    def __init__(self, named_params: list[tuple[str, Any]], plans: list[BucketPlan], reduction: Reduction,
+    def __init__(self, named_params: list[tuple[str, Any]], assignments: list[BucketAssignment], reduction: Reduction,
                  tied_comm: Communicator | None = None, overlap: bool = True, release: bool = False,
                  prepare: Callable[[Bucket], None] | None = None):
         params = [p for _, p in named_params]
@@ -359,9 +361,10 @@ class BucketManager:
         if release and not reduction.shards:
             raise ConfigError("releasing bucket gradients (ZeRO-2) needs a sharding reduction")
         xp = backend.array_module(*(p.data for p in params))
-        self.buckets = [Bucket(i, plan, params, xp, allocate=not release) for i, plan in enumerate(plans)]
+        self.buckets = [Bucket(i, assignment, params, xp, allocate=not release)
+                        for i, assignment in enumerate(assignments)]
         self._in_flight: list[Bucket] = []
-        self.n_regular = sum(1 for b in self.buckets if not b.plan.tied)
+        self.n_regular = sum(1 for b in self.buckets if not b.assignment.tied)
         self._name_of = {id(p): n for n, p in named_params}
         self._where = {id(p): b for b in self.buckets for p in b.params}
         self._counts = {id(p): 0 for p in params}

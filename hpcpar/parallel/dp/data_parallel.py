@@ -26,19 +26,21 @@ they share lives here:
 - sequence parallelism: replicated parameters applied to sequence shards hold a part of their
   gradient per tp rank, summed over tp once per step after the reduction (`tp_sum_per_step`);
 - the end of backward (`finish_backward`), the global norm and clipping (clipping.py), the
-  bytes accounting, the optimizer's step count and the checks of loaded optimizer state.
+  bytes accounting, the optimizer's step count, and the checkpointed state around what each
+  strategy saves (`checkpoint_state`: its tensors, the optimizer step, the compressor's state).
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from hpcpar import backend
-from hpcpar.errors import CheckpointError, ConfigError
+from hpcpar.errors import ConfigError
 from hpcpar.runtime.topology import Axis
 from hpcpar.parallel.dp.clipping import clip_global_norm
+from hpcpar.state import SavedState, StoredState
 
 
 class DataParallel(abc.ABC):
@@ -251,7 +253,7 @@ class DataParallel(abc.ABC):
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind: "parameters", "gradients", "optimizer", "gathered"."""
 
-    # -- parameters, optimizer state, checkpoints -------------------------------------------------
+    # -- parameters, optimizer state --------------------------------------------------------------
 
     def full_parameters(self) -> dict[str, Any]:
         """{name: this rank's whole local array} (the arrays themselves)."""
@@ -265,70 +267,38 @@ class DataParallel(abc.ABC):
         """The optimizer's per-parameter state arrays ("exp_avg", "exp_avg_sq" for AdamW)."""
         return tuple(self.optimizer.state_names)
 
-    @abc.abstractmethod
-    def optimizer_state(self) -> dict[str, dict[str, Any]]:
-        """{parameter name: {state name: array of the parameter's local shape}} (copies)."""
+    # -- checkpoints: the model and optimizer state, the compressor's (`Checkpointable`) -----------
 
-    @abc.abstractmethod
-    def _load_state(self, state: dict[str, dict[str, Any]]) -> None:
-        """Take checked state of the `optimizer_state()` structure into the optimizer."""
-
-    def load_optimizer_state(self, state: dict[str, dict[str, Any]], step_count: int | None = None) -> None:
-        """Copy state of the `optimizer_state()` structure in (each rank takes its part under
-        sharding). Call it after loading the parameters themselves (FSDP keeps its own shards)."""
-        names = set(self.state_names())
-        missing = sorted(set(self.names) - set(state))
-        if missing:
-            raise CheckpointError(f"optimizer state lacks parameters {missing[:3]}{'...' if len(missing) > 3 else ''}; "
-                                  "load a checkpoint of the same model")
-        for n, p in zip(self.names, self.params):
-            if set(state[n]) != names:
-                raise CheckpointError(f"optimizer state of {n} holds {sorted(state[n])}, expected {sorted(names)}")
-            for k, v in state[n].items():
-                if tuple(v.shape) != tuple(p.shape):
-                    raise CheckpointError(f"optimizer state {k} of {n} has shape {tuple(v.shape)}, "
-                                          f"expected the parameter's local shape {tuple(p.shape)}")
-        self._load_state(state)
-        if step_count is not None:
-            self.optimizer.step_count = int(step_count)
-
-    def checkpoint_shards(self) -> dict[str, tuple[Any, Any]]:
-        """This rank's pieces of the model and optimizer state (sharding strategies,
-        `segments.ShardedState`); empty when replicated: the trainer saves whole local tensors."""
-        return {}
-
-    def checkpoint_wanted(self, key_of: Callable[[Any, str], str], weights_only: bool = False) -> dict[str, Any]:
-        """{tensor name: Layout} of the pieces `load_checkpoint` takes (sharding strategies);
-        empty when replicated: the trainer loads whole local tensors."""
-        return {}
-
-    def load_checkpoint(self, arrays: dict[str, Any], key_of: Callable[[Any, str], str],
-                        step_count: int | None = None, weights_only: bool = False) -> None:
-        """Take the pieces `checkpoint_wanted` asked for into place (sharding strategies);
-        replicated, there are none: only the step count is taken."""
-        if step_count is not None:
-            self.optimizer.step_count = int(step_count)
-
-    # -- compressor state in checkpoints (compression/state.py) -----------------------------------
-
-    def compression_tensors(self) -> dict[str, tuple[Any, Any]]:
-        """{"compress/...": (local array, Layout)}: this rank's committed residuals and PowerSGD
-        Qs ({} without compression)."""
-        return self.compression_state.tensors() if self.compression_state is not None else {}
-
-    def compression_meta(self) -> dict | None:
-        """What a loader needs besides the tensors (kind, group size, tp, rank); None without."""
-        return self.compression_state.meta() if self.compression_state is not None else None
-
-    def compression_wanted(self, stored: dict | None) -> dict[str, Any]:
-        """{name: Layout} of the compressor state to load from a checkpoint whose compression
-        meta (with the names of its tensors) is `stored`."""
-        return self.compression_state.wanted(stored) if self.compression_state is not None else {}
-
-    def load_compression(self, arrays: dict[str, Any], stored: dict | None) -> None:
-        """Take the compressor state `compression_wanted` asked for (zeros for what is missing)."""
+    def checkpoint_state(self) -> SavedState:
+        """This rank's `model/...` and `optim/...` tensors (`_saved_tensors`), the optimizer step,
+        and the compressor's state (compression/state.py; collective over the world)."""
+        states = [SavedState(self._saved_tensors(), {"optimizer_step": self.optimizer_step_count()})]
         if self.compression_state is not None:
-            self.compression_state.load(arrays, stored)
+            states.append(self.compression_state.checkpoint_state())
+        return SavedState.merged(states)
+
+    def load_checkpoint_state(self, stored: StoredState) -> None:
+        """The parameters and, unless weights only, the optimizer state at the checkpoint's
+        optimizer step and the compressor's state (zeros for what the checkpoint lacks)."""
+        step_count = None if stored.weights_only else int(stored.meta["optimizer_step"])
+        stored.read(self._wanted_tensors(stored.weights_only), lambda arrays: self._take_tensors(arrays, step_count))
+        if self.compression_state is not None:
+            self.compression_state.load_checkpoint_state(stored)
+
+    @abc.abstractmethod
+    def _saved_tensors(self) -> dict[str, tuple[Any, Any]]:
+        """{"model/<name>" | "optim/<name>/<state>": (local array, Layout)} this rank saves (a tied
+        copy under the weight it mirrors, `state.key_of`): the live arrays, which the save copies."""
+
+    @abc.abstractmethod
+    def _wanted_tensors(self, weights_only: bool) -> dict[str, Any]:
+        """{tensor name: Layout} this rank loads: the parameters, and the optimizer state unless
+        `weights_only`."""
+
+    @abc.abstractmethod
+    def _take_tensors(self, arrays: dict[str, Any], step_count: int | None) -> None:
+        """Put what `_wanted_tensors` asked for (host arrays) in place; `step_count` None: the
+        weights only (the optimizer keeps its state and step)."""
 
 
 def distinct_nbytes(arrays: Iterable[Any], seen: set) -> int:

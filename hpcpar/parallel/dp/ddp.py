@@ -3,7 +3,8 @@
 Each dp x cp rank holds all parameters, their whole gradients and the whole optimizer state.
 Every bucket is averaged in place over dp x cp (`AllReduceAvg`, or a compressor's all-reduce
 form), so after `finish_backward` each `.grad` holds the averaged gradient and every replica
-takes the identical optimizer step (PyTorch DDP, arXiv 2006.15704).
+takes the identical optimizer step (PyTorch DDP, arXiv 2006.15704). A checkpoint gets every
+parameter and its optimizer state whole from every replica, and writes each block once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hpcpar.parallel.dp.bucketed import BucketedDataParallel
 from hpcpar.parallel.dp.buckets import AllReduceAvg
 from hpcpar.parallel.dp.clipping import counts_toward_norm
 from hpcpar.parallel.dp.compression.compressors import Compression
+from hpcpar.state import key_of
 
 
 class DDP(BucketedDataParallel):
@@ -48,16 +50,37 @@ class DDP(BucketedDataParallel):
     def uncompressed_bytes(self) -> float:
         """Bytes this rank sends per step to synchronise gradients without compression: an
         all-reduce of every bucket over dp x cp (`comm.bytes_sent`)."""
-        return sum((bytes_sent("all_reduce", b.plan.size * np.dtype(b.plan.dtype).itemsize, self.dp_comm.size)
-                   for b in self.buckets), 0.0)
+        return sum((bytes_sent("all_reduce", b.assignment.size * np.dtype(b.assignment.dtype).itemsize,
+                               self.dp_comm.size) for b in self.buckets), 0.0)
 
-    def optimizer_state(self) -> dict[str, dict[str, Any]]:
-        """{parameter name: {state name: array of the parameter's local shape}} (copies)."""
-        names = self.state_names()
-        return {n: {k: self.optimizer.state_of(p)[k].copy() for k in names} for n, p in zip(self.names, self.params)}
+    def _saved_tensors(self) -> dict[str, tuple[Any, Any]]:
+        """Every parameter and its optimizer state, whole local tensors in the parameter's layout.
+        Every replica gives them and the save writes each block once, copying (or moving to the
+        host) only the blocks this rank writes: hence the live arrays."""
+        tensors = {}
+        for name, p in zip(self.names, self.params):
+            key = key_of(p, name)
+            tensors[f"model/{key}"] = (p.data, p.layout)
+            for k, array in self.optimizer.state_of(p).items():
+                tensors[f"optim/{key}/{k}"] = (array, p.layout)
+        return tensors
 
-    def _load_state(self, state: dict[str, dict[str, Any]]) -> None:
+    def _wanted_tensors(self, weights_only: bool) -> dict[str, Any]:
+        wanted = {}
+        for name, p in zip(self.names, self.params):
+            key = key_of(p, name)
+            wanted[f"model/{key}"] = p.layout
+            if not weights_only:
+                wanted.update({f"optim/{key}/{k}": p.layout for k in self.state_names()})
+        return wanted
+
+    def _take_tensors(self, arrays: dict[str, Any], step_count: int | None) -> None:
+        for name, p in zip(self.names, self.params):
+            p.data[...] = backend.to_device(arrays[f"model/{key_of(p, name)}"])
+        if step_count is None:
+            return
         xp = backend.array_module(*(p.data for p in self.params))
-        for n, p in zip(self.names, self.params):
+        for name, p in zip(self.names, self.params):
             for k, dst in self.optimizer.state_of(p).items():
-                dst[...] = xp.asarray(state[n][k])
+                dst[...] = xp.asarray(arrays[f"optim/{key_of(p, name)}/{k}"])
+        self.optimizer.step_count = int(step_count)

@@ -27,6 +27,7 @@ from hpcpar.runtime.topology import Axis
 from hpcpar.parallel.dp.clipping import clip_global_norm
 from hpcpar.parallel.dp.data_parallel import DataParallel
 from hpcpar.parallel.dp.sync import make_gradient_sync
+from hpcpar.state import SavedState, StoredState
 
 
 class ExpertDataParallel:
@@ -113,35 +114,16 @@ class ExpertDataParallel:
     def state_names(self) -> tuple[str, ...]:
         return self.dense.state_names()
 
-    def optimizer_state(self) -> dict[str, dict[str, Any]]:
-        return self._merged(lambda part: part.optimizer_state())
+    def checkpoint_state(self) -> SavedState:
+        """Both parts' tensors, and the optimizer step once (the parts step together). No
+        compressor with experts (refused by config validation)."""
+        states = [part.checkpoint_state() for part in self.parts]
+        return SavedState({n: t for state in states for n, t in state.tensors.items()}, states[0].meta)
 
-    def load_optimizer_state(self, state: dict, step_count: int | None = None) -> None:
+    def load_checkpoint_state(self, stored: StoredState) -> None:
+        """Each part asks for its own tensors (the loader reads them all at once)."""
         for part in self.parts:
-            part.load_optimizer_state({n: state[n] for n in part.names if n in state}, step_count)
-
-    def checkpoint_shards(self) -> dict[str, tuple[Any, Any]]:
-        return self._merged(lambda part: part.checkpoint_shards())
-
-    def checkpoint_wanted(self, key_of: Callable[[Any, str], str], weights_only: bool = False) -> dict[str, Any]:
-        return self._merged(lambda part: part.checkpoint_wanted(key_of, weights_only))
-
-    def load_checkpoint(self, arrays: dict, key_of: Callable[[Any, str], str], step_count: int | None = None,
-                        weights_only: bool = False) -> None:
-        for part in self.parts:
-            part.load_checkpoint(arrays, key_of, step_count, weights_only)
-
-    def compression_tensors(self) -> dict:
-        return {}
-
-    def compression_meta(self) -> None:
-        return None
-
-    def compression_wanted(self, stored: dict | None) -> dict:
-        return {}
-
-    def load_compression(self, arrays: dict, stored: dict | None) -> None:
-        """No compressor with experts (refused by config validation): nothing to load."""
+            part.load_checkpoint_state(stored)
 
     def _merged(self, get: Callable[[DataParallel], dict]) -> dict:
         out: dict = {}

@@ -521,9 +521,6 @@ class FSDP(ShardedState, DataParallel):
         finally:
             self.unit_hooks.release_all()
 
-    def _state_groups(self) -> list[tuple[list, Any, list]]:
-        return [(list(zip(f.slots, f.params)), f.shard, f.segments) for f in self.unit_hooks.flats]
-
     def _parameter_pieces(self) -> list[tuple[Any, str, Any, Any]]:
         """This rank's shards of the parameters (its segments)."""
         return [(seg.param, seg.name, seg.layout, seg.data) for seg in self.segments]

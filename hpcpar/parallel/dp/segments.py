@@ -12,16 +12,18 @@ arithmetic as on whole parameters, so results equal the unsharded optimizer's bi
 
 Every segment is a flat range of its parameter's local array, so checkpoints save it as it is,
 with the layout `param.layout.flat_range(lo, hi)`: no rank ever holds another rank's state.
-`gather_state` (whole-parameter state, all-gathered: for tests and tools) and `load_state` (its
-inverse) remain. `ShardedState` is what the sharded strategies share on top of that.
+`ShardedState` is what the sharded strategies share on top of that, their checkpointed tensors
+included. `gather_state` (whole-parameter state, all-gathered) and `load_state` (its inverse) are
+`zero.ZeroOptimizer`'s in-memory views, for tests; checkpoints never gather.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from hpcpar import backend
 from hpcpar.parallel.dp.clipping import counts_toward_norm, tp_replicated
+from hpcpar.state import key_of
 
 
 class Segment:
@@ -88,8 +90,7 @@ class ShardedState:
     norms, non-finite checks, state and checkpoints go by segment.
 
     Mixed into a `data_parallel.DataParallel` subclass, which sets `segments` and `optimizer`
-    and gives `_state_groups()` (per flat buffer: [(slot, param)], part buffer, segments) and
-    `_parameter_pieces()` (what of the parameters a checkpoint load fills on this rank).
+    and gives `_parameter_pieces()` (what of the parameters a checkpoint load fills on this rank).
     """
 
     segments: list[Segment]
@@ -105,22 +106,9 @@ class ShardedState:
     def _tp_partial_grads(self) -> list:
         return [s.grad for s in self.segments if getattr(s.param, "tp_partial_grad", False)]
 
-    def _state_groups(self) -> list[tuple[list, Any, list]]:
-        raise NotImplementedError
-
     def _parameter_pieces(self) -> list[tuple[Any, str, Any, Any]]:
         """(param, name, layout, array) of each piece of parameter data this rank loads."""
         raise NotImplementedError
-
-    def optimizer_state(self) -> dict[str, dict[str, Any]]:
-        """{parameter name: {state name: array of the parameter's local shape}} (copies), the
-        parts all-gathered over the shard group first (collective): for tests and tools;
-        checkpoints save the shards (`checkpoint_shards`)."""
-        gathered = gather_state(self._state_groups(), self.optimizer, self.state_names(), self.shard_comm)
-        return {n: gathered[n] for n in self.names}
-
-    def _load_state(self, state: dict[str, dict[str, Any]]) -> None:
-        load_state(self.segments, self.optimizer, state)
 
     def _saved_segments(self) -> list[Segment]:
         """The segments this rank writes: replica 0 only (HSDP), no tied copies (the weight they
@@ -130,7 +118,7 @@ class ShardedState:
         return [s for s in self.segments if not getattr(s.param, "tied_to", None)
                 and (self.tp_rank == 0 or not tp_replicated(s.param))]
 
-    def checkpoint_shards(self) -> dict[str, tuple[Any, Any]]:
+    def _saved_tensors(self) -> dict[str, tuple[Any, Any]]:
         """{"model/<name>": (piece, layout), "optim/<name>/<state>": (piece, layout)} for this
         rank's segments, each a flat range of its parameter (`Layout.flat_range`): the shards of
         the shard group tile every tensor once, replica 0 writes them (HSDP). Nothing is gathered."""
@@ -144,10 +132,9 @@ class ShardedState:
                 out[f"optim/{seg.name}/{k}"] = (state[k], layout)
         return out
 
-    def checkpoint_wanted(self, key_of: Callable[[Any, str], str], weights_only: bool = False) -> dict[str, Any]:
-        """{tensor name: Layout} this rank loads: its pieces of the parameters
-        (`_parameter_pieces`) and its shards of the optimizer state (none with `weights_only`).
-        `key_of(param, name)` names the global tensor (a tied copy loads the weight it mirrors)."""
+    def _wanted_tensors(self, weights_only: bool) -> dict[str, Any]:
+        """This rank's pieces of the parameters (`_parameter_pieces`) and its shards of the
+        optimizer state (a tied copy's from the weight it mirrors)."""
         out = {f"model/{key_of(p, n)}": layout for p, n, layout, _ in self._parameter_pieces()}
         if not weights_only:
             for seg in self.segments:
@@ -156,17 +143,14 @@ class ShardedState:
                     out[f"optim/{key}/{k}"] = seg.layout
         return out
 
-    def load_checkpoint(self, arrays: dict[str, Any], key_of: Callable[[Any, str], str],
-                        step_count: int | None = None, weights_only: bool = False) -> None:
-        """Take what `checkpoint_wanted` asked for (host arrays) into place; with `weights_only`
-        the parameters only (the optimizer state stays as it is)."""
+    def _take_tensors(self, arrays: dict[str, Any], step_count: int | None) -> None:
         for p, n, _, data in self._parameter_pieces():
             data[...] = backend.array_module(data).asarray(arrays[f"model/{key_of(p, n)}"])
-        if not weights_only:
-            for seg in self.segments:
-                key = key_of(seg.param, seg.name)
-                xp = backend.array_module(seg.data)
-                for k, dst in self.optimizer.state_of(seg).items():
-                    dst[...] = xp.asarray(arrays[f"optim/{key}/{k}"])
-        if step_count is not None:
-            self.optimizer.step_count = int(step_count)
+        if step_count is None:
+            return
+        for seg in self.segments:
+            key = key_of(seg.param, seg.name)
+            xp = backend.array_module(seg.data)
+            for k, dst in self.optimizer.state_of(seg).items():
+                dst[...] = xp.asarray(arrays[f"optim/{key}/{k}"])
+        self.optimizer.step_count = int(step_count)

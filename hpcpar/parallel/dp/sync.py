@@ -2,7 +2,8 @@
 strategy is chosen (`make_gradient_sync`).
 
 A strategy keeps the data-parallel replicas identical: it averages the gradients over the
-ranks holding the same weights, owns the optimizer, and saves and loads what it shards.
+ranks holding the same weights, owns the optimizer, and is the checkpointed part (`Checkpointable`)
+of the model and optimizer state: it saves and loads what it shards.
 
     zero  strategy     gradients after the step's reduction   optimizer state  parameters
     0     ddp.DDP      whole buckets, all-reduced             whole            whole
@@ -17,7 +18,7 @@ for the dense weights (over dp x cp), one for the experts (over the expert-data-
 The trainer calls, per step: `begin_step(microbatches, step)`, the backward of every
 micro-batch (the strategy's grad hooks start reductions meanwhile), `finish_backward()`, then
 `norm_parts()` (or `clip_grad_norm`) and `step(lr)`; between steps the byte counters, and at
-checkpoints the state methods.
+checkpoints `checkpoint_state()` / `load_checkpoint_state(stored)`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from hpcpar.parallel.dp.data_parallel import DataParallel
 from hpcpar.parallel.dp.ddp import DDP
 from hpcpar.parallel.dp.fsdp import FSDP
 from hpcpar.parallel.dp.zero import ZeRO
+from hpcpar.state import Checkpointable, SavedState, StoredState
 
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-class GradientSync(Protocol):
+class GradientSync(Checkpointable, Protocol):
     """What the training loop calls on data parallelism, whatever the strategy.
 
     Attributes:
@@ -101,33 +103,14 @@ class GradientSync(Protocol):
     def state_names(self) -> tuple[str, ...]:
         """The optimizer's per-parameter state arrays ("exp_avg", "exp_avg_sq" for AdamW)."""
 
-    def optimizer_state(self) -> dict[str, dict[str, Any]]:
-        """{parameter name: {state name: array of the local shape}} (sharded: gathered; collective)."""
+    def checkpoint_state(self) -> SavedState:
+        """What this rank saves (`Checkpointable`, hpcpar/state.py): `model/...` and `optim/...`
+        (whole local tensors, or under sharding this rank's shards: nothing is gathered), the
+        optimizer step, and the compressor's state (`compress/...`)."""
 
-    def load_optimizer_state(self, state: dict[str, dict[str, Any]], step_count: int | None = None) -> None:
-        """The inverse of `optimizer_state` (checked); after the parameters are loaded."""
-
-    def checkpoint_shards(self) -> dict[str, tuple[Any, Any]]:
-        """Saving, sharded strategies: {"model/..." | "optim/...": (this rank's piece, Layout)}."""
-
-    def checkpoint_wanted(self, key_of: Callable[[Any, str], str], weights_only: bool = False) -> dict[str, Any]:
-        """Loading, sharded strategies: {tensor name: Layout} of the pieces this rank reads."""
-
-    def load_checkpoint(self, arrays: dict[str, Any], key_of: Callable[[Any, str], str],
-                        step_count: int | None = None, weights_only: bool = False) -> None:
-        """Loading, sharded strategies: take the pieces `checkpoint_wanted` asked for."""
-
-    def compression_tensors(self) -> dict[str, tuple[Any, Any]]:
-        """Saving: the compressor's state ({} without compression)."""
-
-    def compression_meta(self) -> dict | None:
-        """Saving: what a loader needs besides the compressor's tensors (None without)."""
-
-    def compression_wanted(self, stored: dict | None) -> dict[str, Any]:
-        """Loading: {name: Layout} of the compressor state to read, given the stored meta."""
-
-    def load_compression(self, arrays: dict[str, Any], stored: dict | None) -> None:
-        """Loading: take the compressor state `compression_wanted` asked for."""
+    def load_checkpoint_state(self, stored: StoredState) -> None:
+        """The parameters (whole, or this rank's shards) and, unless weights only, the optimizer
+        state at the checkpoint's optimizer step and the compressor's state, from any layout."""
 
 
 def make_gradient_sync(named_params: Iterable[tuple[str, Any]], mesh, bucket_mb: float = 25.0,

@@ -50,16 +50,16 @@ class Part:
     """
 
     def __init__(self, bucket: Bucket, rank: int, size: int, xp):
-        n = bucket.plan.size // size
+        n = bucket.assignment.size // size
         self.bucket = bucket
         self.lo, self.hi = rank * n, (rank + 1) * n
-        self.flat = xp.zeros(bucket.plan.size, dtype=bucket.plan.dtype)
-        for s, p in zip(bucket.plan.slots, bucket.params):  # the parameters move into the flat buffer
+        self.flat = xp.zeros(bucket.assignment.size, dtype=bucket.assignment.dtype)
+        for s, p in zip(bucket.assignment.slots, bucket.params):  # the parameters move into the flat buffer
             view = self.flat[s.offset:s.offset + s.numel].reshape(p.shape)
             view[...] = p.data
             p.data = view
         self.data = self.flat[self.lo:self.hi]
-        self.segments = segments_of(bucket.plan.slots, bucket.params, self.lo, self.hi, self.data)
+        self.segments = segments_of(bucket.assignment.slots, bucket.params, self.lo, self.hi, self.data)
 
 
 class ZeroOptimizer:
@@ -106,7 +106,7 @@ class ZeroOptimizer:
 
     def state_groups(self) -> list[tuple[list, Any, list]]:
         """Per bucket: ([(slot, param)], this rank's part of the parameters, its segments)."""
-        return [(list(zip(part.bucket.plan.slots, part.bucket.params)), part.data, part.segments)
+        return [(list(zip(part.bucket.assignment.slots, part.bucket.params)), part.data, part.segments)
                 for part in self.parts]
 
     def state(self, state_names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -172,14 +172,11 @@ class ZeRO(ShardedState, BucketedDataParallel):
         total = 0.0
         n = self.shard_comm.size
         for b in self.buckets:
-            nbytes = b.plan.size * np.dtype(b.plan.dtype).itemsize
+            nbytes = b.assignment.size * np.dtype(b.assignment.dtype).itemsize
             total += (bytes_sent("reduce_scatter", nbytes, n) + bytes_sent("all_reduce", nbytes // n,
                                                                           self.replicate_comm.size)
                       + bytes_sent("all_gather", nbytes // n, n))
         return total
-
-    def _state_groups(self) -> list[tuple[list, Any, list]]:
-        return self._zero.state_groups()
 
     def _parameter_pieces(self) -> list[tuple[Any, str, Any, Any]]:
         """The parameters whole: ZeRO-1/2 keeps them whole on every rank."""

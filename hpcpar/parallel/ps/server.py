@@ -55,6 +55,7 @@ from hpcpar.parallel.ps.wire import (
     BYE, FLAG_PREEMPT, FLAG_SKIP, PULL_HEADER, PUSH_HEADER, TAG_PIECE, TAG_PULL, TAG_PUSH, TAG_SETUP,
 )
 from hpcpar.runtime.comm import Communicator
+from hpcpar.state import SavedState, StoredState
 
 
 class _Segment:
@@ -327,29 +328,33 @@ class ParameterServer:
                 recvs[w] = self._post(w)   # its next push, or its bye
                 sends[w] = self.job.isend(buf, w, TAG_PULL)
 
-    # -- checkpoints -------------------------------------------------------------------------------------
+    # -- checkpoints (`Checkpointable`, hpcpar/state.py) ---------------------------------------------
 
-    def checkpoint_tensors(self) -> dict:
-        """{"model/<name>": (piece, flat-range layout), "optim/<name>/<state>": ...} of this range."""
+    def checkpoint_state(self) -> SavedState:
+        """{"model/<name>": (piece, flat-range layout), "optim/<name>/<state>": ...} of this range,
+        and the optimizer step, which server 0 sends the workers (collective with their
+        `ServerUpdate.checkpoint_state`): the stored metadata is worker rank 0's."""
         out = {}
         for seg in self.segments:
             out[f"model/{seg.name}"] = (seg.data, seg.layout)
             state = self.optimizer.state_of(seg)
             for k in self.optimizer.state_names:
                 out[f"optim/{seg.name}/{k}"] = (state[k], seg.layout)
-        return out
+        self.job.broadcast_object(self.optimizer.step_count, root=self.workers)
+        return SavedState(out, {"optimizer_step": self.optimizer.step_count})
 
-    def checkpoint_wanted(self, weights_only: bool) -> dict:
-        """{tensor name: Layout} this server loads."""
-        out = {}
+    def load_checkpoint_state(self, stored: StoredState) -> None:
+        """This range of the parameters and, unless weights only, of the optimizer state at the
+        checkpoint's optimizer step."""
+        step_count = None if stored.weights_only else int(stored.meta["optimizer_step"])
+        wanted = {}
         for seg in self.segments:
-            out[f"model/{seg.name}"] = seg.layout
-            if not weights_only:
-                out.update({f"optim/{seg.name}/{k}": seg.layout for k in self.optimizer.state_names})
-        return out
+            wanted[f"model/{seg.name}"] = seg.layout
+            if step_count is not None:
+                wanted.update({f"optim/{seg.name}/{k}": seg.layout for k in self.optimizer.state_names})
+        stored.read(wanted, lambda arrays: self._take_loaded(arrays, step_count))
 
-    def load_checkpoint(self, arrays: dict, step_count: int | None) -> None:
-        """Take what `checkpoint_wanted` asked for into place."""
+    def _take_loaded(self, arrays: dict, step_count: int | None) -> None:
         for seg in self.segments:
             seg.data[...] = arrays[f"model/{seg.name}"]
             if step_count is None:

@@ -306,9 +306,9 @@ def sequence_parallel_dropout(x_shard: Tensor, p: float, mask_rng_keys, comm: Co
     return dropout(x_shard, p, mask_rng_keys, rows=mine if rows is None else rows[mine], full_shape=full)
 
 
-class TensorParallelPlan:
-    """The Megatron plan for a GPT over `comm` (tp ranks): which tensor-parallel module fills
-    each role, and how the head and the sequence are split. Same methods as `gpt.PlainPlan`.
+class TensorParallelLayers:
+    """Megatron's layers for a GPT over `comm` (tp ranks): which tensor-parallel module fills
+    each role, and how the head and the sequence are split. Same methods as `gpt.PlainLayers`.
 
     Building it checks that the model divides over tp (heads, MLP width; the vocabulary is padded).
     """
@@ -357,7 +357,7 @@ class TensorParallelPlan:
         return ops.getitem(weight, mine)
 
     def dropout(self, x: Tensor, p: float, keys, rows=None, length: int | None = None) -> Tensor:
-        """As `PlainPlan.dropout`; under sequence parallelism x is my part of the group's tokens."""
+        """As `PlainLayers.dropout`; under sequence parallelism x is my part of the group's tokens."""
         if self.sequence_parallel:  # x is a sequence shard: use my rows of the full-sequence mask
             return sequence_parallel_dropout(x, p, keys, self.comm, rows, length)
         full = None if rows is None else (length,) + tuple(x.shape[2:])

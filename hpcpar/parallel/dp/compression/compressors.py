@@ -109,7 +109,7 @@ class Compression:
         return self.kind != "none"
 
     def bucket_group(self, ndim: int, tp_split: bool) -> Hashable:
-        """The bucket group of a parameter (`plan_buckets(groups=...)`): PowerSGD keeps matrices
+        """The bucket group of a parameter (`assign_buckets(groups=...)`): PowerSGD keeps matrices
         and vectors apart; int8 and top-k keep tp-split and tp-replicated parameters apart (their
         blocks and selections span parameters, and a replicated parameter must come out the same
         on every tp rank); the 16-bit wires work elementwise and need no groups."""

@@ -18,7 +18,10 @@ Tied copies are skipped (the weight they mirror is saved; its state is the same 
 tp-replicated parameters on tp ranks other than 0 (the same bits too), except Q, whose rows are
 per tp rank.
 
-Loading (`wanted`, `load`): with the same group size each rank takes its own row, so a resumed
+`CompressionState` is the gradient sync strategy's checkpointed part for all this
+(`Checkpointable`, hpcpar/state.py); its metadata `compression` lists every rank's tensors.
+
+Loading (`load_checkpoint_state`): with the same group size each rank takes its own row, so a resumed
 run continues bitwise; with another group size every rank takes the mean of the stored rows (the
 average residual, which is what error feedback pays back into the averaged gradient, is kept);
 owner residuals load into any layout; Q loads when tp and the rank agree, else each matrix starts
@@ -37,6 +40,7 @@ from hpcpar import backend
 from hpcpar.runtime.comm import Communicator
 from hpcpar.layout import Block, Layout
 from hpcpar.parallel.dp.compression.compressors import Compressor, accumulation_dtype
+from hpcpar.state import SavedState, StoredState
 
 RESIDUAL = "compress/residual/"
 OWNER_RESIDUAL = "compress/owner_residual/"
@@ -47,7 +51,7 @@ def _pieces(bucket, lo: int, hi: int) -> list[tuple[Any, int, int, int]]:
     """(param, a, z, at): elements [a, z) of the flattened param lie in bucket elements [lo, hi),
     starting at element `at` of that range."""
     out = []
-    for s, p in zip(bucket.plan.slots, bucket.params):
+    for s, p in zip(bucket.assignment.slots, bucket.params):
         a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
         if a < z:
             out.append((p, a - s.offset, z - s.offset, a - lo))
@@ -78,17 +82,34 @@ class CompressionState:
 
     Args:
         compressor: the compressor (its `comm` is the compression group).
-        buckets: the `Bucket`s, by index (plans and parameters).
+        buckets: the `Bucket`s, by index (assignments and parameters).
         starts: bucket index -> first bucket element of the compressor's array.
         key_of: a parameter's checkpoint name (a tied copy: the weight it mirrors).
         tp_comm: the tensor-parallel group (Q rows; replicated parameters saved by tp rank 0).
+        world: every rank of the mesh (a save lists every rank's tensor names in the metadata).
     """
 
     def __init__(self, compressor: Compressor, buckets: list, starts: dict[int, int],
-                 key_of: Callable[[Any], str], tp_comm: Communicator):
+                 key_of: Callable[[Any], str], tp_comm: Communicator, world: Communicator):
         self.compressor, self.buckets, self.starts = compressor, buckets, starts
-        self.key_of, self.tp = key_of, tp_comm
+        self.key_of, self.tp, self.world = key_of, tp_comm, world
         self.group = compressor.comm
+
+    def checkpoint_state(self) -> SavedState:
+        """The committed state this rank saves (`compress/...`), and what a loader needs to map
+        it back: the metadata `compression` (`_meta`, and the names of every rank's tensors:
+        collective over the world). `Checkpointable`, hpcpar/state.py."""
+        tensors = self._tensors()
+        names = set().union(*self.world.all_gather_object(sorted(tensors)))
+        return SavedState(tensors, {"compression": {**self._meta(), "names": sorted(names)}})
+
+    def load_checkpoint_state(self, stored: StoredState) -> None:
+        """The checkpoint's compressor state, zeros (or the initial Q) for what it lacks; nothing
+        with a weights-only load or from a checkpoint saved without compression."""
+        saved = stored.meta.get("compression")
+        if stored.weights_only or not saved:
+            return
+        stored.read(self._wanted(saved), lambda arrays: self._load(arrays, saved))
 
     def _saves(self, p) -> bool:
         return not getattr(p, "tied_to", None) and (self.tp.rank == 0 or not p.layout.is_replicated)
@@ -107,12 +128,12 @@ class CompressionState:
             return _pieces(self.buckets[index], lo, lo + n)
         return _pieces(self.buckets[index], self.starts[index], self.starts[index] + size)
 
-    def meta(self) -> dict:
+    def _meta(self) -> dict:
         """What a loader needs to know about the saved state (besides the tensors' names)."""
         return {"kind": self.compressor.name, "group": self.group.size, "tp": self.tp.size,
                 "rank": getattr(self.compressor, "rank", None)}
 
-    def tensors(self) -> dict[str, tuple[Any, Layout]]:
+    def _tensors(self) -> dict[str, tuple[Any, Layout]]:
         """{global name: (local array, Layout)} of the committed state this rank saves."""
         state = self.compressor.state()
         g, k = self.group.size, self.group.rank
@@ -129,11 +150,9 @@ class CompressionState:
                 out[POWERSGD_Q + self.key_of(p)] = (q, q_layout(tuple(q.shape), self.tp.rank, self.tp.size))
         return out
 
-    def wanted(self, stored: dict | None) -> dict[str, Layout]:
+    def _wanted(self, stored: dict) -> dict[str, Layout]:
         """{name: Layout} this rank loads from a checkpoint whose compression meta is `stored`
-        (its `meta()` plus "names", every compressor tensor it holds); {} when it has none."""
-        if not stored:
-            return {}
+        (its `_meta()` plus "names", every compressor tensor it holds)."""
         names, g_old = set(stored.get("names", ())), int(stored["group"])
         row = self.group.rank if g_old == self.group.size else None
         out = {}
@@ -153,10 +172,8 @@ class CompressionState:
                         out[POWERSGD_Q + self.key_of(p)] = q_layout((b, r), self.tp.rank, self.tp.size)
         return out
 
-    def load(self, arrays: dict[str, np.ndarray], stored: dict | None) -> None:
-        """Hand the compressor what `wanted` asked for (host arrays), zeros for the rest."""
-        if not stored:
-            return
+    def _load(self, arrays: dict[str, np.ndarray], stored: dict) -> None:
+        """Hand the compressor what `_wanted` asked for (host arrays), zeros for the rest."""
         state: dict[str, dict] = {"residual": {}, "owner_residual": {}, "powersgd_q": {}}
         for index, spec in self.compressor.specs.items():
             xp = backend.array_module(self.buckets[index].params[0].data)
