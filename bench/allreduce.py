@@ -41,9 +41,9 @@ import time
 import types
 from pathlib import Path
 
-from hpcpar.backend import threads
+from hpcpar import environment
 
-threads.set_default_threads()
+environment.set_default_threads()
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes.append(nbytes)
         nbytes *= 2
 
-    cores = threads.cores()
+    cores = environment.cores()
     meta = {"ranks": world.size, "cores": cores, "oversubscribed": world.size > cores,
             "mpi": MPI.Get_library_version().splitlines()[0].strip(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rounds": args.rounds, "budget_s": args.budget,

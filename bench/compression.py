@@ -69,9 +69,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcpar.backend import threads
+from hpcpar import environment
 
-threads.set_default_threads()
+environment.set_default_threads()
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402

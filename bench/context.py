@@ -45,9 +45,9 @@ import tracemalloc
 import types
 from pathlib import Path
 
-from hpcpar.backend import threads
+from hpcpar import environment
 
-threads.set_default_threads()
+environment.set_default_threads()
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402

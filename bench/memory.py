@@ -107,9 +107,9 @@ import tracemalloc
 from pathlib import Path
 from typing import Callable
 
-from hpcpar.backend import threads
+from hpcpar import environment
 
-threads.set_default_threads()
+environment.set_default_threads()
 
 import numpy as np  # noqa: E402
 

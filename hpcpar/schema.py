@@ -17,7 +17,7 @@ from hpcpar.errors import ConfigError
 def field(default: Any, doc: str, choices: tuple | None = None) -> Any:
     """A dataclass field with its documentation (and fixed set of values) in `metadata`.
 
-    `config.to_toml` writes `metadata["doc"]` (and `metadata["choices"]`) as comments, which is
+    `config.load.to_toml` writes `metadata["doc"]` (and `metadata["choices"]`) as comments, which is
     what `hpcpar/defaults/default.toml` and docs/config.md show; `config.validate` rejects a
     value outside `choices`.
     """

@@ -4,6 +4,6 @@ Tests run many processes on few cores (`mpiexec -n 4` on a laptop); BLAS thread
 pools per process would oversubscribe the cores many times over.
 """
 
-from hpcpar.backend import threads
+from hpcpar import environment
 
-threads.set_default_threads()
+environment.set_default_threads()

@@ -5,6 +5,11 @@ says `HPCPAR_BACKEND=cupy` or a caller runs `backend.use("cupy")`. Operations on
 existing arrays take their module from the arrays (`array_module`), so one
 process can hold both kinds. CuPy is imported only when asked for, so a CPU-only
 machine never needs it. Nothing else in hpcpar imports numpy-vs-cupy specifics.
+
+The package around it: `precision` (16-bit storage, float32 arithmetic), `blas` (the CPU's GEMMs:
+MKL or NumPy's BLAS), `cpu/` (cache-blocked fused kernels, one module per op), `jit/` (their Numba
+loops, the `fast` extra), `gpu_kernels` (fused CuPy kernels), `kernel_pool` (the threads a rank
+computes on), `splitmix` (counter-based hashing for dropout masks and batches).
 """
 
 from __future__ import annotations

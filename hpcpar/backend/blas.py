@@ -34,7 +34,7 @@ import sys
 import numpy as np
 
 from hpcpar.backend import kernel_pool
-from hpcpar.backend import threads as _threads
+from hpcpar import environment
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _MKL_THREADING_SEQUENTIAL, _MKL_THREADING_INTEL = 1, 0
@@ -72,7 +72,7 @@ def _load():
             lib.cblas_sgemm, lib.cblas_dgemm  # noqa: B018 - both must be there
         except (OSError, AttributeError):
             continue
-        n = _threads.blas_threads()
+        n = environment.blas_threads()
         # With Numba the kernel pool splits each product among its threads (kernel_pool: one pool
         # whose threads spin between calls, as PyTorch's OpenMP pool does) and MKL runs sequentially.
         split = n > 1 and kernel_pool.splits_gemms() and compiled_gemm(np.float32, lib) is not None

@@ -277,7 +277,7 @@ def _adamw_kernel():
     return cupy.ElementwiseKernel(
         "T g, float64 decay, float64 b1, float64 b2, float64 eps, float64 step_size, float64 inv_bias2_sqrt",
         "T p, T m, T v",
-        # The order of optim.AdamW.step: decay first, then the moments, then the update.
+        # The order of optim.optimizers.AdamW.step: decay first, then the moments, then the update.
         "p = p * (T)decay;"
         "v = v * (T)b2 + g * g * (T)(1.0 - b2);"
         "m = m * (T)b1 + g * (T)(1.0 - b1);"

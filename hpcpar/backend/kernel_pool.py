@@ -1,6 +1,6 @@
 """The threads a rank computes on: the calling thread plus `num_threads() - 1` kernel threads.
 
-    set_threads(n) / num_threads()   how many (None: the rank's BLAS threads, `threads.blas_threads()`)
+    set_threads(n) / num_threads()   how many (None: the rank's BLAS threads, `environment.blas_threads()`)
     run(fn, parts)                   fn(part) for every part, parts[0] on the caller, parts[i] on
                                      kernel thread i - 1 (the blocks of backend/cpu's kernels)
     split_gemm(...)                  one matrix product in pieces, piece 0 on the caller (blas.matmul)
@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from hpcpar.backend import threads
+from hpcpar import environment
 from hpcpar.backend.jit import load as load_jit
 
 # How long an idle kernel thread spins before it sleeps: longer than the gaps between a step's
@@ -57,13 +57,13 @@ _ctrl = _task = None     # the mailbox (jit.pool's docstring): int64 [_MAX_THREA
 
 
 def set_threads(n: int | None) -> None:
-    """Threads the kernels use (None: this rank's BLAS threads, `threads.blas_threads()`; at most
+    """Threads the kernels use (None: this rank's BLAS threads, `environment.blas_threads()`; at most
     64, the bits of the mask in which `jit.pool.post_tasks` reports sleeping threads)."""
     global _threads_set, _polite
     if n is not None and n < 1:
         raise ValueError(f"kernel threads must be >= 1, got {n}")
-    _threads_set = min(n if n is not None else threads.blas_threads(), _MAX_THREADS)
-    _polite = _threads_set > threads.cores()
+    _threads_set = min(n if n is not None else environment.blas_threads(), _MAX_THREADS)
+    _polite = _threads_set > environment.cores()
 
 
 def num_threads() -> int:

@@ -19,14 +19,13 @@ import sys
 import time
 from types import ModuleType
 
-from hpcpar.backend import threads
+from hpcpar import environment
 
 # Must run before NumPy loads its BLAS: one thread per rank when ranks share cores.
-threads.set_default_threads()
+environment.set_default_threads()
 
 from hpcpar.cli.options import Parser  # noqa: E402
 from hpcpar.errors import HpcparError, user_error_text  # noqa: E402
-from hpcpar.runtime.launcher import under_mpi_launcher  # noqa: E402
 
 # `hpcpar <verb>` runs hpcpar/cli/<verb>.py: HELP, add_arguments(parser), one_process(args), run(args).
 VERBS = ("train", "sample", "info", "ckpt", "job", "plot", "data", "plan", "eval")
@@ -86,7 +85,7 @@ def _debug(argv: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    launched = under_mpi_launcher()
+    launched = environment.under_mpi_launcher()
     failure = None
     if launched:       # before parsing: a usage error is then reported once for every rank
         from hpcpar.runtime import failure

@@ -176,7 +176,7 @@ def _check_data_parallel(cfg: Config, dp: int) -> None:
 
 
 def _check_tensor_parallel(cfg: Config, tp: int) -> None:
-    """The rules the tensor-parallel layers guard (`nn.tensor_parallel.check_config`), reported first
+    """The rules the tensor-parallel layers guard (`parallel.tp.layers.check_config`), reported first
     and in the config's names. (4 * n_embd) % tp == 0, the MLP width, follows from n_head % tp == 0
     and n_embd % n_head == 0. The vocabulary need not divide: it is padded to a multiple of tp."""
     m = cfg.model

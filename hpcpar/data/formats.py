@@ -3,16 +3,16 @@
 `load(data_config, vocab_size, comm)` opens what ``[data]`` names and returns a `Dataset`: the
 training and validation token sequences, the tokenizer that made them and a description. The
 sequences are 1-D and index like NumPy arrays (``len``, contiguous slices, integer-array
-indexing), so `data.get_batch` samples from any of them the same way, and the same tokens give
+indexing), so `corpus.get_batch` samples from any of them the same way, and the same tokens give
 the same batches, hence the same loss curve, whatever their format:
 
-- ``bytes``: `data.load_corpus` (text as byte tokens, in memory);
+- ``bytes``: `corpus.load_corpus` (text as byte tokens, in memory);
 - ``bin``: a flat file of uint16 or uint32 tokens (nanoGPT's train.bin layout), memory-mapped:
   a rank's batch reads the pages its own windows cover, nothing else;
 - ``hdf5``: a 1-D integer dataset, read by hyperslab (`HDF5Tokens`): one read per window.
 
 A single token sequence is split into training and validation exactly as a byte corpus is
-(`data.split`, the tail held out); a directory with train.bin and val.bin (nanoGPT), or an HDF5
+(`corpus.split`, the tail held out); a directory with train.bin and val.bin (nanoGPT), or an HDF5
 file with ``train`` and ``val`` datasets, brings its own split.
 
 Token ids must be below ``model.vocab_size``. `hpcpar data prepare` records each file's token

@@ -34,12 +34,12 @@ from hpcpar.errors import DataError, HpcparError
 
 PIECE_BYTES = 4 << 20       # text read and encoded at a time
 _BATCH_PIECES = 8           # pieces encoded together (the BPE library encodes a batch in parallel)
-_SEPARATOR = b"\n"          # after each document when there are several (as data.load_corpus)
+_SEPARATOR = b"\n"          # after each document when there are several (as corpus.load_corpus)
 
 
 def input_files(paths: Sequence[str]) -> tuple[list[str], bool]:
     """The files to read, in order, and whether each is followed by the document separator
-    (False only for a single file given directly, as `data.load_corpus` reads it)."""
+    (False only for a single file given directly, as `corpus.load_corpus` reads it)."""
     if not paths:
         raise DataError("data prepare needs at least one text file or directory")
     files = []

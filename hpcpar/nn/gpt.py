@@ -48,7 +48,7 @@ from hpcpar.autograd.tensor import Tensor
 DTYPES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 MASTER_DTYPES = ("float32", "float64")
 
-# model.preset: named architectures. `config.load_config` fills in a preset's fields wherever the
+# model.preset: named architectures. `config.load.load_config` fills in a preset's fields wherever the
 # file and the --set overrides leave them out. gpt2 is GPT-2 small (124M parameters), the shapes
 # of HuggingFace's "gpt2" (what `hpcpar ckpt import` reads and `ckpt export` writes).
 PRESETS = {
@@ -58,10 +58,10 @@ PRESETS = {
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """The architecture, and the `[model]` section of the run configuration (`config.Config.model`).
+    """The architecture, and the `[model]` section of the run configuration (`config.sections.Config.model`).
 
     nanoGPT's field names. Each field documents itself (`metadata["doc"]`, `["choices"]`) for
-    `config.to_toml` and docs/config.md; value ranges and the rules that involve the mesh are
+    `config.load.to_toml` and docs/config.md; value ranges and the rules that involve the mesh are
     checked by `config.validate`. The parameter counts below are the single source for MFU and
     the memory estimate; a unit test holds them equal to the elements of a built GPT.
 
@@ -171,7 +171,7 @@ class CausalSelfAttention(Module):
 
     `attend(qkv, n_head, recompute=False)` is the attention itself: `causal_attention`, or
     under context parallelism ring attention / Ulysses over the cp group
-    (`parallel.context.ContextParallel`). `recompute_scores` (selective recomputation, set by
+    (`parallel.cp.attention.ContextParallel`). `recompute_scores` (selective recomputation, set by
     `GPT.set_recompute`) asks it to keep no [T, T] probabilities for backward.
     """
 
@@ -301,7 +301,7 @@ class GPT(Module):
         head: this stage holds ln_f and the LM head and returns logits or the loss.
         sequence_parallel: Megatron-SP (with tp > 1).
         seed: initialisation seed (values depend only on seed, name and global shape).
-        cp: the context-parallel group (`parallel.context.ContextParallel`; None or size 1: the
+        cp: the context-parallel group (`parallel.cp.attention.ContextParallel`; None or size 1: the
             whole sequence on this rank). With cp > 1 token ids, targets and activations are this
             rank's tokens only, [B, T/cp(, C)] (`cp.positions(T)`).
         precision: train.precision: "full", or "bf16"/"fp16" (activations in 16 bits from the
@@ -323,7 +323,7 @@ class GPT(Module):
         self.embed, self.head = embed, head
         self.layer_ids = list(range(config.n_layer) if layers is None else layers)
         self.rng_context = None  # (seed, step, sample_ids) for dropout masks; set by the trainer
-        self.unit_hooks = None  # ZeRO-3 (`parallel.fsdp.ShardedUnits`): gathers around each unit
+        self.unit_hooks = None  # ZeRO-3 (`parallel.dp.fsdp.ShardedUnits`): gathers around each unit
         cfg = config
         # Tensor parallelism only when there is more than one tp rank (size 1: the plain layers).
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None

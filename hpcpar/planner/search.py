@@ -182,7 +182,7 @@ def reasons(best: Prediction, others: list[Prediction]) -> list[str]:
 
 
 def format_plans(plans: list[Prediction], world: int, hw: Hardware, why: list[str]) -> str:
-    lines = [f"plans for {world} ranks on {hw.name} (predicted; memory is config.estimate_memory)",
+    lines = [f"plans for {world} ranks on {hw.name} (predicted; memory is config.memory.estimate_memory)",
              f"{'#':>2}  {'step':>9}  {'tokens/s':>10}  {'MFU':>6}  {'memory':>9}  layout"]
     for i, p in enumerate(plans, 1):
         lines.append(f"{i:>2}  {p.step_time * 1e3:>7.1f}ms  {p.tokens_per_s:>10,.0f}  {p.mfu:>6.1%}  "

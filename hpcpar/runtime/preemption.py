@@ -4,7 +4,7 @@ cleanly at the next step boundary.
 The handler only sets a flag. Every step each rank puts its flag into the step's one world
 collective (`training.trainer.Trainer._agree`; with a parameter server, into its push), so all ranks
 agree on the same step even when only some of them were signalled; the training loop then
-saves a checkpoint after that step and exits with `training.trainer.REQUEUE_STATUS` (75).
+saves a checkpoint after that step and exits with `launch.jobs.REQUEUE_STATUS` (75).
 """
 
 from __future__ import annotations

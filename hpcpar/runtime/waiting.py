@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from hpcpar.backend import threads
+from hpcpar import environment
 from hpcpar.errors import ConfigError
 from hpcpar.runtime import watchdog
 
@@ -50,7 +50,7 @@ def mpi_waits_block() -> bool:
         raise ConfigError(f"HPCPAR_MPI_WAIT={choice!r} is not a wait mode; use auto, block or poll")
     if choice != "auto":
         return choice == "block"
-    return threads.local_ranks() <= threads.cores()
+    return environment.local_ranks() <= environment.cores()
 
 
 def wait_for(request, record: watchdog.OpRecord, watched: bool) -> None:

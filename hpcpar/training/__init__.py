@@ -1,1 +1,4 @@
-"""Training: the trainer and its loop, the parameter-server rank, evaluation, sampling, the run report."""
+"""Training: the Trainer and its step loop (`trainer`), the update made after backward (`update`:
+collective or through parameter servers), what `hpcpar train` runs (`run`), a parameter server's
+rank (`server`), the run's summary (`report`) and figures (`mfu`, `routing`), and the verbs built on a
+trained model or run: `evaluate`, `generate`, `calibrate` (for `hpcpar plan`), `plot`."""

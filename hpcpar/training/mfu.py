@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from hpcpar import backend, metrics
-from hpcpar.backend import blas, threads
+from hpcpar import environment
+from hpcpar.backend import blas
 from hpcpar.config.sections import Config
 from hpcpar.runtime.mesh import Mesh
 
@@ -34,7 +35,7 @@ def measure_peak(mesh: Mesh, dtype: str) -> float:
             gpus = min(mesh.node_comm.size, xp.cuda.runtime.getDeviceCount())
             rate = gpus * metrics.measure_gemm_flops(dtype, n=4096, seconds=0.3, xp=xp, sync=backend.synchronize)
         else:
-            cores = threads.cores()
-            rate = metrics.measure_gemm_flops(dtype, matmul=blas.matmul) * cores / min(threads.blas_threads(), cores)
+            cores = environment.cores()
+            rate = metrics.measure_gemm_flops(dtype, matmul=blas.matmul) * cores / min(environment.blas_threads(), cores)
     mesh.world.ibarrier().wait()
     return float(mesh.world.all_reduce(np.array([rate]), op="sum")[0])

@@ -18,7 +18,7 @@ import socket
 import numpy as np
 
 from hpcpar import metrics
-from hpcpar.backend import threads
+from hpcpar import environment
 from hpcpar.checkpoint import directory
 from hpcpar.checkpoint.load import load as read_checkpoint
 from hpcpar.config.load import given_keys, load_config, loads, to_toml
@@ -30,7 +30,8 @@ from hpcpar.runtime.comm import Communicator, mpi_world
 from hpcpar.runtime.topology import resolve_degrees
 from hpcpar.training.report import format_summary
 from hpcpar.training.server import ServerRank
-from hpcpar.training.trainer import REQUEUE_STATUS, RunResult, Trainer
+from hpcpar.launch.jobs import REQUEUE_STATUS
+from hpcpar.training.trainer import RunResult, Trainer
 
 log = logging.getLogger("hpcpar")
 
@@ -117,7 +118,7 @@ def _agreed_memory_per_rank(world: Communicator) -> int | None:
     """The smallest share of node memory per rank over the job (None when unknown anywhere),
     agreed by one all-reduce before validation so that every rank reaches the same verdict."""
     available = metrics.available_memory_bytes()
-    share = available // threads.local_ranks() if available is not None else -1
+    share = available // environment.local_ranks() if available is not None else -1
     agreed = int(world.all_reduce(np.array([share], dtype=np.int64), op="min")[0])
     return agreed if agreed >= 0 else None
 

@@ -36,6 +36,7 @@ from hpcpar.config.sections import Config, TrainConfig
 from hpcpar.config.validate import slow_ranks, validate
 from hpcpar.data import corpus, formats, tokenizer
 from hpcpar.errors import ConfigError, HpcparError
+from hpcpar.launch.jobs import REQUEUE_STATUS  # checkpoint saved, requeue me: what the job templates test for
 from hpcpar.optim.loss_scale import LossScaler
 from hpcpar.optim.optimizers import SGD, AdamW, grad_norm_sq
 from hpcpar.parallel.cp.attention import ContextParallel
@@ -58,9 +59,6 @@ from hpcpar.training.report import StepLog, ps_text, traffic_summary
 from hpcpar.training.update import LocalUpdate, ServerUpdate, StepResult
 
 log = logging.getLogger("hpcpar")
-
-# Exit status after a preemption signal: checkpoint saved, requeue me (EX_TEMPFAIL).
-REQUEUE_STATUS = 75
 
 # Python's cycle collector looks at the young objects every 700 new containers by default; a step
 # makes tens of thousands (tensors, closures, tuples) and those looks took about 3 % of a CPU step.
@@ -155,7 +153,7 @@ class Trainer:
         self.train_tokens, self.val_tokens = self.dataset.train, self.dataset.val
         self.tokens_per_step = self.mesh.size(Axis.DP) * t.micro_batch_size * t.microbatches * cfg.model.block_size
         self.step = 0  # the next step to run
-        self.save_in_flight = None  # checkpoint.SaveHandle of an asynchronous save not yet committed
+        self.save_in_flight = None  # checkpoint.save.SaveHandle of an asynchronous save not yet committed
 
     def _join_mesh(self, comm) -> Any:
         """Build the workers' mesh over `comm` (with S servers: its first size - S ranks, split off
@@ -617,7 +615,7 @@ class Trainer:
         """Checkpoint this rank's `checkpoint_state` (collective).
 
         A save still in flight is committed first. Returns the committed `step-NNNNNNN` path,
-        or with `async_save` a `checkpoint.SaveHandle` (also kept in `save_in_flight`): the
+        or with `async_save` a `checkpoint.save.SaveHandle` (also kept in `save_in_flight`): the
         rank files are written in a background thread and `finish_save()` commits them.
         """
         self.finish_save()

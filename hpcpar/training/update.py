@@ -27,7 +27,7 @@ import numpy as np
 from hpcpar import backend
 from hpcpar.config.sections import Config, TrainConfig
 from hpcpar.optim.optimizers import lr_at
-from hpcpar.parallel.dp.clipping import clip_gradients, tp_replicated
+from hpcpar.parallel.dp.clipping import clip_gradients, counts_toward_norm
 from hpcpar.parallel.ps.client import ParameterClient
 from hpcpar.parallel.ps.ownership import FlatSpace
 from hpcpar.parallel.ps.wire import FLAG_PREEMPT
@@ -160,7 +160,7 @@ class ServerUpdate:
         self.client = ParameterClient(
             named_parameters, FlatSpace(_global_shapes(named_parameters, mesh.world)), self.job,
             list(range(self.workers, comm.Get_size())), mesh.rank(Axis.DP),
-            owns=lambda p: not p.tied_to and (tp_rank == 0 or not tp_replicated(p)),
+            owns=lambda p: counts_toward_norm(p, tp_rank),
             dtype=np.dtype(cfg.model.dtype), groups=groups)
         dp.on_bucket_ready(lambda bucket: self.client.push_ready(bucket.index))
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from hpcpar.data import prepare
-from hpcpar.runtime.launcher import LAUNCHER_VARIABLES
+from hpcpar.environment import LAUNCHER_VARIABLES
 
 from tiny_run import texts_and_tiny_run
 

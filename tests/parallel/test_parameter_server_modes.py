@@ -27,7 +27,7 @@ from collective import collective_assert, one_process_losses
 from hpcpar.runtime import preemption
 from hpcpar.config.load import load_config
 from hpcpar.training.run import build
-from hpcpar.training.trainer import REQUEUE_STATUS
+from hpcpar.launch.jobs import REQUEUE_STATUS
 
 WORLD = MPI.COMM_WORLD
 TINY = ["model.n_layer=2", "model.n_embd=16", "model.n_head=2", "model.block_size=8", "model.dtype=float64",

@@ -26,7 +26,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "hpcpar"
 
 # Each layer: the module names or folder prefixes ("x." = every module under hpcpar/x/) it holds.
 LAYERS = [
-    ("hpcpar", "errors", "layout", "state", "schema", "metrics", "launch", "launch."),
+    ("hpcpar", "errors", "environment", "layout", "state", "schema", "metrics", "launch", "launch."),
     ("backend", "backend.", "data", "data."),
     ("runtime", "runtime."),
     ("autograd", "autograd."),
@@ -196,7 +196,7 @@ print("\\n".join(failed))
 # plot, data prepare and sample run on (login nodes, where MPI_Init may fail) imports no mpi4py, even
 # transitively.
 PURE = ("parallel.pp.schedules", "parallel.pp.simulate", "parallel.pp.stages", "parallel.ps.ownership",
-        "runtime.topology", "runtime.launcher", "runtime.solo", "runtime.agreement", "config.load", "config.validate", "config.memory",
+        "environment", "runtime.topology", "runtime.solo", "runtime.agreement", "config.load", "config.validate", "config.memory",
         "planner.hardware", "planner.predict", "planner.search", "launch.jobs", "checkpoint.tools",
         "checkpoint.load", "checkpoint.save", "checkpoint.parts", "state", "training.plot", "training.generate", "interop.huggingface",
         "data.prepare", "nn.gpt", "nn.moe", "autograd.ops", "cli.main",

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hpcpar.runtime import waiting, watchdog
-from hpcpar.backend import threads
+from hpcpar import environment
 from hpcpar.errors import ConfigError
 
 
@@ -37,7 +37,7 @@ def test_bad_timeout_environment(monkeypatch, raw):
     ("8", "block", True), ("1", "poll", False), ("2", " Poll ", False)])
 def test_blocking_ops_poll_where_ranks_share_cores(monkeypatch, ranks, wait, blocks):
     monkeypatch.setattr(waiting.os, "sched_getaffinity", lambda pid: {0, 1})
-    for var in threads._LOCAL_SIZE_VARS:
+    for var in environment._LOCAL_SIZE_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MPI_LOCALNRANKS", ranks)
     monkeypatch.setenv("HPCPAR_MPI_WAIT", wait)

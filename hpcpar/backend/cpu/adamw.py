@@ -2,7 +2,7 @@
 
 All parameters' blocks form one list that the threads share out; with the `fast` extra the step
 runs as compiled tasks over equal runs of all the parameters' elements (`jit.pool.adamw_tasks`).
-Each element sees the operations of `optim.AdamW.step` in the same order, so the bits are the
+Each element sees the operations of `optim.optimizers.AdamW.step` in the same order, so the bits are the
 NumPy chain's on any thread count.
 """
 
@@ -19,7 +19,7 @@ from hpcpar.backend.kernel_pool import num_threads
 
 def adamw_update(params: list, b1: float, b2: float, eps: float, step_size: float, inv_bias2_sqrt: float) -> None:
     """One AdamW step of every parameter in `params`, [(p, g, m, v, decay), ...], in place (p, m, v),
-    in the order of `optim.AdamW.step`: decay (`decay` = 1 - lr wd, or 1), the moments, then
+    in the order of `optim.optimizers.AdamW.step`: decay (`decay` = 1 - lr wd, or 1), the moments, then
     p -= step_size m / (sqrt(v) inv_bias2_sqrt + eps). All parameters' blocks form one list, which
     the threads share out (one parameter's blocks would leave small parameters to one thread); with
     the compiled loops, all parameters' elements in equal runs of compiled tasks (`_adamw_tasks`)."""

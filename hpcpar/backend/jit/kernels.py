@@ -167,7 +167,7 @@ def add_bias_rows(y, b):
 
 @jit
 def adamw(p, g, m, v, scale, decay, b1, b2, one_minus_b1, one_minus_b2, eps, neg_step, inv_bias2_sqrt):
-    """One AdamW step in place, in optim.AdamW's order; `scale` says whether to decay."""
+    """One AdamW step in place, in optim.optimizers.AdamW's order; `scale` says whether to decay."""
     for i in range(p.size):
         pi = p[i] * decay if scale else p[i]
         gi = g[i]

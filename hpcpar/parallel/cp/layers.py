@@ -30,7 +30,7 @@ class ContextParallelLayers:
     Args:
         config: the GPTConfig (checked: Ulysses needs whole heads per rank).
         base: the layers of this rank's tp group (PlainLayers or TensorParallelLayers).
-        cp: the `parallel.context.ContextParallel` group (size > 1).
+        cp: the `parallel.cp.attention.ContextParallel` group (size > 1).
     """
 
     def __init__(self, config, base, cp):
