@@ -29,7 +29,7 @@ from hpcpar.runtime import preemption, watchdog
 from hpcpar.runtime.comm import Communicator, mpi_world
 from hpcpar.runtime.topology import resolve_degrees
 from hpcpar.training.report import format_summary
-from hpcpar.training.server import ServerRank
+from hpcpar.training.server_rank import ServerRank
 from hpcpar.launch.jobs import REQUEUE_STATUS
 from hpcpar.training.trainer import RunResult, Trainer
 

@@ -173,7 +173,7 @@ def test_model_code_loads_without_mpi():
 
 def test_every_module_imports_first():
     """Each module imports as the first hpcpar module of a process (an import cycle between two modules
-    shows only when one of them is imported first)."""
+    shows only when one of them is imported first). A missing optional extra (numba) is no failure."""
     code = """
 import importlib, sys
 failed = []
@@ -182,6 +182,9 @@ for name in sys.argv[1:]:
         del sys.modules[loaded]
     try:
         importlib.import_module(name)
+    except ModuleNotFoundError as err:  # an optional extra (numba for jit/, ...) is not an import cycle
+        if (err.name or "hpcpar").split(".")[0] == "hpcpar":
+            failed.append(f"{name}: {type(err).__name__}: {err}")
     except Exception as err:
         failed.append(f"{name}: {type(err).__name__}: {err}")
 print("\\n".join(failed))

@@ -28,7 +28,6 @@ from typing import Any, Callable, Iterable, Protocol
 from hpcpar.errors import ConfigError
 from hpcpar.optim.optimizers import AdamW
 from hpcpar.parallel.dp.compression.compressors import Compression
-from hpcpar.parallel.dp.data_parallel import DataParallel
 from hpcpar.parallel.dp.ddp import DDP
 from hpcpar.parallel.dp.fsdp import FSDP
 from hpcpar.parallel.dp.zero import ZeRO
@@ -117,7 +116,7 @@ def make_gradient_sync(named_params: Iterable[tuple[str, Any]], mesh, bucket_mb:
                        compression: Compression | str = "none", zero: int = 0,
                        make_optimizer: Callable[[list], Any] = AdamW, overlap: bool = True,
                        units: Iterable[tuple[int, str, list]] | None = None, reshard_after_forward: bool = True,
-                       prefetch: bool = True, local_tied: bool = False, groups: tuple | None = None) -> DataParallel:
+                       prefetch: bool = True, local_tied: bool = False, groups: tuple | None = None) -> GradientSync:
     """The strategy for ZeRO stage `zero` (the module's table).
 
     Args:
