@@ -48,6 +48,7 @@ class Benchmark:
     args: tuple[str, ...] = ()
     quick_args: tuple[str, ...] = ()
     needs_torch: bool = False
+    needs_root: bool = False      # starts a cluster of node namespaces (tests/cluster/harness.py)
     timeout_s: float = 300.0
 
 
@@ -120,6 +121,11 @@ BENCHMARKS = (
               "threads (a process each)",
               args=("--steps", "5", "--rounds", "5"), quick_args=("--steps", "1", "--rounds", "1", "--shapes", "2x64x64x4"),
               needs_torch=True, timeout_s=1800.0),
+    Benchmark("cluster", "bench/cluster.py", None,
+              "what only a cluster shows (node namespaces on this machine, tbf-shaped links): collectives' bus "
+              "bandwidth against the link rate, tp inside vs across nodes, where gradient compression pays "
+              "(measured vs predicted), parameter server vs all-reduce across the link, hpcpar plan calibrated on "
+              "the cluster; root only", quick_args=("--quick",), needs_root=True, timeout_s=1800.0),
 )
 BY_NAME = {b.name: b for b in BENCHMARKS}
 
@@ -155,6 +161,18 @@ def display(argv: list[str]) -> str:
     return f"{env} {shlex.join(words)}"
 
 
+def cluster_missing() -> str | None:
+    """Why no cluster of node namespaces can start here (tests/cluster/harness.py), or None."""
+    sys.path.insert(0, str(ROOT / "tests" / "cluster"))
+    try:
+        import harness
+    except ImportError as e:
+        return f"tests/cluster/harness.py cannot be imported ({e})"
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "cluster"))
+    return harness.missing()
+
+
 def torch_version() -> str | None:
     if importlib.util.find_spec("torch") is None:
         return None
@@ -169,6 +187,8 @@ def run(b: Benchmark, quick: bool, results_dir: Path) -> dict:
              "load_average_before": list(os.getloadavg())}
     if b.needs_torch and torch_version() is None:
         return {**entry, "status": "skipped: PyTorch is not installed (pip install torch)", "returncode": None}
+    if b.needs_root and (why := cluster_missing()):
+        return {**entry, "status": f"skipped: {why}", "returncode": None}
     print(f"\n=== {b.name}: {entry['command']}", flush=True)
     env = {**os.environ, **THREAD_ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     start = time.perf_counter()
@@ -643,6 +663,254 @@ def _step_overhead_table(d: dict) -> list[str]:
     return lines
 
 
+_RATES = ("100mbit", "1gbit", "10gbit", None)
+_RATE_TEXT = {"100mbit": "100 Mb/s", "1gbit": "1 Gb/s", "10gbit": "10 Gb/s", None: "unshaped"}
+_RATE_GBPS = {"100mbit": 0.1, "1gbit": 1.0, "10gbit": 10.0}
+
+
+def _cluster_lstar(x) -> str:
+    return "–" if x is None else x if isinstance(x, str) else f"{x:.2f}"
+
+
+def _cluster(d: dict) -> list[str]:
+    """bench/cluster.py: one line per section that ran."""
+    if "skipped" in d:
+        return [f"skipped: {d['skipped']}"]
+    out = []
+    col = d.get("collectives", {})
+    if col.get("rows"):
+        size = max(col["sizes_mib"]) * MiB
+        ar = {r["rate"]: r for r in col["rows"] if r["op"] == "all_reduce" and r["nodes"] == 2 and r["bytes"] == size}
+        parts = [f"{_RATE_TEXT[rate]} {ar[rate]['busbw_gbps']:.2f}" + (
+            f" ({ar[rate]['busbw_gbps'] / _RATE_GBPS[rate]:.0%})" if rate in _RATE_GBPS else "")
+            for rate in _RATES if rate in ar]
+        ratios = [x for t in col["traffic"] for x in t["sent_over_expected"].values()]
+        out.append(f"all-reduce {size // MiB} MiB across 2 nodes, busbw Gb/s (of the link): " + ", ".join(parts)
+                   + f"; eth0 bytes {min(ratios):.2f}-{max(ratios):.2f}x the ring volume")
+    elif "error" in col:
+        out.append(f"collectives: failed ({col['error'][:200]})")
+    paths = d.get("allreduce_paths", {})
+    if paths.get("rows"):
+        at = [r for r in paths["rows"] if r["nodes"] == 4 and r["rate"] == "1gbit"]
+        size = max(r["bytes"] for r in at) if at else None
+        out.append(f"all-reduce {size // MiB if size else '?'} MiB on 4 nodes at 1 Gb/s, share of the link: " + ", ".join(
+            f"{r['path']} {r['share_of_link']:.0%}" for r in at if r["bytes"] == size))
+    tp = d.get("tp_placement", {})
+    if tp.get("rows"):
+        across = [r for r in tp["rows"] if r["placement"] == "across"]
+        out.append("dp=2 x tp=2 on 2x2, tp across nodes / tp inside: " + ", ".join(
+            f"{_RATE_TEXT[r['rate']]} {r['vs_inside']:.2f}x" for r in sorted(across, key=lambda r: _RATES.index(r["rate"]))))
+    elif "error" in tp:
+        out.append(f"tp placement: failed ({tp['error'][:200]})")
+    comp = d.get("compression", {})
+    if comp.get("verdicts"):
+        out.append("compression beats none (dp=2 across 2 nodes): " + "; ".join(
+            f"{v['kind']} {v['measured'].split(' (')[0]} (predicted L* {_cluster_lstar(v['predicted_lstar_gbps'])} Gb/s)"
+            for v in comp["verdicts"]))
+    elif "error" in comp:
+        out.append(f"compression: failed ({comp['error'][:200]})")
+    ps = d.get("ps", {})
+    if ps.get("rows"):
+        parts = []
+        for rate in ps["rates"]:
+            cells = [f"{r['mode']}{'' if r['straggler'] == 'none' else ' (straggler)'} {r['vs_allreduce']:.2f}x"
+                     for r in ps["rows"] if r["rate"] == rate and r["mode"] in ("sync", "async")]
+            parts.append(f"{_RATE_TEXT[rate]}: " + ", ".join(cells))
+        out.append("PS (1 server) tokens/s vs all-reduce, 3 workers: " + "; ".join(parts))
+    elif "error" in ps:
+        out.append(f"parameter server: failed ({ps['error'][:200]})")
+    plan = d.get("plan", {})
+    if plan.get("rows"):
+        out.append(f"hpcpar plan calibrated on 2x2 at {_RATE_TEXT[plan['rate']]}: first choice "
+                   f"{'is' if plan['first_choice_is_fastest'] else 'is not'} the fastest measured "
+                   f"({plan['first_choice_gap']:+.0%}), median |error| {plan['median_abs_error']:.0%}, "
+                   f"Spearman {plan['spearman']:.2f} over {len(plan['rows'])} meshes")
+    elif "error" in plan:
+        out.append(f"plan: failed ({plan['error'][:200]})")
+    return out
+
+
+def _cluster_table(d: dict, docs_path: Path | None) -> list[str]:
+    """bench/cluster.py's sections as tables, with its two plots."""
+    if "skipped" in d:
+        return [f"Skipped: {d['skipped']}."]
+    m = d["meta"]
+    lines = ["`python bench/cluster.py` (root): a cluster of node namespaces on this machine "
+             "(tests/cluster/harness.py: per node a network namespace with its own eth0 on a bridge, hostname and "
+             "/tmp), ranks launched across them with MPICH's hydra (inter-node bytes over TCP on eth0, ranks of one "
+             "node through shared memory), links shaped with tbf on both ends (no netem here: latency is not "
+             f"shaped). **Every node shares this machine's {m['cores']} cores**: compute does not grow with nodes, "
+             "only the link is real; figures are about bandwidth, and the absolute times are those of ranks sharing "
+             f"2 cores (load average {m['load_average_start'][0]:.1f} at the start). {m['mpi']}; run took "
+             f"{m['wall_s']:.0f} s. How far these figures moved over several runs, and what they change in the "
+             "advice: [tuning.md](tuning.md#across-nodes-what-benchclusterpy-measured)."]
+    col = d.get("collectives", {})
+    if col.get("rows"):
+        rates = [r for r in _RATES if any(x["rate"] == r for x in col["rows"])]
+        lines += ["", "**Collectives across nodes**, one rank per node, through hpcpar's Communicator (float32); "
+                  "time = the slowest rank's, median of 3-8 repeats; busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n "
+                  "(all-gather, reduce-scatter; bytes = the full result), in Gb/s, with the share of the link's rate:", "",
+                  "| op | nodes | MiB | " + " | ".join(_RATE_TEXT[r] for r in rates) + " |",
+                  "|---|---:|---:|" + "---:|" * len(rates)]
+        keys = sorted({(r["op"], r["nodes"], r["bytes"]) for r in col["rows"]},
+                      key=lambda k: (col["ops"].index(k[0]), k[1], k[2]))
+        by = {(r["op"], r["nodes"], r["bytes"], r["rate"]): r for r in col["rows"]}
+        for op, n, size in keys:
+            cells = []
+            for rate in rates:
+                r = by.get((op, n, size, rate))
+                cells.append("–" if r is None else f"{r['busbw_gbps']:.3f}" + (
+                    f" ({r['busbw_gbps'] / _RATE_GBPS[rate]:.0%})" if rate in _RATE_GBPS else ""))
+            lines.append(f"| {op} | {n} | {size // MiB} | " + " | ".join(cells) + " |")
+        lines += ["", "Bytes on eth0 during each launch (`Cluster.traffic`) against the ring volume its calls imply "
+                  "(factor x bytes per call, summed over the timed calls and a 1 MiB warm-up all-reduce):", "",
+                  "| nodes | link | expected MiB sent per node | sent / expected | received / expected |",
+                  "|---:|---|---:|---|---|"]
+        for t in col["traffic"]:
+            s, r = list(t["sent_over_expected"].values()), list(t["received_over_expected"].values())
+            lines.append(f"| {t['nodes']} | {_RATE_TEXT[t['rate']]} | {t['expected_sent_per_node'] / MiB:.1f} | "
+                         f"{min(s):.3f}-{max(s):.3f} | {min(r):.3f}-{max(r):.3f} |")
+        shaped = [r for r in col["rows"] if r["rate"] in _RATE_GBPS]
+        over = sorted({(r["op"], r["nodes"], r["bytes"] // MiB, r["rate"]) for r in shaped
+                       if r["busbw_gbps"] > _RATE_GBPS[r["rate"]]})
+        notes = []
+        for n in col["nodes"]:
+            free = [r["busbw_gbps"] for r in col["rows"] if r["rate"] is None and r["nodes"] == n]
+            if free:
+                notes.append(f"Unshaped, {n} nodes' veth pairs moved {min(free):.1f}-{max(free):.1f} Gb/s of bus "
+                             "bandwidth (what this machine's CPUs carry through TCP and the bridge)"
+                             + (": below the 10 Gb/s limit, so there the 10 Gb/s column measures the CPUs (and tbf's "
+                                "own cost), not the link" if max(free) < 10 and any(r["rate"] == "10gbit" for r in shaped)
+                                else ""))
+        if over:
+            notes.append("Above the link's rate: " + ", ".join(f"{op} {n} nodes {mib} MiB at {_RATE_TEXT[rate]}"
+                                                             for op, n, mib, rate in over)
+                         + ": a message that fits in tbf's bucket (burst: 1 ms of the rate, at least 64 KiB) "
+                         "passes at the veth's own speed")
+        for n in sorted({r["nodes"] for r in shaped}):
+            share = {op: [r["busbw_gbps"] / _RATE_GBPS[r["rate"]] for r in shaped if r["nodes"] == n and r["op"] == op
+                          and r["rate"] in ("100mbit", "1gbit") and r["bytes"] >= 8 * MiB] for op in col["ops"]}
+            if all(share.values()):
+                notes.append(f"{n} nodes at 100 Mb/s and 1 Gb/s, 8 MiB and up: " + ", ".join(
+                    f"{op} {min(v):.0%}-{max(v):.0%}" for op, v in share.items()) + " of the link")
+        if notes:
+            lines += ["", ". ".join(notes) + "."]
+        png = next((p for p in d.get("plots", []) if p.endswith("cluster.png")), None)
+        if png:
+            lines += ["", f"![collectives across nodes]({_link(png, docs_path)})"]
+    elif "error" in col:
+        lines += ["", f"Collectives: failed: {col['error']}"]
+    paths = d.get("allreduce_paths", {})
+    if paths.get("rows"):
+        cases = list(dict.fromkeys((r["nodes"], r["rate"], r["bytes"]) for r in paths["rows"]))
+        by = {(r["path"], r["nodes"], r["rate"], r["bytes"]): r for r in paths["rows"]}
+        lines += ["", "**All-reduce paths across nodes**, one rank per node, the paths alternating in one launch: "
+                  "hpcpar's all_reduce waiting inside MPI (it runs MPI's Allreduce: where ranks do not share cores) "
+                  "and polled (its split, a reduce-scatter then an all-gather: where they do, `HPCPAR_MPI_WAIT=poll`), "
+                  f"raw mpi4py next to them; busbw Gb/s (share of the link), {paths['time']}.", "",
+                  "| path | " + " | ".join(f"{n} nodes, {_RATE_TEXT[rate]}, {b // MiB} MiB" for n, rate, b in cases)
+                  + " |", "|---|" + "---:|" * len(cases)]
+        for path in paths["paths"]:
+            cells = [by.get((path, *c)) for c in cases]
+            lines.append(f"| {path} | " + " | ".join("–" if r is None else f"{r['busbw_gbps']:.3f} "
+                                                     f"({r['share_of_link']:.0%})" for r in cells) + " |")
+    elif "error" in paths:
+        lines += ["", f"All-reduce paths: failed: {paths['error']}"]
+    tp = d.get("tp_placement", {})
+    if tp.get("rows"):
+        p = tp["placements"]
+        lines += ["", f"**tp inside nodes against tp across nodes**: `hpcpar train` on 2 nodes x 2 ranks, "
+                  f"{tp['mesh']}, " + " ".join(tp["model"]) + f", micro-batch {tp['batch_per_replica']} per replica, "
+                  f"{tp['steps']} steps, {tp.get('rounds', 1)} round(s); step = "
+                  + tp.get("step", "median of metrics.jsonl's step_time_s") + f" (metrics.jsonl's step_time_s after "
+                  f"{tp['warm_up']} warm-up steps); eth0 = the launch's bytes sent by the busier node / steps. Inside: hydra's default "
+                  f"placement (`-hosts {p['inside']['argv_hosts']}`), `hpcpar info --dp 2 --tp 2`: \"every tp group "
+                  f"inside one node: {'yes' if p['inside']['every_tp_group_inside_one_node'] else 'NO'}\"; across: "
+                  f"`-hosts {p['across']['argv_hosts']}` (hydra wraps round): \"every tp group inside one node: "
+                  f"{'yes' if p['across']['every_tp_group_inside_one_node'] else 'NO'}\".", "",
+                  "| link | tp inside ms | tp across ms | across / inside | eth0 MiB/step inside | across |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        by = {(r["placement"], r["rate"]): r for r in tp["rows"]}
+        for rate in (r for r in _RATES if ("inside", r) in by):
+            i, a = by[("inside", rate)], by[("across", rate)]
+            lines.append(f"| {_RATE_TEXT[rate]} | {1e3 * i['step_s']:.0f} | {1e3 * a['step_s']:.0f} | "
+                         f"{a['vs_inside']:.2f}x | {i['link_sent_per_step'] / MiB:.2f} | "
+                         f"{a['link_sent_per_step'] / MiB:.2f} |")
+    elif "error" in tp:
+        lines += ["", f"tp placement: failed: {tp['error']}"]
+    comp = d.get("compression", {})
+    if comp.get("rows"):
+        rates = comp["rates"]
+        by = {(r["kind"], r["rate"]): r for r in comp["rows"]}
+        lines += ["", f"**Gradient compression on a slow link**: dp=2 across 2 nodes (one rank per node), the "
+                  f"default model, global batch {comp['global_sequences']} sequences, error feedback on, compressing "
+                  f"from the first step (timing runs, as bench/compression.py's); step (the slowest rank's) = "
+                  + comp.get("step", "the best round's median") + f", {comp['rounds']} alternating rounds of "
+                  f"{comp['steps']} steps after a warm-up step; a compressor beats none where its step is more than "
+                  f"{comp.get('margin', 0):.0%} shorter. In brackets: "
+                  "bench/compression.py's prediction from this run's unshaped row, t_c + S_c / L + "
+                  f"{comp['alpha_us']:g} µs x messages.", "",
+                  "| compressor | MiB/step/rank | " + " | ".join(f"{_RATE_TEXT[r]} ms" for r in rates) + " |",
+                  "|---|---:|" + "---:|" * len(rates)]
+        for k in comp["kinds"]:
+            cells = []
+            for rate in rates:
+                r = by[(k, rate)]
+                pred = f" ({1e3 * r['predicted_step_s']:.0f})" if "predicted_step_s" in r else ""
+                cells.append(f"{1e3 * r['step_s']:.0f}{pred}" + ("" if k == "none" else f", {r['vs_none']:.2f}x"))
+            lines.append(f"| {k} | {by[(k, rates[0])]['bytes_per_step'] / MiB:.3f} | " + " | ".join(cells) + " |")
+        lines += ["", "Where each beats none, measured against predicted (L*: the link speed below which it wins by the "
+                  "prediction; `compression.json`: the same prediction from bench/compression.py's dp=4 run on one "
+                  "host):", "", "| compressor | beats none (measured) | predicted L* Gb/s, this run | "
+                  "predicted L* Gb/s, compression.json |", "|---|---|---:|---:|"]
+        for v in comp["verdicts"]:
+            lines.append(f"| {v['kind']} | {v['measured']} | {_cluster_lstar(v['predicted_lstar_gbps'])} | "
+                         f"{_cluster_lstar(v['reference_lstar_gbps'])} |")
+    elif "error" in comp:
+        lines += ["", f"Compression: failed: {comp['error']}"]
+    ps = d.get("ps", {})
+    if ps.get("rows"):
+        lines += ["", f"**Parameter server against all-reduce across the link**: 2 nodes x 2 ranks, {ps['workers']} "
+                  f"workers; {ps['placement']}. {ps['model']}; tokens/s over {ps['steps']} steps after a warm-up step "
+                  "(the slowest rank's wall time); random straggler: at every step one worker 2x slower "
+                  "(`run.debug_slow_ranks=random`, `run.debug_slow_factor=2`). eth0: bytes sent per step by the "
+                  "busier node during the timed steps.", "",
+                  "| link | mode | straggler | tokens/s | vs all-reduce | eth0 MiB/step |", "|---|---|---|---:|---:|---:|"]
+        for r in ps["rows"]:
+            lines.append(f"| {_RATE_TEXT[r['rate']]} | {r['mode']} | {r['straggler']} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['vs_allreduce']:.2f}x | {r['link_sent_per_step'] / MiB:.2f} |")
+    elif "error" in ps:
+        lines += ["", f"Parameter server: failed: {ps['error']}"]
+    png = next((p for p in d.get("plots", []) if p.endswith("cluster_training.png")), None)
+    if png:
+        lines += ["", f"![training across nodes]({_link(png, docs_path)})"]
+    plan = d.get("plan", {})
+    if plan.get("rows"):
+        c = plan["calibration"]
+        scales = ", ".join(f"tp={k} {v:.2f}" for k, v in sorted(c.get("tp_scales", {}).items()))
+        lines += ["", f"**hpcpar plan on the cluster**: `hpcpar plan --calibrate` launched with hydra on 2 nodes x 2 "
+                  f"ranks at {_RATE_TEXT[plan['rate']]} ({plan['calibrate_wall_s']:.0f} s), then `{plan['cli']}` "
+                  f"and the best plan of each mesh trained on the cluster (slowest rank's median step, best of "
+                  f"{plan['rounds']} alternating rounds of {plan['steps']} steps). The calibration measured the "
+                  f"all-reduce over the world: alpha {1e6 * c['intra']['alpha']:.0f} µs, beta "
+                  f"{c['intra']['beta'] / 1e9:.2f} GB/s, stored as both the intra- and the inter-node link "
+                  f"(ranks_per_node {c['ranks_per_node']}); fitted tp traffic scales {scales}.", "",
+                  "| plan | predicted ms | measured ms | error | eth0 MiB/step |", "|---|---:|---:|---:|---:|"]
+        for r in plan["rows"]:
+            lines.append(f"| {r['layout']} | {1e3 * r['predicted_s']:.1f} | {1e3 * r['measured_s']:.1f} | "
+                         f"{r['error']:+.0%} | {r['link_sent_per_step'] / MiB:.2f} |")
+        lines += ["", f"First choice {plan['first_choice']}: "
+                  + ("the fastest measured" if plan["first_choice_is_fastest"] else
+                     f"{plan['first_choice_gap']:+.0%} from the fastest measured ({plan['fastest_measured']})")
+                  + f"; median |error| {plan['median_abs_error']:.0%}, Spearman {plan['spearman']:.2f}; planned as one "
+                  f"node of 4 (`--ranks 4`) the first choice is {plan['first_choice_as_one_node']}."]
+    elif "error" in plan:
+        lines += ["", f"Plan: failed: {plan['error']}"]
+    for note in d.get("notes", []):
+        lines += ["", note]
+    return lines
+
+
 def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
     """The headline figures of benchmark `name` from its JSON `data`, one string per line."""
     try:
@@ -653,7 +921,8 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
         return {"allreduce": _allreduce, "pipeline": _pipeline, "pipeline_gpt": _pipeline_gpt, "scaling": _scaling,
                 "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory, "zero": _zero,
                 "compression": _compression, "precision": _precision, "vs_torch": _vs_torch,
-                "plan": _plan, "moe": _moe, "ps": _ps, "step_overhead": _step_overhead}[name](data)
+                "plan": _plan, "moe": _moe, "ps": _ps, "step_overhead": _step_overhead,
+                "cluster": _cluster}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
 
@@ -818,7 +1087,8 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
                                       ("moe", "Mixture of experts", _moe_table, None),
                                       ("ps", "Parameter server", _ps_table, "parameter server loss curves"),
                                       ("step_overhead", "Per-step overhead", _step_overhead_table, None),
-                                      ("vs_torch", "hpcpar vs PyTorch eager", _vs_torch_table, None)):
+                                      ("vs_torch", "hpcpar vs PyTorch eager", _vs_torch_table, None),
+                                      ("cluster", "Cluster", lambda d: _cluster_table(d, docs_path), None)):
         results = details.get(name, {}).get("results")
         if not results:
             continue

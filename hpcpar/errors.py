@@ -14,6 +14,10 @@ class HpcparError(Exception):
 
     exit_status = 2
 
+    def __str__(self) -> str:
+        # One line, whatever the message quotes: a name read from a crafted file may hold a newline.
+        return super().__str__().replace("\r", "\\r").replace("\n", "\\n")
+
 
 class UsageError(HpcparError):
     """A command line that does not parse (an unknown flag, a missing value)."""

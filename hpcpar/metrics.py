@@ -3,8 +3,9 @@
 MFU follows the PaLM paper (appendix B): FLOPs per token = 6 N + 12 L d T, with N the
 non-embedding parameters, L layers, d the width and T the sequence length; MFU is the
 achieved model FLOP/s over the peak. The peak is this machine's measured dense GEMM
-rate: one rank per node times a square matmul with its BLAS threads while the node's
-other ranks wait; scaled to all the node's cores that is the node's peak; nodes are summed.
+rate: one rank per node times a square matmul with its BLAS threads, the best of several short
+timings, while the node's other ranks wait; scaled to all the node's cores that is the node's
+peak; nodes are summed (or the job's peak comes from elsewhere: training/mfu.py, run.mfu_peak).
 """
 
 from __future__ import annotations
@@ -28,20 +29,32 @@ def measure_gemm_flops(dtype: str = "float32", n: int = 1024, seconds: float = 0
     """This process's dense matmul rate in FLOP/s for `dtype` ([n, n] @ [n, n]) with array module
     `xp` (NumPy; CuPy with `sync` waiting for the device, so the clock sees finished products) and
     `matmul` (default `a @ b`; on the CPU the engine passes the GEMM its ops use, `blas.matmul`)."""
+    return gemm_rates(dtype, n, seconds, 1, xp, sync, matmul)[0]
+
+
+def gemm_rates(dtype: str = "float32", n: int = 1024, seconds: float = 0.1, tries: int = 5, xp=np,
+               sync=lambda: None, matmul=None) -> list[float]:
+    """`tries` timings of `measure_gemm_flops`'s matmul, `seconds` each, after one warm-up
+    product: each timing's FLOP/s, in order. Other work on the machine only slows a timing down,
+    so the best is the peak and the spread says how busy the machine was."""
     matmul = matmul or (lambda x, y: x @ y)
     rng = np.random.default_rng(0)
     a = xp.asarray(rng.standard_normal((n, n)).astype(dtype))
     b = xp.asarray(rng.standard_normal((n, n)).astype(dtype))
     matmul(a, b)  # warm-up (thread pool, caches, GPU handles)
     sync()
-    reps, start = 0, time.perf_counter()
-    while True:
-        matmul(a, b)
-        reps += 1
-        sync()
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return 2.0 * n ** 3 * reps / elapsed
+    rates = []
+    for _ in range(tries):
+        reps, start = 0, time.perf_counter()
+        while True:
+            matmul(a, b)
+            reps += 1
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                rates.append(2.0 * n ** 3 * reps / elapsed)
+                break
+    return rates
 
 
 def peak_rss_bytes() -> int:

@@ -9,9 +9,12 @@ that config validation, the mesh and the tensor-parallel layers all report in th
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from hpcpar.errors import ConfigError
+
+_DIVISOR_SEARCH = 10**5  # trial divisions at most: all of n's divisors up to n = 10**10
 
 
 def field(default: Any, doc: str, choices: tuple | None = None) -> Any:
@@ -26,8 +29,11 @@ def field(default: Any, doc: str, choices: tuple | None = None) -> Any:
 
 
 def divisors(n: int) -> list[int]:
-    """The positive divisors of `n` >= 1, ascending (the valid choices of a degree that must divide n)."""
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    """The positive divisors of `n` >= 1, ascending (the valid choices of a degree that must divide n).
+
+    Above 10**10 (no real size or degree: a damaged or crafted config) only those up to
+    `_DIVISOR_SEARCH` and their cofactors, so that the message naming them comes in bounded time."""
+    small = [d for d in range(1, min(math.isqrt(n), _DIVISOR_SEARCH) + 1) if n % d == 0]
     return small + [n // d for d in reversed(small) if d * d != n]
 
 

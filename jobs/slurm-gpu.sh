@@ -48,7 +48,7 @@ rm -f "$HPCPAR_REQUEUE_MARKER"
 
 # The run always resumes from the latest checkpoint, so a requeued job continues.
 # >>> launch
-srun --cpu-bind=cores --cpus-per-task=8 \
+srun --kill-on-bad-exit=1 --cpu-bind=cores --cpus-per-task=8 \
     hpcpar train run.toml --set checkpoint.resume=auto &
 # <<< launch
 launch_pid=$!

@@ -7,5 +7,6 @@
     save        a save's steps, asynchronous saves (`SaveHandle`) and the commit
     load        loading into any layout (reshard), every byte read checked
     parts       saving and loading `Checkpointable` parts (hpcpar/state.py): the trainer's entry
+    replicate   checkpoints on node-local disks: shared or not (probe), every file on every node
     tools       info, verify, export (one process, no MPI)
 """

@@ -6,7 +6,9 @@
 
 A save writes into a temporary directory, then rank 0 commits it: rename to its step name,
 replace `latest`, each durable (fsync) before the next; the oldest checkpoints beyond `keep`
-and leftovers of killed saves are then deleted by all ranks together (`prune`).
+and leftovers of killed saves are then deleted by all ranks together (`prune`). On node-local
+disks (`checkpoint.location`, `replicate.py`) every node holds such a directory and its leader
+commits its own copy; its ranks prune it together.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 from hpcpar.checkpoint.format import INDEX
+from hpcpar.data.untrusted import contained
 from hpcpar.errors import CheckpointError
 from hpcpar.runtime.agreement import arrive
 
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
 
 LATEST = "latest"
 TMP_PREFIX = ".tmp-step-"
+_POINTER_BYTES = 4096  # `latest` holds one step name
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 
 
@@ -51,24 +55,36 @@ def _step_dirs(directory: str) -> list[str]:
 
 
 def pointer(directory: str) -> str | None:
-    """The name `latest` in `directory` holds ("step-0000200"), or None when it has none."""
+    """The name `latest` in `directory` holds ("step-0000200"), or None when it has none. At most
+    `_POINTER_BYTES` are read: a larger file is no pointer (CheckpointError)."""
+    path = os.path.join(directory, LATEST)
     try:
-        with open(os.path.join(directory, LATEST)) as f:
-            return f.read().strip()
+        with open(path, "rb") as f:
+            raw = f.read(_POINTER_BYTES + 1)
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as err:
+        raise CheckpointError(f"{path}: unreadable checkpoint pointer ({err.strerror or err})") from None
+    if len(raw) > _POINTER_BYTES:
+        raise CheckpointError(f"{path}: more than {_POINTER_BYTES} bytes, not a checkpoint pointer (it holds one "
+                              "step-NNNNNNN name); delete it to resume from the newest checkpoint")
+    return raw.decode("utf-8", errors="replace").strip()
 
 
 def latest(directory: str) -> str | None:
     """The checkpoint `latest` points to in `directory`; when the pointer is missing or names no
     committed checkpoint (deleted by hand, or a save killed between its rename and the pointer:
     a `step-NNNNNNN` directory is complete once it has its name), the newest committed one; None
-    when there is none yet."""
+    when there is none yet. The pointer names a directory beside it, and the one chosen must
+    resolve inside `directory` (`data.untrusted.contained`: no path, no link that leads out)."""
     name = pointer(directory)
+    where = f"{os.path.join(directory, LATEST)}: checkpoint"
+    if name is not None and not _STEP_DIR.match(name) and ("/" in name or "\\" in name or name.startswith("..")):
+        contained(directory, name, where, CheckpointError)  # a path: refused when it leads out
     if name is not None and _STEP_DIR.match(name) and os.path.isdir(os.path.join(directory, name)):
-        return os.path.join(directory, name)
+        return contained(directory, name, where, CheckpointError)
     steps = _step_dirs(directory) if os.path.isdir(directory) else []
-    return os.path.join(directory, steps[-1]) if steps else None
+    return contained(directory, steps[-1], f"{directory}: checkpoint", CheckpointError) if steps else None
 
 
 def resolve(path: str) -> str:
@@ -84,21 +100,34 @@ def resolve(path: str) -> str:
     return found
 
 
+def write_pointer(directory: str, name: str) -> None:
+    """Make `latest` in `directory` name `name` ("step-0000200"), durably: written beside it,
+    then renamed over it."""
+    temporary = os.path.join(directory, LATEST + ".tmp")
+    with open(temporary, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, os.path.join(directory, LATEST))
+    fsync_path(directory)
+
+
+def step_of(name: str) -> int | None:
+    """The step of a `step-NNNNNNN` name, None for any other name."""
+    found = _STEP_DIR.match(name)
+    return int(found.group(1)) if found else None
+
+
 def commit_dir(directory: str, tmp: str, step: int, keep: int | None) -> tuple[str, list[str]]:
-    """Rank 0: rename tmp -> step-NNNNNNN, replace `latest`. Each step is durable first.
+    """Rank 0 (node-local: each node's leader, on its disk): rename tmp -> step-NNNNNNN, replace
+    `latest`. Each step is durable first.
     Returns the checkpoint's path and the directories to delete (`prune`)."""
     final = os.path.join(directory, step_dir_name(step))
     if os.path.exists(final):  # the same step saved again (e.g. after a resume): replace it
         os.rename(final, f"{tmp}-replaced")
     os.rename(tmp, final)
     fsync_path(directory)
-    temporary = os.path.join(directory, LATEST + ".tmp")
-    with open(temporary, "w") as f:
-        f.write(step_dir_name(step) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, os.path.join(directory, LATEST))
-    fsync_path(directory)
+    write_pointer(directory, step_dir_name(step))
     # Every .tmp-* left now is from a killed save (or the replaced copy): delete it.
     doomed = [e for e in os.listdir(directory) if e.startswith(TMP_PREFIX)]
     if keep is not None:

@@ -24,6 +24,7 @@ from hpcpar.checkpoint.collective import collective
 from hpcpar.checkpoint.directory import resolve
 from hpcpar.checkpoint.format import (CRC_ATTR, INDEX, StoredBlock, StoredTensor, checksum, crc32, read_manifest,
                                       read_table, segment_count)
+from hpcpar.data.untrusted import check_hdf5
 from hpcpar.errors import CheckpointError
 from hpcpar.layout import Layout, bounds, intersect, is_flat
 
@@ -57,18 +58,31 @@ class _Shards:
         return path
 
     def get(self, file: str, tensor: str) -> h5py.File:
+        """The file opened through HDF5, once its links and virtual sources are known to stay in the
+        checkpoint directory (`check_hdf5`: a dataset name could be an external link)."""
         if file not in self.open:
             path = self._checked(file, tensor)
             try:
-                self.open[file] = h5py.File(path, "r", locking=False)
+                f = h5py.File(path, "r", locking=False)
             except OSError as err:
                 raise CheckpointError(f"{path}: unreadable shard file ({err}; needed for tensor "
                                       f"{tensor})") from None
+            try:
+                check_hdf5(f, self.ckpt, path, CheckpointError)
+            except CheckpointError:
+                f.close()
+                raise
+            self.open[file] = f
         return self.open[file]
 
     def fd(self, file: str, tensor: str) -> int:
         if file not in self.fds:
-            self.fds[file] = os.open(self._checked(file, tensor), os.O_RDONLY)
+            path = self._checked(file, tensor)
+            try:
+                self.fds[file] = os.open(path, os.O_RDONLY)
+            except OSError as err:
+                raise CheckpointError(f"{path}: unreadable shard file ({err.strerror}; needed for tensor "
+                                      f"{tensor})") from None
         return self.fds[file]
 
     def raw(self, b: StoredBlock, dtype: str, fd: int) -> "RawBlock":
@@ -148,13 +162,15 @@ class RawBlock:
 
 def _assemble(name: str, t: StoredTensor, layout: Layout, shards: _Shards) -> np.ndarray:
     """Build this rank's local array for `layout` from the stored blocks it overlaps."""
-    # Padding rows of a padded split (the vocabulary under tp) hold no stored element: zero.
-    out = (np.zeros if layout.padded else np.empty)(layout.local_shape, dtype=np.dtype(t.dtype))
+    # Padding rows of a padded split (the vocabulary under tp) hold no stored element: zero. Zeros
+    # everywhere (calloc: fresh pages cost no more than np.empty's): elements that the blocks of a
+    # crafted table leave uncovered (overlapping blocks: `format.check_table`) read as zeros.
+    out = np.zeros(layout.local_shape, dtype=np.dtype(t.dtype))
     for want in layout.blocks:
         want_glob = bounds(want.glob)
         # A flat block (a ZeRO shard's piece) is read into an array of its region's shape first.
         flat = is_flat(want)
-        target = np.empty(tuple(e - s for s, e in want_glob), dtype=out.dtype) if flat else out
+        target = np.zeros(tuple(e - s for s, e in want_glob), dtype=out.dtype) if flat else out
         origin = tuple(slice(0, e - s) for s, e in want_glob) if flat else want.local
         for b in _sources(name, t):
             part = intersect(want_glob, b.region)
@@ -172,9 +188,9 @@ def _assemble(name: str, t: StoredTensor, layout: Layout, shards: _Shards) -> np
                 if ds.chunks is not None:  # fletcher32 (shared file, v1): HDF5 verifies every chunk
                     ds.read_direct(target, source_sel=src, dest_sel=dst)
                 else:  # scalar or empty (shared file, v1): read whole, checked against its crc32
-                    block = read_checked(ds)
+                    block = read_checked(ds, tuple(e - s for s, e in b.region))
                     target[dst] = block[src]
-            except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
+            except (OSError, KeyError, ValueError, TypeError, RuntimeError, OverflowError) as err:
                 raise CheckpointError(f"{os.path.join(shards.ckpt, b.file)}: cannot read tensor {name} "
                                       f"(dataset {b.dataset}): corrupt data ({err}); run `hpcpar ckpt verify` "
                                       "on the checkpoint") from None
@@ -183,9 +199,12 @@ def _assemble(name: str, t: StoredTensor, layout: Layout, shards: _Shards) -> np
     return out
 
 
-def read_checked(ds: h5py.Dataset) -> np.ndarray:
-    """A whole stored block of the shared file or a v1 rank file, its integrity verified
-    (fletcher32 chunks, or the crc32 attribute)."""
+def read_checked(ds: h5py.Dataset, shape: tuple) -> np.ndarray:
+    """A whole stored block of the shared file or a v1 rank file, of the `shape` the table gives
+    (HDF5's own shape of it must be that: checked before anything is allocated), its integrity
+    verified (fletcher32 chunks, or the crc32 attribute)."""
+    if ds.shape != shape:
+        raise ValueError(f"HDF5 gives it shape {list(ds.shape or ())}, the table {list(shape)}")
     data = ds[()]
     if ds.chunks is None and crc32(data) != int(ds.attrs[CRC_ATTR]):
         raise ValueError("crc32 mismatch")

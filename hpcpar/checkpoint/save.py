@@ -11,6 +11,11 @@ A save is collective over all ranks and takes these steps (`save`):
 5. commit (`_Commit`): rank 0 writes the manifest, renames the directory to `step-NNNNNNN` and
    moves `latest` (`directory.commit_dir`); every rank then helps delete old checkpoints.
 
+On node-local disks (`location="node-local"`, `replicate.py`) every node leader makes the same
+temporary directory on its own disk in step 1, each rank writes its file there, and the commit
+first copies every file to every node (`replicate`), then each leader commits its node's copy
+and each node's ranks prune it.
+
 Every failure is collective (`collective`): all ranks raise the same CheckpointError, and an
 uncommitted save never becomes `latest`.
 """
@@ -34,9 +39,10 @@ import numpy as np
 
 import hpcpar
 from hpcpar.checkpoint.collective import collective
-from hpcpar.checkpoint.directory import TMP_PREFIX, commit_dir, doomed_shards, fsync_path, prune
+from hpcpar.checkpoint.directory import TMP_PREFIX, commit_dir, doomed_shards, fsync_path, prune, step_dir_name
 from hpcpar.checkpoint.format import (FORMAT, FORMAT_VERSION, INDEX, MANIFEST, PER_RANK, SHARED, STORAGES,
                                       Extent, StoredTensor, chunk_shape, crc32, manifest_digest, rank_file_name)
+from hpcpar.checkpoint.replicate import AUTO, LOCATIONS, NODE_LOCAL, probe_location, replicate
 from hpcpar.checkpoint.writers import (Background, Item, assign_writers, blocks_to_write, check_space, index_bytes,
                                        in_shared_file, index_writer, write_rank_file, write_shared)
 from hpcpar.errors import CheckpointError
@@ -93,11 +99,14 @@ class SaveHandle:
 
 def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], meta: dict,
          comm: Communicator | SoloCommunicator, keep: int | None = 3, async_save: bool = False,
-         storage: str = PER_RANK):
+         storage: str = PER_RANK, location: str = "shared",
+         node_comm: Communicator | SoloCommunicator | None = None):
     """Save a sharded checkpoint of global tensors (collective over `comm`).
 
     Args:
-        directory: the run's checkpoint directory, shared by all ranks (created if missing).
+        directory: this rank's path to the run's checkpoint directory (created if missing): one
+            directory every rank sees, or with `location="node-local"` each node's own (the
+            paths may then differ between ranks: how a test on one host fakes node-local disks).
         step: training step; the checkpoint becomes `<directory>/step-NNNNNNN`.
         tensors: global name (e.g. `model/transformer.wte.weight`,
             `optim/transformer.wte.weight/exp_avg`) -> `(local array, Layout)` on this rank.
@@ -113,16 +122,22 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
         storage: "per_rank" (a file per writing rank + an index of virtual datasets) or "shared"
             (one file, `index.h5`, written collectively through MPI-IO over `comm`: needs h5py
             built with MPI; not with `async_save`, since MPI-IO cannot run in a background thread).
+        location: "shared" (one filesystem every rank sees), "node-local" (each node's own disk:
+            every node ends with a full copy, `replicate.replicate`; per_rank storage only) or
+            "auto" (probed now: `replicate.probe_location`).
+        node_comm: with node-local, the ranks of this rank's node (default `comm.split_by_node()`).
     Returns:
         The committed checkpoint's path, or a `SaveHandle` when `async_save`.
     """
     _check_options(keep, async_save, storage)
     directory = os.path.abspath(directory)
+    # The default, location="shared", makes no call of this; node-local saves get a node communicator.
+    node_comm = _node_local(directory, storage, location, comm, node_comm) if location != "shared" else None
     # Collectives cost (an object all-gather through the watched Communicator took ~7 ms on the busy
     # shared 2-core machine, where a 64 MiB-per-rank save takes ~0.2 s): a save makes three
     # all-gathers (the last two after a non-spinning barrier, `agreement.arrive`) and a barrier.
-    holdings, tmp = _describe(directory, step, tensors, comm)
-    assignment = _assignment(holdings, storage, tmp, comm.rank)
+    holdings, tmp = _describe(directory, step, tensors, comm, node_comm)
+    assignment = _assignment(holdings, storage, tmp, comm.rank if node_comm is None else node_comm.rank)
     try:
         items, failed = blocks_to_write(assignment, tensors, comm.rank, private=async_save), None
     except Exception as err:  # noqa: BLE001 - raised where the ranks next agree (the write's outcome)
@@ -134,7 +149,7 @@ def save(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]], m
     writer = index_writer(assignment, comm.size, storage)
     if storage == SHARED or writer != 0:
         stored_meta = comm.broadcast_object(stored_meta if comm.rank == 0 else None, root=0)
-    commit = _Commit(directory, tmp, step, keep, storage, assignment, stored_meta, comm)
+    commit = _Commit(directory, tmp, step, keep, storage, assignment, stored_meta, comm, node_comm)
     if storage == SHARED:
         return _save_shared(os.path.join(tmp, INDEX), assignment, items, failed, stored_meta, commit, comm)
     write = functools.partial(_write_files, tmp, assignment, items, failed, stored_meta, comm.rank, writer)
@@ -155,10 +170,28 @@ def _check_options(keep: int | None, async_save: bool, storage: str) -> None:
                               "collective MPI-IO, which cannot run in a background thread")
 
 
+def _node_local(directory: str, storage: str, location: str, comm: Communicator | SoloCommunicator,
+                node_comm: Communicator | SoloCommunicator | None) -> Communicator | SoloCommunicator | None:
+    """The node communicator of a node-local save, None for a shared one ("auto": probed now)."""
+    if location not in LOCATIONS:
+        raise CheckpointError(f"location={location!r}: expected one of {', '.join(LOCATIONS)}")
+    node_comm = node_comm if node_comm is not None else comm.split_by_node()
+    if location == AUTO:
+        location = probe_location(directory, comm, node_comm)
+    if location != NODE_LOCAL:
+        return None
+    if storage == SHARED:  # the same verdict on every rank (the probe's is)
+        raise CheckpointError("a shared-file checkpoint (storage=\"shared\", one file through MPI-IO) needs one "
+                              "filesystem every node sees, not node-local disks: save per_rank")
+    return node_comm
+
+
 def _describe(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout]],
-              comm: Communicator | SoloCommunicator) -> tuple[list[dict], str]:
+              comm: Communicator | SoloCommunicator,
+              node_comm: Communicator | SoloCommunicator | None = None) -> tuple[list[dict], str]:
     """Every rank's `{name: (global shape, dtype, [global regions])}` (no data is touched), and the
-    temporary directory rank 0 makes for the save (collective)."""
+    temporary directory rank 0 makes for the save (collective). Node-local (`node_comm`): rank 0
+    picks its name and every node leader makes it on its own disk; returns this rank's path."""
     def work():
         held = {}
         for name, (array, layout) in tensors.items():
@@ -169,17 +202,37 @@ def _describe(directory: str, step: int, tensors: Mapping[str, tuple[Any, Layout
                           [bounds(b.glob) for b in layout.blocks])
         if comm.rank != 0:
             return held, None
+        name = f"{TMP_PREFIX}{step:07d}-{secrets.token_hex(4)}"
+        if node_comm is not None:
+            return held, name
         os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f"{TMP_PREFIX}{step:07d}-{secrets.token_hex(4)}")
+        tmp = os.path.join(directory, name)
         os.mkdir(tmp)
         return held, tmp
 
     answers = collective(comm, work, share=True)
-    return [held for held, _ in answers], answers[0][1]
+    if node_comm is None:
+        return [held for held, _ in answers], answers[0][1]
+    tmp = os.path.join(directory, answers[0][1])
+
+    def make() -> None:
+        if node_comm.rank != 0:
+            return
+        os.makedirs(directory, exist_ok=True)
+        try:
+            os.mkdir(tmp)
+        except FileExistsError:  # the name is new: another node's leader made it on the same disk
+            raise CheckpointError(f"{directory} is one filesystem that several nodes see, not node-local disks "
+                                  "(another node made this save's directory there): set checkpoint.location to "
+                                  "\"shared\" or \"auto\"") from None
+
+    collective(comm, make)
+    return [held for held, _ in answers], tmp
 
 
 def _assignment(holdings: list[dict], storage: str, tmp: str, rank: int) -> dict[str, StoredTensor]:
-    """Who writes what (`assign_writers`); an assignment that fails removes rank 0's temporary directory."""
+    """Who writes what (`assign_writers`); an assignment that fails removes the temporary directory
+    (on rank 0; node-local: `rank` is the rank on the node, and each node's leader removes its own)."""
     try:  # the same input everywhere: it fails (or not) on every rank alike
         assignment = assign_writers(holdings)
     except BaseException:
@@ -249,7 +302,9 @@ def _save_shared(path: str, assignment: dict[str, StoredTensor], items: list[Ite
 @dataclass
 class _Commit:
     """The end of a save (collective): rank 0 writes the manifest, renames the temporary directory
-    to `step-NNNNNNN` and moves `latest`, checked collectively; then every rank prunes."""
+    to `step-NNNNNNN` and moves `latest`, checked collectively; then every rank prunes.
+    Node-local (`node_comm`): rank 0 writes the manifest, every file is copied to every node, then
+    each node's leader renames and moves `latest` on its disk, and each node's ranks prune it."""
 
     directory: str
     tmp: str
@@ -259,6 +314,7 @@ class _Commit:
     assignment: dict[str, StoredTensor]
     meta: dict
     comm: Any
+    node_comm: Any = None
 
     def written(self, written: Callable[[], tuple[dict, dict]]) -> str:
         """Commit a per-rank save once every rank's files are (`written` joins this rank's writer)."""
@@ -268,6 +324,8 @@ class _Commit:
 
     def finish(self, file_table: dict, extents: Mapping[tuple, Extent]) -> str:
         """Commit, given every file's manifest entry and every rank-file block's extent; returns the path."""
+        if self.node_comm is not None:
+            return self._finish_node_local(file_table, extents)
         work = functools.partial(self._manifest_and_rename, file_table, extents)
         final, doomed, shards = collective(self.comm, work, share=True, patient=True)[0]
         prune(doomed, shards, self.comm)
@@ -276,12 +334,34 @@ class _Commit:
     def _manifest_and_rename(self, file_table: dict, extents: Mapping[tuple, Extent]) -> tuple | None:
         if self.comm.rank != 0:
             return None
+        self._manifest(file_table, extents)
+        final, doomed = commit_dir(self.directory, self.tmp, self.step, self.keep)
+        return final, doomed, doomed_shards(doomed)
+
+    def _manifest(self, file_table: dict, extents: Mapping[tuple, Extent]) -> None:
+        """Rank 0: the manifest, durable with the directory's entries."""
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "storage": self.storage,
                     "meta": self.meta, "files": file_table, "tensors": _tensor_table(self.assignment, extents)}
         _write_json(os.path.join(self.tmp, MANIFEST), dict(manifest, sha256=manifest_digest(manifest)))
         fsync_path(self.tmp)
-        final, doomed = commit_dir(self.directory, self.tmp, self.step, self.keep)
-        return final, doomed, doomed_shards(doomed)
+
+    def _finish_node_local(self, file_table: dict, extents: Mapping[tuple, Extent]) -> str:
+        """Commit on node-local disks: manifest (rank 0), every file to every node, then each node's
+        leader commits its copy and each node's ranks prune it; returns this rank's path."""
+        collective(self.comm, lambda: self._manifest(file_table, extents) if self.comm.rank == 0 else None,
+                   patient=True)
+        replicate(self.tmp, self.comm, self.node_comm)
+
+        def commit() -> tuple | None:
+            if self.node_comm.rank != 0:
+                return None
+            _, doomed = commit_dir(self.directory, self.tmp, self.step, self.keep)
+            return doomed, doomed_shards(doomed)
+
+        mine = collective(self.comm, commit, patient=True)
+        doomed, shards = self.node_comm.broadcast_object(mine, root=0)
+        prune(doomed, shards, self.node_comm)
+        return os.path.join(self.directory, step_dir_name(self.step))
 
 
 def _tensor_table(assignment: dict[str, StoredTensor], extents: Mapping[tuple, Extent]) -> dict:

@@ -14,9 +14,10 @@ import h5py
 import numpy as np
 
 from hpcpar.checkpoint.directory import resolve
-from hpcpar.checkpoint.format import (INDEX, MANIFEST, SHARED, StoredBlock, StoredTensor, read_index,
+from hpcpar.checkpoint.format import (INDEX, SHARED, StoredBlock, StoredTensor, manifest_table, read_index,
                                       read_manifest, read_table, storage_of)
 from hpcpar.checkpoint.load import RawBlock, load, read_checked
+from hpcpar.data.untrusted import check_hdf5
 from hpcpar.errors import CheckpointError
 from hpcpar.layout import Layout
 from hpcpar.runtime.solo import SoloCommunicator
@@ -25,6 +26,8 @@ from hpcpar.runtime.solo import SoloCommunicator
 def _sharding_summary(t: StoredTensor) -> str:
     cut = sorted({d for b in t.blocks for d, (s, e) in enumerate(b.region) if (s, e) != (0, t.shape[d])})
     ranks = sorted({b.rank for b in t.blocks})
+    if not ranks:
+        return "no blocks"
     if not cut:
         return f"whole, rank {ranks[0]}"
     dims = ",".join(str(d) for d in cut)
@@ -72,15 +75,13 @@ def verify(path: str) -> list[str]:
     """
     try:
         ckpt = resolve(path)
-        manifest = read_manifest(ckpt)
+        manifest = read_manifest(ckpt)  # every file it names inside ckpt, or refused here
         holds: dict[str, list[tuple[str, StoredBlock, str]]] = {}  # file -> [(tensor, block, dtype)]
-        for name, t in manifest["tensors"].items():
-            for b in t["blocks"]:
-                holds.setdefault(b["file"], []).append((name, StoredBlock.from_json(b), t["dtype"]))
+        for name, t in manifest_table(ckpt, manifest).items():
+            for b in t.blocks:
+                holds.setdefault(b.file, []).append((name, b, t.dtype))
     except CheckpointError as err:
         return [str(err)]
-    except (KeyError, TypeError, ValueError) as err:
-        return [f"{os.path.join(path, MANIFEST)}: unreadable tensor table ({err!r})"]
     problems = []
     for file, entry in sorted(manifest["files"].items()):
         names = list(dict.fromkeys(n for n, _, _ in holds.get(file, []))) or ["the index"]
@@ -97,8 +98,9 @@ def verify(path: str) -> list[str]:
                 if sorted(table) != sorted(manifest["tensors"]):
                     problems.append(f"{full}: lists other tensors than the manifest (corrupt index)")
                 elif storage_of(manifest) == SHARED:  # the index holds the data: read all of it back
-                    problems.extend(_verify_rank_file(full, [(n, StoredBlock(INDEX, n, (), -1), t.dtype)
-                                                             for n, t in sorted(table.items())]))
+                    whole = [(n, StoredBlock(INDEX, n, tuple((0, k) for k in t.shape), -1), t.dtype)
+                             for n, t in sorted(table.items())]
+                    problems.extend(_verify_rank_file(full, whole))
             except CheckpointError as err:
                 problems.append(str(err))
         else:
@@ -108,16 +110,18 @@ def verify(path: str) -> list[str]:
 
 def _verify_rank_file(full: str, blocks: list[tuple[str, StoredBlock, str]]) -> list[str]:
     """Read every block of one file back, checking every checksum; the first failure per file is
-    reported, naming the tensor and dataset (and for a v2 block the rows that fail)."""
+    reported, naming the tensor and dataset (and for a v2 block the rows that fail). The file's
+    links and virtual sources must stay in its directory (`check_hdf5`) before any is followed."""
     tensor = dataset = "?"
     fd = None
     try:
         with h5py.File(full, "r", locking=False) as f:
+            check_hdf5(f, os.path.dirname(full), full, CheckpointError)
             for tensor, b, dtype in blocks:
                 dataset = b.dataset
                 ds = f[dataset]
                 if b.extent is None:
-                    read_checked(ds)
+                    read_checked(ds, tuple(e - s for s, e in b.region))
                     continue
                 if ds.chunks is not None or ds.id.get_offset() != b.extent.offset or \
                         ds.shape != tuple(e - s for s, e in b.region) or ds.dtype != np.dtype(dtype):
@@ -125,7 +129,9 @@ def _verify_rank_file(full: str, blocks: list[tuple[str, StoredBlock, str]]) -> 
                                      "shape or dtype)")
                 fd = os.open(full, os.O_RDONLY) if fd is None else fd
                 RawBlock(b, np.dtype(dtype), fd, os.fstat(fd).st_size).check()
-    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as err:
+    except CheckpointError as err:
+        return [str(err)]
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError, OverflowError) as err:
         return [f"{full}: corrupt: checksum or structure error reading tensor {tensor} (dataset {dataset}): {err}"]
     finally:
         if fd is not None:

@@ -70,7 +70,7 @@ def gpt2_weights(action: str, path: str, out: str | None, n_head: int | None = N
         raise CheckpointError(f"ckpt {action} needs --out " + ("FILE.safetensors or DIR" if action == "export"
                                                                  else "DIR (the new checkpoint directory)"))
     if action == "export":
-        print(f"wrote {huggingface.export(path, out, dtype)} (HuggingFace GPT-2 names)")
+        print(f"wrote {', '.join(huggingface.export(path, out, dtype))} (HuggingFace GPT-2 names)")
     else:
         print(f"imported {path} into {huggingface.import_(path, out, n_head, tokenizer_file)}")
     return 0

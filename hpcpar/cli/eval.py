@@ -1,4 +1,4 @@
-"""`hpcpar eval CHECKPOINT --data PATH`: loss and perplexity on held-out tokens, on any mesh."""
+"""`hpcpar eval CHECKPOINT [--data PATH]`: loss and perplexity on held-out tokens, on any mesh."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ HELP = "loss and perplexity of a checkpoint on held-out data (any mesh)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint directory (step-NNNNNNN) or its parent (uses latest)")
-    p.add_argument("--data", required=True, help="text or token file or directory (as data.corpus)")
+    p.add_argument("checkpoint", help="checkpoint directory (step-NNNNNNN), its parent (uses latest) or a run "
+                                      "directory (its newest checkpoint)")
+    p.add_argument("--data", help="text or token file or directory, as data.corpus (default: the data the checkpoint "
+                                  "trained on; \"\": the built-in corpus)")
     p.add_argument("--format", choices=["bytes", "bin", "hdf5"], help="data format (default: from the path)")
     p.add_argument("--split", choices=["val", "all"], default="val",
                    help="val: the part training held out (default); all: every token")

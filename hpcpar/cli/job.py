@@ -22,10 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cpu: NumPy ranks; gpu: one CuPy rank per GPU (default cpu)")
     r.add_argument("--nodes", type=int, help=f"nodes (default {d.nodes})")
     r.add_argument("--ranks-per-node", type=int, help="MPI ranks per node (cpu default 4; gpu: = GPUs)")
-    r.add_argument("--cpus-per-task", type=int, help=f"cores per rank, also OMP_NUM_THREADS (default {d.cpus_per_task})")
+    r.add_argument("--cpus-per-task", type=int,
+                   help=f"cores per rank, also OMP_NUM_THREADS (default {d.cpus_per_task})")
     r.add_argument("--gpus-per-node", type=int, help="GPUs per node, gpu variant (default 4)")
     r.add_argument("--time", help=f"wall-clock limit HH:MM:SS (default {d.time})")
-    r.add_argument("--partition", "--queue", dest="partition", help="Slurm partition or PBS queue (default: the site's)")
+    r.add_argument("--partition", "--queue", dest="partition",
+                   help="Slurm partition or PBS queue (default: the site's)")
     r.add_argument("--account", help="account/project to charge (default: the user's)")
     r.add_argument("--job-name", help=f"job name (default {d.job_name})")
     r.add_argument("--launcher", help="slurm: srun (default), mpiexec (MPICH/Intel MPI syntax) or"
@@ -57,10 +59,16 @@ def check_run(o: jobs.JobOptions) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the script, or write it to `args.out`, once the run it starts passed `check_run`."""
+    """Print the script, or write it to `args.out` and say so, once the run it starts passed
+    `check_run`; warn (stderr) when the config file is not here to be checked."""
     options = {f: getattr(args, f) for f in jobs.FIELDS if getattr(args, f, None) is not None}
     script = jobs.render(args.scheduler, args.variant, **options)
-    check_run(jobs.resolve(args.scheduler, args.variant, options))
+    o = jobs.resolve(args.scheduler, args.variant, options)
+    check_run(o)
+    if not os.path.isfile(o.config):
+        sys.stderr.write(f"hpcpar: warning: --config {o.config}: no such file here, so only the --set overrides were "
+                         f"checked; the job runs `hpcpar train {o.config}` in the directory it is submitted from, "
+                         "which must hold that file (or render again with --config YOUR.toml)\n")
     if not args.out:
         sys.stdout.write(script)
         return 0
@@ -71,4 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise HpcparError(f"cannot write job script {args.out}: {err.strerror}") from None
     # Executable like any script, for those who run it outside the scheduler too.
     os.chmod(args.out, os.stat(args.out).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    print(f"wrote {args.out}: a {args.scheduler} job of {o.nodes} node(s) x {o.ranks_per_node} rank(s), {o.time}, "
+          f"running hpcpar train {o.config} (requeued on preemption); submit it with "
+          f"{'sbatch' if args.scheduler == 'slurm' else 'qsub'} {args.out}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import TYPE_CHECKING
 
 from hpcpar.cli.options import add_config_args, check_output_file
@@ -63,9 +64,21 @@ def run(args: argparse.Namespace) -> int:
     plans = fastest_layouts(cfg, world, hw, top=0, global_batch=args.global_batch)
     print(format_plans(plans[:args.top], world, hw, reasons(plans[0], plans[1:])))
     if args.out:
-        write_plan(plans[0], args.out)
-        print(f"wrote {args.out}: hpcpar train {args.out} runs plan 1 on {world} ranks")
+        run_dir = plan_run_dir(args)
+        write_plan(plans[0], args.out, run_dir)
+        print(f"wrote {args.out}: hpcpar train {args.out} runs plan 1 on {world} ranks"
+              + (f", in run directory {run_dir}" if run_dir else ""))
     return 0
+
+
+def plan_run_dir(args: argparse.Namespace) -> str | None:
+    """The run directory a plan written to --out trains in: runs/<--out's stem> (plan.toml:
+    runs/plan), so that it never starts in another run's directory (runs/default, the main job's);
+    None when the config or --set gives run.dir (kept as given)."""
+    from hpcpar.config.load import given_keys
+    if "run.dir" in given_keys(args.config, args.overrides):
+        return None
+    return os.path.join("runs", os.path.splitext(os.path.basename(args.out))[0] or "plan")
 
 
 def _load(args: argparse.Namespace) -> Config:

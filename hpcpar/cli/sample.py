@@ -8,7 +8,8 @@ HELP = "generate text from a trained checkpoint"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint directory (step-NNNNNNN, or a run's checkpoint dir)")
+    p.add_argument("checkpoint", help="checkpoint directory (step-NNNNNNN), a run's checkpoint dir (its latest) "
+                                      "or a run directory (its newest checkpoint)")
     p.add_argument("--prompt", default="def ", help="text to start from")
     p.add_argument("--tokens", type=int, default=200, help="number of tokens to generate (>= 0)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature, a finite number > 0")

@@ -30,6 +30,7 @@ from hpcpar.schema import field as _field
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+CONFIG_LIMIT = 16 << 20   # the largest config file read
 _SUGGEST_CUTOFF = 0.6
 
 
@@ -111,7 +112,11 @@ def _read_toml(path: str | os.PathLike) -> dict:
     shown = os.fsdecode(path)
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > CONFIG_LIMIT:  # refused unread: a config is a few KiB
+                raise ConfigError(f"config file {shown!r} is {size} bytes, more than any config "
+                                  f"({CONFIG_LIMIT >> 20} MiB); give a TOML config file")
+            raw = f.read(CONFIG_LIMIT + 1)
     except FileNotFoundError:
         # `--set a=1 b=2` leaves b=2 where the config file goes: say how to give several overrides.
         hint = f" (an override? each takes its own --set: --set {shown})" if "=" in shown else ""
@@ -129,6 +134,8 @@ def _read_toml(path: str | os.PathLike) -> dict:
     except tomllib.TOMLDecodeError as e:
         # The message ends with "(at line L, column C)".
         raise ConfigError(f"config file {shown!r} is not valid TOML: {e}") from None
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise ConfigError(f"config file {shown!r} is not valid TOML: nested too deep") from None
 
 
 def _type_of(section: str, f: dataclasses.Field) -> type:
@@ -236,6 +243,8 @@ def loads(text: str, origin: str = "<text>") -> Config:
         tables = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{origin}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{origin}: not valid TOML: nested too deep") from None
     values = _values_from_tables(tables, origin)
     return _config_of(values)
 

@@ -21,6 +21,9 @@ from hpcpar.backend.precision import PRECISIONS
 from hpcpar.nn.gpt import RECOMPUTE_MODES, GPTConfig
 from hpcpar.schema import field as _field
 
+# run.mfu_peak's named peaks: the planner's vendor presets (planner.hardware.PRESETS, a layer above;
+# tests/unit/test_config.py checks that the two agree).
+MFU_PEAK_PRESETS = ("a100", "h100")
 # train.grad_compression's choices (hpcpar.parallel.dp.compression.compressors.KINDS, which imports MPI: loading a
 # config must not) and the old 16-bit wire key it replaces, kept as an alias: every config.toml
 # written before it (every checkpoint's too) names train.grad_wire_dtype.
@@ -157,6 +160,10 @@ class CheckpointConfig:
     format: str = _field("per_rank", "per_rank: every writing rank its own HDF5 file (any h5py); shared: one HDF5 "
                                      "file written collectively through MPI-IO (h5py built with MPI, parallel HDF5)",
                          ("per_rank", "shared"))
+    location: str = _field("auto", "whether checkpoint.dir is one filesystem every node sees (shared) or each "
+                                   "node's own disk, the same path on every node (node-local: every node keeps a "
+                                   "full copy, replicated over MPI, so a resume on other or more nodes finds it); "
+                                   "auto: probed when the run starts", ("auto", "shared", "node-local"))
 
 
 @dataclass(frozen=True)
@@ -168,7 +175,15 @@ class RunConfig:
     timeout: float = _field(300.0, "watchdog: seconds a collective may wait before the job aborts (> 0)")
     backend: str = _field("auto", "array backend: numpy (CPU), cupy (GPU), or auto = the HPCPAR_BACKEND "
                                   "environment variable, else numpy", ("auto", "numpy", "cupy"))
-    progress: bool = _field(True, "progress bar on rank 0")
+    progress: bool = _field(True, "progress bar on rank 0 when its stderr is a terminal; otherwise (a batch job's "
+                                  "output file, a pipe) a plain line every log_every steps")
+    overwrite: bool = _field(False, "a fresh start (checkpoint.resume = \"\") in a run directory that holds another "
+                                    "run's metrics.jsonl or checkpoints deletes them first (false: refused)")
+    mfu_peak: str = _field("auto", "the peak MFU is relative to: \"measure\" = the best of several GEMM timings "
+                                   "at start-up; \"auto\" = that or, when higher, the calibration `hpcpar plan "
+                                   "--calibrate` stored for this machine and model.dtype (CPU); \"a100\" / "
+                                   "\"h100\" = the vendor's dense 16-bit peak per rank; or a number: FLOP/s per "
+                                   "rank (e.g. \"989e12\")")
     debug_slow_ranks: str = _field("", "debug (stragglers for study): comma-separated world ranks whose steps are "
                                    "slowed by run.debug_slow_factor (a sleep after their forward/backward), or "
                                    "\"random\": at every step one worker rank drawn from (seed, step)")

@@ -20,7 +20,7 @@ from typing import Any
 from hpcpar import backend
 from hpcpar.config.load import coerce, did_you_mean, toml_value
 from hpcpar.config.memory import memory_parts
-from hpcpar.config.sections import FIELD_TYPES, SECTIONS, CheckpointConfig, Config
+from hpcpar.config.sections import FIELD_TYPES, MFU_PEAK_PRESETS, SECTIONS, CheckpointConfig, Config
 from hpcpar.errors import ConfigError, MeshError
 from hpcpar.parallel.pp import schedules
 from hpcpar.runtime.topology import resolve_degrees
@@ -104,10 +104,22 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("run.timeout", _gt0, "> 0 seconds"),
     ("run.debug_check_every", _ge0, ">= 0 (0 = off)"),
     ("run.debug_slow_factor", _ge1, ">= 1 (1 = off)"),
+    ("run.mfu_peak", lambda v: mfu_peak_flops(v) is not None or v in ("auto", "measure", *MFU_PEAK_PRESETS),
+     "\"auto\", \"measure\", " + ", ".join(f'"{p}"' for p in MFU_PEAK_PRESETS) + " or a positive number of "
+     "FLOP/s per rank (e.g. \"989e12\")"),
     ("ps.servers", _ge0, ">= 0 (0 = no parameter server)"),
     ("ps.staleness", _ge0, ">= 0 (0 = synchronous)"),
     ("ps.stale_weight", lambda v: 0 <= v <= 1, "in [0, 1] (1 = a late push counts as fresh, 0 = dropped)"),
 )
+
+
+def mfu_peak_flops(value: str) -> float | None:
+    """run.mfu_peak as FLOP/s per rank when it is a positive finite number ("989e12"), else None."""
+    try:
+        flops = float(value)
+    except ValueError:
+        return None
+    return flops if math.isfinite(flops) and flops > 0 else None
 
 
 def _get(cfg: Config, name: str) -> Any:
@@ -308,6 +320,9 @@ def _check_precision(cfg: Config) -> None:
 def _check_checkpoint(c: CheckpointConfig) -> None:
     if c.format != "shared":
         return
+    if c.location == "node-local":
+        raise ConfigError("checkpoint.location=\"node-local\" needs checkpoint.format=\"per_rank\": a shared-file "
+                          "save writes one file through MPI-IO, which needs one filesystem every node sees")
     if c.async_save:
         raise ConfigError("checkpoint.async_save=true needs checkpoint.format=\"per_rank\": a shared-file save "
                           "writes through collective MPI-IO, which cannot run in a background thread while training "

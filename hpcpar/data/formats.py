@@ -39,6 +39,7 @@ import h5py
 import numpy as np
 
 from hpcpar.data import corpus, tokenizer
+from hpcpar.data.untrusted import MiB, check_hdf5, contained, exact_int, read_json
 from hpcpar.errors import ConfigError, DataError
 
 META = "meta.json"              # beside token files: format, tokenizer file, per-file count and largest id
@@ -48,6 +49,7 @@ BIN_FILE = "tokens.bin"         # what `hpcpar data prepare` writes
 HDF5_FILE = "tokens.h5"
 HDF5_DATASET = "tokens"
 SCAN_CHUNK = 1 << 22            # tokens per read when scanning for the largest id (8-16 MiB)
+META_LIMIT = 64 * MiB           # meta.json: a record per token file (a larger one is refused unread)
 # Windows of a batch closer than this many tokens are read as one hyperslab.
 _HDF5_MERGE_GAP = 4096
 
@@ -60,6 +62,7 @@ class Source:
     name: str                   # the key in meta.json: file name, or "file/dataset" for HDF5
     tokens: Any                 # 1-D, NumPy-indexable (ndarray, memmap, HDF5Tokens)
     max_id: int | None = None   # from meta.json; None: scanned at start
+    recorded: bool = False      # max_id is meta.json's claim, not a scan: `RecordedTokens` checks reads
 
 
 @dataclass
@@ -106,13 +109,59 @@ class HDF5Tokens:
         cuts = np.flatnonzero(np.diff(wanted) > _HDF5_MERGE_GAP) + 1
         for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(wanted)]):
             first, last = int(wanted[lo]), int(wanted[hi - 1])
-            span = self.dataset[self.start + first:self.start + last + 1]   # one hyperslab
+            span = self.read(self.start + first, self.start + last + 1)   # one hyperslab
             values[lo:hi] = span[wanted[lo:hi] - first]
         return values[inverse].reshape(index.shape)
 
     def __array__(self, dtype=None, copy=None):
-        whole = self.dataset[self.start:self.stop]
+        whole = self.read(self.start, self.stop)
         return whole if dtype is None else whole.astype(dtype)
+
+    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Tokens [start, stop) of the dataset (into `out` when given); a read HDF5 refuses (a
+        damaged chunk) is a one-line DataError naming the file and the range."""
+        try:
+            if out is None:
+                return self.dataset[start:stop]
+            self.dataset.read_direct(out, np.s_[start:stop])
+            return out
+        except (OSError, ValueError, TypeError, RuntimeError) as err:
+            raise DataError(f"HDF5 file {self.dataset.file.filename!r}: cannot read tokens {start}-{stop - 1} of "
+                            f"{self.dataset.name} ({' '.join(str(err).split())}); the file is damaged: prepare "
+                            "it again") from None
+
+
+class RecordedTokens:
+    """A token sequence whose largest id is its meta.json record's claim (trusted, so that start-up
+    reads nothing), checked where it is read instead: the windows of a batch (integer-array
+    indexing) and a whole read. An id outside [0, `limit`) (model.vocab_size: the file changed
+    since its record was written) is a one-line DataError naming the file, never an index error
+    in the embedding or, under tp, a silent zero row. Slices are views, checked the same way."""
+
+    def __init__(self, tokens, limit: int, source: Source):
+        self.tokens, self.limit, self.source = tokens, limit, source
+        self.dtype = tokens.dtype
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return RecordedTokens(self.tokens[key], self.limit, self.source)
+        return self._checked(np.asarray(self.tokens[key]))
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self._checked(np.array(self.tokens, copy=bool(copy)) if copy else np.asarray(self.tokens))
+        return whole if dtype is None else whole.astype(dtype)
+
+    def _checked(self, ids: np.ndarray) -> np.ndarray:
+        if ids.size and (int(ids.max()) >= self.limit or int(ids.min()) < 0):
+            bad = int(ids.max()) if int(ids.max()) >= self.limit else int(ids.min())
+            raise DataError(f"{self.source.path!r} holds token id {bad}, outside model.vocab_size={self.limit}, "
+                            f"though its meta.json record says the largest is {self.source.max_id}: the file "
+                            "changed since it was prepared; prepare it again (or delete meta.json to have it "
+                            "scanned at start)")
+        return ids
 
 
 # ----------------------------------------------------------------------------- opening
@@ -146,13 +195,14 @@ def load(cfg, vocab_size: int, comm=None) -> Dataset:
                           f"tokenizer beside the data ({os.path.join(where, _tokenizer_name(meta))}); "
                           f"set model.vocab_size={rec['vocab_size']} (or more)")
     check_ids(sources, vocab_size, comm)
-    by_role = dict(zip(roles, sources))
+    by_role = {role: RecordedTokens(s.tokens, vocab_size, s) if s.recorded else s.tokens
+               for role, s in zip(roles, sources)}
     if "all" in by_role:
-        train, val = corpus.split(by_role["all"].tokens, cfg.val_fraction)
+        train, val = corpus.split(by_role["all"], cfg.val_fraction)
     elif "val" in by_role:
-        train, val = by_role["train"].tokens, by_role["val"].tokens
+        train, val = by_role["train"], by_role["val"]
     else:
-        train, val = corpus.split(by_role["train"].tokens, cfg.val_fraction)
+        train, val = corpus.split(by_role["train"], cfg.val_fraction)
     what = ", ".join(f"{s.path}{'[' + s.name.split('/')[-1] + ']' if cfg.format == 'hdf5' else ''}"
                      for s in sources)
     total = sum(len(s.tokens) for s in sources)
@@ -214,10 +264,7 @@ def _open_hdf5(path: str, token_dtype: str) -> tuple[list[Source], list[str], st
         where = path
     else:
         file, where = path, os.path.dirname(os.path.abspath(path))
-    try:
-        f = _open_files.get(file) or h5py.File(file, "r", locking=False)
-    except OSError as err:
-        raise DataError(f"cannot read HDF5 file {file!r}: {' '.join(str(err).split())}") from None
+    f = _open_files.get(file) or _open_checked(file)
     _open_files[file] = f
     if HDF5_DATASET in f:
         names = [("all", HDF5_DATASET)]
@@ -239,20 +286,46 @@ def _open_hdf5(path: str, token_dtype: str) -> tuple[list[Source], list[str], st
     return sources, [role for role, _ in names], where
 
 
+def _open_checked(file: str) -> h5py.File:
+    """The HDF5 token file, opened once its links and virtual sources stay in its directory."""
+    try:
+        f = h5py.File(file, "r", locking=False)
+    except OSError as err:
+        raise DataError(f"cannot read HDF5 file {file!r}: {' '.join(str(err).split())}") from None
+    try:
+        check_hdf5(f, os.path.dirname(os.path.abspath(file)), file, DataError)
+    except DataError:
+        f.close()
+        raise
+    return f
+
+
 # --------------------------------------------------------------------------- meta.json
 
 
 def _read_meta(where: str) -> dict | None:
+    """meta.json beside the tokens (at most `META_LIMIT` bytes, inside `where`: `data.untrusted`),
+    its records checked to be what `write_meta` writes; None when there is none, or it is someone
+    else's."""
     path = os.path.join(where, META)
     if not os.path.isfile(path):
         return None
+    contained(where, META, f"{where}: record", DataError)
     try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as err:
-        raise DataError(f"cannot read {path!r}: {err}; prepare the data again or remove it") from None
+        meta = read_json(path, META_LIMIT, "token record (meta.json)")
+    except DataError as err:
+        raise DataError(f"{err}; prepare the data again or remove it") from None
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
         return None   # someone else's meta.json: no records
+    files, tok = meta.get("files", {}), meta.get("tokenizer")
+    if tok is not None and not isinstance(tok, str) or not isinstance(files, dict):
+        raise DataError(f"{path}: its tokenizer is not a file name or its files are not records (crafted or "
+                        "damaged); prepare the data again")
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) or \
+                not all(exact_int(entry.get(k)) and entry[k] >= 0 for k in ("tokens", "max_id")):
+            raise DataError(f"{path}: the record of {name!r} is not {{tokens, dtype, max_id}} as counts (crafted "
+                            "or damaged); prepare the data again")
     return meta
 
 
@@ -269,7 +342,7 @@ def _apply_record(s: Source, meta: dict | None, where: str, fmt: str) -> None:
     if entry.get("tokens") != len(s.tokens):
         raise DataError(f"{s.path!r} holds {len(s.tokens):,} tokens but {path} says {entry.get('tokens'):,}: "
                         "truncated or replaced since it was prepared; prepare it again")
-    s.max_id = int(entry["max_id"])
+    s.max_id, s.recorded = int(entry["max_id"]), True
 
 
 def _tokenizer_name(meta: dict | None) -> str:
@@ -277,7 +350,8 @@ def _tokenizer_name(meta: dict | None) -> str:
 
 
 def _tokenizer_beside(where: str, meta: dict | None) -> dict | None:
-    path = os.path.join(where, _tokenizer_name(meta))
+    """The record of the tokenizer meta.json names (default tokenizer.json), which must lie in `where`."""
+    path = contained(where, _tokenizer_name(meta), f"{os.path.join(where, META)}: tokenizer", DataError)
     return tokenizer.record(tokenizer.read(path)) if os.path.isfile(path) else None
 
 
@@ -310,7 +384,7 @@ def scan_range(tokens, part: int = 0, parts: int = 1, chunk: int = SCAN_CHUNK) -
                 raw.seek(tokens.offset + first * tokens.dtype.itemsize)
                 raw.readinto(memoryview(view).cast("B"))
             elif isinstance(tokens, HDF5Tokens):
-                tokens.dataset.read_direct(view, np.s_[tokens.start + first:tokens.start + first + size])
+                tokens.read(tokens.start + first, tokens.start + first + size, view)
             else:
                 view[...] = tokens[first:first + size]
             a, b = int(view.min()), int(view.max())

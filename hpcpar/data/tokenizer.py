@@ -27,8 +27,12 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
+from hpcpar.data.untrusted import MiB, exact_int, read_text
 from hpcpar.errors import DataError, HpcparError
 
+LIMIT = 256 * MiB   # the largest tokenizer file read (the largest published ones are ~35 MB)
+_MAX_ID = 1 << 31   # token ids fit int32 (uint32 token files)
+_SPARSE = 2         # a tokenizer's largest id + 1 is at most this many times its tokens (+ 256)
 BYTES_JSON = json.dumps({"hpcpar_tokenizer": "bytes", "vocab_size": 256})
 KINDS = ("bytes", "bpe", "gpt2")
 # GPT-2's end-of-text token: in its vocab.json, and a special (never split) token of its tokenizer.
@@ -147,12 +151,8 @@ def from_json(text: str, origin: str = "tokenizer") -> Tokenizer:
 
 
 def read(path: str) -> str:
-    """A tokenizer file's JSON text (checked to be a tokenizer)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"cannot read tokenizer {path!r}: {getattr(err, 'strerror', None) or err}") from None
+    """A tokenizer file's JSON text (at most `LIMIT` bytes; checked to be a tokenizer)."""
+    text = read_text(path, LIMIT, "tokenizer")  # "cannot read tokenizer <path>: <reason>", or too large
     _table(_parse(text, path), path)
     return text
 
@@ -169,6 +169,8 @@ def _parse(text: str, origin: str) -> dict:
         obj = json.loads(text)
     except ValueError as err:
         raise DataError(f"{origin}: not a tokenizer JSON file ({err})") from None
+    except RecursionError:
+        raise DataError(f"{origin}: not a tokenizer JSON file (nested too deep)") from None
     if not isinstance(obj, dict):
         raise DataError(f"{origin}: not a tokenizer JSON file (a JSON object expected)")
     return obj
@@ -177,22 +179,42 @@ def _parse(text: str, origin: str) -> dict:
 def _kind(obj: dict) -> str:
     if obj.get("hpcpar_tokenizer") == "bytes":
         return "bytes"
-    vocab = obj.get("model", {}).get("vocab", {})
-    return "gpt2" if GPT2_EOT in vocab and len(vocab) == 50257 else "bpe"
+    model = obj.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    return "gpt2" if isinstance(vocab, dict) and GPT2_EOT in vocab and len(vocab) == 50257 else "bpe"
 
 
 def _table(obj: dict, origin: str) -> dict:
-    """The tokenizer's meaning: model type, sorted (id, token) pairs, merges as "a b" strings."""
+    """The tokenizer's meaning: model type, sorted (id, token) pairs, merges as "a b" strings.
+
+    Ids are integers in [0, 2**31); the ids a tokenizer claims (its largest + 1, what a model's
+    vocabulary must hold) may exceed the tokens it defines at most twice over (`_SPARSE`): a file
+    that claims more than it holds is refused by name (DataError), never sized from."""
     if obj.get("hpcpar_tokenizer") == "bytes":
         return {"type": "bytes", "vocab_size": 256}
     model = obj.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("vocab"), dict):
         raise DataError(f"{origin}: not a tokenizer JSON file (no model vocabulary); give a "
                         "tokenizer.json written by `hpcpar data prepare` or the `tokenizers` library")
-    ids = {int(i): tok for tok, i in model["vocab"].items()}
-    for added in obj.get("added_tokens") or []:
-        ids[int(added["id"])] = added["content"]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    pairs = [(i, tok, "model.vocab") for tok, i in model["vocab"].items()]
+    added = obj.get("added_tokens") or []
+    if not isinstance(added, list) or not all(isinstance(a, dict) for a in added):
+        raise DataError(f"{origin}: its added_tokens are not a list of tokens (crafted or damaged tokenizer)")
+    pairs += [(a.get("id"), a.get("content"), "added_tokens") for a in added]
+    ids = {}
+    for i, tok, where in pairs:
+        if not exact_int(i) or not 0 <= i < _MAX_ID or not isinstance(tok, str):
+            raise DataError(f"{origin}: {where} gives {json.dumps(tok)[:40]} the id {json.dumps(i)[:40]}; ids are "
+                            f"integers in [0, {_MAX_ID}) (crafted or damaged tokenizer)")
+        ids[i] = tok
+    if ids and max(ids) + 1 > _SPARSE * len(ids) + 256:
+        raise DataError(f"{origin}: claims {max(ids) + 1} ids but defines {len(ids)} tokens; a tokenizer's ids "
+                        "are (nearly) consecutive (crafted or damaged tokenizer)")
+    merges = model.get("merges") or []
+    if not isinstance(merges, list) or not all(
+            isinstance(m, str) or isinstance(m, list) and all(isinstance(p, str) for p in m) for m in merges):
+        raise DataError(f"{origin}: model.merges is not a list of pairs of strings (crafted or damaged tokenizer)")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
     return {"type": model.get("type"), "vocab": sorted(ids.items()), "merges": merges}
 
 

@@ -36,6 +36,7 @@ from hpcpar.checkpoint.tools import as_dtype
 from hpcpar.config.load import loads, to_toml
 from hpcpar.config.sections import Config
 from hpcpar.data import tokenizer
+from hpcpar.data.untrusted import MiB, contained, read_json
 from hpcpar.errors import CheckpointError
 from hpcpar.interop import safetensors
 from hpcpar.layout import Layout
@@ -48,6 +49,7 @@ SHARD_INDEX = "model.safetensors.index.json"
 # HF GPT-2 activations that are the tanh approximation of GELU hpcpar computes.
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _BUFFERS = (".attn.bias", ".attn.masked_bias")   # causal-mask buffers older files carry
+_JSON_LIMIT = 64 * MiB   # config.json, the shard index: larger ones are refused unread
 
 
 def _model_names(cfg: GPTConfig) -> dict[str, tuple]:
@@ -74,19 +76,36 @@ def _hf_config(cfg: GPTConfig, tok: dict | None, dtype: str) -> dict:
            "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
            "tie_word_embeddings": True, "use_cache": True, "torch_dtype": dtype}
-    if tok is not None and tok["kind"] == "gpt2":
-        out["bos_token_id"] = out["eos_token_id"] = 50256
+    # Written even when None: transformers' GPT2Config otherwise fills in GPT-2's 50256, an id a
+    # smaller vocabulary does not have (and warns about).
+    out["bos_token_id"] = out["eos_token_id"] = end_of_text_id(tok)
     return out
+
+
+def end_of_text_id(tok: dict | None) -> int | None:
+    """The id of GPT-2's end-of-text token `<|endoftext|>` in the tokenizer recorded as `tok`
+    (GPT-2's own: 50256), or None when it has none (bytes, a BPE trained without it)."""
+    if tok is None or tok["kind"] == "bytes":
+        return None
+    try:
+        obj = json.loads(tok["json"])
+    except ValueError:
+        return None
+    ids = {a.get("content"): a.get("id") for a in obj.get("added_tokens") or [] if isinstance(a, dict)}
+    vocab = (obj.get("model") or {}).get("vocab")
+    found = ids.get(tokenizer.GPT2_EOT, vocab.get(tokenizer.GPT2_EOT) if isinstance(vocab, dict) else None)
+    return found if isinstance(found, int) and 0 <= found < tok["vocab_size"] else None
 
 
 # ------------------------------------------------------------------------------ export
 
 
-def export(path: str, out: str, dtype: str | None = None) -> str:
+def export(path: str, out: str, dtype: str | None = None) -> list[str]:
     """Write the checkpoint at `path` (or its latest) in HF GPT-2 naming. `out` ending in
     .safetensors: that file; else a directory with model.safetensors, config.json and, when the
     checkpoint records a BPE tokenizer, tokenizer.json. `dtype`: the weights' dtype (default the
-    checkpoint's; bfloat16 and float16 are written as BF16 / F16). Returns what was written."""
+    checkpoint's; bfloat16 and float16 are written as BF16 / F16). Returns the files written,
+    the weights first."""
     ckpt = latest(path) or path
     _, meta = load(ckpt, {}, SoloCommunicator())
     cfg = loads(meta["config"], origin=f"config stored in {ckpt}").model
@@ -109,31 +128,51 @@ def export(path: str, out: str, dtype: str | None = None) -> str:
         if directory:
             os.makedirs(out, exist_ok=True)
         safetensors.write(target, tensors, {"format": "pt", "producer": "hpcpar", "source": ckpt})
+        written = [target]
         if directory:
             tok = meta.get("tokenizer")
-            with open(os.path.join(out, "config.json"), "w") as f:
+            written.append(os.path.join(out, "config.json"))
+            with open(written[-1], "w") as f:
                 json.dump(_hf_config(cfg, tok, dtype.name), f, indent=2)
             if tok is not None and tok["kind"] != "bytes":
-                with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
+                written.append(os.path.join(out, "tokenizer.json"))
+                with open(written[-1], "w", encoding="utf-8") as f:
                     f.write(tok["json"])
     except OSError as err:
         raise CheckpointError(f"cannot write {target}: {err.strerror}") from None
-    return target
+    return written
 
 
 # ------------------------------------------------------------------------------ import
 
 
+def _root(where: str) -> str:
+    """The directory a model directory's files must stay in (`data.untrusted.contained`): itself, or
+    for a snapshot of HuggingFace's cache (`<repo>/snapshots/<revision>/`, whose files are links
+    into `<repo>/blobs/`) its repository folder."""
+    parent = os.path.dirname(os.path.abspath(where))
+    return os.path.dirname(parent) if os.path.basename(parent) == "snapshots" else os.path.abspath(where)
+
+
+def _beside(where: str, name: str) -> str:
+    """`where/name`, refused when it resolves outside the model directory (`_root`)."""
+    return contained(where, name, f"{where}: file", CheckpointError, root=_root(where))
+
+
 def _weights_files(src: str) -> tuple[list[str], str]:
-    """(the safetensors files of `src`, the directory that may hold config.json / tokenizer files)."""
+    """(the safetensors files of `src`, the directory that may hold config.json / tokenizer files).
+    A sharded model's index names its shards: each must lie in the model directory."""
     if os.path.isdir(src):
         if os.path.isfile(os.path.join(src, WEIGHTS)):
-            return [os.path.join(src, WEIGHTS)], src
+            return [_beside(src, WEIGHTS)], src
         index = os.path.join(src, SHARD_INDEX)
         if os.path.isfile(index):
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            return [os.path.join(src, s) for s in shards], src
+            weight_map = read_json(_beside(src, SHARD_INDEX), _JSON_LIMIT, "weight index", CheckpointError)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index}: no weight_map of tensor names to shard files (not a model index)")
+            return [contained(src, shard, f"{index}: shard file", CheckpointError, root=_root(src))
+                    for shard in sorted(set(map(str, weight_map.values())))], src
         raise CheckpointError(f"{src} holds neither {WEIGHTS} nor {SHARD_INDEX}; give a GPT-2 safetensors file "
                               "or a HuggingFace model directory (PyTorch .bin weights are not read: "
                               "convert them with save_pretrained(safe_serialization=True))")
@@ -147,24 +186,21 @@ def _architecture(hf: dict | None, tensors: dict, n_head: int | None, origin: st
     wte, wpe = tensors.get("transformer.wte.weight"), tensors.get("transformer.wpe.weight")
     if wte is None or wpe is None:
         raise CheckpointError(f"{origin}: no wte/wpe weights; not a GPT-2 model")
-    n_layer = 1 + max((int(n.split(".")[2]) for n in tensors if n.startswith("transformer.h.")), default=-1)
+    if wte.ndim != 2 or wpe.ndim != 2 or 0 in wte.shape or 0 in wpe.shape:
+        raise CheckpointError(f"{origin}: wte {list(wte.shape)} and wpe {list(wpe.shape)} are not matrices; "
+                              "not a GPT-2 model")
+    layers = [n.split(".")[2] for n in tensors if n.startswith("transformer.h.")]
+    n_layer = 1 + max((int(i) for i in layers if i.isdecimal() and len(i) < 10), default=-1)
+    if 12 * n_layer > len(tensors):  # a layer is 12 tensors: a name may not claim layers the file lacks
+        raise CheckpointError(f"{origin}: names a layer {n_layer - 1} but holds {len(tensors)} tensors; not the "
+                              "GPT-2 of its own shapes")
     v, c = wte.shape
     shape = {"vocab_size": v, "block_size": wpe.shape[0], "n_layer": n_layer, "n_embd": c, "bias": True}
     if hf is not None:
-        if hf.get("model_type", "gpt2") != "gpt2":
-            raise CheckpointError(f"{origin}: model_type {hf.get('model_type')!r}; only GPT-2 imports")
-        problems = []
-        if hf.get("activation_function", "gelu_new") not in _TANH_GELU:
-            problems.append(f"activation_function={hf['activation_function']!r} (hpcpar computes gelu_new)")
-        if abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
-            problems.append(f"layer_norm_epsilon={hf['layer_norm_epsilon']} (hpcpar uses 1e-5)")
-        if hf.get("n_inner") not in (None, 4 * c):
-            problems.append(f"n_inner={hf['n_inner']} (hpcpar's MLP is 4*n_embd)")
-        if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
-            problems.append("attention scaling other than 1/sqrt(head size)")
-        if problems:
-            raise CheckpointError(f"{origin}: this GPT-2 variant computes another function: " + "; ".join(problems))
-        n_head = n_head or hf.get("n_head")
+        from_config = _hf_checked(hf, c, origin)
+        n_head = n_head or from_config
+    if n_head is not None and (not isinstance(n_head, int) or isinstance(n_head, bool) or n_head < 1):
+        raise CheckpointError(f"{origin}: n_head={n_head!r}; the head count is a positive integer")
     if not n_head:
         gpt2 = PRESETS["gpt2"]
         if all(shape[k] == gpt2[k] for k in ("n_embd", "n_layer")):
@@ -180,14 +216,34 @@ def _architecture(hf: dict | None, tensors: dict, n_head: int | None, origin: st
     return GPTConfig(**shape, n_head=n_head, dtype=dtype, preset=preset)
 
 
+def _hf_checked(hf: dict, c: int, origin: str):
+    """config.json's n_head, once its model is the function hpcpar computes (else CheckpointError)."""
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise CheckpointError(f"{origin}: model_type {hf.get('model_type')!r}; only GPT-2 imports")
+    problems = []
+    if hf.get("activation_function", "gelu_new") not in _TANH_GELU:
+        problems.append(f"activation_function={hf['activation_function']!r} (hpcpar computes gelu_new)")
+    eps = hf.get("layer_norm_epsilon", 1e-5)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not abs(eps - 1e-5) <= 1e-12:
+        problems.append(f"layer_norm_epsilon={hf['layer_norm_epsilon']} (hpcpar uses 1e-5)")
+    if hf.get("n_inner") not in (None, 4 * c):
+        problems.append(f"n_inner={hf['n_inner']} (hpcpar's MLP is 4*n_embd)")
+    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
+        problems.append("attention scaling other than 1/sqrt(head size)")
+    if problems:
+        raise CheckpointError(f"{origin}: this GPT-2 variant computes another function: " + "; ".join(problems))
+    return hf.get("n_head")
+
+
 def _tokenizer_of(where: str, explicit: str | None) -> dict | None:
     if explicit:
         return tokenizer.record(tokenizer.read(explicit))
     path = os.path.join(where, "tokenizer.json")
     if os.path.isfile(path):
-        return tokenizer.record(tokenizer.read(path))
+        return tokenizer.record(tokenizer.read(_beside(where, "tokenizer.json")))
     vocab, merges = os.path.join(where, "vocab.json"), os.path.join(where, "merges.txt")
     if os.path.isfile(vocab) and os.path.isfile(merges):
+        vocab, merges = _beside(where, "vocab.json"), _beside(where, "merges.txt")
         return tokenizer.record(tokenizer.gpt2(vocab, merges).to_json())
     return None
 
@@ -207,8 +263,9 @@ def import_(src: str, out: str, n_head: int | None = None, tokenizer_file: str |
         tensors[full] = a
     hf = None
     if os.path.isfile(os.path.join(where, "config.json")):
-        with open(os.path.join(where, "config.json")) as fh:
-            hf = json.load(fh)
+        hf = read_json(_beside(where, "config.json"), _JSON_LIMIT, "model config", CheckpointError)
+        if not isinstance(hf, dict):
+            raise CheckpointError(f"{os.path.join(where, 'config.json')}: not a model config (a JSON object expected)")
     cfg = _architecture(hf, tensors, n_head, src)
     head = tensors.pop("lm_head.weight", None)
     if head is not None and not np.array_equal(head, tensors["transformer.wte.weight"]):

@@ -14,6 +14,7 @@ tensor is read when it is used.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -54,7 +55,9 @@ def write(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, s
 
 def read_header(path: str) -> tuple[dict, int]:
     """(the JSON header, where the data starts). One-line CheckpointError for a file that is not
-    safetensors or is cut short."""
+    safetensors, is cut short, or whose header claims more than the file holds: the header's
+    length is checked against the file's size before it is read, and every tensor's offsets
+    against the data's size and its shape and dtype (`_check_entry`) before anything is mapped."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -67,10 +70,41 @@ def read_header(path: str) -> tuple[dict, int]:
         raise CheckpointError(f"cannot read {path}: {err.strerror}") from None
     except ValueError as err:
         raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {err})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise CheckpointError(f"{path}: {size} bytes, but its header needs {8 + n + end} (truncated)")
+    except RecursionError:
+        raise CheckpointError(f"{path}: not a safetensors file (header nested too deep)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (header is not a JSON object)")
+    ends = [_check_entry(path, name, info) for name, info in header.items() if name != "__metadata__"]
+    if 8 + n + max(ends, default=0) > size:
+        raise CheckpointError(f"{path}: {size} bytes, but its header needs {8 + n + max(ends)} (truncated)")
     return header, 8 + n
+
+
+def _check_entry(path: str, name: str, info) -> int:
+    """A header entry's end offset, once it is `{"dtype", "shape", "data_offsets": [begin, end]}`
+    with a dtype hpcpar reads, sizes that are integers and `end - begin` the bytes of its shape."""
+    what = f"{path}: tensor {name}"
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or \
+            not isinstance(info.get("shape"), list) or not isinstance(info.get("data_offsets"), list):
+        raise CheckpointError(f"{what}: its header entry is not {{dtype, shape, data_offsets}} (not a safetensors "
+                              "file, or a damaged one)")
+    code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if code != "BF16" and code not in _TO_NUMPY:
+        raise CheckpointError(f"{what} has dtype {code}, which hpcpar does not read")
+    if not all(_count(d) for d in shape) or len(offsets) != 2 or not all(_count(o) for o in offsets) or \
+            offsets[0] > offsets[1]:
+        raise CheckpointError(f"{what}: shape {shape} or data_offsets {offsets} are not sizes (damaged file)")
+    itemsize = 2 if code == "BF16" else np.dtype(_TO_NUMPY[code]).itemsize
+    if itemsize * math.prod(d for d in shape if d) >= 1 << 62:  # an empty array NumPy cannot shape either
+        raise CheckpointError(f"{what}: shape {shape} is larger than any array (damaged file)")
+    if offsets[1] - offsets[0] != itemsize * math.prod(shape):
+        raise CheckpointError(f"{what}: {offsets[1] - offsets[0]} bytes for shape {list(shape)} {code}")
+    return offsets[1]
+
+
+def _count(value) -> bool:
+    """A non-negative JSON integer (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read(path: str) -> dict[str, np.ndarray]:
@@ -85,17 +119,11 @@ def read(path: str) -> dict[str, np.ndarray]:
         shape = tuple(info["shape"])
         code = info["dtype"]
         if code == "BF16":
-            count = (end - begin) // 2
-            raw = _map(path, "<u2", start + begin, count, shape)
+            raw = _map(path, "<u2", start + begin, (end - begin) // 2, shape)
             out[name] = (raw.astype(np.uint32) << 16).view(np.float32)
             continue
-        if code not in _TO_NUMPY:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {code}, which hpcpar does not read")
         dtype = np.dtype(_TO_NUMPY[code])
-        if end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
-            raise CheckpointError(f"{path}: tensor {name}: {end - begin} bytes for shape {list(shape)} {code}")
-        count = (end - begin) // dtype.itemsize
-        out[name] = _map(path, dtype, start + begin, count, shape)
+        out[name] = _map(path, dtype, start + begin, (end - begin) // dtype.itemsize, shape)
     return out
 
 
@@ -103,4 +131,8 @@ def _map(path: str, dtype, offset: int, count: int, shape: tuple) -> np.ndarray:
     """`count` elements at `offset`, memory-mapped (read when used), as an array of `shape`."""
     if not count:
         return np.zeros(shape, dtype)
-    return np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))).reshape(shape)
+    try:
+        mapped = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+    except (OSError, ValueError) as err:  # changed since its header was read
+        raise CheckpointError(f"cannot map {path} at byte {offset}: {err}") from None
+    return np.asarray(mapped).reshape(shape)

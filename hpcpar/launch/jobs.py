@@ -190,7 +190,10 @@ def _exported(variant: str, o: JobOptions) -> list[str]:
 def _launcher(scheduler: str, variant: str, o: JobOptions) -> list[str]:
     if o.launcher == "srun":
         # srun no longer inherits --cpus-per-task from sbatch (Slurm >= 22.05): say it again.
-        return ["srun", "--cpu-bind=cores", f"--cpus-per-task={o.cpus_per_task}"]
+        # --kill-on-bad-exit: a rank that dies ends the step; by default (unless the site sets
+        # KillOnBadExit) the others would wait for it until the time limit (seen on a 2-node Slurm
+        # when a rank failed in MPI_Init).
+        return ["srun", "--kill-on-bad-exit=1", "--cpu-bind=cores", f"--cpus-per-task={o.cpus_per_task}"]
     ranks = str(o.nodes * o.ranks_per_node)
     if o.launcher == "mpiexec-openmpi":
         # Open MPI: ranks_per_node per node (ppr), PE=cpus cores each, every rank bound to its cores.

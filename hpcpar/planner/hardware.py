@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -91,21 +92,70 @@ def load_hardware(name: str, path: str | None = None) -> Hardware:
         raise ConfigError(f"--hardware={name!r} is not one of {', '.join([*PRESETS, 'this'])}")
     path = path or calibration_path()
     try:
-        with open(path) as f:
-            raw = json.load(f)
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > CALIBRATION_LIMIT:
+                raise ValueError(f"{os.fstat(f.fileno()).st_size} bytes, more than any calibration "
+                                 f"({CALIBRATION_LIMIT >> 20} MiB)")
+            raw = json.loads(f.read(CALIBRATION_LIMIT + 1))
     except FileNotFoundError:
         raise ConfigError(f"--hardware=this needs a calibration, and {path} does not exist; run "
                           "`mpiexec -n N hpcpar plan --calibrate` first (same model keys), or use "
                           "--hardware a100 or h100") from None
-    except (OSError, ValueError) as err:   # unreadable, empty, cut short, not UTF-8 or not JSON
+    except (OSError, ValueError, RecursionError) as err:   # unreadable, empty, cut short, not UTF-8 or not JSON
         raise _bad_calibration(path, err) from None
     try:
-        raw["intra"], raw["inter"] = Link(**raw["intra"]), Link(**raw["inter"])
-        raw["layer_times"] = {int(k): v for k, v in raw["layer_times"].items()}
-        raw["tp_scales"] = {int(k): v for k, v in raw.get("tp_scales", {}).items()}
-        return Hardware(**raw)
+        return _figures(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as err:   # JSON, but not what --calibrate writes
         raise _bad_calibration(path, err) from None
+
+
+def _figures(raw) -> Hardware:
+    """The Hardware a calibration file's JSON describes, every figure checked to be a number the cost
+    model can divide by (KeyError / TypeError / ValueError naming the first that is not)."""
+    if not isinstance(raw, dict):
+        raise TypeError(f"the file holds a JSON {type(raw).__name__}, not an object")
+
+    def number(key: str, value, positive: bool = False) -> float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < 0 or positive and value <= 0:
+            raise ValueError(f"{key}={value!r} is not a {'positive' if positive else 'non-negative'} number")
+        return value
+
+    raw = dict(raw)
+    for key in ("intra", "inter"):
+        link = raw[key]
+        if not isinstance(link, dict) or set(link) != {"alpha", "beta"}:
+            raise ValueError(f"{key}={link!r} is not {{alpha, beta}}")
+        raw[key] = Link(number(f"{key}.alpha", link["alpha"]), number(f"{key}.beta", link["beta"], True))
+    if not isinstance(raw["layer_times"], dict) or not isinstance(raw.get("tp_scales", {}), dict):
+        raise TypeError("layer_times and tp_scales must be JSON objects keyed by tp degree")
+    for key, value in raw["layer_times"].items():
+        if not isinstance(value, list) or len(value) != 6:
+            raise ValueError(f"layer_times[{key!r}] is not 6 numbers")
+        for x in value:
+            number(f"layer_times[{key!r}]", x)
+    raw["layer_times"] = {int(k): v for k, v in raw["layer_times"].items()}
+    raw["tp_scales"] = {int(k): number(f"tp_scales[{k!r}]", v) for k, v in raw.get("tp_scales", {}).items()}
+    for key, value in raw.items():
+        if key in _POSITIVE:
+            number(key, value, positive=True)
+        elif key in _NON_NEGATIVE or key == "cp_hidden" and value is not None:
+            number(key, value)
+        if key in _FRACTIONS and value is not None and value > 1:
+            raise ValueError(f"{key}={value!r} is not a fraction (at most 1)")
+    if not isinstance(raw.get("name"), str) or not isinstance(raw.get("model", {}), dict):
+        raise TypeError("name must be a string and model an object")
+    if not all(isinstance(raw[k], int) and not isinstance(raw[k], bool) for k in ("memory_bytes", "ranks_per_node")):
+        raise TypeError("memory_bytes and ranks_per_node must be integers")
+    return Hardware(**raw)
+
+
+# The figures the cost model divides by, and those it adds or scales with.
+_POSITIVE = ("peak_flops", "gemm_efficiency", "memory_bandwidth", "memory_bytes", "ranks_per_node", "cores_per_rank")
+_NON_NEGATIVE = ("overlap", "optimizer_seconds_per_param", "tp_scale", "cp_scale", "step_overhead",
+                 "microbatch_overhead")
+_FRACTIONS = ("gemm_efficiency", "overlap", "cp_hidden", "cores_per_rank")
+CALIBRATION_LIMIT = 16 << 20   # a calibration file is a few KiB: a larger file is refused unread
 
 
 def _bad_calibration(path: str, err: Exception) -> ConfigError:

@@ -204,9 +204,13 @@ def runnable(cfg: Config) -> Config:
                                train=dataclasses.replace(cfg.train, precision=PRECISION_OF[cfg.model.dtype]))
 
 
-def write_plan(pred: Prediction, path: str) -> None:
-    """A config `hpcpar train` runs as is: the planned config with its mesh degrees."""
+def write_plan(pred: Prediction, path: str, run_dir: str | None = None) -> None:
+    """A config `hpcpar train` runs as is: the planned config with its mesh degrees (and
+    `run_dir` as its run.dir when given)."""
+    cfg = runnable(pred.cfg)
+    if run_dir:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=run_dir))
     with open(path, "w") as f:
         f.write(f"# hpcpar plan: {pred.layout}\n# predicted {pred.step_time * 1e3:.1f} ms/step, "
                 f"{pred.tokens_per_s:,.0f} tokens/s\n")
-        f.write(to_toml(runnable(pred.cfg)))
+        f.write(to_toml(cfg))

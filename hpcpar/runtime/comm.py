@@ -150,6 +150,7 @@ class Communicator:
         # op kind -> bytes this rank sent (bytes_sent), since creation
         self.sent: dict[str, float] = collections.defaultdict(float)
         self._factor = {kind: _send_factor(kind, self.size) for kind in KINDS}  # bytes_sent per input byte
+        self._node: Communicator | None = None  # split_by_node's, once made
 
     def bytes_sent_total(self) -> float:
         """Bytes this rank has sent over this communicator so far (every op kind)."""
@@ -170,9 +171,26 @@ class Communicator:
         return self.mpi
 
     def free(self) -> None:
-        """Release the MPI communicator (not COMM_WORLD/COMM_SELF, which MPI owns)."""
+        """Release the MPI communicator (not COMM_WORLD/COMM_SELF, which MPI owns), and the node
+        communicator `split_by_node` kept."""
+        node, self._node = self._node, None
+        if node is not None:
+            node.free()
         if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
+
+    def split(self, color: int, key: int = 0, name: str | None = None) -> Communicator:
+        """The ranks of this communicator with the same `color`, ordered by `key` (MPI_Comm_split;
+        collective). The caller frees it."""
+        return Communicator(self.mpi.Split(color, key), name or f"{self.name}/{color}")
+
+    def split_by_node(self) -> Communicator:
+        """The ranks of this communicator that share this rank's node (its shared memory), in
+        this communicator's rank order: made on the first call (collective then: every rank calls
+        it the first time at the same point), then kept and freed with this communicator."""
+        if self._node is None:
+            self._node = Communicator(self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank), "node")
+        return self._node
 
     # -- the one path of every array op ----------------------------------------------------------
 

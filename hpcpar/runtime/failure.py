@@ -46,11 +46,17 @@ def _abort(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(ABORT_DELAY_S)
-    MPI.COMM_WORLD.Abort(status)
+    watchdog.abort_job(status)
 
 
 def _excepthook(exc_type, exc, tb) -> None:
-    sys.stderr.write(_tagged("".join(traceback.format_exception(exc_type, exc, tb))))
+    if isinstance(exc, watchdog.CommTimeout):
+        # Its report names the op, the ranks that never came and every rank's last ops: the
+        # Python traceback of where this rank waited would only bury it.
+        text = f"CommTimeout: {exc}\nhpcpar watchdog: aborting the job"
+    else:
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+    sys.stderr.write(_tagged(text))
     sys.stderr.flush()
     if _world_size() > 1:
         _abort(1)

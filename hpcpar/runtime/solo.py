@@ -3,8 +3,9 @@
 The one-process verbs (`hpcpar ckpt info|verify|export|import`, `hpcpar sample`) load and save
 checkpoints with the same collective code a job runs, over this stand-in for
 `runtime.comm.Communicator.local()`. It implements the part of the Communicator interface that
-code uses (rank, size, object collectives, barriers), where with one rank every collective returns
-its input at once, and imports no mpi4py: the verbs run where MPI cannot start (a login node).
+code uses (rank, size, object collectives, barriers, splits), where with one rank every collective
+returns its input at once, and imports no mpi4py: the verbs run where MPI cannot start (a login
+node).
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ class SoloCommunicator:
         communicator, which this one has not."""
         raise RuntimeError("a communicator without MPI cannot do MPI-IO (shared-file checkpoints); "
                            "save per_rank, or use runtime.comm.Communicator.local()")
+
+    def split(self, color: int, key: int = 0, name: str | None = None) -> SoloCommunicator:
+        """This process alone again (a split of one rank)."""
+        return SoloCommunicator()
+
+    def split_by_node(self) -> SoloCommunicator:
+        """The ranks on this node: this process alone (itself)."""
+        return self
 
     def free(self) -> None:
         """Nothing to release."""

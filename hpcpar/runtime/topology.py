@@ -185,6 +185,17 @@ class Placement:
         """True when every tp group is inside one node."""
         return all(self.tp_in_one_node)
 
+    def warning(self) -> str | None:
+        """One line for the job's log when a tp group spans nodes (None when none does): its
+        all-reduces, two per layer and micro-batch, then cross the network."""
+        spanning = [list(g) for g, inside in zip(self.tp_groups, self.tp_in_one_node) if not inside]
+        if not spanning:
+            return None
+        return (f"placement: {len(spanning)} of {len(self.tp_groups)} tp group(s) span nodes (first: ranks "
+                f"{spanning[0]} on {', '.join(sorted({self.hostnames[r] for r in spanning[0]}))}): tp's all-reduces "
+                "cross the network; place consecutive ranks on one node (e.g. mpiexec -ppn, srun "
+                "--ntasks-per-node, a multiple of tp) or lower mesh.tp")
+
     def report(self) -> str:
         lines = [f"placement: {len(set(self.nodes))} node(s); every tp group inside one node: "
                  f"{'yes' if self.ok else 'NO'}"]

@@ -289,23 +289,43 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+def lost_nodes(states: dict[int, dict | None], hosts: list[str] | None) -> list[str]:
+    """Lines naming each node none of whose ranks answered (`hosts`: world rank -> host name, from
+    `install()`): a node whose ranks all fail to answer at once is lost (its processes died, or it
+    is cut off from the network), which says more than each rank's silence does."""
+    if not hosts:
+        return []
+    silent: dict[str, list[int]] = {}
+    for r, host in enumerate(hosts):
+        silent.setdefault(host, []).append(r)
+    return [f"Node {host} (ranks {_ranges(ranks)}): none of its ranks answered; the node is lost "
+            "(its processes died, or it is cut off from the network)"
+            for host, ranks in silent.items()
+            if all(r in states and states[r] is None for r in ranks)]
+
+
 def format_report(record: OpRecord, waited: float, rank: int, states: dict[int, dict | None],
-                  asked: bool) -> str:
+                  asked: bool, hosts: list[str] | None = None) -> str:
     """The watchdog report for `record`, timed out on world rank `rank`.
 
     `states` maps world rank -> `FlightRecorder.state()` (None: did not answer); `asked` says
-    whether other ranks could be asked at all (`install()` was called). The ranks named, and
-    this one, get their last ops listed (at most DETAILED_RANKS); the others are grouped by
-    what they are doing.
+    whether other ranks could be asked at all (`install()` was called); `hosts` (world rank ->
+    host name, when known) names the node of each silent rank and each lost node. The ranks
+    named, and this one, get their last ops listed (at most DETAILED_RANKS); the others are
+    grouped by what they are doing.
     """
     lines = [f"{_headline(record, waited)} on rank {rank}."]
+    lines += lost_nodes(states, hosts)
+
+    def where(r: int) -> str:
+        return f" ({hosts[r]})" if hosts and r < len(hosts) else ""
     members = [int(r) for r in record.group.split(",")] if record.group else [rank]
     named = []
     if record.peer is not None:
         peer = members[record.peer] if record.peer < len(members) else record.peer
         state = states.get(peer)
         what = _rank_state_line(state) if state else f"unresponsive (no reply within {REPLY_WAIT_S:g}s)"
-        lines.append(f"Its peer for {record.comm}#{record.seq} {record.op}: rank {peer}: {what}")
+        lines.append(f"Its peer for {record.comm}#{record.seq} {record.op}: rank {peer}{where(peer)}: {what}")
         named.append(peer)
     else:
         missing = []
@@ -314,8 +334,8 @@ def format_report(record: OpRecord, waited: float, rank: int, states: dict[int, 
                 continue
             state = states[m]
             if state is None:
-                missing.append(f"rank {m}: unresponsive (no reply within {REPLY_WAIT_S:g}s: dead, or stuck "
-                               "in code that holds the Python GIL)")
+                missing.append(f"rank {m}{where(m)}: unresponsive (no reply within {REPLY_WAIT_S:g}s: dead, "
+                               "cut off, or stuck in code that holds the Python GIL)")
             elif state["issued"].get((record.comm, record.group), 0) <= record.seq:
                 missing.append(f"rank {m}: {_rank_state_line(state)}")
             else:
@@ -334,7 +354,7 @@ def format_report(record: OpRecord, waited: float, rank: int, states: dict[int, 
     for r in detailed:
         state = states[r]
         if state is None:
-            lines.append(f"  rank {r}: unresponsive")
+            lines.append(f"  rank {r}{where(r)}: unresponsive")
             continue
         lines.append(f"  rank {r} ({state['host']}, pid {state['pid']}): {_rank_state_line(state)}")
         lines += [f"    done:    {d}" for d in state["done"]]
@@ -358,6 +378,7 @@ class _Monitor:
         self.MPI = MPI
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.comm = None  # the watchdog communicator, once install() made it
+        self.hosts: list[str] | None = None  # world rank -> host name, gathered by install()
         self._stop = threading.Event()
         self._replies: list = []  # isend requests of our answers, completed lazily
         self._asked_id = 0
@@ -433,7 +454,7 @@ class _Monitor:
             self._defer_until = time.monotonic() + DELIVERY_GRACE_S
             return
         self._defer_until = None
-        report = format_report(record, waited, self.rank, states, asked=self.comm is not None)
+        report = format_report(record, waited, self.rank, states, asked=self.comm is not None, hosts=self.hosts)
         if any(r.blocking for r in overdue):
             tagged = "".join(f"[rank {self.rank}] {line}\n" for line in report.splitlines())
             sys.stdout.flush()
@@ -442,9 +463,30 @@ class _Monitor:
             os.write(2, (f"[rank {self.rank}] CommTimeout: " + tagged.removeprefix(f"[rank {self.rank}] ")
                          + f"[rank {self.rank}] hpcpar watchdog: aborting the job\n").encode())
             time.sleep(0.2)  # lets the launcher forward the report before it kills the job
-            self.MPI.COMM_WORLD.Abort(1)
+            abort_job(1)
         for r in overdue:  # polling waits raise CommTimeout with it
             r.report = report
+
+
+ABORT_GRACE_S = 10  # after this long in MPI_Abort, the process ends itself (SIGALRM)
+
+
+def abort_job(status: int) -> None:
+    """MPI_Abort on COMM_WORLD, and the end of this process even when that never returns.
+
+    MPI_Abort asks the launcher to end every rank; on a node cut off from the network the launcher's
+    daemon cannot reach its head and may wait for it for as long as TCP does (minutes): SIGALRM,
+    whose default action ends the process and which no Python code can delay (the GIL may be
+    held inside MPI_Abort), makes sure this rank at least is gone ABORT_GRACE_S later.
+    """
+    import signal
+
+    from mpi4py import MPI
+    if hasattr(signal, "alarm"):
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(ABORT_GRACE_S)
+    MPI.COMM_WORLD.Abort(status)
 
 
 _monitor: _Monitor | None = None
@@ -469,4 +511,7 @@ def install() -> None:
     """
     from mpi4py import MPI
     if monitor() and _monitor.comm is None and MPI.COMM_WORLD.Get_size() > 1:
-        _monitor.comm = MPI.COMM_WORLD.Dup()
+        comm = MPI.COMM_WORLD.Dup()
+        # Once, now: a report must name the node of a rank that no longer answers.
+        _monitor.hosts = comm.allgather(socket.gethostname())
+        _monitor.comm = comm

@@ -1,11 +1,13 @@
-"""`hpcpar eval CHECKPOINT --data PATH`: loss and perplexity on held-out tokens, on any mesh.
+"""`hpcpar eval CHECKPOINT [--data PATH]`: loss and perplexity on held-out tokens, on any mesh.
 
-    mpiexec -n 4 hpcpar eval runs/x/checkpoints --data data/tok [--split val|all] [--max-tokens N]
+    mpiexec -n 4 hpcpar eval runs/x [--data data/tok] [--split val|all] [--max-tokens N]
                              [--format bytes|bin|hdf5] [--set section.key=value ...]
 
-The run is the checkpoint's own configuration with the data replaced by `--data` (format from
-the path when not given: a .bin file or a directory with tokens.bin / train.bin is ``bin``, .h5 /
-.hdf5 or a directory with tokens.h5 is ``hdf5``, anything else ``bytes``), the mesh back to auto
+CHECKPOINT is a checkpoint, a checkpoint directory or a run directory (`generate.checkpoint_of`).
+The run is the checkpoint's own configuration, its data the checkpoint's (data.corpus as it
+trained, "" the built-in corpus) or `--data` (format from the path when not given: a .bin file
+or a directory with tokens.bin / train.bin is ``bin``, .h5 / .hdf5 or a directory with tokens.h5
+is ``hdf5``, anything else ``bytes``; ``--data ""`` the built-in corpus), the mesh back to auto
 (any layout: ``--set mesh.tp=2`` etc.) and no optimizer. ``--split val`` (default) evaluates the
 part training held out (the tail ``data.val_fraction`` of a single sequence, or val.bin / the
 ``val`` dataset); ``--split all`` every token of the data.
@@ -32,7 +34,7 @@ from hpcpar.config.sections import CheckpointConfig, Config, MeshConfig
 from hpcpar.data import corpus, formats
 from hpcpar.errors import ConfigError, DataError
 from hpcpar.runtime.comm import Communicator, mpi_world
-from hpcpar.runtime.topology import Axis
+from hpcpar.training.generate import checkpoint_of
 from hpcpar.training.trainer import Trainer
 
 _BATCHES_PER_CALL = 16   # global batches built and run at a time (bounds memory on long sets)
@@ -49,10 +51,16 @@ def infer_format(path: str) -> str:
     return "bin" if ext == ".bin" else "hdf5" if ext in (".h5", ".hdf5") else "bytes"
 
 
-def eval_config(stored: str, origin: str, data_path: str, fmt: str | None, split: str,
+def eval_config(stored: str, origin: str, data_path: str | None, fmt: str | None, split: str,
                 overrides: list[str]) -> Config:
-    """The checkpoint's config with `--data`, an auto mesh, no periodic work, then `overrides`."""
+    """The checkpoint's config with `--data` (None: the checkpoint's own data), an auto mesh, no
+    periodic work, then `overrides`."""
     cfg = loads(stored, origin=origin)
+    if data_path is None:
+        data_path, fmt = cfg.data.corpus, fmt or cfg.data.format
+        if data_path and not os.path.exists(data_path):
+            raise DataError(f"the data {origin.removeprefix('config stored in ')} was trained on, data.corpus="
+                            f"{data_path!r}, is not here (a path relative to where it trained?); give --data PATH")
     fmt = fmt or infer_format(data_path)
     dtype = _recorded_dtype(data_path, fmt) or cfg.data.token_dtype
     data_cfg = dataclasses.replace(cfg.data, corpus=data_path, format=fmt, token_dtype=dtype,
@@ -107,12 +115,13 @@ def evaluate(trainer: Trainer, tokens, max_tokens: int = 0) -> dict:
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": windows * t, "windows": windows}
 
 
-def evaluate_checkpoint(path: str, data_path: str, fmt: str | None = None, split: str = "val", max_tokens: int = 0,
-                        overrides: list[str] | None = None, json_out: str | None = None) -> int:
+def evaluate_checkpoint(path: str, data_path: str | None = None, fmt: str | None = None, split: str = "val",
+                        max_tokens: int = 0, overrides: list[str] | None = None, json_out: str | None = None) -> int:
     """`hpcpar eval`: prints one line on rank 0 (and writes the figures as JSON to `json_out`, whose
-    directory the CLI checks before the evaluation)."""
+    directory the CLI checks before the evaluation). `data_path` None: the checkpoint's data."""
     check_max_tokens(max_tokens)       # before loading the checkpoint and building the model
     world = mpi_world()
+    path = checkpoint_of(path)
     _, meta = read_checkpoint(path, {}, Communicator(world, "world"))
     cfg = eval_config(meta["config"], f"config stored in {path}", data_path, fmt, split, overrides or [])
     trainer = Trainer(cfg, world)
@@ -120,16 +129,17 @@ def evaluate_checkpoint(path: str, data_path: str, fmt: str | None = None, split
     tokens = trainer.val_tokens if split == "val" else trainer.train_tokens
     if split == "val" and len(tokens) == 0:
         why = ("data.val_fraction=0 and no val file" if not cfg.data.val_fraction else
-               f"data.val_fraction={cfg.data.val_fraction:g} of its {len(trainer.train_tokens)} tokens is not one token")
-        raise DataError(f"{data_path} has no held-out part ({why}); use --split all")
+               f"data.val_fraction={cfg.data.val_fraction:g} of its {len(trainer.train_tokens)} tokens is not one "
+               "token")
+        raise DataError(f"{cfg.data.corpus or 'the built-in corpus'} has no held-out part ({why}); use --split all")
     result = evaluate(trainer, tokens, max_tokens)
     if world.rank == 0:
-        # Every axis the mesh has (of the expert groups, ep: edp and edp_shard follow from it).
-        mesh = " x ".join(f"{a}={trainer.mesh.size(a)}" for a in Axis if a not in (Axis.EDP, Axis.EDP_SHARD))
+        mesh = trainer.mesh_text()   # as `hpcpar train` says it
         print(f"eval {path} on {trainer.dataset.description} ({split} split, {result['tokens']:,} tokens in "
               f"{result['windows']:,} windows of {cfg.model.block_size}): loss {result['loss']:.6f}, "
               f"perplexity {result['perplexity']:.4f} (mesh {mesh})")
         if json_out:
             with open(json_out, "w") as f:
-                json.dump({**result, "checkpoint": path, "data": data_path, "split": split, "mesh": mesh}, f, indent=1)
+                json.dump({**result, "checkpoint": path, "data": cfg.data.corpus, "split": split, "mesh": mesh}, f,
+                          indent=1)
     return 0

@@ -1,5 +1,8 @@
 """`hpcpar sample`: generate text from a trained checkpoint on one process.
 
+The checkpoint is a `step-NNNNNNN` directory, a checkpoint directory (its `latest`) or a run
+directory (the newest checkpoint of its checkpoint directory: `checkpoint_of`); which one was
+loaded, at which step, is said on stderr, the text alone goes to stdout.
 The checkpoint's global tensors load into a single-process GPT whatever layout
 trained them (checkpoints hold global tensors). Sampling: temperature-scaled
 softmax over the last position's logits, restricted to the top-k tokens. Text goes
@@ -11,6 +14,7 @@ tokenizer's, e.g. padded to 50304 for GPT-2's 50257) get no probability.
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import numpy as np
@@ -18,19 +22,37 @@ import numpy as np
 from hpcpar import backend
 from hpcpar.autograd.tensor import no_grad
 from hpcpar.checkpoint.directory import latest
+from hpcpar.checkpoint.format import INDEX
 from hpcpar.checkpoint.load import load as load_checkpoint
 from hpcpar.checkpoint.parts import load_parts
-from hpcpar.config.load import loads
+from hpcpar.config.load import load_config, loads
 from hpcpar.data import tokenizer
-from hpcpar.errors import ConfigError, DataError
+from hpcpar.errors import ConfigError, DataError, HpcparError
 from hpcpar.nn.gpt import GPT
 from hpcpar.runtime.solo import SoloCommunicator
 
 
+def checkpoint_of(path: str) -> str:
+    """The checkpoint `path` names: itself (a `step-NNNNNNN` directory), its `latest` (a checkpoint
+    directory), or for a run directory (it holds config.toml) the newest checkpoint of its
+    checkpoint directory (<path>/checkpoints unless its checkpoint.dir says otherwise). Anything
+    else is returned as given, for the checkpoint reader to name what is missing."""
+    if os.path.isfile(os.path.join(path, INDEX)):
+        return path
+    found = latest(path)
+    if found is None and os.path.isfile(os.path.join(path, "config.toml")):
+        try:
+            stored = load_config(os.path.join(path, "config.toml")).checkpoint.dir
+        except HpcparError:
+            stored = ""
+        found = latest(stored or os.path.join(path, "checkpoints"))
+    return found or path
+
+
 def load(path: str) -> tuple[GPT, dict]:
-    """A single-process GPT with the weights of the checkpoint at `path` (or its latest), and the
+    """A single-process GPT with the weights of the checkpoint at `path` (`checkpoint_of`), and the
     checkpoint's meta."""
-    resolved = latest(path) or path
+    resolved = checkpoint_of(path)
     _, meta = load_checkpoint(resolved, {}, SoloCommunicator())
     cfg = loads(meta["config"], origin=f"config stored in {resolved}")
     model = GPT(cfg.model, seed=cfg.train.seed)
@@ -104,6 +126,8 @@ def sample_checkpoint(path: str, prompt: str = "def ", tokens: int = 200, temper
     if tok.vocab_size > vocab:
         raise DataError(f"the {tok.kind} tokenizer has {tok.vocab_size} ids but the model of {path} only {vocab}; "
                         "give the tokenizer the model was trained with")
+    sys.stderr.write(f"sampling from {checkpoint_of(path)} (step {meta.get('step', '?')}, "
+                     f"{tok.kind} tokenizer with {tok.vocab_size} ids)\n")
     prompt_ids = tok.encode(prompt) or tok.encode("\n")
     ids = generate(model, prompt_ids, tokens, temperature, top_k, seed, vocab_limit=tok.vocab_size)
     sys.stdout.write(tok.decode(ids) + "\n")

@@ -1,6 +1,10 @@
 """`hpcpar plot`: training (and validation) loss curves of one or more runs to a PNG; for
 mixture-of-experts runs a second panel shows the expert load (max / mean tokens per expert of the
-worst MoE layer, 1 = balanced) and the fraction of assignments dropped by the capacity limit."""
+worst MoE layer, 1 = balanced) and the fraction of assignments dropped by the capacity limit.
+
+A step that appears twice in a metrics.jsonl (a run that died after its last checkpoint repeats
+the steps since, when resumed) is drawn from its later line (`latest_per_step`), in step order.
+The loss is in nats per token, per byte when every run is byte-level (its config.toml says)."""
 
 from __future__ import annotations
 
@@ -34,13 +38,32 @@ def read_records(path: str) -> list[dict]:
     return records
 
 
+def latest_per_step(records: list[dict]) -> list[dict]:
+    """One record per step in step order: where a step appears more than once, its later line."""
+    by_step = {r["step"]: r for r in records}
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def loss_unit(runs: list) -> str:
+    """"byte" when every run's config.toml says data.format = "bytes" (a token is a byte), else
+    "token" (a BPE or token file, or a run without a readable config.toml)."""
+    from hpcpar.config.load import load_config
+    for run in runs:
+        try:
+            if load_config(os.path.join(run, "config.toml")).data.format != "bytes":
+                return "token"
+        except (HpcparError, OSError):
+            return "token"
+    return "byte"
+
+
 def plot_runs(runs: list, out: str) -> int:
     histories = []
     for run in runs:
         path = os.path.join(run, "metrics.jsonl")
         if not os.path.isfile(path):
             raise HpcparError(f"{run!r} has no metrics.jsonl; give run directories written by hpcpar train")
-        histories.append((os.path.basename(os.path.normpath(run)), read_records(path)))
+        histories.append((os.path.basename(os.path.normpath(run)), latest_per_step(read_records(path))))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -67,7 +90,7 @@ def plot_runs(runs: list, out: str) -> int:
         if val:
             ax.plot(*zip(*val), "o--", color=line.get_color(), label=f"{label} val")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / byte)")
+    ax.set_ylabel(f"loss (nats / {loss_unit(runs)})")
     ax.grid(alpha=0.3)
     ax.legend()
     if experts:

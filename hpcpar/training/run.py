@@ -4,7 +4,9 @@
 `ServerRank`. `run_training` is the whole of `hpcpar train` on one rank: logging, the config
 (with `elastic_batch` when a job resumes on another number of ranks), validation against the
 node's memory, the watchdog and preemption handler, the run directory and its rank table, the
-resume, then `train()`, and at the end the summary, the trace and the requeue marker.
+resume, then `train()`, and at the end the summary, the trace and the requeue marker. Before
+anything reads the checkpoint to resume, `checkpoint.location` is resolved and, on node-local
+disks, that checkpoint copied onto every node (`checkpoint.replicate.start_of_run`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hpcpar import metrics
 from hpcpar import environment
 from hpcpar.checkpoint import directory
 from hpcpar.checkpoint.load import load as read_checkpoint
+from hpcpar.checkpoint.replicate import AUTO, LOCATIONS, NODE_LOCAL, start_of_run
 from hpcpar.config.load import given_keys, load_config, loads, to_toml
 from hpcpar.config.sections import Config
 from hpcpar.config.validate import doubts, validate
@@ -28,7 +31,8 @@ from hpcpar.errors import ConfigError
 from hpcpar.runtime import preemption, watchdog
 from hpcpar.runtime.comm import Communicator, mpi_world
 from hpcpar.runtime.topology import resolve_degrees
-from hpcpar.training.report import format_summary
+from hpcpar.training import rundir
+from hpcpar.training.report import format_summary, setup_console
 from hpcpar.training.server_rank import ServerRank
 from hpcpar.launch.jobs import REQUEUE_STATUS
 from hpcpar.training.trainer import RunResult, Trainer
@@ -52,8 +56,10 @@ def run_training(config_path: str | None, overrides: list) -> int:
     exit status (0, or REQUEUE_STATUS after preemption)."""
     world = mpi_world()
     _setup_logging(world.rank)
-    cfg = elastic_batch(load_config(config_path, overrides), world.Get_size(), given_keys(config_path, overrides))
-    rank = build(cfg, world, available_memory_bytes=_agreed_memory_per_rank(Communicator(world, "world")))
+    job = Communicator(world, "world")
+    cfg = checkpoint_location(load_config(config_path, overrides), job)
+    cfg = elastic_batch(cfg, world.Get_size(), given_keys(config_path, overrides))
+    rank = build(cfg, world, available_memory_bytes=_agreed_memory_per_rank(job))
     cfg, job = rank.cfg, rank.job  # cfg: validated, mesh resolved; job: every rank
     if job.rank == 0:
         for doubt in doubts(cfg):
@@ -63,6 +69,9 @@ def run_training(config_path: str | None, overrides: list) -> int:
     preemption.install()
     _prepare_run_dir(cfg, job)
     _log_ranks(cfg, job)
+    if job.rank == 0:
+        log.info("checkpoint storage: %s (%s)%s", cfg.checkpoint.location, cfg.checkpoint_dir,
+                 ": every node keeps a full copy, replicated over MPI" if cfg.checkpoint.location == NODE_LOCAL else "")
     _resume(rank)
     if rank.step >= cfg.train.steps:  # every rank loaded the same step: they all stop here
         if job.rank == 0:
@@ -72,6 +81,29 @@ def run_training(config_path: str | None, overrides: list) -> int:
     result = rank.train()
     _write_results(rank, result)
     return result.status
+
+
+def checkpoint_location(cfg: Config, world: Communicator, node_comm: Communicator | None = None) -> Config:
+    """`cfg` with checkpoint.location resolved (collective over `world`, before anything reads
+    the checkpoint to resume): "auto" probed on the checkpoint directory, and on node-local disks
+    the checkpoint `checkpoint.resume` names copied onto every node that lacks it, so that every
+    rank then finds the same one (`replicate.start_of_run`; `node_comm`: default by shared memory).
+    A value outside the choices, or node-local with a shared file, is left for `validate` to name."""
+    c = cfg.checkpoint
+    if c.location not in LOCATIONS or (c.location == NODE_LOCAL and c.format == "shared"):
+        return cfg
+    # A shared file on node-local disks is refused below: nothing is copied for it first.
+    location = start_of_run(cfg.checkpoint_dir, c.resume if c.format != "shared" else "", c.location, world,
+                            node_comm)
+    if location == NODE_LOCAL and c.format == "shared":  # "auto" probed; the verdict is the same on every rank
+        raise ConfigError(f"checkpoint.location=\"auto\" found checkpoint.dir {cfg.checkpoint_dir!r} to be each "
+                          "node's own disk, and checkpoint.format=\"shared\" writes one file through MPI-IO, which "
+                          "needs one filesystem every node sees; use checkpoint.format=\"per_rank\" or a shared "
+                          "checkpoint.dir")
+    if c.location == AUTO and location == NODE_LOCAL and world.rank == 0:
+        log.info("checkpoint.location=auto: %s is each node's own disk; every node keeps a full copy of each "
+                 "checkpoint", cfg.checkpoint_dir)
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, location=location))
 
 
 def elastic_batch(cfg: Config, world_size: int, given: set[str]) -> Config:
@@ -110,8 +142,7 @@ def elastic_batch(cfg: Config, world_size: int, given: set[str]) -> Config:
 
 
 def _setup_logging(rank: int) -> None:
-    level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
+    setup_console(rank)   # rank 0's lines on stdout, warnings and errors on stderr
 
 
 def _agreed_memory_per_rank(world: Communicator) -> int | None:
@@ -124,9 +155,11 @@ def _agreed_memory_per_rank(world: Communicator) -> int | None:
 
 
 def _prepare_run_dir(cfg: Config, world: Communicator) -> None:
-    """Create the run and checkpoint directories and write config.toml (rank 0), so that a
-    directory that cannot be used stops the job before its first step, not at its first save;
-    every rank raises the same error."""
+    """Claim the run directory (`rundir.claim`: a fresh start never overwrites another run), create
+    the run and checkpoint directories and write config.toml (rank 0), so that a directory that
+    cannot be used stops the job before its first step, not at its first save; every rank raises
+    the same error."""
+    rundir.claim(cfg, world)
     problem = ""
     if world.rank == 0:
         for path, what, key in ((cfg.run.dir, "run directory", "run.dir"),

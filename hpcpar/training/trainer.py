@@ -54,7 +54,7 @@ from hpcpar.runtime.topology import Axis
 from hpcpar.runtime.trace import Tracer
 from hpcpar.state import SavedState, StoredState
 from hpcpar.training import routing
-from hpcpar.training.mfu import measure_peak, model_flops_per_token
+from hpcpar.training.mfu import Peak, job_peak, model_flops_per_token
 from hpcpar.training.report import StepLog, ps_text, traffic_summary
 from hpcpar.training.update import LocalUpdate, ServerUpdate, StepResult
 
@@ -233,7 +233,7 @@ class Trainer:
         self.mesh.free()
         self.update.free()
 
-    def _mesh_text(self) -> str:
+    def mesh_text(self) -> str:
         """"dp=2 x tp=1 x pp=2" (with "cp=.. (ring)" after dp under context parallelism, the dp
         split under HSDP and the ZeRO stage when it is not 0)."""
         cp = f" x cp={self.mesh.size(Axis.CP)} ({self.cfg.mesh.cp_impl})" if self.mesh.size(Axis.CP) > 1 else ""
@@ -403,15 +403,15 @@ class Trainer:
                 logs every `run.log_every` steps.
             on_step: called on every rank with each step's record: the metrics line's fields plus
                 `cpu_time_s`, this process's CPU time in `train_step`.
-            peak_flops: the FLOP/s that MFU is relative to (default: the GEMM peak, measured here
-                by one rank per node in about a second; 0 reports MFU 0).
+            peak_flops: the FLOP/s that MFU is relative to (default: `run.mfu_peak`'s, by default
+                the GEMM peak measured here by one rank per node in about a second; 0 reports MFU 0).
         """
         run = self.cfg.run
         end = self.cfg.train.steps if steps is None else self.step + steps
         first = self.step
         rank0 = self.mesh.world.rank == 0
         model_flops = model_flops_per_token(self.cfg)
-        peak = measure_peak(self.mesh, self.cfg.model.dtype) if peak_flops is None else peak_flops
+        peak = job_peak(self.cfg, self.mesh) if peak_flops is None else Peak(peak_flops)
         self._log_start(peak)
         draw = rank0 and (run.progress if progress is None else progress)
         out = StepLog(rank0, draw, os.path.join(run.dir, "metrics.jsonl") if files and rank0 else None, on_step,
@@ -437,15 +437,18 @@ class Trainer:
         summary = {**self._summary(state, model_flops, peak), **self.update.run_report(self.step - first)}
         return RunResult(status, summary)
 
-    def _log_start(self, peak: float) -> None:
+    def _log_start(self, peak: Peak) -> None:
         log.info("hpcpar %s: mesh %s on %d rank(s); %s; global batch %d tokens/step; "
-                 "%.2fM non-embedding parameters; GEMM peak %.1f GFLOP/s",
-                 hpcpar.__version__, self._mesh_text(), self.mesh.world.size,
+                 "%.2fM non-embedding parameters; MFU against the %s",
+                 hpcpar.__version__, self.mesh_text(), self.mesh.world.size,
                  corpus.corpus_description(self.cfg.data.corpus), self.tokens_per_step,
-                 self.cfg.model.non_embedding_params() / 1e6, peak / 1e9)
+                 self.cfg.model.non_embedding_params() / 1e6, peak.text())
+        warning = self.mesh.placement().warning()  # the same on every rank: said once
+        if warning and self.mesh.world.rank == 0:
+            log.warning(warning)
 
     def _loop_step(self, end: int, files: bool, state: _RunState, out: StepLog, model_flops: float,
-                   peak: float) -> bool:
+                   peak: Peak) -> bool:
         """One step of `train`'s loop, up to `end`: the step, its accounting, evaluation, record
         and checkpoint when due. Returns whether a preemption signal stops the run after it."""
         run = self.cfg.run
@@ -463,10 +466,10 @@ class Trainer:
             self._checkpoint()
         return result.stop
 
-    def _record(self, step: int, result: StepResult, elapsed: float, model_flops: float, peak: float) -> dict:
+    def _record(self, step: int, result: StepResult, elapsed: float, model_flops: float, peak: Peak) -> dict:
         """The step's metrics record (a metrics.jsonl line's fields)."""
         tok_s = self.tokens_per_step / elapsed
-        mfu = tok_s * model_flops / peak if peak else 0.0
+        mfu = peak.mfu(tok_s * model_flops)
         record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "tokens_per_s": tok_s, "mfu": mfu, "step_time_s": elapsed, "skipped": result.skipped,
                   **result.traffic, **result.moe}
@@ -516,7 +519,7 @@ class Trainer:
         if isinstance(result, str):
             log.info("checkpoint: %s", result)
 
-    def _summary(self, state: _RunState, model_flops: float, peak: float) -> dict:
+    def _summary(self, state: _RunState, model_flops: float, peak: Peak) -> dict:
         """summary.json's content (collective: gathers every rank's peak memory). Throughput
         leaves out the first completed step (allocations, connections) when there are others."""
         cfg, mesh = self.cfg, self.mesh
@@ -530,8 +533,9 @@ class Trainer:
         estimate = estimate_memory(cfg, mesh.size(Axis.DP), mesh.size(Axis.TP), mesh.size(Axis.PP),
                                    mesh.size(Axis.CP))
         return {
-            "steps": self.step, "tokens_per_s": tok_s, "mfu": tok_s * model_flops / peak if peak else 0.0,
-            "gemm_peak_flops": peak, "first_loss": state.first_loss, "final_loss": state.last_loss,
+            "steps": self.step, "tokens_per_s": tok_s, "mfu_capped_steps": peak.capped,  # the steps' (read first)
+            "mfu": peak.mfu(tok_s * model_flops), "gemm_peak_flops": peak.flops, "mfu_peak": peak.text(),
+            "first_loss": state.first_loss, "final_loss": state.last_loss,
             "val_loss": state.val_loss, "mesh": {str(a): mesh.size(a) for a in (Axis.DP, Axis.TP, Axis.PP, Axis.CP)},
             "cp_impl": cfg.mesh.cp_impl, "zero": cfg.train.zero, "dp_replicate": mesh.size(Axis.DP_REPLICATE),
             "schedule": cfg.pipeline.schedule, "microbatches": cfg.train.microbatches,
@@ -616,11 +620,14 @@ class Trainer:
 
         A save still in flight is committed first. Returns the committed `step-NNNNNNN` path,
         or with `async_save` a `checkpoint.save.SaveHandle` (also kept in `save_in_flight`): the
-        rank files are written in a background thread and `finish_save()` commits them.
+        rank files are written in a background thread and `finish_save()` commits them. With
+        checkpoint.location = "node-local" every node keeps a full copy ("auto", which `hpcpar
+        train` resolves when the run starts, is probed at each save here).
         """
         self.finish_save()
+        c = self.cfg.checkpoint
         result = save_parts(directory, self.step, [self], self.job, keep=keep, async_save=async_save,
-                            storage=self.cfg.checkpoint.format)
+                            storage=c.format, location=c.location)
         self.save_in_flight = result if async_save else None
         return result
 

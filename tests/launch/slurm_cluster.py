@@ -1,5 +1,8 @@
-"""A one-node Slurm cluster of a test's own: munged, slurmctld and slurmd from Debian's slurm-wlm,
+"""A Slurm cluster of a test's own: munged, slurmctld and slurmd from Debian's slurm-wlm,
 configured in a temporary directory, on free ports, with their own munge key and socket.
+
+One node (this host) by default; with `nodes`, one slurmd per node of a tests/cluster harness
+(`node_exec` runs it in the node's namespaces, slurmctld listens on the bridge's address).
 
 Nothing outside that directory is read or written (no /etc/slurm, /etc/munge, /run/munge), so it
 can run beside a site's Slurm. `SlurmCluster.start()` waits until the node is idle; `stop()` ends
@@ -40,29 +43,47 @@ def _free_port() -> int:
 
 
 class SlurmCluster:
-    """One node (this host, `cpus` CPUs declared), one partition `test`, MPI plugin `mpi_default`."""
+    """Nodes with `cpus` CPUs each, one partition `test`, MPI plugin `mpi_default`.
 
-    def __init__(self, root: pathlib.Path, cpus: int = 4, mpi_default: str = "pmi2"):
+    `nodes`: `[(name, address), ...]` of nodes whose slurmd `node_exec NAME slurmd -N NAME`
+    starts, the controller at `controller` (name, address); None: one node, this host.
+    """
+
+    def __init__(self, root: pathlib.Path, cpus: int = 4, mpi_default: str = "pmi2",
+                 nodes: list[tuple[str, str]] | None = None, node_exec: str | None = None,
+                 controller: tuple[str, str] | None = None):
         self.root = root
         self.cpus = cpus
         self.mpi_default = mpi_default
         self.host = socket.gethostname().split(".")[0]
+        self.nodes, self.node_exec, self.controller = nodes, node_exec, controller
         self.conf = root / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf), PATH=SBIN)
-        self._pid_files = {name: root / f"{name}.pid" for name in ("munged", "slurmctld", "slurmd")}
+        self._pid_files = {name: root / f"{name}.pid" for name in ("munged", "slurmctld")}
+        for name, _ in nodes or [(self.host, None)]:
+            self._pid_files[f"slurmd-{name}"] = root / f"slurmd-{name}.pid"
 
     def _write_config(self) -> None:
         for sub in ("munge", "state", "spool", "log"):
             (self.root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
         self.root.chmod(0o700)  # munged refuses keys and sockets in directories others can write
+        for name, _ in self.nodes or [(self.host, None)]:
+            (self.root / "spool" / name).mkdir(mode=0o700, exist_ok=True)
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
         self.socket = self.root / "munge" / "munge.socket"
         log = self.root / "log"
+        if self.nodes:
+            controller = f"{self.controller[0]}({self.controller[1]})"
+            node_lines = "\n".join(f"NodeName={n} NodeAddr={a} CPUs={self.cpus} State=UNKNOWN" for n, a in self.nodes)
+            names = ",".join(n for n, _ in self.nodes)
+        else:
+            controller, names = self.host, self.host
+            node_lines = f"NodeName={self.host} CPUs={self.cpus} State=UNKNOWN"
         self.conf.write_text(textwrap.dedent(f"""\
             ClusterName=hpcpartest
-            SlurmctldHost={self.host}
+            SlurmctldHost={controller}
             SlurmctldPort={_free_port()}
             SlurmdPort={_free_port()}
             SlurmUser=root
@@ -71,11 +92,11 @@ class SlurmCluster:
             AuthInfo=socket={self.socket}
             CredType=cred/munge
             StateSaveLocation={self.root / 'state'}
-            SlurmdSpoolDir={self.root / 'spool'}
+            SlurmdSpoolDir={self.root / 'spool' / '%n'}
             SlurmctldPidFile={self._pid_files['slurmctld']}
-            SlurmdPidFile={self._pid_files['slurmd']}
+            SlurmdPidFile={self.root / 'slurmd-%n.pid'}
             SlurmctldLogFile={log / 'slurmctld.log'}
-            SlurmdLogFile={log / 'slurmd.log'}
+            SlurmdLogFile={log / 'slurmd-%n.log'}
             SlurmctldDebug=info
             SlurmdDebug=info
             ProctrackType=proctrack/linuxproc
@@ -92,9 +113,8 @@ class SlurmCluster:
             KillWait=10
             MinJobAge=600
             MailProg=/bin/true
-            NodeName={self.host} CPUs={self.cpus} State=UNKNOWN
-            PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
-            """))
+            PartitionName=test Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+            """) + node_lines + "\n")
 
     def _daemon(self, args: list[str]) -> None:
         result = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=60)
@@ -110,7 +130,11 @@ class SlurmCluster:
                       f"--seed-file={munge / 'munged.seed'}",
                       "--force"])  # pytest's temporary directories are private (0700): fine for one user
         self._daemon(["slurmctld", "-i"])  # -i: no state to recover, start clean
-        self._daemon(["slurmd"])
+        if self.nodes:
+            for name, _ in self.nodes:
+                self._daemon([self.node_exec, name, f"SLURM_CONF={self.conf} slurmd -N {name}"])
+        else:
+            self._daemon(["slurmd"])
         deadline = time.monotonic() + timeout
         while self.run("sinfo", "-h", "-o", "%T", check=False).strip() != "idle":
             if time.monotonic() > deadline:
@@ -155,7 +179,7 @@ class SlurmCluster:
         if self._pid_files["slurmctld"].exists():
             self.run("scancel", "--full", "--user", "root", check=False)
         pids = self._pids()
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [*(n for n in pids if n.startswith("slurmd")), "slurmctld", "munged"]:
             if name in pids and alive(pids[name]):
                 os.kill(pids[name], signal.SIGTERM)
                 deadline = time.monotonic() + 20

@@ -140,9 +140,10 @@ CASES = [
     ("resume-corrupt", train("checkpoint.resume={corrupt}"), 1, "rank-00000.h5: cannot read tensor"),
     ("run-dir-under-a-file", train("run.dir={afile}/sub"), 1, "is not writable (Not a directory)"),
     ("run-dir-read-only", train("run.dir={ro}/run"), 1, "is not writable (Read-only file system)"),
-    ("checkpoint-dir-is-a-file", train("checkpoint.dir={afile}"), 1,
+    # A run directory of their own: {tmp}/run holds a run, and a fresh start there is refused first.
+    ("checkpoint-dir-is-a-file", train("checkpoint.dir={afile}", "run.dir={tmp}/run-ckpt-file"), 1,
      "is not writable (File exists); set checkpoint.dir to a writable directory"),
-    ("disk-full", train("checkpoint.dir={full}/ckpt"), 1, "no space left on device"),
+    ("disk-full", train("checkpoint.dir={full}/ckpt", "run.dir={tmp}/run-disk-full"), 1, "no space left on device"),
     ("sample-bad-checkpoint", ["sample", "{afile}"], 1, "no checkpoint at"),
     ("sample-corrupt-checkpoint", ["sample", "{corrupt}"], 1, "corrupt data"),
     ("sample-temperature", ["sample", "{ckpt}", "--temperature", "0"], 1, "--temperature must be a finite number > 0"),

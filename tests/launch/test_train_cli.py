@@ -84,7 +84,7 @@ def test_recomputation_is_bitwise_none_through_the_cli(mpirun, tmp_path):
 def test_run_directory_contents(mpirun, tmp_path):
     _, job = train(mpirun, 4, tmp_path / "run", "--set", "pipeline.trace=true")
     run = tmp_path / "run"
-    for name in ("config.toml", "metrics.jsonl", "summary.json", "trace.json", "checkpoints/latest"):
+    for name in ("config.toml", "metrics.jsonl", "summary.json", "trace.json", "ranks.json", "checkpoints/latest"):
         assert (run / name).exists(), name
     summary = json.loads((run / "summary.json").read_text())
     assert summary["mesh"] == {"dp": 2, "tp": 1, "pp": 2, "cp": 1}

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import sys
 import tempfile
@@ -78,9 +79,12 @@ def world() -> Communicator:
 
 @pytest.fixture
 def shared_dir():
-    """A temporary directory every rank sees (made by rank 0, removed after the test)."""
+    """A temporary directory every rank sees (made by rank 0, removed after the test): under
+    $HPCPAR_SHARED_TMP where set (ranks on several nodes: a directory on storage they share, since
+    each node's /tmp is its own), else the system's temporary directory."""
     world = MPI.COMM_WORLD
-    path = world.bcast(tempfile.mkdtemp(prefix="hpcpar-test-") if world.rank == 0 else None, root=0)
+    where = os.environ.get("HPCPAR_SHARED_TMP") or None
+    path = world.bcast(tempfile.mkdtemp(prefix="hpcpar-test-", dir=where) if world.rank == 0 else None, root=0)
     yield path
     world.barrier()
     if world.rank == 0:

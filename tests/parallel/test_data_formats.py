@@ -38,7 +38,8 @@ TEXT = np.random.default_rng(3).integers(0, 256, 30_000).astype(np.uint8).tobyte
 def files():
     """The same bytes as a text file and as prepared bin and hdf5 directories (rank 0 writes)."""
     import tempfile
-    root = WORLD.bcast(tempfile.mkdtemp(prefix="hpcpar-formats-") if RANK == 0 else None, root=0)
+    where = os.environ.get("HPCPAR_SHARED_TMP") or None  # as conftest.shared_dir: seen by every node
+    root = WORLD.bcast(tempfile.mkdtemp(prefix="hpcpar-formats-", dir=where) if RANK == 0 else None, root=0)
     if RANK == 0:
         with open(os.path.join(root, "text.txt"), "wb") as f:
             f.write(TEXT)

@@ -415,5 +415,6 @@ def test_evaluation_on_an_hsdp_mesh_matches_one_rank(shared_dir):
         by_cli = json.load(f)
     collective_assert(mine[2] == replicate and rel_err(mine[0], want[0]) <= 1e-10
                       and rel_err(mine[1], want[1]) <= 1e-10 and rel_err(by_cli["loss"], want[1]) <= 1e-10
-                      and f"dp_replicate={replicate}" in by_cli["mesh"],
+                      and f"({replicate} replicate x {SIZE // replicate} shard)" in by_cli["mesh"]   # as train says
+                      and "zero=3" in by_cli["mesh"],
                       f"HSDP {mine} / hpcpar eval {by_cli['loss']} ({by_cli['mesh']}) vs one rank {want}")

@@ -65,6 +65,9 @@ BAD = [
     (["run.timeout=0"], 1, "run.timeout=0.0 is invalid: must be > 0 seconds"),
     (["run.debug_check_every=-2"], 1, "run.debug_check_every=-2 is invalid"),
     (["run.debug_slow_factor=0.5"], 1, "run.debug_slow_factor=0.5 is invalid: must be >= 1 (1 = off)"),
+    (["run.mfu_peak=-1e12"], 1, 'run.mfu_peak="-1e12" is invalid: must be "auto", "measure", "a100", "h100" or a '
+                                "positive number of FLOP/s per rank"),
+    (["run.mfu_peak=v100"], 1, 'run.mfu_peak="v100" is invalid'),
     (["run.debug_slow_ranks=\"1;2\""], 4,
      'run.debug_slow_ranks="1;2" is not a comma-separated list of ranks or "random"'),
     (["run.debug_slow_ranks=\"1,4\""], 4, "run.debug_slow_ranks names rank 4, outside the world of 4 ranks"),
@@ -756,3 +759,16 @@ def test_shared_checkpoints_need_parallel_h5py(monkeypatch, mpi):
     with pytest.raises(ConfigError, match='checkpoint.async_save=true needs checkpoint.format="per_rank"'):
         _validate(["checkpoint.format=shared", "checkpoint.async_save=true"])
     assert _validate([]).checkpoint.format == "per_rank"  # the default needs nothing
+
+
+def test_mfu_peak_names_the_planners_presets_and_takes_numbers():
+    """run.mfu_peak's named peaks are the planner's presets (config/ cannot import planner/), and a
+    number is FLOP/s per rank."""
+    from hpcpar.config.sections import MFU_PEAK_PRESETS
+    from hpcpar.config.validate import mfu_peak_flops
+    from hpcpar.planner.hardware import PRESETS
+    assert MFU_PEAK_PRESETS == tuple(PRESETS)
+    for ok in ("auto", "measure", "a100", "h100", "989e12", "2.5e11"):
+        assert validate(load_config(None, [f"run.mfu_peak={ok}"]), 1).run.mfu_peak == ok
+    assert [mfu_peak_flops(v) for v in ("989e12", "0", "-1", "inf", "nan", "auto")] == [989e12, None, None, None,
+                                                                                        None, None]

@@ -1,8 +1,10 @@
-"""`hpcpar sample`: ids past the tokenizer's vocabulary get no probability; which tokenizer decodes."""
+"""`hpcpar sample` and `hpcpar eval`: ids past the tokenizer's vocabulary get no probability; which tokenizer
+decodes; which checkpoint a path names, and which data eval reads by default."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import numpy as np
 import pytest
@@ -53,3 +55,54 @@ def test_tokenizer_of_a_checkpoint(tmp_path):
     (tmp_path / "other.json").write_text(__import__("json").dumps(other))
     with pytest.raises(DataError, match="tokenizer mismatch: checkpoint ck .* but --tokenizer"):
         generate.tokenizer_of(meta(tok=tokenizer.BYTES_RECORD), "ck", str(tmp_path / "other.json"))
+
+
+def tiny_checkpoint(checkpoint_dir, step: int = 7, data: DataConfig = DataConfig()) -> str:
+    """A committed checkpoint of a tiny model at `step` in `checkpoint_dir` (its config: `data`)."""
+    from hpcpar.checkpoint.save import save
+    from hpcpar.runtime.comm import Communicator
+    model_cfg = GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(model_cfg, seed=0)
+    cfg = dataclasses.replace(Config(), model=model_cfg, data=data)
+    return save(str(checkpoint_dir), step, {f"model/{n}": (p.data, p.layout) for n, p in model.named_parameters()},
+                {"config": to_toml(cfg), "tokenizer": tokenizer.BYTES_RECORD, "step": step}, Communicator.local(),
+                keep=None)
+
+
+def test_a_run_directory_names_its_newest_checkpoint(tmp_path, capsys):
+    """`hpcpar sample runs/x` (and `eval`) find the run's checkpoints; sample says which it loaded."""
+    run = tmp_path / "run"
+    tiny_checkpoint(run / "checkpoints", step=3)
+    newest = tiny_checkpoint(run / "checkpoints", step=7)
+    (run / "config.toml").write_text(to_toml(Config()))
+    assert generate.checkpoint_of(str(run)) == newest                      # a run directory
+    assert generate.checkpoint_of(str(run / "checkpoints")) == newest      # a checkpoint directory
+    assert generate.checkpoint_of(newest) == newest                        # a checkpoint
+    assert generate.checkpoint_of(str(tmp_path / "nothing")) == str(tmp_path / "nothing")   # the reader says why
+    elsewhere = tmp_path / "ckpts"
+    moved = tiny_checkpoint(elsewhere, step=5)
+    (run / "config.toml").write_text(to_toml(dataclasses.replace(
+        Config(), checkpoint=dataclasses.replace(Config().checkpoint, dir=str(elsewhere)))))
+    shutil.rmtree(run / "checkpoints")
+    assert generate.checkpoint_of(str(run)) == moved                       # its config.toml's checkpoint.dir
+    assert generate.sample_checkpoint(str(run), prompt="ab", tokens=3) == 0
+    said = capsys.readouterr()
+    assert said.out.startswith("ab") and said.err == f"sampling from {moved} (step 5, bytes tokenizer with 256 ids)\n"
+
+
+def test_eval_defaults_to_the_checkpoints_data(tmp_path):
+    """`hpcpar eval CHECKPOINT` without --data evaluates on the data the checkpoint trained on
+    (the built-in corpus is ""); data that is not here is one line naming --data."""
+    from hpcpar.training.evaluate import eval_config
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello " * 100)
+    own = to_toml(dataclasses.replace(Config(), data=DataConfig(corpus=str(text), val_fraction=0.1)))
+    cfg = eval_config(own, "config stored in ck", None, None, "val", [])
+    assert (cfg.data.corpus, cfg.data.format, cfg.data.val_fraction) == (str(text), "bytes", 0.1)
+    builtin = eval_config(to_toml(Config()), "config stored in ck", None, None, "all", [])
+    assert (builtin.data.corpus, builtin.data.format, builtin.data.val_fraction) == ("", "bytes", 0.0)
+    assert eval_config(own, "config stored in ck", "", None, "val", []).data.corpus == ""      # --data ""
+    gone = to_toml(dataclasses.replace(Config(), data=DataConfig(corpus=str(tmp_path / "gone"))))
+    with pytest.raises(DataError, match=r"the data ck was trained on, data.corpus='.*gone', is not here .* give "
+                                        r"--data PATH"):
+        eval_config(gone, "config stored in ck", None, None, "val", [])

@@ -99,7 +99,7 @@ def test_bfloat16_reads_as_float32(tmp_path):
 
 def test_export_names_transposes_and_ties(tmp_path):
     ckpt = random_checkpoint(tmp_path / "ck")
-    out = huggingface.export(ckpt, str(tmp_path / "w.safetensors"))
+    out = huggingface.export(ckpt, str(tmp_path / "w.safetensors"))[0]
     hf = safetensors.read(out)
     model = {n: backend.to_host(p.data) for n, p in generate.load_model(ckpt).named_parameters()}
     assert "lm_head.weight" not in hf and len(hf) == len(model)
@@ -119,7 +119,7 @@ def test_exported_model_gives_transformers_the_same_logits(tmp_path):
     assert theirs.shape == ours.shape and theirs.dtype == ours.dtype == np.float32
     assert np.abs(theirs - ours).max() < TOL
     # The weights file alone, into a model built from a config: lm_head is tied, nothing else is missing.
-    single = huggingface.export(ckpt, str(tmp_path / "w.safetensors"))
+    single = huggingface.export(ckpt, str(tmp_path / "w.safetensors"))[0]
     st = pytest.importorskip("safetensors.torch")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(str(tmp_path / "hf"))).eval()
     missing, unexpected = model.load_state_dict(st.load_file(single), strict=False)
@@ -132,7 +132,7 @@ def test_exported_model_gives_transformers_the_same_logits(tmp_path):
 def test_export_without_biases_writes_zero_biases(tmp_path):
     cfg = dataclasses.replace(TINY, bias=False)
     out = safetensors.read(huggingface.export(random_checkpoint(tmp_path / "ck", cfg),
-                                                   str(tmp_path / "w.safetensors")))
+                                                   str(tmp_path / "w.safetensors"))[0])
     assert not out["transformer.h.0.ln_1.bias"].any() and not out["transformer.h.1.attn.c_proj.bias"].any()
     assert out["transformer.h.0.attn.c_attn.bias"].shape == (96,)
 
@@ -218,3 +218,30 @@ def test_import_of_nothing_usable(tmp_path):
         huggingface.import_(str(tmp_path / "nope.safetensors"), str(tmp_path / "o"))
     with pytest.raises(CheckpointError, match="holds neither model.safetensors"):
         huggingface.import_(str(tmp_path), str(tmp_path / "o"))
+
+
+def bpe_record(n: int, end_of_text: int | None = None) -> dict:
+    """The checkpoint record of a byte-level BPE of `n` ids (no merges), with GPT-2's end-of-text
+    token as the special token `end_of_text` when given."""
+    vocab = {f"t{i}": i for i in range(n if end_of_text is None else n - 1)}
+    added = [] if end_of_text is None else [{"id": end_of_text, "content": tokenizer.GPT2_EOT, "special": True}]
+    return tokenizer.record(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []},
+                                        "added_tokens": added}))
+
+
+def test_exported_config_names_only_ids_the_tokenizer_has(tmp_path):
+    """config.json's bos/eos ids are the tokenizer's end-of-text token, or null: never GPT-2's 50256
+    for another vocabulary (transformers fills in 50256 when the keys are missing)."""
+    assert huggingface.end_of_text_id(None) is None
+    assert huggingface.end_of_text_id(tokenizer.BYTES_RECORD) is None
+    assert huggingface.end_of_text_id(bpe_record(8192)) is None                      # trained without it
+    assert huggingface.end_of_text_id(bpe_record(8192, end_of_text=8191)) == 8191
+    gpt2 = {**{f"t{i}": i for i in range(50256)}, tokenizer.GPT2_EOT: 50256}
+    assert huggingface.end_of_text_id(tokenizer.record(json.dumps({"model": {"type": "BPE", "vocab": gpt2,
+                                                                             "merges": []}}))) == 50256
+    written = huggingface.export(random_checkpoint(tmp_path / "ck"), str(tmp_path / "hf"))
+    assert written == [str(tmp_path / "hf" / "model.safetensors"), str(tmp_path / "hf" / "config.json")]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "bos_token_id" in config and config["bos_token_id"] is None and config["eos_token_id"] is None
+    out = huggingface._hf_config(TINY, bpe_record(301, end_of_text=300), "float32")
+    assert (out["bos_token_id"], out["eos_token_id"]) == (300, 300)

@@ -70,7 +70,7 @@ def test_slurm_cpu_directives_and_environment():
     assert "export HDF5_USE_FILE_LOCKING=FALSE" in script.splitlines()
     assert "HPCPAR_BACKEND" not in script
     launcher, program = _launch_block(script)
-    assert launcher == ["srun", "--cpu-bind=cores", "--cpus-per-task=5"]
+    assert launcher == ["srun", "--kill-on-bad-exit=1", "--cpu-bind=cores", "--cpus-per-task=5"]
     assert program == ["hpcpar", "train", "run.toml", "--set", "checkpoint.resume=auto"]
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
     assert "trap forward_stop USR1 TERM" in script
@@ -180,7 +180,8 @@ def test_header_command_reproduces_script(capsys, scheduler, variant, options):
     ("slurm", "cpu", {"partition": "a;rm"}, "job option partition must be letters, digits"),
     ("pbs", "cpu", {"account": "-x"}, "job option account must be letters, digits"),
     ("slurm", "cpu", {"config": ""}, "job option config must be a TOML file path, got ''"),
-    ("slurm", "cpu", {"overrides": ["steps=3"]}, "job override must be SECTION.KEY=VALUE (e.g. train.steps=1000), got 'steps=3'"),
+    ("slurm", "cpu", {"overrides": ["steps=3"]},
+     "job override must be SECTION.KEY=VALUE (e.g. train.steps=1000), got 'steps=3'"),
     ("slurm", "cpu", {"overrides": ["checkpoint.resume=none"]}, "job scripts always pass checkpoint.resume=auto"),
     ("slurm", "cpu", {"hpcpar": "  "}, "job option hpcpar must be a command"),
     ("slurm", "cpu", {"hpcpar": "python 'unclosed"}, "job option hpcpar must be a command"),
@@ -217,8 +218,24 @@ def test_cli_writes_executable_script(tmp_path, capsys):
          "--out", str(out)])) == 0
     assert out.read_text() == jobs.render("pbs", "gpu", partition="q1", overrides=["train.steps=9"])
     assert os.access(out, os.X_OK)
+    said = capsys.readouterr()   # what was written, and that run.toml is not here to check
+    assert said.out == (f"wrote {out}: a pbs job of 1 node(s) x 4 rank(s), 01:00:00, running hpcpar train run.toml "
+                        f"(requeued on preemption); submit it with qsub {out}\n")
+    assert said.err.startswith("hpcpar: warning: --config run.toml: no such file here, so only the --set overrides "
+                               "were checked") and said.err.count("\n") == 1
     assert job.run(main.build_parser().parse_args(["job", "render", "--scheduler", "slurm"])) == 0
     assert capsys.readouterr().out == jobs.render("slurm")
+
+
+def test_cli_says_nothing_more_when_the_config_is_here(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpt.toml").write_text("[model]\nn_layer = 2\n")
+    assert job.run(main.build_parser().parse_args(["job", "render", "--scheduler", "slurm", "--config", "gpt.toml",
+                                                   "--out", "train.sh"])) == 0
+    said = capsys.readouterr()
+    assert said.err == "" and said.out.startswith("wrote train.sh: a slurm job of 1 node(s) x 4 rank(s)")
+    assert said.out.rstrip().endswith("running hpcpar train gpt.toml (requeued on preemption); submit it with "
+                                      "sbatch train.sh")
 
 
 def test_cli_reports_unwritable_out(tmp_path):

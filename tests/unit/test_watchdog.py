@@ -160,3 +160,22 @@ def test_a_large_report_details_the_named_ranks_and_groups_the_rest():
     assert "  rank 0 (node, pid 100): waiting in world#3" in text and "  rank 41: unresponsive" in text
     assert "  ranks 1-39,42-63: waiting in world#3 all_reduce int32[1]" in text
     assert "rank 5 (" not in text and len(text.splitlines()) < 20
+
+
+def test_report_names_a_node_whose_ranks_all_fell_silent():
+    """Ranks 2 and 3 (node1) never answer: the report names node1 as lost, right under the
+    headline, and each silent rank with its node; node0, with one rank answering, is not lost."""
+    rec = watchdog.OpRecord("dp", 7, "all_reduce", (4,), np.dtype("float64"), 32, 0.0, group="0,1,2,3",
+                            blocking=True, waiting=0.0)
+    key = ("dp", "0,1,2,3")
+    waiting = [("dp#7 all_reduce float64[4] (waiting 11.0s)", True)]
+    states = {0: _state(0, {key: 8}, waiting), 1: None, 2: None, 3: None}
+    hosts = ["node0", "node0", "node1", "node1"]
+    text = watchdog.format_report(rec, 11.0, 0, states, asked=True, hosts=hosts)
+    lines = text.splitlines()
+    assert lines[1] == ("Node node1 (ranks 2-3): none of its ranks answered; the node is lost "
+                        "(its processes died, or it is cut off from the network)")
+    assert "Node node0" not in text
+    assert "  rank 1 (node0): unresponsive (no reply within" in text
+    assert "  rank 3 (node1): unresponsive (no reply within" in text
+    assert watchdog.lost_nodes(states, None) == []  # hosts unknown (install() not called): no guess
