@@ -1,7 +1,7 @@
 """What only a cluster shows: collectives, tp placement, compression, the parameter server and
 `hpcpar plan` across nodes joined by a link of a known rate (issue #41).
 
-    python bench/cluster.py [--quick] [--out bench/results/cluster.json] [--sections 1,2,3,4,5]
+    python bench/cluster.py [--quick] [--out bench/results/cluster.json] [--sections 1,6,2,3,4,5]
 
 Root only: the script starts its own cluster of node namespaces on this machine
 (tests/cluster/harness.py: each node a network namespace with its own eth0 on a bridge, its own
@@ -23,8 +23,8 @@ Sections (each measured; where one cannot be measured the JSON says why):
 
 1. Collectives across nodes, one rank per node on 2 and 4 nodes: all-reduce, all-gather and
    reduce-scatter through hpcpar's `Communicator` of 1, 8, 32 MiB (the full result), at every
-   link rate; time = the slowest rank's, median of repeats (at least 2, more while under half a
-   second); algbw = bytes / time, busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n (the others),
+   link rate; time = the slowest rank's, median of repeats (at least 3, up to 8 while under half
+   a second); algbw = bytes / time, busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n (the others),
    in Gb/s next to the link's rate. The bytes each node's eth0 sent during the launch
    (`Cluster.traffic`) are checked against the ring volume the calls imply (factor x bytes per
    call, summed). Plot: bench/results/cluster.png.
@@ -46,14 +46,13 @@ Sections (each measured; where one cannot be measured the JSON says why):
    next to bench/results/compression.json's L* (dp=4, one host).
 4. Parameter server against all-reduce across the link: 2 nodes x 2 ranks, 3 workers (ranks 0,
    1 on node0, 2 on node1) with all-reduce, and with 1 server (rank 3, node1) synchronous and
-   async (SSP k=2 ran as async did, and was left out for time); no straggler and a random 2x straggler (`run.debug_slow_ranks=random`,
-   `run.debug_slow_factor=2`); tokens/s (best of 2 rounds) and ratio to all-reduce, link bytes per
-   step.
+   async (SSP k=2 ran as async did, and was left out for time); no straggler and a random 2x
+   straggler (`run.debug_slow_ranks=random`, `run.debug_slow_factor=2`); tokens/s (best of 2
+   rounds) and ratio to all-reduce, link bytes per step.
 5. `hpcpar plan --calibrate` on the cluster (2 nodes x 2 ranks at 1 Gb/s, launched with hydra),
    then `hpcpar plan --nodes 2 --gpus-per-node 2 --hardware this` and the best plan of each mesh
    trained on the cluster (alternating rounds, slowest rank's median step): predicted against
    measured, and whether the first choice is the fastest measured.
-
 6. All-reduce paths across nodes (run right after section 1), in one launch, alternating:
    hpcpar's all_reduce waiting inside MPI (MPI's Allreduce) and polled (its split: reduce-scatter
    + all-gather), raw mpi4py Allreduce and Reduce_scatter + Allgather; 4 nodes at 1 Gb/s (8, 32
