@@ -79,8 +79,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "cluster"))
+sys.path.insert(0, str(ROOT / "tests" / "launch"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
+import processes  # the tests' job runner: a launch with a hard timeout
 
 PY = sys.executable
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
@@ -150,29 +152,19 @@ class Bench:
         # more ranks than the machine cores, hpcpar must wait by polling (HPCPAR_MPI_WAIT, what it
         # does by itself on one host), not spin in MPI's blocking waits on the core a peer needs.
         env = {**ENV, **({"HPCPAR_MPI_WAIT": "poll"} if ranks > (os.cpu_count() or 1) else {})}
-        argv = self.c.hydra(inner, MPIEXEC, nodes=nodes, ranks_per_node=ranks_per_node, env=env)
-        if n is not None:   # more ranks than slots: hydra wraps round the hosts (round robin)
-            argv[argv.index("-n") + 1] = str(n)
-        return argv
+        # n: more ranks than slots, hydra wraps round the hosts (round robin)
+        return self.c.hydra(inner, MPIEXEC, nodes=nodes, ranks_per_node=ranks_per_node, env=env, ranks=n)
 
     def launch(self, inner: list[str], nodes: list[str], ranks_per_node: int, n: int | None = None,
                timeout: float = 600) -> Job:
         argv = self.argv(inner, nodes, ranks_per_node, n)
         before = self.c.traffic()
-        start = time.monotonic()
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, **ENV}, cwd=ROOT, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            timed_out = True
+        job = processes.run(argv, timeout, {**os.environ, **ENV}, ROOT)
+        if job.timed_out:
             self.kill_ranks()
         after = self.c.traffic()
         link = {node: [after[node][0] - before[node][0], after[node][1] - before[node][1]] for node in nodes}
-        return Job(proc.returncode, out, err, time.monotonic() - start, timed_out, link)
+        return Job(job.returncode, job.stdout, job.stderr, job.elapsed, job.timed_out, link)
 
     def kill_ranks(self) -> None:
         """SIGKILL what a timed-out launch left in the nodes (the namespaces stay)."""
