@@ -33,6 +33,17 @@ def optimizer_bytes_per_param(cfg: Config) -> int:
     return n_state * (4 if half else s) + (4 if half else 0)
 
 
+def outer_bytes_per_param(cfg: Config) -> int:
+    """train.sync = "local" / "diloco" (parallel/dp/outer.py): the anchor, DiLoCo's outer momentum,
+    the error-feedback residual of a compressed outer gradient, and the flat outer gradient of
+    a synchronisation, per parameter this rank holds."""
+    t = cfg.train
+    if t.sync == "step":
+        return 0
+    copies = 2 + int(t.sync == "diloco" and t.outer_momentum > 0) + int(t.outer_compression != "none")
+    return copies * DTYPES[cfg.model.dtype]
+
+
 def state_bytes_per_param(cfg: Config) -> int:
     """Weights, gradients and optimizer state per parameter (nothing sharded)."""
     return 2 * DTYPES[cfg.model.dtype] + optimizer_bytes_per_param(cfg)
@@ -81,12 +92,14 @@ def _model_state(cfg: Config, params: int, units: list[int], shards: int) -> int
         zero 3  P (s + s + k) / n + 2 U s + G  (two units gathered, the current and the prefetched,
                                               or all P s with reshard_after_forward = false; G:
                                               full unit gradients, up to 4, all with accumulation)
+
+    With local SGD / DiLoCo, `outer_bytes_per_param` more for every parameter held (P, ZeRO-3 P / n).
     """
     t = cfg.train
     s = DTYPES[cfg.model.dtype]
     k = optimizer_bytes_per_param(cfg)
     p, n, z = params, (shards if t.zero else 1), t.zero
-    state = -(-p * k // n)
+    state = -(-p * k // n) + outer_bytes_per_param(cfg) * (-(-p // n) if z == 3 else p)
     accumulate = t.microbatches > 1
     if z <= 1:
         return 2 * p * s + state

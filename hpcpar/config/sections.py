@@ -110,6 +110,26 @@ class TrainConfig:
                                         "kept per bucket and saved in checkpoints) to the next step's gradient; "
                                         "the 16-bit wires keep none")
     int8_block_size: int = _field(256, "int8: values per float32 absmax scale (>= 1)")
+    sync: str = _field("step", "how the data-parallel replicas (the mesh.dp_replicate groups) stay together: "
+                               "step = gradients averaged over all of dp every step; local = local SGD: inside a "
+                               "replica every step, across replicas the parameters averaged every sync_every steps; "
+                               "diloco = the replicas' averaged parameter change every sync_every steps is the "
+                               "gradient of an outer Nesterov SGD (outer_lr, outer_momentum)",
+                       ("step", "local", "diloco"))
+    sync_every: int = _field(50, "local / diloco: steps between two synchronisations of a fragment, H (>= 1)")
+    outer_lr: float = _field(0.7, "diloco: outer learning rate (> 0; DiLoCo's 0.7)")
+    outer_momentum: float = _field(0.9, "diloco: outer momentum, 0 <= momentum < 1 (0 = plain outer SGD)")
+    outer_nesterov: bool = _field(True, "diloco: Nesterov outer momentum (false: heavy ball)")
+    sync_fragments: int = _field(1, "local / diloco, streaming: the model cut into this many fragments of "
+                                    "consecutive blocks (divides model.n_layer and sync_every), synchronised "
+                                    "sync_every / sync_fragments steps apart")
+    sync_delay: int = _field(0, "local / diloco, streaming: steps a fragment's reduction runs behind the "
+                                "training before its result lands (0 = at once; < sync_every)")
+    sync_mix: float = _field(0.0, "local / diloco: when a result lands, the replica's parameters become "
+                                  "mix * its own + (1 - mix) * the outer result, 0 <= mix < 1")
+    outer_compression: str = _field("none", "local / diloco: the outer gradient on the replicas' wire: none; "
+                                            "bf16; int8 (blockwise absmax, int8_block_size); both with error "
+                                            "feedback per replica", ("none", "bf16", "int8"))
     max_bad_steps: int = _field(3, "abort after this many consecutive steps with a NaN/Inf loss or "
                                    "gradient norm (each is skipped)")
     recompute: str = _field("none", "activation recomputation: none = keep every activation for backward; "
@@ -164,6 +184,14 @@ class CheckpointConfig:
                                    "node's own disk, the same path on every node (node-local: every node keeps a "
                                    "full copy, replicated over MPI, so a resume on other or more nodes finds it); "
                                    "auto: probed when the run starts", ("auto", "shared", "node-local"))
+    memory_every: int = _field(0, "in-memory partner snapshots every this many steps (0 = off): each rank keeps "
+                                  "its state and a copy of a partner's, on the next node, sent while the next "
+                                  "step runs; what run.on_failure = \"shrink\" rolls back to, and (with "
+                                  "memory_dir) what a requeued run resumes from")
+    memory_dir: str = _field("", "with memory_every: a node-local directory (e.g. /tmp, /dev/shm) where every "
+                                 "snapshot a node holds is also written, so that a requeued run resumes from the "
+                                 "survivors' copies when they are newer than the last checkpoint (\"\" = memory "
+                                 "only)")
 
 
 @dataclass(frozen=True)
@@ -191,6 +219,13 @@ class RunConfig:
                                       "long (>= 1; 1 = off)")
     debug_check_every: int = _field(0, "every this many ops, check that all ranks issued the same "
                                        "collectives (0 = off)")
+    on_failure: str = _field("abort", "a rank or node lost mid-run: abort = the job ends (requeue it to resume); "
+                                      "shrink = where the MPI has ULFM (Open MPI 5, mpirun --with-ft ulfm), the "
+                                      "survivors roll back to the last partner snapshot (checkpoint.memory_every; "
+                                      "else the last checkpoint) and go on with fewer data-parallel replicas and the "
+                                      "same global batch", ("abort", "shrink"))
+    debug_fail_at: str = _field("", "tests: \"R[,R...]@S\" ends world ranks R (os._exit) at the start of step S; "
+                                    "\"R@S/exchange\" right after step S's partner snapshot exchange starts")
 
 
 @dataclass(frozen=True)

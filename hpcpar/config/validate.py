@@ -15,6 +15,7 @@ run.debug_slow_ranks.
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 from hpcpar import backend
@@ -86,6 +87,12 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("train.compression_start_step", _ge0, ">= 0"),
     ("train.int8_block_size", _ge1, ">= 1"),
     ("train.max_bad_steps", _ge1, ">= 1"),
+    ("train.sync_every", _ge1, ">= 1 (steps between synchronisations of the replicas)"),
+    ("train.outer_lr", _gt0, "> 0"),
+    ("train.outer_momentum", _unit, "in [0, 1)"),
+    ("train.sync_fragments", _ge1, ">= 1"),
+    ("train.sync_delay", _ge0, ">= 0"),
+    ("train.sync_mix", _unit, "in [0, 1)"),
     ("train.recompute_every", _ge1, ">= 1 (1 = every block)"),
     ("train.loss_scale", _ge0, ">= 0 (0 = dynamic)"),
     ("train.initial_loss_scale", _gt0, "> 0"),
@@ -103,6 +110,9 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("run.eval_batches", _ge1, ">= 1"),
     ("run.timeout", _gt0, "> 0 seconds"),
     ("run.debug_check_every", _ge0, ">= 0 (0 = off)"),
+    ("checkpoint.memory_every", _ge0, ">= 0 (0 = no in-memory partner snapshots)"),
+    ("run.debug_fail_at", lambda v: v == "" or re.fullmatch(r"\d+(,\d+)*@\d+(/exchange)?", v) is not None,
+     "\"\" or \"R[,R...]@STEP\" (world ranks, a step), optionally with \"/exchange\""),
     ("run.debug_slow_factor", _ge1, ">= 1 (1 = off)"),
     ("run.mfu_peak", lambda v: mfu_peak_flops(v) is not None or v in ("auto", "measure", *MFU_PEAK_PRESETS),
      "\"auto\", \"measure\", " + ", ".join(f'"{p}"' for p in MFU_PEAK_PRESETS) + " or a positive number of "
@@ -177,7 +187,7 @@ def _check_data_parallel(cfg: Config, dp: int) -> None:
     t, r = cfg.train, cfg.mesh.dp_replicate
     require_divisible("mesh.dp", dp, "mesh.dp_replicate", r, "(HSDP: dp = dp_replicate x dp_shard)",
                       alternative="mesh.dp_replicate=1")
-    if r > 1 and t.zero == 0:
+    if r > 1 and t.zero == 0 and t.sync == "step":
         raise ConfigError(f"mesh.dp_replicate={r} splits dp for HSDP, which shards model state over dp_shard; "
                           "use train.zero >= 1 with it, or mesh.dp_replicate=1")
     if t.grad_compression != "none" and t.zero == 3:
@@ -185,6 +195,47 @@ def _check_data_parallel(cfg: Config, dp: int) -> None:
                           "of train.zero 0-2; ZeRO-3 reduce-scatters each unit's flat gradient instead (and PowerSGD "
                           "needs whole matrices, which ZeRO-3 never holds); use train.zero <= 2 or "
                           "train.grad_compression=\"none\"")
+
+
+def _check_outer_sync(cfg: Config, tp: int) -> None:
+    """train.sync = "local" / "diloco" synchronises the dp_replicate groups every sync_every steps
+    (parallel/dp/outer.py): it needs replicas (so no parameter server, which refuses dp_replicate > 1),
+    fragments that cut the blocks and the period evenly, and refuses what would mix the replicas
+    every step or make the codes depend on the layout."""
+    t, m = cfg.train, cfg.mesh
+    if t.sync == "step":
+        knobs = [k for k, v in (("train.sync_fragments", t.sync_fragments != 1), ("train.sync_delay", t.sync_delay),
+                                ("train.sync_mix", t.sync_mix),
+                                ("train.outer_compression", t.outer_compression != "none")) if v]
+        if knobs:
+            raise ConfigError(f"{knobs[0]} configures train.sync=\"local\" / \"diloco\", but train.sync=\"step\" "
+                              "averages every step; set train.sync or leave it at its default")
+        return
+    mode = f"train.sync={toml_value(t.sync)}"
+    if m.dp_replicate < 2:
+        raise ConfigError(f"{mode} synchronises the replicas (mesh.dp_replicate groups) every train.sync_every "
+                          f"steps, but mesh.dp_replicate={m.dp_replicate}: set mesh.dp_replicate >= 2 (e.g. "
+                          "mesh.dp_replicate=mesh.dp), or train.sync=\"step\"")
+    f, n_layer = t.sync_fragments, cfg.model.n_layer
+    if n_layer % f or t.sync_every % f:
+        raise ConfigError(f"train.sync_fragments={f} must divide model.n_layer={n_layer} (a fragment is whole "
+                          f"blocks) and train.sync_every={t.sync_every} (fragments sync sync_every / fragments "
+                          "steps apart); choose a common divisor, e.g. train.sync_fragments=1")
+    if t.sync_delay >= t.sync_every:
+        raise ConfigError(f"train.sync_delay={t.sync_delay} must be < train.sync_every={t.sync_every}: a fragment's "
+                          "result must land before its next synchronisation starts")
+    refused = [
+        (t.grad_compression != "none", f"train.grad_compression={toml_value(t.grad_compression)}",
+         "the replicas' wire carries outer gradients, compressed by train.outer_compression",
+         "train.grad_compression=\"none\""),
+        (t.outer_compression == "int8" and (tp > 1 or t.zero == 3),
+         f"train.outer_compression=\"int8\" with mesh.tp={tp}, train.zero={t.zero}",
+         "its blocks follow the local arrays, which tp and ZeRO-3 cut differently from one process, so the "
+         "result would depend on the layout", "train.outer_compression=\"bf16\", or mesh.tp=1 and train.zero <= 2"),
+    ]
+    for bad, what, why, fix in refused:
+        if bad:
+            raise ConfigError(f"{what} cannot be combined with {mode}: {why}; use {fix}")
 
 
 def _check_tensor_parallel(cfg: Config, tp: int) -> None:
@@ -336,6 +387,28 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
                           "HDF5), or use checkpoint.format=\"per_rank\"")
 
 
+def _check_resilience(cfg: Config) -> None:
+    """In-memory snapshots and shrink-and-continue (training/resilience.py): what they cannot keep exact."""
+    c, run = cfg.checkpoint, cfg.run
+    if c.memory_dir and not c.memory_every:
+        raise ConfigError(f"checkpoint.memory_dir={toml_value(c.memory_dir)} writes the in-memory partner snapshots "
+                          "to node-local disks, but checkpoint.memory_every=0 takes none; set "
+                          "checkpoint.memory_every=K (e.g. 5) or checkpoint.memory_dir=\"\"")
+    if run.on_failure != "shrink" and not c.memory_every:
+        return
+    what = "run.on_failure=\"shrink\"" if run.on_failure == "shrink" else "checkpoint.memory_every"
+    refused = [
+        (cfg.ps.servers > 0, f"ps.servers={cfg.ps.servers}", "the servers hold the model, and a server lost is not "
+         "a data-parallel replica lost", "ps.servers=0"),
+        (run.on_failure == "shrink" and cfg.train.sync != "step", f"train.sync={toml_value(cfg.train.sync)}",
+         "fewer replicas cannot take the diverged replicas' states exactly", "train.sync=\"step\""),
+    ]
+    off = "run.on_failure=\"abort\"" if run.on_failure == "shrink" else "checkpoint.memory_every=0"
+    for bad, setting, why, fix in refused:
+        if bad:
+            raise ConfigError(f"{what} cannot be combined with {setting}: {why}; use {fix} or {off}")
+
+
 def slow_ranks(cfg: Config) -> tuple[int, ...] | str:
     """run.debug_slow_ranks as ranks ("" = none), or "random"; ConfigError when it is neither a
     comma-separated list nor "random"."""
@@ -449,7 +522,9 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     _check_context_parallel(cfg, tp, cp)
     _check_pipeline(cfg, pp)
     _check_experts(cfg, dp, tp, cp)
+    _check_outer_sync(cfg, tp)
     _check_checkpoint(cfg.checkpoint)
+    _check_resilience(cfg)
     chunks = schedules.resolve_chunks(cfg.pipeline.schedule, cfg.pipeline.chunks)
     resolved = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=dp, tp=tp, pp=pp, cp=cp),
                                    pipeline=dataclasses.replace(cfg.pipeline, chunks=chunks))

@@ -43,7 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpar import backend
-from hpcpar.runtime import watchdog
+from hpcpar.runtime import ulfm, watchdog
 from hpcpar.runtime.buffers import DTYPE_FACTS, ResultPool, mpi_datatype
 from hpcpar.runtime.transports import KINDS, Handle, MpiTransport, NcclTransport, nccl_possible
 from hpcpar.runtime.waiting import mpi_waits_block, wait_any, wait_for
@@ -183,6 +183,24 @@ class Communicator:
         """The ranks of this communicator with the same `color`, ordered by `key` (MPI_Comm_split;
         collective). The caller frees it."""
         return Communicator(self.mpi.Split(color, key), name or f"{self.name}/{color}")
+
+    def subset(self, keep: bool, key: int = 0) -> MPI.Comm | None:
+        """The ranks that pass `keep` = True, ordered by `key`, as a new MPI communicator to build a
+        run over (a `Trainer` takes one, like `mpi_world()`); None on the others (collective)."""
+        comm = self.mpi.Split(0 if keep else MPI.UNDEFINED, key)
+        return None if comm == MPI.COMM_NULL else comm
+
+    # -- after a failure (ULFM, runtime/ulfm.py) -------------------------------------------------
+
+    def revoke(self) -> None:
+        """Revoke this communicator: every rank waiting in an operation on it gets MPI_ERR_REVOKED
+        (a rank that learned of a failure makes sure no survivor waits for it forever)."""
+        ulfm.revoke([self.mpi])
+
+    def shrink(self, name: str = "survivors") -> Communicator:
+        """The ranks of this communicator still alive, as a new one (MPI_Comm_shrink; collective
+        over the survivors, allowed on a revoked communicator)."""
+        return Communicator(ulfm.shrink(self.mpi), name)
 
     def split_by_node(self) -> Communicator:
         """The ranks of this communicator that share this rank's node (its shared memory), in

@@ -82,13 +82,17 @@ def install() -> None:
 
 
 def _everyone_arrives(timeout_s: float) -> bool:
-    """An Ibarrier on the error communicator: did every rank reach it within `timeout_s`?"""
-    request = _error_comm.Ibarrier()
-    deadline = time.monotonic() + timeout_s
-    while not request.Test():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(1e-3)
+    """An Ibarrier on the error communicator: did every rank reach it within `timeout_s`? (Not
+    after a rank failed, ULFM's error: then this rank reports alone.)"""
+    try:
+        request = _error_comm.Ibarrier()
+        deadline = time.monotonic() + timeout_s
+        while not request.Test():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1e-3)
+    except MPI.Exception:
+        return False
     return True
 
 

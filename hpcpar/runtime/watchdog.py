@@ -190,6 +190,20 @@ class FlightRecorder:
         self.last_activity = end = time.monotonic()
         self._done.append((entry, end))
 
+    def abandon(self) -> int:
+        """Forget the ops still pending (after a rank's failure: they ended in its error, and
+        the run goes on without them, training/resilience.py); returns how many. Each is kept
+        among the finished ops, so that a later report still shows it."""
+        pending, self._pending = list(self._pending), set()
+        blocked, self._blocked = self._blocked, None
+        now = self.last_activity = time.monotonic()
+        for r in sorted(pending, key=lambda r: r.start):
+            r.end = now
+            self._done.append(r)
+        if blocked is not None:
+            self._done.append((blocked, now))
+        return len(pending) + (blocked is not None)
+
     def snapshot(self) -> dict[str, list[OpRecord]]:
         """Copies of the finished ops (oldest first) and the pending ops (oldest first)."""
         done, pending, blocked = list(self._done), list(self._pending), self._blocked
@@ -396,6 +410,10 @@ class _Monitor:
         while not self._stop.wait(TICK_S):
             try:
                 self._tick()
+            except self.MPI.Exception:
+                # A rank of the job failed (ULFM reports it here too): this monitor goes on watching
+                # this rank's waits, and a timeout still aborts, with this rank's view only.
+                self.comm, self._replies = None, []
             except Exception as err:  # noqa: BLE001 - a broken monitor must not take the job down
                 os.write(2, f"[rank {self.rank}] hpcpar watchdog: monitor stopped ({type(err).__name__}: "
                             f"{err}); hangs will not be reported\n".encode())

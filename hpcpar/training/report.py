@@ -182,6 +182,19 @@ def traffic_summary(traffic: list[dict]) -> dict:
                                   if mean["grad_bytes_uncompressed"] else 1.0)}
 
 
+def sync_summary(train, replicas: int, traffic: list[dict]) -> dict:
+    """The summary's "sync" entry with train.sync = "local" / "diloco" (else {}): the mode, its
+    period, fragments and delay, the replicas, and the bytes a rank sent per step (mean over the
+    run's steps) for the replicas' synchronisation."""
+    if train.sync == "step":
+        return {}
+    sent = [t.get("outer_bytes_sent", 0.0) for t in traffic]
+    return {"sync": {"mode": train.sync, "every": train.sync_every, "replicas": replicas,
+                     "fragments": train.sync_fragments, "delay": train.sync_delay,
+                     "outer_compression": train.outer_compression,
+                     "outer_bytes_sent_per_step": sum(sent) / len(sent) if sent else None}}
+
+
 def server_summary(reports: list, steps: int) -> dict:
     """The summary's "ps" entry from every rank's report (`ParameterServer.report`; workers give
     None) over `steps` steps: per server its range and bytes in and out per step, and the staleness
@@ -217,6 +230,8 @@ def format_summary(s: dict) -> str:
         + (f"; capped at 100% in {s['mfu_capped_steps']} step(s)" if s.get("mfu_capped_steps") else ""),
         _mesh_line(s),
         *_traffic_line(s),
+        *_sync_line(s),
+        *_failure_lines(s),
         *_ps_line(s),
         *([f"precision        {s['precision']}: activations {s['activation_dtype']}, masters and optimizer state "
            "in model.dtype"
@@ -260,6 +275,31 @@ def _traffic_line(s: dict) -> list[str]:
             + (f" ({kind}: {s['compression_ratio']:.3f}x of {s['grad_bytes_uncompressed_per_step'] / _MIB:.2f} MiB "
                "uncompressed)" if kind != "none" else "")
             + f"; {s['bytes_sent_per_step'] / _MIB:.2f} MiB in all"]
+
+
+def _sync_line(s: dict) -> list[str]:
+    """The summary's line on the replicas' synchronisation ([] with train.sync = "step")."""
+    sync = s.get("sync")
+    if not sync:
+        return []
+    per = sync["outer_bytes_sent_per_step"]
+    return [f"replica sync     {sync['mode']} every {sync['every']} steps over {sync['replicas']} replicas"
+            + (f", {sync['fragments']} fragments" if sync["fragments"] > 1 else "")
+            + (f" landing {sync['delay']} steps late" if sync["delay"] else "")
+            + (f" ({sync['outer_compression']})" if sync["outer_compression"] != "none" else "")
+            + (f": {per / _MIB:.3f} MiB per rank per step" if per is not None else "")]
+
+
+def _failure_lines(s: dict) -> list[str]:
+    """The summary's lines on failures survived (training/resilience.py), one each."""
+    out = []
+    for f in s.get("failures", []):
+        where = f"rank(s) {f['lost_ranks']}" + (f" (node(s) {', '.join(f['lost_nodes'])})" if f["lost_nodes"] else "")
+        back = (f"rolled back to step {f['rollback_to']} (partner snapshots)" if f["rollback_to"] is not None
+                else f"went on from {f['source']}")
+        out.append(f"failure          step {f['failed_at_step']}: {where} lost; {back}; mesh {f['mesh']}; "
+                   f"recovered in {f['recovery_s']:.1f} s")
+    return out
 
 
 def _ps_line(s: dict) -> list[str]:

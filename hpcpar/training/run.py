@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import socket
+import sys
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from hpcpar.errors import ConfigError
 from hpcpar.runtime import preemption, watchdog
 from hpcpar.runtime.comm import Communicator, mpi_world
 from hpcpar.runtime.topology import resolve_degrees
-from hpcpar.training import rundir
+from hpcpar.training import resilience, rundir
 from hpcpar.training.report import format_summary, setup_console
 from hpcpar.training.server_rank import ServerRank
 from hpcpar.launch.jobs import REQUEUE_STATUS
@@ -72,15 +73,36 @@ def run_training(config_path: str | None, overrides: list) -> int:
     if job.rank == 0:
         log.info("checkpoint storage: %s (%s)%s", cfg.checkpoint.location, cfg.checkpoint_dir,
                  ": every node keeps a full copy, replicated over MPI" if cfg.checkpoint.location == NODE_LOCAL else "")
-    _resume(rank)
+    note = resilience.ulfm_note(cfg)
+    if note and job.rank == 0:
+        log.warning("%s", note)
+    if isinstance(rank, Trainer) and not cfg.checkpoint.resume:
+        resilience.forget_node_local(cfg, job)  # a fresh start: no earlier run's snapshots to resume from
+    if not (isinstance(rank, Trainer) and cfg.checkpoint.resume == "auto" and resilience.resume_from_node_local(rank)):
+        _resume(rank)
     if rank.step >= cfg.train.steps:  # every rank loaded the same step: they all stop here
         if job.rank == 0:
             log.warning("the checkpoint is at step %d and train.steps=%d: nothing to train, no checkpoint or "
                         "summary written (raise train.steps to train on)", rank.step, cfg.train.steps)
         return 0
-    result = rank.train()
+    result, rank = resilience.train_through_failures(rank) if isinstance(rank, Trainer) else (rank.train(), rank)
+    if result is None:  # a survivor the smaller mesh does not need
+        _leave(0)
     _write_results(rank, result)
+    if result.summary.get("failures"):
+        # MPI_Finalize after a failure can hang (../shared/notes/cluster.md): meet, then leave.
+        rank.job.barrier()
+        _leave(result.status)
     return result.status
+
+
+def _leave(status: int) -> None:
+    """End this process now (after a failure survived: no MPI_Finalize), its output flushed."""
+    for handler in logging.getLogger("hpcpar").handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def checkpoint_location(cfg: Config, world: Communicator, node_comm: Communicator | None = None) -> Config:

@@ -43,6 +43,7 @@ from hpcpar.parallel.cp.attention import ContextParallel
 from hpcpar.parallel.dp.clipping import norm_from_parts
 from hpcpar.parallel.dp.compression.compressors import Compression
 from hpcpar.parallel.dp.experts import ExpertDataParallel
+from hpcpar.parallel.dp.outer import OuterConfig, OuterSync
 from hpcpar.parallel.dp.sync import make_gradient_sync
 from hpcpar.parallel.pp import schedules, simulate
 from hpcpar.parallel.pp.executor import PipelineExecutor
@@ -55,7 +56,8 @@ from hpcpar.runtime.trace import Tracer
 from hpcpar.state import SavedState, StoredState
 from hpcpar.training import routing
 from hpcpar.training.mfu import Peak, job_peak, model_flops_per_token
-from hpcpar.training.report import StepLog, ps_text, traffic_summary
+from hpcpar.training.report import StepLog, ps_text, sync_summary, traffic_summary
+from hpcpar.training.resilience import PartnerSnapshots
 from hpcpar.training.update import LocalUpdate, ServerUpdate, StepResult
 
 log = logging.getLogger("hpcpar")
@@ -136,6 +138,7 @@ class Trainer:
         self._build_stages()
         self.dp = self._build_gradient_sync()
         self.is_loss_reporter = (self.stages[-1].head and self.mesh.rank(Axis.TP) == 0)
+        self.outer = self._build_outer_sync()
         self.scaler = self._build_loss_scaler()
         self.update = self._choose_update(comm, workers_comm)
         # Every rank of the job (workers and servers): checkpoints and parameter-server messages.
@@ -154,6 +157,8 @@ class Trainer:
         self.tokens_per_step = self.mesh.size(Axis.DP) * t.micro_batch_size * t.microbatches * cfg.model.block_size
         self.step = 0  # the next step to run
         self.save_in_flight = None  # checkpoint.save.SaveHandle of an asynchronous save not yet committed
+        self.base_comm, self.events = comm, []  # the MPI communicator it is built on; events for the next record
+        self.snapshots = PartnerSnapshots.of(self)  # in-memory partner snapshots (training/resilience.py)
 
     def _join_mesh(self, comm) -> Any:
         """Build the workers' mesh over `comm` (with S servers: its first size - S ranks, split off
@@ -204,11 +209,29 @@ class Trainer:
         # With experts: dense weights averaged over dp, experts over the expert-data-parallel group.
         # With servers a replica keeps its gradients to itself (groups of one rank): they are pushed.
         alone = {"groups": (Communicator.local(),) * 3} if cfg.ps.servers else {}
+        if t.sync != "step":  # local SGD / DiLoCo: every step inside the replica only (outer.py)
+            inside = self.mesh.comm((Axis.DP_SHARD, Axis.CP))
+            alone = {"groups": (inside, inside, Communicator.local())}
+            if cfg.model.moe_experts:
+                experts = self.mesh.comm(Axis.EDP_SHARD)
+                alone["expert_groups"] = (experts, experts, Communicator.local())
         return (ExpertDataParallel if cfg.model.moe_experts else make_gradient_sync)(
             self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
             compression=compression, zero=t.zero, make_optimizer=optimizer_factory(t),
             units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward,
             local_tied=self.placement.holder(0)[0] == self.placement.holder(n_virtual - 1)[0], **alone)
+
+    def _build_outer_sync(self) -> OuterSync | None:
+        """train.sync = "local" / "diloco": the replicas' outer synchronisation (outer.py; the shard
+        group holds the same pieces without ZeRO-3 and experts), and which replica each world rank
+        belongs to (each replica clips by its own gradient norm); None with train.sync = "step"."""
+        t = self.cfg.train
+        if t.sync == "step":
+            return None
+        self.replica_of_rank = np.array(self.mesh.world.all_gather_object(self.mesh.rank(Axis.DP_REPLICATE)))
+        same = self.mesh.comm((Axis.DP_SHARD, Axis.CP)) if t.zero < 3 and not self.cfg.model.moe_experts else None
+        return OuterSync(OuterConfig.of(t), self.dp.parameter_pieces(), self.mesh.comm(Axis.DP_REPLICATE),
+                         self.cfg.model.n_layer, shards=same)
 
     def _choose_update(self, comm, workers_comm) -> LocalUpdate | ServerUpdate:
         """Where this rank's steps are updated: on the parameter servers (`ps.servers`), or here."""
@@ -217,7 +240,7 @@ class Trainer:
             return ServerUpdate(self.cfg, comm, workers_comm, self.mesh, self.dp, self.named_parameters,
                                 self.is_loss_reporter, lambda: self._bytes_sent())
         return LocalUpdate(self.cfg.train, self.mesh, self.dp, self.scaler,
-                           lambda *args: self._agree(*args))
+                           lambda *args: self._agree(*args), outer=self.outer)
 
     def _build_loss_scaler(self) -> LossScaler | None:
         """fp16: the loss scaler (dynamic unless train.loss_scale > 0); None: the loss is not scaled."""
@@ -235,14 +258,16 @@ class Trainer:
 
     def mesh_text(self) -> str:
         """"dp=2 x tp=1 x pp=2" (with "cp=.. (ring)" after dp under context parallelism, the dp
-        split under HSDP and the ZeRO stage when it is not 0)."""
+        split under HSDP, the ZeRO stage when it is not 0 and the replicas' sync when not "step")."""
         cp = f" x cp={self.mesh.size(Axis.CP)} ({self.cfg.mesh.cp_impl})" if self.mesh.size(Axis.CP) > 1 else ""
         replicate = self.mesh.size(Axis.DP_REPLICATE)
         hsdp = f" ({replicate} replicate x {self.mesh.size(Axis.DP_SHARD)} shard)" if replicate > 1 else ""
         zero = f", zero={self.cfg.train.zero}" if self.cfg.train.zero else ""
         ep = f", ep={self.mesh.size(Axis.EP)}" if self.cfg.model.moe_experts else ""
+        t = self.cfg.train
+        sync = f", {t.sync} sync every {t.sync_every} steps" if t.sync != "step" else ""
         return (f"dp={self.mesh.size(Axis.DP)}{hsdp}{cp} x tp={self.mesh.size(Axis.TP)} "
-                f"x pp={self.mesh.size(Axis.PP)}{zero}{ep}{ps_text(self.cfg)}")
+                f"x pp={self.mesh.size(Axis.PP)}{zero}{ep}{sync}{ps_text(self.cfg)}")
 
     # -- data ------------------------------------------------------------------------------
     def sample_ids(self) -> list[range]:
@@ -261,13 +286,9 @@ class Trainer:
                 for ids in self.sample_ids()]
 
     def _global_mean_loss(self, losses: list, microbatches: int) -> float:
-        """Mean loss over the global batch, the same float on every rank (one world all-reduce).
-
-        `losses` are this rank's per-micro-batch losses (the executor returns them on the last
-        stage's ranks, [] elsewhere; tp rank 0 reports them), `microbatches` how many each dp
-        rank ran. Under context parallelism each cp rank's loss is the mean over its T/cp tokens
-        of the micro-batch; every cp rank has as many, so their average is the whole mean.
-        """
+        """Mean loss over the global batch, the same float on every rank (one world all-reduce) from
+        this rank's micro-batch `losses` (last stage, tp rank 0; [] elsewhere), `microbatches` per dp
+        rank. Each cp rank's loss is the mean over its T/cp tokens: their average is the whole mean."""
         local = np.array([float(sum(losses)) if self.is_loss_reporter else 0.0])
         total = self.mesh.world.all_reduce(local, op="sum")
         return float(total[0]) / (self.mesh.size(Axis.DP) * self.mesh.size(Axis.CP) * microbatches)
@@ -330,10 +351,19 @@ class Trainer:
         batches = self.mesh.size(Axis.DP) * self.cfg.train.microbatches
         return _Agreement(
             loss=math.fsum(every[:, 0]) / (batches * self.mesh.size(Axis.CP)),
-            norm=norm_from_parts(every[:, 1]), stop=bool(every[:, 2].any()),
+            norm=self._norm(every[:, 1]), stop=bool(every[:, 2].any()),
             means=every[:, 3:n].mean(axis=0), compressing=compressing,
             moe=(routing.figures(every[:, n:].sum(axis=0).reshape(table.shape), m.moe_experts, batches)
                  if table is not None else {}))
+
+    def _norm(self, parts: np.ndarray) -> float:
+        """The gradient norm from every rank's part (rank order); with train.sync = "local" / "diloco"
+        this replica's, non-finite when any replica's is (all skip the step: they stay in step)."""
+        if self.outer is None:
+            return norm_from_parts(parts)
+        norms = [norm_from_parts(parts[self.replica_of_rank == r]) for r in range(self.mesh.size(Axis.DP_REPLICATE))]
+        mine = norms[self.mesh.rank(Axis.DP_REPLICATE)]
+        return mine if all(math.isfinite(n) for n in norms) else math.inf
 
     def _gather_step(self, row: np.ndarray) -> np.ndarray:
         """Every rank's `row` [k] as [world, k] in rank order: the step's one world collective."""
@@ -399,12 +429,10 @@ class Trainer:
             steps: how many steps to run (default: up to `train.steps`, which alone sets the
                 learning-rate schedule).
             files: write metrics.jsonl and checkpoints; False touches no file (benchmarks, tests).
-            progress: draw the progress bar on rank 0 (default `run.progress`); without it rank 0
-                logs every `run.log_every` steps.
-            on_step: called on every rank with each step's record: the metrics line's fields plus
-                `cpu_time_s`, this process's CPU time in `train_step`.
-            peak_flops: the FLOP/s that MFU is relative to (default: `run.mfu_peak`'s, by default
-                the GEMM peak measured here by one rank per node in about a second; 0 reports MFU 0).
+            progress: the progress bar on rank 0 (default `run.progress`; else a line per `log_every`).
+            on_step: called on every rank with each step's record (the metrics line's fields plus
+                `cpu_time_s`, this process's CPU time in `train_step`).
+            peak_flops: the FLOP/s of MFU (default `run.mfu_peak`'s; 0 reports MFU 0).
         """
         run = self.cfg.run
         end = self.cfg.train.steps if steps is None else self.step + steps
@@ -456,8 +484,12 @@ class Trainer:
         start, cpu_start = time.perf_counter(), time.process_time()
         result = self.train_step(step)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if self.snapshots is not None:
+            self.snapshots.after_step(self)
         self._account(step, result, elapsed, state)
         record = self._record(step, result, elapsed, model_flops, peak)
+        if self.events:  # a failure survived before this step (training/resilience.py)
+            record["events"], self.events = self.events, []
         if run.eval_every and (self.step % run.eval_every == 0 or self.step == end):
             state.val_loss = record["val_loss"] = self.evaluate(run.eval_batches)
         out.write(record, cpu, last=self.step == end)
@@ -542,6 +574,7 @@ class Trainer:
             "pipeline_bubble_predicted": sim.bubble,
             "pipeline_bubble_measured": self.executor.measured_bubble(),
             "grad_compression": cfg.train.grad_compression, **traffic_summary(state.traffic),
+            **sync_summary(cfg.train, mesh.size(Axis.DP_REPLICATE), state.traffic),
             "precision": cfg.train.precision, "activation_dtype": self.stages[0].activation_dtype,
             "loss_scale": self.scaler.scale if self.scaler is not None else None,
             "overflow_steps": self.scaler.overflows if self.scaler is not None else 0,
@@ -566,9 +599,7 @@ class Trainer:
     def _global_tensors(self, arrays: dict, params: dict) -> dict:
         world = self.mesh.world
         mine = {n: (tuple(p.layout.global_shape), str(p.dtype)) for n, p in params.items() if not p.tied_to}
-        catalogue = {}
-        for part in world.all_gather_object(mine):
-            catalogue.update(part)
+        catalogue = {n: v for part in world.all_gather_object(mine) for n, v in part.items()}
         out = {}
         for name in sorted(catalogue):
             shape, dtype = catalogue[name]

@@ -28,6 +28,7 @@ from hpcpar import backend
 from hpcpar.config.sections import Config, TrainConfig
 from hpcpar.optim.optimizers import lr_at
 from hpcpar.parallel.dp.clipping import clip_gradients, counts_toward_norm
+from hpcpar.parallel.dp.outer import OuterSync, check_resumable, replica_view, saved_by_replica
 from hpcpar.parallel.ps.client import ParameterClient
 from hpcpar.parallel.ps.ownership import FlatSpace
 from hpcpar.parallel.ps.wire import FLAG_PREEMPT
@@ -67,9 +68,12 @@ class LocalUpdate:
             before) -> an agreement with `loss`, `norm`, `stop`, `moe` and `bytes(stepped)`.
     """
 
-    def __init__(self, train: TrainConfig, mesh: Mesh, dp, scaler, agree: Callable[[list, list, tuple], Any]):
+    def __init__(self, train: TrainConfig, mesh: Mesh, dp, scaler, agree: Callable[[list, list, tuple], Any],
+                 outer: OuterSync | None = None):
         self.train, self.dp, self.scaler = train, dp, scaler
         self.agree = agree
+        self.outer = outer
+        self.replica_comm = mesh.comm(Axis.DP_REPLICATE)
         self.job = mesh.world        # every rank of the run: checkpoints
         self.step_comm = mesh.world  # the ranks that agree on a step's figures
 
@@ -94,9 +98,13 @@ class LocalUpdate:
         if finite:
             clip_gradients(buffers, norm, t.grad_clip, scale)
             self.dp.step(lr)
+        traffic = traffic_record(*agreed.bytes(stepped=finite), compressed=self.dp.compressing)
+        if self.outer is not None:  # the replicas' synchronisation, on its own wire (counted apart)
+            sent = self.replica_comm.bytes_sent_total()
+            self.outer.after_step(step)
+            traffic["outer_bytes_sent"] = self.replica_comm.bytes_sent_total() - sent
         return StepResult(loss, norm, lr, not finite, bad, overflow=overflow, loss_scale=scale, moe=agreed.moe,
-                          stop=agreed.stop,
-                          traffic=traffic_record(*agreed.bytes(stepped=finite), compressed=self.dp.compressing))
+                          stop=agreed.stop, traffic=traffic)
 
     def bytes_pushed(self) -> float:
         """Bytes pushed to parameter servers: none."""
@@ -104,25 +112,41 @@ class LocalUpdate:
 
     def checkpoint_state(self) -> SavedState:
         """The model and optimizer state, which this rank's gradient sync holds (whole, or under
-        ZeRO its shards) with the compressor's state and the optimizer step."""
-        return self.dp.checkpoint_state()
+        ZeRO its shards) with the compressor's state and the optimizer step; with train.sync =
+        "local" / "diloco" each replica's (`outer.saved_by_replica`) and the outer state."""
+        if self.outer is None:
+            return self.dp.checkpoint_state()
+        mine = saved_by_replica(self.dp.checkpoint_state(), self.replica_comm.rank, self.replica_comm.size)
+        return SavedState.merged([mine, self.outer.checkpoint_state()])
 
     def load_checkpoint_state(self, stored: StoredState) -> None:
-        self.dp.load_checkpoint_state(stored)
+        """The model and optimizer state (with train.sync = "local" / "diloco" this replica's, then
+        the outer state); a checkpoint of diverged replicas is refused by a run that cannot take them."""
+        if self.outer is None:
+            check_resumable(stored, "step", 1, 1)
+            self.dp.load_checkpoint_state(stored)
+            return
+        check_resumable(stored, self.outer.cfg.mode, self.replica_comm.size, self.outer.cfg.fragments)
+        self.dp.load_checkpoint_state(replica_view(stored, self.replica_comm.rank, self.replica_comm.size))
+        self.outer.load_checkpoint_state(stored)
 
     def agree_on(self, check: Callable[[], None]) -> None:
         """Run a check of the checkpoint that every worker makes alike (no server waits for it)."""
         check()
 
     def close(self) -> None:
-        """The workers' last step is done: nothing to tell anyone."""
+        """The workers' last step is done: nothing to tell anyone, and no replicas' reduction
+        (train.sync_delay) left running past the run, into buffers about to be freed."""
+        if self.outer is not None:
+            self.outer.complete_in_flight()
 
     def run_report(self, steps: int) -> dict:
         """The summary's entries of this kind of run: none."""
         return {}
 
     def free(self) -> None:
-        """Nothing of its own to release."""
+        """Nothing of its own to release; a replicas' reduction still in flight completes first."""
+        self.close()
 
 
 class ServerUpdate:

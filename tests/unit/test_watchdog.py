@@ -179,3 +179,17 @@ def test_report_names_a_node_whose_ranks_all_fell_silent():
     assert "  rank 1 (node0): unresponsive (no reply within" in text
     assert "  rank 3 (node1): unresponsive (no reply within" in text
     assert watchdog.lost_nodes(states, None) == []  # hosts unknown (install() not called): no guess
+
+
+def test_abandoned_ops_are_no_longer_pending_or_overdue():
+    """After a failure the ops it ended are abandoned (training/resilience.py): a later timeout
+    check does not find them, and the recorder keeps them among the finished ops."""
+    rec = watchdog.FlightRecorder()
+    record = rec.begin("world", 0, "all_reduce", (4,), "float64", 32)
+    rec.waiting(record)
+    record.waiting -= 100  # waited 100 s already
+    entry = rec.enter("tp", 3, "all_gather", (2,), "float64", 16)
+    assert rec.overdue(10.0)
+    assert rec.abandon() == 2
+    assert rec.overdue(10.0) == [] and rec.snapshot()["pending"] == []
+    assert len(rec.snapshot()["done"]) == 2 and entry[1] == 3

@@ -40,7 +40,7 @@ from hpcpar import backend
 from hpcpar.errors import ConfigError
 from hpcpar.runtime.topology import Axis
 from hpcpar.parallel.dp.clipping import clip_global_norm
-from hpcpar.state import SavedState, StoredState
+from hpcpar.state import SavedState, StoredState, key_of
 
 
 class DataParallel(abc.ABC):
@@ -258,6 +258,16 @@ class DataParallel(abc.ABC):
     def full_parameters(self) -> dict[str, Any]:
         """{name: this rank's whole local array} (the arrays themselves)."""
         return {n: p.data for n, p in zip(self.names, self.params)}
+
+    def parameter_pieces(self) -> list[tuple[str, Any, Any]]:
+        """(checkpoint name, Layout, live array) of every piece of parameter data this rank holds:
+        whole local arrays, or under ZeRO-3 its shards. Changing an array in place changes the
+        model (the replicas' outer synchronisation, outer.py)."""
+        return [(key_of(p, name), layout, data) for p, name, layout, data in self._parameter_pieces()]
+
+    def _parameter_pieces(self) -> list[tuple[Any, str, Any, Any]]:
+        """(param, name, layout, array) of each piece of parameter data this rank holds."""
+        return [(p, n, p.layout, p.data) for n, p in zip(self.names, self.params)]
 
     def optimizer_step_count(self) -> int:
         """Optimizer steps taken (AdamW's bias correction uses it); checkpoints save it."""

@@ -37,6 +37,9 @@ class ExpertDataParallel:
         named_params: (global name, Parameter) of every parameter on this rank; those with
             `expert` set are the experts.
         mesh: the Mesh (with its ep groups).
+        expert_groups: the expert part's (gradient, shard, replica) groups instead of (edp,
+            edp_shard, dp_replicate): with train.sync = "local" / "diloco", (edp_shard, edp_shard,
+            alone), the replica's own.
         **kwargs: `sync.make_gradient_sync`'s other arguments, for both parts (the expert part
             sums no tied weights: it has none).
 
@@ -45,15 +48,16 @@ class ExpertDataParallel:
         parts: both, dense first.
     """
 
-    def __init__(self, named_params, mesh, **kwargs):
+    def __init__(self, named_params, mesh, expert_groups: tuple | None = None, **kwargs):
         named = list(named_params)
         self.mesh = mesh
         self.ep = mesh.size(Axis.EP)
         self.dense = make_gradient_sync([(n, p) for n, p in named if not p.expert], mesh, **kwargs)
         experts = [(n, p) for n, p in named if p.expert]
         # Every rank of an edp group sits on the same pipeline stage: all have experts, or none.
-        self.experts = make_gradient_sync(experts, mesh, **{**kwargs, "local_tied": True}, groups=(
-            mesh.comm(Axis.EDP), mesh.comm(Axis.EDP_SHARD), mesh.comm(Axis.DP_REPLICATE))) if experts else None
+        groups = expert_groups or (mesh.comm(Axis.EDP), mesh.comm(Axis.EDP_SHARD), mesh.comm(Axis.DP_REPLICATE))
+        self.experts = make_gradient_sync(experts, mesh, **{**kwargs, "local_tied": True, "groups": groups}
+                                          ) if experts else None
         self.parts = [self.dense] + ([self.experts] if self.experts is not None else [])
         self.unit_hooks = None  # no ZeRO-3 with experts
 
@@ -107,6 +111,10 @@ class ExpertDataParallel:
     # -- parameters, optimizer state, checkpoints -----------------------------------------------
     def full_parameters(self) -> dict[str, Any]:
         return self._merged(lambda part: part.full_parameters())
+
+    def parameter_pieces(self) -> list:
+        """Both parts' `DataParallel.parameter_pieces`, dense first."""
+        return [piece for part in self.parts for piece in part.parameter_pieces()]
 
     def optimizer_step_count(self) -> int:
         return self.dense.optimizer_step_count()
