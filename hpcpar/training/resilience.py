@@ -12,9 +12,9 @@ Levels, as SCR (LLNL's multilevel checkpointing) has them:
                  (a file per owner and step), for a requeued run
     shared       the checkpoints of `checkpoint.every`, as always
 
-`PartnerSnapshots` does the first two after every step (`after_step`). Its memory: up to two
-snapshots of the rank's own state (the last one a partner holds, the one on its way) and one of
-its partner's.
+`PartnerSnapshots` does the first two after every step (`after_step`). Its host memory: two
+snapshots' worth between exchanges (its own, its partner's), four during one (the previous and the
+new own snapshot, the partner's copy and the buffer receiving the next).
 
 `train_through_failures` runs `Trainer.train`, and with `run.on_failure = "shrink"` on an MPI
 with ULFM (hpcpar/runtime/ulfm.py) it survives a failure: the first error on any survivor
@@ -226,10 +226,13 @@ def train_through_failures(trainer, tokens=None, **train_kwargs):
         except BaseException as exc:  # noqa: BLE001 - a failure may surface as any wrapped error
             if not classes or not ulfm.is_failure(exc, classes):
                 raise
+            peak = getattr(trainer, "peak", None)
             trainer, event = recover(trainer, tokens)
             failures.append(event)
             if trainer is None:
                 return None, None
+            if peak is not None and "peak_flops" not in train_kwargs:  # not measured again: half a second
+                train_kwargs["peak_flops"] = peak.flops
             trainer.events.append({"failure": event})
             continue
         if failures:

@@ -439,7 +439,7 @@ class Trainer:
         first = self.step
         rank0 = self.mesh.world.rank == 0
         model_flops = model_flops_per_token(self.cfg)
-        peak = job_peak(self.cfg, self.mesh) if peak_flops is None else Peak(peak_flops)
+        self.peak = peak = job_peak(self.cfg, self.mesh) if peak_flops is None else Peak(peak_flops)
         self._log_start(peak)
         draw = rank0 and (run.progress if progress is None else progress)
         out = StepLog(rank0, draw, os.path.join(run.dir, "metrics.jsonl") if files and rank0 else None, on_step,
@@ -483,9 +483,9 @@ class Trainer:
         step = self.step
         start, cpu_start = time.perf_counter(), time.process_time()
         result = self.train_step(step)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        if self.snapshots is not None:
+        if self.snapshots is not None:  # its cost is the step's (timed with it)
             self.snapshots.after_step(self)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         self._account(step, result, elapsed, state)
         record = self._record(step, result, elapsed, model_flops, peak)
         if self.events:  # a failure survived before this step (training/resilience.py)
