@@ -104,6 +104,11 @@ BENCHMARKS = (
               "gradient compression (fp16, bf16, int8, top-k, PowerSGD) side by side with none on dp=4: bytes per "
               "step vs each formula, step time, loss after 300 steps with and without error feedback, where it pays",
               quick_args=("--quick",), timeout_s=7200.0),
+    Benchmark("diloco", "bench/diloco.py", 4,
+              "local SGD and DiLoCo (sync every H = 1, 10, 50, 100 steps) vs synchronous data parallelism on 2 and "
+              "4 replicas at equal tokens: loss gap, replica-axis bytes per step vs the formula, tokens/s on a slow "
+              "link (modelled) against int8 and top-k compression; the goal: within 3 % at <= 2 % of the bytes",
+              quick_args=("--quick",), timeout_s=1800.0),
     Benchmark("moe", "bench/moe.py", 4,
               "mixture of experts, ep=4 on 4 ranks: tokens/s vs the dense GPT of the same active parameters, "
               "all-to-all bytes per step vs the formula, expert load after N steps with and without the aux loss",
@@ -126,6 +131,12 @@ BENCHMARKS = (
               "bandwidth against the link rate, tp inside vs across nodes, where gradient compression pays "
               "(measured vs predicted), parameter server vs all-reduce across the link, hpcpar plan calibrated on "
               "the cluster; root only", quick_args=("--quick",), needs_root=True, timeout_s=1800.0),
+    Benchmark("resilience", "bench/resilience.py", None,
+              "partner snapshots every K = 1, 5, 20 steps on the default job: per-step overhead vs none, bytes and "
+              "host memory per snapshot, seconds per level (memory, node-local); a node lost on the emulated "
+              "cluster: ULFM shrink-and-continue vs requeue from the shared checkpoint or from node-local snapshots "
+              "(time to the next step, steps lost); root only", quick_args=("--quick",), needs_root=True,
+              timeout_s=1800.0),
 )
 BY_NAME = {b.name: b for b in BENCHMARKS}
 
@@ -486,7 +497,33 @@ def _plan(d: dict) -> list[str]:
             f"(goal <= 15 %), Spearman {d['spearman']:.2f} (goal >= 0.8), first choice "
             f"{d['first_choice_gap']:+.0%} from the fastest (goal <= 5 %)",
             f"Narayanan et al. table, A100 preset: predicted TFLOP/s per GPU within {worst:.0%} of the published "
-            f"on all {len(paper)} rows (goal 20 %)"]
+            f"on all {len(paper)} rows (goal 20 %)"] + _plan_speed(d.get("speed", []))
+
+
+def _plan_speed(rows: list[dict]) -> list[str]:
+    """The planner's own time and memory at scale (`bench/plan.py --speed`), one key figure."""
+    if not rows:
+        return []
+    worst_s, worst_mb = max(r["wall_s"] for r in rows), max(r["rss_mb"] for r in rows)
+    return [f"hpcpar plan at scale, {len(rows)} allocations up to 16,384 ranks and 196,608 sequences: at most "
+            f"{worst_s:.2f} s and {worst_mb:.0f} MB (goal <= 10 s, <= 500 MB; the exhaustive search before: up to "
+            f"{max(r['before']['wall_s'] for r in rows):,.0f} s and "
+            f"{max(r['before']['rss_mb'] for r in rows):,.0f} MB, or stopped)"]
+
+
+def _plan_speed_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "`python bench/plan.py --speed`: `hpcpar plan` as a user runs it (best wall time of 3 runs, its CPU "
+             "time, peak RSS), next to the exhaustive search it replaced (issue 45's figures, or measured here at "
+             "`ccb2193`; \">\": stopped before it finished):", "",
+             "| allocation | wall s | CPU s | RSS MB | before |", "|---|---:|---:|---:|---|"]
+    for r in rows:
+        b, more = r["before"], (">" if r["before"].get("stopped") else "")
+        was = ", ".join(f"{more}{b[k]:,.{n}f} {unit}" for k, unit, n in (("wall_s", "s", 1), ("cpu_s", "s CPU", 1),
+                                                                       ("rss_mb", "MB", 0)) if b.get(k) is not None)
+        lines.append(f"| {r['row']} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['rss_mb']:.0f} | {was} |")
+    return lines
 
 
 def _plan_table(d: dict) -> list[str]:
@@ -504,7 +541,7 @@ def _plan_table(d: dict) -> list[str]:
     for r in d["narayanan"]:
         lines.append(f"| {r['params_b']}B | {r['gpus']} | {r['tp']} | {r['pp']} | {r['dp']} | {r['batch']} | "
                      f"{r['published_tflops']} | {r['predicted_tflops']:.1f} | {r['ratio']:.2f} |")
-    return lines
+    return lines + _plan_speed_table(d.get("speed", []))
 
 
 def _gbps(c) -> str:
@@ -530,6 +567,44 @@ def _compression(d: dict) -> list[str]:
             + ", ".join(f"{_compression_name(r)} {r['loss_vs_none']:+.1%}" for r in loss if r["kind"] != "none"),
             f"link speed below which each wins (Gb/s): {cross}; this machine's shared memory: "
             f"{m['shared_memory_gbps']:.1f} Gb/s"]
+
+
+def _diloco_rate(gbps: float) -> str:
+    return f"{gbps * 1e3:g} Mb/s" if gbps < 1 else f"{gbps:g} Gb/s"
+
+
+def _diloco_gbps(x) -> str:
+    """A crossover link speed: Gb/s, "any" (never slower) or "never"."""
+    return "never" if x is None else x if isinstance(x, str) else f"{x:.3g}"
+
+
+def _diloco(d: dict) -> list[str]:
+    m, runs = d["meta"], d["runs"]
+    top = m["timed_replicas"]
+    out = []
+    for replicas in sorted({r["replicas"] for r in runs}, reverse=True):
+        rows = [r for r in runs if r["replicas"] == replicas and not (r["mode"] == "step" and
+                                                                       r["grad_compression"] == "none")]
+        out.append(f"R={replicas}, loss vs step after {m['steps']} steps (last 10 / validation): "
+                   + ", ".join(f"{r['name']} {r['loss_gap']:+.1%} / {r['val_gap']:+.1%}" for r in rows))
+    worst = max(abs(r["formula_error"]) for r in runs)
+    out.append(f"replica-axis bytes/step vs step (R={top}): "
+               + ", ".join(f"{r['name']} {r['bytes_ratio']:.3f}x" for r in runs
+                           if r["replicas"] == top and r["mode"] != "step" and r["every"] > 1)
+               + f"; every measurement within {worst:.1%} of its formula")
+    slow = str(min(m["links"]))
+    model = {r["name"]: r for r in d["link_model"]["rows"]}
+    h = m["goal_every"]
+    out.append(f"tokens/s at {_diloco_rate(float(slow))} (R={top}, modelled): "
+               + ", ".join(f"{n} {model[n]['tokens_per_s'][slow]:,.0f}" for n in
+                           ("step", "step int8", f"diloco H={h}", f"diloco H={h} F=2 tau=1") if n in model)
+               + "; L* (Gb/s) below which diloco H=" + f"{h} beats step int8: "
+               + _diloco_gbps(d["crossover_gbps"].get(f"diloco H={h} vs step int8"))
+               + ", beats step: " + _diloco_gbps(d["crossover_gbps"].get(f"diloco H={h} vs step")))
+    met = d.get("goal_met_by") or []
+    out.append(f"goal (within {m['goal_loss']:.0%} of step's loss at <= {m['goal_bytes']:.0%} of its bytes): "
+               + (f"met by {', '.join(met)}" if met else "not met by any setting"))
+    return out
 
 
 def _ps(d: dict) -> list[str]:
@@ -911,6 +986,170 @@ def _cluster_table(d: dict, docs_path: Path | None) -> list[str]:
     return lines
 
 
+def _resilience_cases(d: dict) -> dict:
+    c = d.get("cluster") or {}
+    return {k: v for k, v in (c.get("cases") or {}).items() if "steps_lost" in v}
+
+
+RESILIENCE_CASES = {"ulfm": "a. ULFM shrink-and-continue", "requeue_shared": "b. requeue, shared checkpoint",
+                    "requeue_node_local": "c. requeue, node-local snapshots"}
+
+
+def _resilience(d: dict) -> list[str]:
+    """bench/resilience.py: snapshot overhead at K = 1, 5, 20 and a node's loss three ways."""
+    out = []
+    o = d.get("overhead") or {}
+    rows = [r for r in o.get("rows") or [] if r["every"]]
+    if rows:
+        noise = o["interleaved"]["none_noise"]
+        out.append("partner snapshots on the default job vs none, interleaved in one launch: CPU per step "
+                   + ", ".join(f"{r['name']} {r['overhead_cpu']:+.1%}" for r in rows) + "; wall per step "
+                   + ", ".join(f"{r['name']} {r['overhead']:+.1%}" for r in rows)
+                   + f" (none vs none: {noise:.1%}); snapshot work timed directly "
+                   + ", ".join(f"{r['name']} {r['after_step_share']:.2%}" for r in rows)
+                   + f" of a step (goal <= {o['goal']:.0%} at K=5)")
+        sizes = rows[0]["bytes_per_snapshot_per_rank"]
+        between = max((x.get("held_over_snapshot_between") or 0 for x in rows))
+        out.append(f"one snapshot {sum(sizes) / len(sizes) / MiB:.2f} MiB per rank; host memory held {between:.1f}x "
+                   "that between exchanges, "
+                   f"{max(x['held_over_snapshot_max'] for x in rows):.1f}x during one")
+    elif o.get("error"):
+        out.append(f"overhead: failed: {o['error'][:200]}")
+    cases = _resilience_cases(d)
+    c = d.get("cluster") or {}
+    if cases:
+        out.append(f"node lost at step {c['fail_at']} (checkpoint every {c['checkpoint_every']}, snapshots every "
+                   f"{c['memory_every']}): " + "; ".join(
+                       f"{RESILIENCE_CASES.get(k, k).split('. ', 1)[1]} next step after "
+                       f"{v['time_to_next_step_s']:.1f} s, {v['steps_lost']} steps lost" for k, v in cases.items()))
+    elif c.get("skipped") or c.get("error"):
+        out.append(f"cluster: {'skipped: ' + c['skipped'] if c.get('skipped') else 'failed: ' + c['error'][:200]}")
+    return out
+
+
+def _resilience_table(d: dict) -> list[str]:
+    """bench/resilience.py: the overhead of partner snapshots, then a node's loss three ways."""
+    m = d["meta"]
+    load = m.get("load_average_start") or [0.0]
+    lines = [f"`python bench/resilience.py` (root for the cluster part; {m.get('wall_s', 0) / 60:.0f} min on this "
+             f"{m.get('cores')}-core machine, load average {load[0]:.1f} at the start from other work). Partner "
+             "snapshots (`checkpoint.memory_every` = K): every K steps each rank copies its checkpoint state to host "
+             "memory and sends it to a partner rank on the next node, the transfer completing behind the next step; "
+             "`checkpoint.memory_dir` also writes them to a node-local directory (issue #42)."]
+    o = d.get("overhead") or {}
+    rows = o.get("rows") or []
+    if rows:
+        lane, sep = o["interleaved"], o["separate"]
+        segments = lane["schedule"]["segments"]
+        cycle = segments[:lane["schedule"].get("cycle", len(segments))]
+        repeats = lane["schedule"].get("repeats", 1)
+        lines += ["", f"**Overhead**: the default job (`mpiexec -n 4 hpcpar train`, {o['mesh'].split(' (')[0]}, "
+                  "`run.eval_every=0`) through a wrapper that timestamps each loop iteration (step, snapshot work, "
+                  "record) on every rank. *Interleaved*: one launch of "
+                  f"{lane['steps']} steps with `checkpoint.memory_dir` on /dev/shm in which the wrapper sets the "
+                  "cadence, and whether the node-local write happens, segment by segment after "
+                  f"{lane['schedule']['warm'] - 1} warm-up steps: "
+                  + " → ".join(f"{'none' if not k else f'K={k}' + ('' if level == 'memory' else ' + ' + level)} "
+                               f"({n})" for k, level, n in cycle)
+                  + (f", {repeats} times, then none" if repeats > 1 else "")
+                  + "; each K segment's wall time per step against the mean of the none segments on either side (the "
+                  "same load from other work; CPU: the same for the 4 ranks' CPU seconds), the median over its "
+                  f"segments; consecutive none segments differed by {lane['none_noise']:.1%} (median): the noise. "
+                  "*Separate launches*: `checkpoint.memory_every` set as a user would, "
+                  f"{sep['steps']} steps, the last {sep['steps'] - sep['warm']} timed, alternating, best of "
+                  f"{sep['rounds']} rounds: wall time per step / the median `step_time_s` of metrics.jsonl + the "
+                  "snapshot work after the step (`step_time_s` times the step alone) / CPU seconds of the 4 ranks per "
+                  "step. *Snapshot work*: the time inside `PartnerSnapshots.after_step` per step, as a share of "
+                  f"none's step ({1e3 * rows[0]['step_s']:.0f} ms, the mean of its interleaved segments).", "",
+                  "| K | vs none, interleaved: wall (CPU) | separate launches: wall / step + snapshot / CPU | "
+                  "snapshot work | MiB/snapshot/rank | held: between / during an exchange | copy + pack ms | "
+                  "exchange start ms | wait ms | write ms |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            s = r.get("separate")
+            apart = "–" if not s or not r["every"] else (
+                f"{s['overhead_step_s']:+.1%} / {s['overhead_step_plus_snapshot_s']:+.1%} / "
+                f"{s['overhead_cpu_s_per_step']:+.1%}")
+            if not r["every"]:
+                continue
+            t = r["seconds_per_snapshot"]
+            size = sum(r["bytes_per_snapshot_per_rank"]) / len(r["bytes_per_snapshot_per_rank"])
+            between = r.get("held_over_snapshot_between")
+            lines.append(f"| {r['name']} | {r['overhead']:+.1%} ({r['overhead_cpu']:+.1%}) | {apart} | "
+                         f"{r['after_step_share']:.2%} | {size / MiB:.2f} | "
+                         f"{'–' if between is None else f'{between:.1f}x'} / {r['held_over_snapshot_max']:.1f}x | "
+                         f"{1e3 * t['take']:.1f} | {1e3 * t['start']:.1f} | {1e3 * t['wait']:.1f} | "
+                         + (f"{1e3 * t['write']:.1f} |" if r["level"] != "memory" else "– |"))
+        k5 = next((r for r in rows if r["name"] == "K=5"), None)
+        if k5:
+            goal, noise = o["goal"], lane["none_noise"]
+            verdict = ("met" if max(k5["overhead_cpu"], k5["after_step_share"]) <= goal else "not met")
+            lines += ["", f"Goal <= {goal:.0%} at K=5: {verdict} by the CPU time ({k5['overhead_cpu']:+.1%}) and the "
+                      f"snapshot work timed directly ({k5['after_step_share']:.2%} of a step); wall time "
+                      f"{k5['overhead']:+.1%}, " + ("within" if abs(k5["overhead"]) <= noise else "outside")
+                      + f" the noise of this machine ({noise:.1%} between neighbouring none segments). The CPU "
+                      "seconds are what the snapshots add with a core per rank; the wall clock here also carries "
+                      "the load of other work, and the separate launches' figures swing with it from launch to launch "
+                      "(it changes by tens of percent within a minute here): they are kept for the record."]
+        lines += ["", "Held: the host bytes a rank's snapshots take (its own snapshot, kept until the partner holds "
+                  "the next; the partner's copy; during an exchange also the new snapshot and the receive buffer) over "
+                  "one snapshot's. Per snapshot, mean over ranks of each rank's median: copy + pack = "
+                  "`checkpoint_state()` copied to the host and packed into one buffer; exchange start = the size "
+                  "handshake with the partner and posting the non-blocking send and receive; wait = completing them a "
+                  "step later; write = the rank's own snapshot and its partner's copy written to /dev/shm."]
+    elif o.get("error"):
+        lines += ["", f"Overhead: failed: {o['error']}"]
+    c = d.get("cluster") or {}
+    cases = _resilience_cases(d)
+    if cases:
+        lines += ["", f"**A node lost**: the emulated cluster (tests/cluster/harness.py), {c['nodes']} nodes x "
+                  f"{c['ranks_per_node']} ranks, mesh {c['mesh']}, the default model with "
+                  + ", ".join(x for x in c["model"] if x.startswith("train.micro"))
+                  + f", {c['steps']} steps; {c['lost']} SIGKILLed at the start of step s = {c['fail_at']} "
+                  f"(`run.debug_fail_at`); `checkpoint.every={c['checkpoint_every']}`, snapshots every "
+                  f"{c['memory_every']} steps (a, c). a: Open MPI 5 (`mpirun --with-ft ulfm`, TCP between all "
+                  "ranks), `run.on_failure=shrink`; b, c: MPICH's hydra ends the job, relaunched at once with "
+                  "`checkpoint.resume=auto` (no queue wait: a real requeue adds it). Time to the next step: from the "
+                  "kill (its unix time on stderr) to the next completed step (b, c: the job's end + relaunch to its "
+                  "first step); recompute: steps lost x the step time before the failure; back at s: measured until "
+                  "step s is done again.", "",
+                  "| case | time to next step s | of which | steps lost | step ms | recompute s | back at s after s |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for k, v in cases.items():
+            if k == "ulfm" and "before_first_step_s" in v:
+                parts = (f"detect {v['detect_s']:.2f} + revoke, shrink, agree, reload {v['recovery_s']:.2f} + start "
+                         f"of `Trainer.train` {v['before_first_step_s']:.2f} + the step "
+                         f"{v['first_step_s'] - v['before_first_step_s']:.2f}")
+            elif k == "ulfm":
+                parts = (f"detect {v['detect_s']:.2f} + revoke, shrink, agree, reload {v['recovery_s']:.2f} + first "
+                         f"step {v['first_step_s']:.2f}")
+            else:
+                parts = f"job end {v['job_end_s']:.2f} + relaunch to first step {v['relaunch_to_first_step_s']:.2f}"
+            back = "–" if v.get("time_to_regain_s") is None else f"{v['time_to_regain_s']:.1f}"
+            lines.append(f"| {RESILIENCE_CASES.get(k, k)} | {v['time_to_next_step_s']:.1f} | {parts} | "
+                         f"{v['steps_lost']} | {1e3 * v['step_s']:.0f} | {v['recompute_s']:.1f} | {back} |")
+        u = cases.get("ulfm")
+        if u:
+            lines += ["", f"a went on as {u['event']['mesh']} on the {u['event']['ranks_kept']} survivors from the "
+                      f"partner snapshots of step {u['event']['rollback_to']} ({1e3 * u['step_s_after']:.0f} ms per "
+                      "step after, the same global batch); recovered_unix + the first step's `step_time_s` gives "
+                      f"{u['time_to_next_step_formula_s']:.1f} s (it leaves out the start of `Trainer.train` on the "
+                      "new mesh, which measures the GEMM peak again). The requeues here wait in no queue and "
+                      "start on nodes already up: on a real cluster b and c add that wait, a does not. With the "
+                      "failure at a uniformly random step, a restart from the shared checkpoint "
+                      f"loses {(c['checkpoint_every'] + 1) / 2:g} steps on average, the partner snapshots "
+                      f"{(c['memory_every'] + 1) / 2:g} (a snapshot counts once its exchange is complete, a step "
+                      "after it was taken)."]
+    for name in ("ulfm", "requeue_shared", "requeue_node_local"):
+        v = (c.get("cases") or {}).get(name) or {}
+        if v.get("skipped") or v.get("error"):
+            lines += ["", f"{RESILIENCE_CASES[name]}: " + (f"skipped: {v['skipped']}" if v.get("skipped")
+                                                             else f"failed: {v['error'][:300]}")]
+    if c.get("skipped") or c.get("error"):
+        lines += ["", "A node lost: " + (f"skipped: {c['skipped']}" if c.get("skipped") else f"failed: {c['error']}")]
+    return lines
+
+
 def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
     """The headline figures of benchmark `name` from its JSON `data`, one string per line."""
     try:
@@ -920,9 +1159,9 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
             return _checkpoint(data, ranks or 4)
         return {"allreduce": _allreduce, "pipeline": _pipeline, "pipeline_gpt": _pipeline_gpt, "scaling": _scaling,
                 "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory, "zero": _zero,
-                "compression": _compression, "precision": _precision, "vs_torch": _vs_torch,
+                "compression": _compression, "diloco": _diloco, "precision": _precision, "vs_torch": _vs_torch,
                 "plan": _plan, "moe": _moe, "ps": _ps, "step_overhead": _step_overhead,
-                "cluster": _cluster}[name](data)
+                "cluster": _cluster, "resilience": _resilience}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
 
@@ -1084,11 +1323,15 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
                                        "mixed precision loss curves"),
                                       ("compression", "Gradient compression", _compression_table,
                                        "gradient compression loss curves"),
+                                      ("diloco", "DiLoCo",
+                                       lambda d: _diloco_table(d, _beside(details, "diloco", "diloco_cluster.json")),
+                                       "DiLoCo loss curves and loss vs bytes"),
                                       ("moe", "Mixture of experts", _moe_table, None),
                                       ("ps", "Parameter server", _ps_table, "parameter server loss curves"),
                                       ("step_overhead", "Per-step overhead", _step_overhead_table, None),
                                       ("vs_torch", "hpcpar vs PyTorch eager", _vs_torch_table, None),
-                                      ("cluster", "Cluster", lambda d: _cluster_table(d, docs_path), None)):
+                                      ("cluster", "Cluster", lambda d: _cluster_table(d, docs_path), None),
+                                      ("resilience", "Resilience", _resilience_table, "resilience")):
         results = details.get(name, {}).get("results")
         if not results:
             continue
@@ -1241,6 +1484,71 @@ def _compression_table(d: dict) -> list[str]:
             lines.append(f"| {model} | {r['kind']} | " + " | ".join(f"{1e3 * r['predicted_step_s'][g]:.0f}"
                                                                    for g in ("1", "10", "100")) + f" | {cross} |")
     return lines
+
+
+def _beside(details: dict, name: str, filename: str) -> dict | None:
+    """The JSON `filename` next to benchmark `name`'s results file, if there is one."""
+    path = ROOT / Path(details[name]["results_file"]).with_name(filename)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _diloco_cluster(c: dict) -> list[str]:
+    """bench/diloco.py --link-check on the emulated cluster (diloco_cluster.json): one shaped link."""
+    rate = _diloco_rate(c["link_gbps"])
+    reps = c["repetitions"]
+    names = [r["name"] for r in reps[0]["shaped"]]
+    errors = [r["predicted_error"] for rep in reps for r in rep["shaped"]]
+    return ["", f"Measured on the emulated cluster: {c['what']}. Tokens/s at {rate} (repetitions separated by /), and "
+            f"the prediction's error, {min(errors):+.0%} … {max(errors):+.0%}:", "",
+            "| setting | KiB/step | tokens/s | measured step / predicted - 1 |", "|---|---:|---:|---:|"] + [
+        f"| {n} | {reps[0]['shaped'][i]['bytes_per_step'] / 1024:.1f} | "
+        + " / ".join(f"{rep['shaped'][i]['tokens_per_s']:,.0f}" for rep in reps) + " | "
+        + " / ".join(f"{rep['shaped'][i]['predicted_error']:+.0%}" for rep in reps) + " |"
+        for i, n in enumerate(names)]
+
+
+def _diloco_table(d: dict, cluster: dict | None = None) -> list[str]:
+    m = d["meta"]
+    lines = [f"GPT {m['layers']} blocks, n_embd {m['embd']}, T {m['block']}, float32, AdamW (lr {m['lr']:g}, the "
+             f"default schedule), the default corpus; every run {m['steps']} steps of the same global batch of "
+             f"{m['batch']} sequences (equal tokens), R replicas on R ranks (`mesh.dp=R`; local / diloco with "
+             "`mesh.dp_replicate=R`). step: `train.sync=step` (gradients averaged every step); local: parameters "
+             f"averaged every H steps; diloco: outer Nesterov SGD lr {m['outer_lr']:g}, momentum "
+             f"{m['outer_momentum']:g}; F=2 tau=1: two fragments synced H/2 steps apart, each reduction overlapping "
+             "one step. Loss: mean of the last 10 steps' training losses (replicas averaged) and the validation loss "
+             f"after the last step ({m['eval_batches']} global batches; every run but the streamed one ends on a "
+             "synchronisation), gap to step of the same R. Bytes: `Communicator.sent` on the replica axis per step "
+             "(step mode: the gradient all-reduce), next to the formula "
+             "([parallelism.md](parallelism.md#local-sgd-and-diloco)). Goal: "
+             f"within {m['goal_loss']:.0%} of step's loss (both) at <= {m['goal_bytes']:.0%} of its bytes.", "",
+             "| R | setting | final loss | gap | val loss | gap | KiB/step | formula | error | vs step | goal |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in d["runs"]:
+        lines.append(f"| {r['replicas']} | {r['name']} | {r['final_loss']:.4f} | {r['loss_gap']:+.2%} | "
+                     f"{r['val_loss']:.4f} | {r['val_gap']:+.2%} | {r['bytes_per_step'] / 1024:.2f} | "
+                     f"{r['formula_bytes'] / 1024:.2f} | {r['formula_error']:+.1%} | {r['bytes_ratio']:.4f} | "
+                     f"{'met' if r['meets_goal'] else ''} |")
+    met = d.get("goal_met_by") or []
+    lines += ["", "Goal: " + (f"met by {', '.join(met)}." if met else "not met by any setting.")]
+    model, links = d["link_model"], [str(g) for g in m["links"]]
+    lines += ["", f"Tokens/s with the replica axis on a slow link, R={m['timed_replicas']}, modelled (this machine's "
+              f"ranks share memory): compute-only step t0 = {1e3 * model['t0_s']:.1f} ms (the median step without "
+              f"replica-axis traffic; {m['ranks']} ranks on {m['cores']} cores) + the setting's own work per step "
+              "measured here (compressors: their step minus step's; local / diloco: a sync step minus an inner "
+              f"step, / H; timing runs of {m['time_steps']} steps, fastest of {m['rounds']} alternating rounds) + "
+              f"bytes / L + {m['alpha_us']:g} µs x messages; streamed: a fragment's transfer overlaps one step of "
+              "compute. L*: the link speed below which the first setting is faster (\"any\": at every "
+              "speed).", "",
+              "| setting | own ms/step | " + " | ".join(f"tokens/s at {_diloco_rate(float(g))}" for g in links) + " |",
+              "|---|---:|" + "---:|" * len(links)]
+    for r in model["rows"]:
+        lines.append(f"| {r['name']} | {1e3 * r['own_s']:.2f} | "
+                     + " | ".join(f"{r['tokens_per_s'][g]:,.0f}" for g in links) + " |")
+    lines += ["", "L* (Gb/s): " + "; ".join(f"{pair} {_diloco_gbps(x)}" for pair, x in d["crossover_gbps"].items())
+              + "."]
+    return lines + (_diloco_cluster(cluster) if cluster else
+                    ["", "No cluster measurement (bench/diloco.py --link-check under tests/cluster/harness.py): the "
+                     "figures above are modelled."])
 
 
 def _context_table(d: dict) -> list[str]:

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the best plans (rank 0), or `--calibrate` and store the figures."""
     check_output_file(args.out, "--out")
     from hpcpar.planner.hardware import load_hardware
-    from hpcpar.planner.search import fastest_layouts, format_plans, reasons, write_plan
+    from hpcpar.planner.search import format_plans, plan, write_plan
 
     cfg = _load(args)
     if args.calibrate:
@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ranks={world} is invalid: use a positive number of ranks")
     if args.global_batch is not None and args.global_batch < 1:
         raise ConfigError(f"--global-batch={args.global_batch} is invalid: use a positive number of sequences")
-    plans = fastest_layouts(cfg, world, hw, top=0, global_batch=args.global_batch)
-    print(format_plans(plans[:args.top], world, hw, reasons(plans[0], plans[1:])))
+    plans, why = plan(cfg, world, hw, top=max(1, args.top), global_batch=args.global_batch)
+    print(format_plans(plans[:args.top], world, hw, why))
     if args.out:
         run_dir = plan_run_dir(args)
         write_plan(plans[0], args.out, run_dir)

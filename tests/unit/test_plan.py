@@ -1,9 +1,11 @@
 """`hpcpar plan`: the cost model's pieces against the simulator, its plans against validation and
-the memory estimate, and its predictions against published figures (Narayanan et al., SC'21)."""
+the memory estimate, its predictions against published figures (Narayanan et al., SC'21), and
+its bounded search against the exhaustive one."""
 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -12,8 +14,11 @@ from hpcpar.config.memory import estimate_memory, peak_stash
 from hpcpar.config.sections import Config
 from hpcpar.config.validate import validate
 from hpcpar.planner.hardware import PRESETS, Link, all_gather_time, all_reduce_time
-from hpcpar.planner.predict import pipeline_time, predict
-from hpcpar.planner.search import MODEL_PRESETS, fastest_layouts, reasons, write_plan
+from hpcpar.planner.predict import Layout, StepModel, pipeline_bound, pipeline_time, predict
+from hpcpar.planner.search import (
+    MODEL_PRESETS, Search, _global_batch, _Memory, _peak_stash, _validate, candidates, fastest_layouts, plan,
+    reasons, write_plan,
+)
 from hpcpar.errors import ConfigError
 from hpcpar.parallel.pp import schedules, simulate
 
@@ -182,3 +187,122 @@ def test_a_16_bit_what_if_is_written_as_float32_masters_with_train_precision(tmp
     written = validate(load_config(str(out)), 4)
     assert (written.model.dtype, written.train.precision) == ("float32", "bf16")
     assert written.mesh == best.cfg.mesh
+
+
+# --------------------------------------------------------------------------- the search against exhaustion
+
+CALIBRATED = dataclasses.replace(   # a calibration's figures: ranks sharing cores, measured layer times, tp scales
+    A100, name="this", ranks_per_node=4, memory_bytes=2**30, cores_per_rank=0.5, tp_scales={2: 1.3, 4: 2.0},
+    cp_hidden=0.3, step_overhead=1e-3, microbatch_overhead=1e-4,
+    model={"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128, "vocab_size": 256, "dtype": "float32",
+           "bias": True},
+    layer_times={1: [1e-4, 1e-6, 2e-4, 2e-6, 1e-4, 3e-7], 2: [6e-5, 5e-7, 1e-4, 1e-6, 5e-5, 2e-7],
+                 4: [4e-5, 3e-7, 7e-5, 6e-7, 3e-5, 1e-7]})
+# (config overrides, ranks, hardware, global batch): small enough to predict, validate and size every candidate.
+SEARCH_SHAPES = {
+    "default model, 4 ranks": ([], 4, dataclasses.replace(A100, ranks_per_node=4, memory_bytes=2**30), None),
+    "calibrated, ranks sharing cores": ([], 4, CALIBRATED, None),
+    "tight memory, 8 ranks": (["model.n_layer=8", "model.n_head=8", "model.n_embd=512", "model.block_size=256"], 8,
+                              dataclasses.replace(A100, ranks_per_node=4, memory_bytes=300 * 2**20), 32),
+    "16-bit, recompute_every, 2 nodes": (["model.n_layer=8", "model.n_head=8", "model.n_embd=256",
+                                          "model.block_size=256", "model.dtype=bfloat16", "train.recompute_every=2",
+                                          "model.vocab_size=4096"], 8,
+                                         dataclasses.replace(A100, ranks_per_node=4, memory_bytes=2**27), 16),
+    "mixture of experts, ep=2": (["model.moe_experts=4", "mesh.ep=2", "model.moe_top_k=1"], 8,
+                                 dataclasses.replace(A100, ranks_per_node=8, memory_bytes=2**30), 32),
+}
+
+
+def _ranking(plans):
+    return [(p.cfg, p.step_time, p.memory_bytes, p.parts) for p in plans]
+
+
+@pytest.mark.parametrize("shape", SEARCH_SHAPES)
+def test_the_search_ranks_as_the_exhaustive_search(shape):
+    """The bounded search (`search.Search`) returns the exhaustive search's plans: the same configs,
+    step times (bitwise: the same `predict`), memory estimates and order (ties in `candidates`' order),
+    for the first few, for every plan that fits, and for `plan`'s per-axis reasons."""
+    overrides, world, hw, batch = SEARCH_SHAPES[shape]
+    cfg = cfg_of(*overrides)
+    every = fastest_layouts(cfg, world, hw, top=0, keep=10**6, global_batch=batch, exhaustive=True)
+    assert len(every) > 10 and [p.step_time for p in every] == sorted(p.step_time for p in every)
+    assert _ranking(fastest_layouts(cfg, world, hw, top=0, keep=10**6, global_batch=batch)) == _ranking(every)
+    for top in (1, 5, 12):
+        assert _ranking(fastest_layouts(cfg, world, hw, top=top, global_batch=batch)) == _ranking(every[:top])
+    plans, why = plan(cfg, world, hw, top=5, global_batch=batch)
+    assert _ranking(plans) == _ranking(every[:5])
+    assert why == reasons(every[0], every[1:])
+    search = Search(cfg, world, hw, batch or _global_batch(cfg, world))   # and it prunes: few are sized or timed
+    search.best(5)
+    assert len(search._fits) < len(search.layouts) / 10 and len(search._times) < len(search.layouts) / 10
+
+
+@pytest.mark.parametrize("shape", SEARCH_SHAPES)
+def test_the_search_times_and_sizes_every_candidate_as_predict_and_estimate_memory(shape):
+    """What the search ranks by: `StepModel.step` is `predict`'s step time bitwise, `StepModel.bound`
+    is at most it (equal where the pipeline is a closed form), and the search's memory estimate is
+    `estimate_memory`'s, on every candidate."""
+    overrides, world, hw, batch = SEARCH_SHAPES[shape]
+    cfg = cfg_of(*overrides)
+    batch = batch or _global_batch(cfg, world)
+    model, sizes = StepModel(cfg, hw), _Memory(cfg)
+    for c in candidates(cfg, world, hw, batch):
+        lay = Layout.of(c)
+        step = predict(c, hw).step_time
+        bound, exact = model.bound(lay)
+        assert model.step(lay) == step and (bound == step if exact else bound <= step)
+        try:
+            valid = _validate(c, world)
+        except ConfigError:
+            continue
+        mesh = valid.mesh
+        assert sizes.estimate(lay) == estimate_memory(valid, mesh.dp, mesh.tp, mesh.pp, mesh.cp), lay
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 5, 8])
+def test_zero_bubble_peak_stash_closed_forms_are_the_simulators(pp):
+    """ZB-H1 stashes min(pp, m) chunk activations on every rank, ZB-V 2 min(pp, m): the search's
+    memory estimate uses these instead of simulating schedules of many micro-batches."""
+    for m in range(1, 3 * pp + 2):
+        assert _peak_stash("zbh1", pp, m, 1) == simulate.timeline("zbh1", pp, m, 1).peak_stash
+        assert _peak_stash("zbv", pp, m, 2) == simulate.timeline("zbv", pp, m, 2).peak_stash
+
+
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4),
+                                         ("zbh1", 1), ("zbv", 0)])
+def test_the_pipeline_bound_is_below_the_simulated_step(name, chunks):
+    """`pipeline_bound` (work, fill and drain) never exceeds `pipeline_time`, whatever the depth,
+    micro-batches (simulated, extrapolated or closed-form) and ratios of F, B, W and messages."""
+    rng = random.Random(f"{name}{chunks}")
+    for pp in (2, 3, 4, 8, 16):
+        for m in sorted({1, pp - 1, pp, pp + 1, 2 * pp, 3 * pp + 1, 4 * pp, 8 * pp + 3} - {0}):
+            if (name == "interleaved" and (m % pp or pp * chunks > 32)) or (name == "1f1b" and m < pp) \
+                    or (name == "gpipe" and m >= pp) or (name == "zbv" and pp * m > 512):
+                continue
+            for _ in range(3):
+                t_f = rng.uniform(0.01, 3)
+                t_b = t_f * rng.uniform(0.2, 3)
+                t_w = t_b * rng.uniform(0.05, 1.5) if name.startswith("zb") else 0.0
+                t_msg = t_f * rng.choice([0.0, 1e-4, 0.02, 0.3, 1.0, 4.0])
+                bound, exact = pipeline_bound(name, pp, m, chunks, t_f, t_b, t_msg, t_w)
+                step = pipeline_time(name, pp, m, chunks, t_f, t_b, t_msg, t_w)
+                assert bound == step if exact else bound <= step, (pp, m, t_f, t_b, t_msg, t_w)
+
+
+ONE_T = {"n_layer": 128, "n_embd": 25600, "n_head": 160, "block_size": 2048, "vocab_size": 51200}
+
+
+@pytest.mark.parametrize("world,batch", [(3072, 3072), (3072, None), (16384, 4096), (16384, None)])
+def test_plans_for_a_trillion_parameters_on_thousands_of_ranks(world, batch):
+    """The 1T row of Narayanan et al. (and its model on 16,384 GPUs), with and without a global
+    batch (the config's: 36,864 and 196,608 sequences): `hpcpar plan`'s search answers (bench/plan.py
+    times it)."""
+    cfg = cfg_of(*(f"model.{k}={v}" for k, v in ONE_T.items()))
+    plans, why = plan(cfg, world, dataclasses.replace(A100, ranks_per_node=8), top=5, global_batch=batch)
+    assert len(plans) == 5 and len(why) == 8
+    times = [p.step_time for p in plans]
+    assert times == sorted(times)
+    for p in plans:
+        mesh = p.cfg.mesh
+        assert mesh.dp * mesh.tp * mesh.pp * mesh.cp == world and p.memory_bytes <= A100.memory_bytes
+        assert mesh.dp * p.cfg.train.micro_batch_size * p.cfg.train.microbatches == (batch or world // 2 * 24)
