@@ -60,6 +60,11 @@ H1_MESHES = [
     ("rep2-pp2-1f1b", ["mesh.dp=2", "mesh.pp=2", "mesh.dp_replicate=2"]),
     ("rep2-cp2-z2", ["mesh.dp=2", "mesh.cp=2", "mesh.pp=1", "mesh.dp_replicate=2", "train.zero=2"]),
     ("rep2x2-moe-ep2", ["mesh.dp=4", "mesh.pp=1", "mesh.dp_replicate=2", "mesh.ep=2", "model.moe_experts=2"]),
+    ("rep2-pp2-zbv", ["mesh.dp=2", "mesh.pp=2", "mesh.dp_replicate=2", "pipeline.schedule=zbv", "model.n_layer=4"]),
+    ("rep2-pp2-interleaved", ["mesh.dp=2", "mesh.pp=2", "mesh.dp_replicate=2", "pipeline.schedule=interleaved",
+                              "pipeline.chunks=2", "model.n_layer=4"]),
+    ("rep2-cp2-ulysses-recompute", ["mesh.dp=2", "mesh.cp=2", "mesh.pp=1", "mesh.dp_replicate=2",
+                                    "mesh.cp_impl=ulysses", "train.recompute=full"]),
 ]
 MODES = [("local", ["train.sync=local"]),
          ("diloco-lr1", ["train.sync=diloco", "train.outer_lr=1", "train.outer_momentum=0"])]
