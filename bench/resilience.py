@@ -136,7 +136,7 @@ def trace_main(trace_dir: str, argv: list[str]) -> int:
         snaps = self.snapshots
         if snaps is not None:
             exchange = snaps._exchange or ()
-            record["held_bytes"] = _held_bytes([list(snaps.own.values()), snaps.copy, exchange[1:3]])
+            record["held_bytes"] = _held_bytes([list(snaps.own.values()), list(snaps.copies.values()), exchange[1:3]])
             if "_start_exchange" in parts and exchange:
                 record["packed_bytes"] = _held_bytes([exchange[1]])
         out().write(json.dumps(record) + "\n")

@@ -13,8 +13,9 @@ Levels, as SCR (LLNL's multilevel checkpointing) has them:
     shared       the checkpoints of `checkpoint.every`, as always
 
 `PartnerSnapshots` does the first two after every step (`after_step`). Its host memory: two
-snapshots' worth between exchanges (its own, its partner's), four during one (the previous and the
-new own snapshot, the partner's copy and the buffer receiving the next).
+snapshots' worth between exchanges (its own, its partner's), four from one exchange until a step
+later (the previous and the new of each: the previous pair is dropped only once every rank is known
+to hold the new one, so some step always survives complete).
 
 `train_through_failures` runs `Trainer.train`, and with `run.on_failure = "shrink"` on an MPI
 with ULFM (hpcpar/runtime/ulfm.py) it survives a failure: the first error on any survivor
@@ -94,8 +95,9 @@ class PartnerSnapshots:
         self.partner = partners(self.hosts)
         self.source = self.partner.index(job.rank)      # whose copy this rank keeps
         self.own: dict[int, np.ndarray] = {}            # step -> this rank's snapshot, packed
-        self.copy: tuple[int, np.ndarray] | None = None  # (step, the partner's last complete snapshot, packed)
+        self.copies: dict[int, np.ndarray] = {}         # step -> the partner's snapshot received, packed
         self._exchange = None
+        self._received = None  # the step whose exchange this rank finished; every rank has once a step passed
         self.fail = debug_failure(cfg.run.debug_fail_at)
         self.directory = _snapshot_dir(cfg) if cfg.checkpoint.memory_dir else None
         self.bytes = 0
@@ -113,6 +115,17 @@ class PartnerSnapshots:
     def after_step(self, trainer) -> None:
         """After a step: finish the exchange in flight (it ran behind the step), the debug
         failure due at the next step, then a new snapshot and its exchange when one is due."""
+        if self._received is not None:
+            # A step (and its world agreement) has passed since this rank received the copy of step
+            # `_received`: every rank has received its copy of that step, so older ones can go.
+            # Dropping them as soon as one's own copy arrived would leave no complete step when a
+            # partner's last send never arrived (a rank dying with its bytes still on the wire).
+            for held in (self.own, self.copies):
+                for old in [s for s in held if s < self._received]:
+                    del held[old]
+            if self.directory is not None:
+                self._prune_files(self._received)
+            self._received = None
         if self._exchange is not None:
             self._finish_exchange()
         step = trainer.step
@@ -148,18 +161,16 @@ class PartnerSnapshots:
         if sent is not None:
             sent.wait()
             received.wait()
-            self.copy = (step, incoming)
+            self.copies[step] = incoming
         self.seconds["exchange_wait"] += time.perf_counter() - t0
-        for old in [s for s in self.own if s < step]:  # the partner holds `step` now
-            del self.own[old]
+        self._received = step
         if self.directory is not None:
             t0 = time.perf_counter()
             self._write(step, packed, incoming)
             self.seconds["write"] += time.perf_counter() - t0
 
     def _write(self, step: int, packed: np.ndarray, incoming: np.ndarray | None) -> None:
-        """This rank's snapshot and its partner's copy into the node-local directory; older files of
-        the same owners removed once the new ones are in place."""
+        """This rank's snapshot and its partner's copy into the node-local directory."""
         os.makedirs(self.directory, exist_ok=True)
         world = self.job.size
         for owner, data in ((self.job.rank, packed), (self.source, incoming)):
@@ -169,30 +180,33 @@ class PartnerSnapshots:
             tmp = path + f".tmp{os.getpid()}"
             data.tofile(tmp)
             os.replace(tmp, path)
-            for name in os.listdir(self.directory):
-                m = _FILE.match(name)
-                if m and int(m.group(2)) == owner and int(m.group(3)) < step:
-                    try:
-                        os.remove(os.path.join(self.directory, name))
-                    except FileNotFoundError:
-                        pass
+
+    def _prune_files(self, step: int) -> None:
+        """Remove this rank's files (its own and its partner's copy) older than `step`, which every
+        rank has received (see `after_step`)."""
+        for name in os.listdir(self.directory):
+            m = _FILE.match(name)
+            if m and int(m.group(2)) in (self.job.rank, self.source) and int(m.group(3)) < step:
+                try:
+                    os.remove(os.path.join(self.directory, name))
+                except FileNotFoundError:
+                    pass
 
     def holdings(self) -> dict[int, list[int]]:
         """{owner rank: [steps]} of the complete snapshots this rank holds."""
         out: dict[int, list[int]] = {self.job.rank: sorted(self.own)}
-        if self.copy is not None:
-            out.setdefault(self.source, []).append(self.copy[0])
+        if self.copies:
+            out.setdefault(self.source, []).extend(sorted(self.copies))
         return out
 
     def held_at(self, step: int) -> list[Snapshot]:
         """The snapshots of `step` this rank holds (its own, its partner's copy), unpacked."""
-        out = [Snapshot.unpack(self.own[step])] if step in self.own else []
-        return out + ([Snapshot.unpack(self.copy[1])] if self.copy is not None and self.copy[0] == step else [])
+        return [Snapshot.unpack(held[step]) for held in (self.own, self.copies) if step in held]
 
     def report(self) -> dict:
         """The summary's "snapshots" entry: cadence, bytes of one snapshot (this rank's), the
         host bytes held now, seconds spent per level."""
-        held = sum(b.size for b in self.own.values()) + (self.copy[1].size if self.copy is not None else 0)
+        held = sum(b.size for held in (self.own, self.copies) for b in held.values())
         return {"every": self.every, "bytes_per_snapshot": self.bytes, "bytes_held": held,
                 "seconds": dict(self.seconds), "partner_of_rank": self.partner}
 

@@ -77,15 +77,18 @@ AFTER = ["mesh.dp=1", "mesh.tp=2", "train.microbatches=4"]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("fail, rollback, lost", [("3@7", 6, [3]), ("2,3@7", 6, [2, 3]), ("2,3@6/exchange", 4, [2, 3])],
+@pytest.mark.parametrize("fail, lost", [("3@7", [3]), ("2,3@7", [2, 3]), ("2,3@6/exchange", [2, 3])],
                          ids=["one-rank", "a-node", "a-node-during-the-exchange"])
-def test_the_survivors_go_on_from_the_last_complete_partner_snapshot(cluster, tmp_path, corpus, fail, rollback, lost):
-    """dp=2 x tp=2 on two nodes: the replica that lost a rank leaves, the other rolls back to the
-    newest step every rank's snapshot survived (partner copies for the lost ranks: 6; 4 when node1
-    died before its snapshot of 6 reached node0) and goes on as dp=1 x tp=2 with the same global
-    batch; its losses equal a restore at that step from the checkpoint on disk."""
+def test_the_survivors_go_on_from_the_last_complete_partner_snapshot(cluster, tmp_path, corpus, fail, lost):
+    """dp=2 x tp=2 on two nodes, snapshots of steps 2, 4, 6: the replica that lost a rank leaves,
+    the other rolls back to the newest step every rank's snapshot survived and goes on as dp=1 x
+    tp=2 with the same global batch; its losses equal a restore at that step from the checkpoint on
+    disk. That step is 6 when the lost ranks' last copies reached node0, 4 when they died with them
+    still on the wire (their send completes before the bytes leave: which one is timing; step 4's
+    pair is kept until every rank is known to hold step 6's, so one of the two always survives)."""
     run_dir, event, out = _survive(cluster, tmp_path, corpus, ["node0", "node1"], 2, TWO_BY_TWO, fail)
-    assert event["rollback_to"] == rollback and event["lost_ranks"] == lost, event
+    rollback = event["rollback_to"]
+    assert rollback in (4, 6) and event["lost_ranks"] == lost, event
     assert event["source"] == "partner snapshots in memory" and event["mesh"].startswith("dp=1 x tp=2"), event
     assert f"roll back to the partner snapshots of step {rollback}" in out
     _same_from(rollback, losses(run_dir), _reference(tmp_path, corpus, run_dir, rollback, 2, AFTER))
