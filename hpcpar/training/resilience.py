@@ -99,6 +99,9 @@ class PartnerSnapshots:
         self._exchange = None
         self._received = None  # the step whose exchange this rank finished; every rank has once a step passed
         self.fail = debug_failure(cfg.run.debug_fail_at)
+        # The ranks a debug failure ends meet first, then die together: one that died early could
+        # let another, still finishing the step, see the failure first and survive it.
+        self._dying = job.split(int(job.rank in self.fail[0]), job.rank, "dying") if self.fail else None
         self.directory = _snapshot_dir(cfg) if cfg.checkpoint.memory_dir else None
         self.bytes = 0
         self.seconds = {"snapshot": 0.0, "exchange_wait": 0.0, "write": 0.0}
@@ -130,6 +133,7 @@ class PartnerSnapshots:
             self._finish_exchange()
         step = trainer.step
         if self.fail and self.job.rank in self.fail[0] and step == self.fail[1] and not self.fail[2]:
+            self._dying.barrier()
             _die(f"run.debug_fail_at: rank {self.job.rank} ends at the start of step {step}")
         if self.every and step % self.every == 0:
             t0 = time.perf_counter()
@@ -137,6 +141,7 @@ class PartnerSnapshots:
             self.seconds["snapshot"] += time.perf_counter() - t0
             self._start_exchange(step, self.own[step])
             if self.fail and self.job.rank in self.fail[0] and step == self.fail[1] and self.fail[2] == "exchange":
+                self._dying.barrier()
                 _die(f"run.debug_fail_at: rank {self.job.rank} ends during the partner exchange of step {step}")
 
     # -- the exchange -----------------------------------------------------------------------------
