@@ -345,6 +345,13 @@ def _say(failed_at, lost, lost_nodes, alive, kept, step, dp, disk, coverage, wor
                 f"the checkpoint on disk {disk}" if disk else "a fresh start (no checkpoint on disk)", dp, kept)
 
 
+def split_batch(share: int, largest: int) -> tuple[int, int]:
+    """A dp rank's `share` of sequences as (micro_batch_size, microbatches): the largest divisor of
+    `share` not above `largest`, and the rest (elastic resume and the smaller mesh alike)."""
+    size = max(d for d in range(1, min(share, largest) + 1) if share % d == 0)
+    return size, share // size
+
+
 def _smaller(cfg: Config, dp: int, old_dp: int) -> Config:
     """`cfg` for `dp` data-parallel groups instead of `old_dp`, the global batch kept (micro-batches
     per group grown) and HSDP's shard size kept where it divides. Raises HpcparError (one line)
@@ -355,12 +362,11 @@ def _smaller(cfg: Config, dp: int, old_dp: int) -> Config:
         raise HpcparError(f"a failure left {dp} whole data-parallel group(s) of {old_dp}, and the global batch of "
                           f"{batch} sequences does not split over {dp}; requeue the job to resume from the last "
                           "checkpoint")
-    share = batch // dp
-    size = max(d for d in range(1, min(share, t.micro_batch_size) + 1) if share % d == 0)
+    size, count = split_batch(batch // dp, t.micro_batch_size)
     shard = old_dp // m.dp_replicate
     replicate = dp // shard if dp % shard == 0 else 1
     new = dataclasses.replace(cfg, mesh=dataclasses.replace(m, dp=dp, dp_replicate=replicate),
-                              train=dataclasses.replace(t, micro_batch_size=size, microbatches=share // size),
+                              train=dataclasses.replace(t, micro_batch_size=size, microbatches=count),
                               run=dataclasses.replace(cfg.run, debug_fail_at=""))
     world = dp * m.tp * m.pp * m.cp
     return validate(new, world)

@@ -157,7 +157,7 @@ def elastic_batch(cfg: Config, world_size: int, given: set[str]) -> Config:
                           f"dp={dp} ({world_size} ranks, mesh auto); resume on a number of ranks whose dp divides "
                           f"{batch}, or set mesh degrees and train.micro_batch_size/microbatches yourself")
     share = batch // dp
-    size = max(d for d in range(1, min(share, saved.train.micro_batch_size) + 1) if share % d == 0)
+    size = resilience.split_batch(share, saved.train.micro_batch_size)[0]
     log.info("elastic resume: %d ranks (dp=%d) keep the checkpoint's global batch of %d sequences as "
              "micro_batch_size=%d x microbatches=%d", world_size, dp, batch, size, share // size)
     return dataclasses.replace(cfg, train=dataclasses.replace(t, micro_batch_size=size, microbatches=share // size))
