@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from hpcpar.backend import array_module, gpu_kernels, is_device_array
 from hpcpar.backend.cpu import attention as cpu_attention
 from hpcpar.backend.precision import down, up
@@ -37,6 +39,38 @@ def causal_attention(qkv: Tensor, n_head: int, recompute: bool = False) -> Tenso
         return _causal_attention_fused(qkv, heads, recompute)
     out, saved = cpu_attention.causal_attention_forward(stored, n_head, keep_probs=not recompute)
     return Tensor.from_op(out, (qkv,), lambda g: (cpu_attention.causal_attention_backward(stored, n_head, saved, g),))
+
+
+def document_attention(qkv: Tensor, n_head: int, documents, recompute: bool = False) -> Tensor:
+    """Causal self-attention within segments (packed documents, `data.packing.Documents`).
+
+    qkv [B, T, 3*H*D] as in `causal_attention`; `documents` gives each row's segment starts. Every
+    segment [a, e) of row b attends causally to itself only: its q, k, v rows qkv[b, a:e] go,
+    with the other segments of the same length, through the CPU causal kernels as a batch
+    [n, e - a, 3*H*D], so the work is sum(len_i^2), not T^2, and each segment's result is its
+    causal attention run alone. Returns [B, T, H*D]. Forward and backward are those of
+    `causal_attention` per group (`recompute`: no probabilities kept, recomputed in backward).
+    """
+    if documents.whole:
+        return causal_attention(qkv, n_head, recompute)
+    stored = qkv.data
+    b, t, three_c = stored.shape
+    groups, out = [], None
+    for length, rows, offsets in documents.segments():
+        at = (rows[:, None], offsets[:, None] + np.arange(length))     # [n, L] tokens of the group
+        part = np.ascontiguousarray(stored[at])                         # [n, L, 3C]
+        y, saved = cpu_attention.causal_attention_forward(part, n_head, keep_probs=not recompute)
+        if out is None:
+            out = np.empty((b, t, y.shape[-1]), dtype=y.dtype)
+        out[at] = y
+        groups.append((at, part, saved))
+
+    def backward(g):
+        grad = np.empty((b, t, three_c), dtype=stored.dtype)            # every token is in one segment
+        for at, part, saved in groups:
+            grad[at] = cpu_attention.causal_attention_backward(part, n_head, saved, np.ascontiguousarray(g[at]))
+        return (grad,)
+    return Tensor.from_op(out, (qkv,), backward)
 
 
 _QUERY_CHUNK = 256  # GPU attention: queries per chunk (a chunk's scores stop at its causal edge)

@@ -67,6 +67,10 @@ class DataConfig:
                          ("bytes", "bin", "hdf5"))
     token_dtype: str = _field("uint16", "integer type of a bin token file (hdf5 uses its dataset's type)",
                               ("uint16", "uint32"))
+    packing: str = _field("none", "none = windows of the token stream, attention and positions across "
+                                  "documents; documents = the same windows, each document start inside one "
+                                  "begins a segment attended on its own (positions from 0, no attention across, "
+                                  "the target crossing a boundary left out of the loss)", ("none", "documents"))
 
 
 @dataclass(frozen=True)

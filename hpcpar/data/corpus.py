@@ -36,7 +36,7 @@ _DEFAULT_EXCLUDED_DIRS = frozenset(
 # Separator written after each file of a directory corpus, so documents do not run together.
 _DOC_SEPARATOR = b"\n"
 
-_default_cache: np.ndarray | None = None
+_default_cache: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def _printable(path: str | bytes) -> str:
@@ -93,39 +93,48 @@ def _raise_walk_error(e: OSError) -> None:
                     f"{e.strerror or e}; check its permissions")
 
 
-def _concat(files: Iterable[str], cap: int | None = None) -> bytes:
-    """Each file's bytes followed by the separator, stopping once ``cap`` bytes are read."""
+def _concat(files: Iterable[str], cap: int | None = None) -> tuple[bytes, np.ndarray]:
+    """Each file's bytes followed by the separator, stopping once ``cap`` bytes are read; and the
+    documents' start offsets (one document per file: its bytes and separator), int64, from 0."""
     parts: list[bytes] = []
-    total = 0
+    starts = [0]
     for full in files:
         parts.append(_read_file(full))
         parts.append(_DOC_SEPARATOR)
-        total += len(parts[-2]) + len(_DOC_SEPARATOR)
-        if cap is not None and total >= cap:
+        starts.append(starts[-1] + len(parts[-2]) + len(_DOC_SEPARATOR))
+        if cap is not None and starts[-1] >= cap:
             break
     data = b"".join(parts)
-    return data[:cap] if cap is not None else data
+    data = data[:cap] if cap is not None else data
+    offsets = np.array(starts, dtype=np.int64)
+    return data, offsets[offsets < max(len(data), 1)]
 
 
 def _stdlib_dir() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def _load_default() -> np.ndarray:
+def _load_default() -> tuple[np.ndarray, np.ndarray]:
     global _default_cache
     if _default_cache is None:
         root = _stdlib_dir()
         files = _regular_files(root, _DEFAULT_EXCLUDED_DIRS, suffix=".py")
-        data = _concat(files, DEFAULT_CORPUS_CAP)
+        data, starts = _concat(files, DEFAULT_CORPUS_CAP)
         if len(data) == len(files) * len(_DOC_SEPARATOR):
             raise DataError(f"the default corpus is empty: no Python source under {_printable(root)}; "
                             "set data.path to a text file or directory")
-        _default_cache = np.frombuffer(data, dtype=np.uint8)  # read-only: the cache is shared
+        starts.flags.writeable = False
+        _default_cache = np.frombuffer(data, dtype=np.uint8), starts  # read-only: the cache is shared
     return _default_cache
 
 
 def load_corpus(path: str | os.PathLike = "") -> np.ndarray:
-    """Load a corpus as byte tokens.
+    """Load a corpus as byte tokens (`load_documents` without the document starts)."""
+    return load_documents(path)[0]
+
+
+def load_documents(path: str | os.PathLike = "") -> tuple[np.ndarray, np.ndarray]:
+    """Load a corpus as byte tokens, with its documents' start offsets.
 
     Args:
         path: a text file (read as is), a directory (every regular, non-hidden file
@@ -136,7 +145,9 @@ def load_corpus(path: str | os.PathLike = "") -> np.ndarray:
             and capped at ``DEFAULT_CORPUS_CAP`` bytes. The default is cached per process.
 
     Returns:
-        A read-only ``uint8`` array ``[N]``.
+        A read-only ``uint8`` array ``[N]``, and the sorted int64 start offsets of its documents
+        (from 0): one document per file of a directory (its bytes and separator), a single file
+        is one document.
 
     Raises:
         DataError: missing path, a path that is neither file nor directory, an
@@ -156,17 +167,17 @@ def load_corpus(path: str | os.PathLike = "") -> np.ndarray:
     except OSError as e:
         raise DataError(f"cannot access corpus path {_printable(path)}: {e.strerror or e}") from None
     if stat.S_ISREG(mode):
-        data = _read_file(path)
+        data, starts = _read_file(path), np.zeros(1, dtype=np.int64)
         empty = len(data) == 0
     elif stat.S_ISDIR(mode):
         files = _regular_files(path)
-        data = _concat(files)
+        data, starts = _concat(files)
         empty = len(data) == len(files) * len(_DOC_SEPARATOR)
     else:
         raise DataError(f"corpus path {_printable(path)} is neither a regular file nor a directory")
     if empty:
         raise DataError(f"corpus path {_printable(path)} holds no bytes; give a non-empty text file or directory")
-    return np.frombuffer(data, dtype=np.uint8)
+    return np.frombuffer(data, dtype=np.uint8), starts
 
 
 def corpus_description(path: str | os.PathLike = "", tokens: np.ndarray | None = None) -> str:
@@ -218,13 +229,26 @@ def _gather(tokens: np.ndarray, key: Sequence[int], sample_ids: Iterable[int], b
     ks = np.asarray(sample_ids if isinstance(sample_ids, np.ndarray) else list(sample_ids), dtype=np.int64)
     if ks.ndim != 1 or (ks.size and ks.min() < 0):
         raise DataError(f"sample_ids must be non-negative integers, got {sample_ids!r}")
-    # Start offsets uniform in [0, len - T - 1]; the modulo bias (about len / 2**64) is negligible.
-    starts = (hash_keys(key, ks) % np.uint64(len(tokens) - block_size)).astype(np.int64)
+    starts = _starts(len(tokens), key, ks, block_size)
     if positions is None:
         window = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)  # [B, T+1]
         return np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])
     at = starts[:, None] + np.asarray(positions, dtype=np.int64)[None, :]           # [B, n]: my tokens only
     return tokens[at].astype(np.int64), tokens[at + 1].astype(np.int64)
+
+
+def _starts(n_tokens: int, key: Sequence[int], ks: np.ndarray, block_size: int) -> np.ndarray:
+    """Window start offsets [len(ks)], int64, uniform in [0, n_tokens - T - 1]; the modulo bias
+    (about n_tokens / 2**64) is negligible."""
+    return (hash_keys(key, ks) % np.uint64(n_tokens - block_size)).astype(np.int64)
+
+
+def window_starts(n_tokens: int, seed: int, index: int, sample_ids: Iterable[int], block_size: int,
+                  stream: int = _TRAIN_STREAM) -> np.ndarray:
+    """Where the windows of `get_batch` (stream 0, `index` the step) or `get_eval_batch` (stream 1,
+    `index` the batch) begin in a split of `n_tokens` tokens: int64 [len(sample_ids)]."""
+    ks = np.asarray(sample_ids if isinstance(sample_ids, np.ndarray) else list(sample_ids), dtype=np.int64)
+    return _starts(n_tokens, (seed, stream, index), ks, block_size)
 
 
 def get_batch(tokens: np.ndarray, seed: int, step: int, sample_ids: Iterable[int],

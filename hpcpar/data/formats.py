@@ -23,6 +23,12 @@ into one buffer, the chunks dealt out over the ranks and the largest id agreed b
 all-reduce: no rank ever holds the file. Errors are one line (`DataError`), the same on every
 rank, before any training collective.
 
+Document boundaries (`packing`): a corpus directory is one document per file, a single text
+file one document; `hpcpar data prepare` writes beside its token file a document index,
+`DOCS_FILE` (the start offset of each document as little-endian int64, named with its count and
+the tokenizer's end-of-text id in meta.json), checked against its token file at start. Token
+files without one stay one document, and ``data.packing = "documents"`` refuses them.
+
 The tokenizer is the ``tokenizer.json`` beside the data (bytes for the byte format); its record
 (`tokenizer.record`) goes into checkpoints so that `hpcpar sample` decodes with it and a resumed
 or evaluated run refuses data of another tokenizer.
@@ -38,7 +44,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hpcpar.data import corpus, tokenizer
+from hpcpar.data import corpus, packing, tokenizer
 from hpcpar.data.untrusted import MiB, check_hdf5, contained, exact_int, read_json
 from hpcpar.errors import ConfigError, DataError
 
@@ -48,6 +54,7 @@ TOKENIZER = "tokenizer.json"    # beside token files (the name meta.json gives, 
 BIN_FILE = "tokens.bin"         # what `hpcpar data prepare` writes
 HDF5_FILE = "tokens.h5"
 HDF5_DATASET = "tokens"
+DOCS_FILE = "documents.bin"     # beside the token file: its documents' start offsets, int64 little-endian
 SCAN_CHUNK = 1 << 22            # tokens per read when scanning for the largest id (8-16 MiB)
 META_LIMIT = 64 * MiB           # meta.json: a record per token file (a larger one is refused unread)
 # Windows of a batch closer than this many tokens are read as one hyperslab.
@@ -63,6 +70,7 @@ class Source:
     tokens: Any                 # 1-D, NumPy-indexable (ndarray, memmap, HDF5Tokens)
     max_id: int | None = None   # from meta.json; None: scanned at start
     recorded: bool = False      # max_id is meta.json's claim, not a scan: `RecordedTokens` checks reads
+    starts: Any = None          # its document index (int64 offsets from 0); None: no index
 
 
 @dataclass
@@ -72,6 +80,8 @@ class Dataset:
     description: str
     tokenizer: dict | None                          # tokenizer.record(...); None when unknown
     sources: list = field(default_factory=list)     # [Source] whose ids are checked
+    train_starts: Any = None                        # document start offsets into train (int64, from 0)
+    val_starts: Any = None                          # ... into val; None: the data has no boundaries
 
 
 class HDF5Tokens:
@@ -174,9 +184,8 @@ def load(cfg, vocab_size: int, comm=None) -> Dataset:
     that have no meta.json record; every rank must call this with the same arguments.
     """
     if cfg.format == "bytes":
-        tokens = corpus.load_corpus(cfg.corpus)
-        train, val = corpus.split(tokens, cfg.val_fraction)
-        return Dataset(train, val, corpus.corpus_description(cfg.corpus, tokens), tokenizer.BYTES_RECORD)
+        tokens, starts = corpus.load_documents(cfg.corpus)
+        return from_tokens(tokens, cfg.val_fraction, starts, corpus.corpus_description(cfg.corpus, tokens))
     if not cfg.corpus:
         raise ConfigError(f"data.format=\"{cfg.format}\" needs data.corpus: a token file, or a directory from "
                           "`hpcpar data prepare`")
@@ -189,6 +198,7 @@ def load(cfg, vocab_size: int, comm=None) -> Dataset:
     meta = _read_meta(where)
     for s in sources:
         _apply_record(s, meta, where, cfg.format)
+        _read_index(s, meta, where, vocab_size)
     rec = _tokenizer_beside(where, meta)
     if rec is not None and rec["vocab_size"] > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the {rec['vocab_size']} ids of the "
@@ -197,24 +207,44 @@ def load(cfg, vocab_size: int, comm=None) -> Dataset:
     check_ids(sources, vocab_size, comm)
     by_role = {role: RecordedTokens(s.tokens, vocab_size, s) if s.recorded else s.tokens
                for role, s in zip(roles, sources)}
+    starts = {role: s.starts for role, s in zip(roles, sources)}
     if "all" in by_role:
         train, val = corpus.split(by_role["all"], cfg.val_fraction)
+        train_starts, val_starts = _split_index(starts["all"], len(by_role["all"]), cfg.val_fraction)
     elif "val" in by_role:
         train, val = by_role["train"], by_role["val"]
+        train_starts, val_starts = starts["train"], starts["val"]
     else:
         train, val = corpus.split(by_role["train"], cfg.val_fraction)
+        train_starts, val_starts = _split_index(starts["train"], len(by_role["train"]), cfg.val_fraction)
+    if cfg.packing == "documents" and (train_starts is None or val_starts is None):
+        bare = next(s.path for s in sources if s.starts is None)
+        raise DataError(f"data.packing = \"documents\" needs document boundaries, but {bare!r} has no document "
+                        f"index ({DOCS_FILE} from `hpcpar data prepare`); prepare it again, or set "
+                        "data.packing = \"none\"")
     what = ", ".join(f"{s.path}{'[' + s.name.split('/')[-1] + ']' if cfg.format == 'hdf5' else ''}"
                      for s in sources)
     total = sum(len(s.tokens) for s in sources)
     description = (f"{cfg.format} {what!r} ({np.dtype(sources[0].tokens.dtype).name}, {total:,} tokens"
                    + (f", {tokenizer.describe(rec)}" if rec else "") + ")")
-    return Dataset(train, val, description, rec, sources)
+    return Dataset(train, val, description, rec, sources, train_starts, val_starts)
 
 
-def from_tokens(tokens: np.ndarray, val_fraction: float) -> Dataset:
-    """A Dataset of byte tokens given in code (tests, benchmarks)."""
+def from_tokens(tokens, val_fraction: float, starts: np.ndarray | None = None,
+                description: str = "") -> Dataset:
+    """A Dataset of byte tokens given in code (tests, benchmarks), with its documents' start
+    offsets `starts` (int64, from 0; None: no boundaries). A Dataset is returned as it is."""
+    if isinstance(tokens, Dataset):
+        return tokens
     train, val = corpus.split(tokens, val_fraction)
-    return Dataset(train, val, f"{len(tokens):,} tokens given in code", tokenizer.BYTES_RECORD)
+    train_starts, val_starts = _split_index(starts, len(tokens), val_fraction)
+    return Dataset(train, val, description or f"{len(tokens):,} tokens given in code", tokenizer.BYTES_RECORD,
+                   train_starts=train_starts, val_starts=val_starts)
+
+
+def _split_index(starts, n_tokens: int, val_fraction: float) -> tuple:
+    """`packing.split_starts`, or (None, None) without an index."""
+    return (None, None) if starts is None else packing.split_starts(starts, n_tokens, val_fraction)
 
 
 def _open_bin(path: str, token_dtype: str) -> tuple[list[Source], list[str], str]:
@@ -343,6 +373,34 @@ def _apply_record(s: Source, meta: dict | None, where: str, fmt: str) -> None:
         raise DataError(f"{s.path!r} holds {len(s.tokens):,} tokens but {path} says {entry.get('tokens'):,}: "
                         "truncated or replaced since it was prepared; prepare it again")
     s.max_id, s.recorded = int(entry["max_id"]), True
+
+
+def _read_index(s: Source, meta: dict | None, where: str, vocab_size: int) -> None:
+    """The document index meta.json names for `s` (its record's "documents": {file, count}; the
+    tokenizer's end-of-text id as meta.json's "eot_id"), checked against `s` (`packing.check_starts`)
+    and read whole: one offset per document."""
+    entry = (meta or {}).get("files", {}).get(s.name) or {}
+    docs = entry.get("documents")
+    if docs is None:
+        return
+    path = os.path.join(where, META)
+    eot = meta.get("eot_id")
+    if eot is not None and not (exact_int(eot) and 0 <= eot < vocab_size):
+        raise DataError(f"{path}: end-of-text id {eot!r} is outside model.vocab_size={vocab_size} (crafted or "
+                        "damaged, or another tokenizer's); prepare the data again")
+    if not isinstance(docs, dict) or not exact_int(docs.get("count")) or docs["count"] < 1:
+        raise DataError(f"{path}: the document index of {s.name!r} is not {{file, count}} (crafted or damaged); "
+                        "prepare the data again")
+    index = contained(where, docs.get("file"), f"{path}: document index", DataError)
+    try:
+        size = os.path.getsize(index)
+    except OSError as err:
+        raise DataError(f"cannot read document index {index!r}: {err.strerror}; prepare the data again") from None
+    if size != 8 * docs["count"] or docs["count"] > len(s.tokens):
+        raise DataError(f"document index {index!r} is {size} bytes, not the {docs['count']:,} offsets its record "
+                        f"in {path} says (8 bytes each), or more than {s.path!r}'s tokens: it does not match its "
+                        "token file; prepare the data again")
+    s.starts = packing.check_starts(np.fromfile(index, dtype="<i8"), len(s.tokens), index)
 
 
 def _tokenizer_name(meta: dict | None) -> str:

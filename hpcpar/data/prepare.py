@@ -4,8 +4,10 @@
                         [--vocab vocab.json --merges merges.txt] [--format bin|hdf5]
 
 writes ``DIR/tokens.bin`` (flat uint16/uint32 tokens, nanoGPT's layout) or ``DIR/tokens.h5``
-(dataset ``tokens``), ``DIR/tokenizer.json`` and ``DIR/meta.json`` (token count, dtype and
-largest id: what `formats.load` checks instead of scanning). Train on it with
+(dataset ``tokens``), ``DIR/tokenizer.json``, ``DIR/documents.bin`` (the document index: where
+each input file, and each document after the tokenizer's end-of-text token when it has one,
+starts in the tokens; int64 little-endian) and ``DIR/meta.json`` (token count, dtype and largest
+id: what `formats.load` checks instead of scanning; the index's count and the end-of-text id). Train on it with
 ``--set data.format=bin --set data.corpus=DIR``.
 
 The text is what ``data.format = "bytes"`` would read from the same paths: one path is read as
@@ -117,8 +119,10 @@ def _texts(files: list[str], separate: bool) -> Iterator[str]:
 class _Writer:
     """Appends token arrays to DIR/tokens.bin or DIR/tokens.h5; counts them and tracks the largest id."""
 
-    def __init__(self, out: str, fmt: str, dtype: np.dtype):
+    def __init__(self, out: str, fmt: str, dtype: np.dtype, eot_id: int | None = None):
         self.fmt, self.dtype, self.count, self.max_id = fmt, dtype, 0, -1
+        self.eot_id = eot_id
+        self.starts = [0]   # document start offsets: each input file's first token, and after each end-of-text
         self.final = os.path.join(out, formats.BIN_FILE if fmt == "bin" else formats.HDF5_FILE)
         self.tmp = self.final + ".partial"
         if fmt == "bin":
@@ -136,6 +140,8 @@ class _Writer:
         if top > np.iinfo(self.dtype).max:
             raise HpcparError(f"token id {top} does not fit --token-dtype {self.dtype.name}; use uint32")
         self.max_id = max(self.max_id, top)
+        if self.eot_id is not None:
+            self.starts += (self.count + np.flatnonzero(ids == self.eot_id) + 1).tolist()
         arr = ids.astype(self.dtype)
         if self.fmt == "bin":
             arr.tofile(self.f)
@@ -143,6 +149,18 @@ class _Writer:
             self.ds.resize((self.count + arr.size,))
             self.ds[self.count:] = arr
         self.count += arr.size
+
+    def begin_document(self) -> None:
+        """The next token written starts a document."""
+        if self.count > self.starts[-1]:
+            self.starts.append(self.count)
+
+    def document_index(self, out: str) -> dict:
+        """Write DIR/documents.bin; its record for meta.json."""
+        starts = np.unique(np.array(self.starts, dtype=np.int64))
+        starts = starts[starts < self.count]
+        starts.astype("<i8").tofile(os.path.join(out, formats.DOCS_FILE))
+        return {"file": formats.DOCS_FILE, "count": int(starts.size)}
 
     def close(self, ok: bool) -> None:
         self.f.close()
@@ -187,13 +205,15 @@ def prepare(inputs: Sequence[str], out: str, kind: str = "bytes", vocab_size: in
         token_dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     if token_dtype not in ("uint16", "uint32"):
         raise HpcparError(f"--token-dtype {token_dtype!r} is not one of auto, uint16, uint32")
-    writer = _Writer(out, fmt, np.dtype(token_dtype))
+    eot_id = tok.tok.token_to_id(tokenizer.GPT2_EOT) if kind != "bytes" else None
+    writer = _Writer(out, fmt, np.dtype(token_dtype), eot_id)
     ok = False
     try:
         from tqdm import tqdm
         with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress,
                   mininterval=0.5) as bar:
             for pieces in _documents(files, separate):
+                writer.begin_document()
                 for k in range(0, len(pieces), _BATCH_PIECES):
                     group = pieces[k:k + _BATCH_PIECES]
                     if kind == "bytes":
@@ -211,8 +231,9 @@ def prepare(inputs: Sequence[str], out: str, kind: str = "bytes", vocab_size: in
     with open(os.path.join(out, formats.TOKENIZER), "w", encoding="utf-8") as f:
         f.write(tok.to_json())
     key = os.path.basename(writer.final) + (f"/{formats.HDF5_DATASET}" if fmt == "hdf5" else "")
-    files_meta = {key: {"tokens": writer.count, "dtype": token_dtype, "max_id": writer.max_id}}
-    extra = {"tokenizer_kind": tok.kind, "vocab_size": tok.vocab_size, "data_format": fmt,
+    files_meta = {key: {"tokens": writer.count, "dtype": token_dtype, "max_id": writer.max_id,
+                        "documents": writer.document_index(out)}}
+    extra = {"eot_id": eot_id, "tokenizer_kind": tok.kind, "vocab_size": tok.vocab_size, "data_format": fmt,
              "sources": [os.path.abspath(p) for p in inputs], "documents": len(files),
              "separator": _SEPARATOR.decode() if separate else ""}
     formats.write_meta(out, files_meta, formats.TOKENIZER, extra)

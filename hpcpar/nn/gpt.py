@@ -15,6 +15,10 @@ stage's parameters are named exactly as in the whole model. When the head lives 
 stage without the embedding, it owns a copy `lm_head.weight` with
 `tied_to = "transformer.wte.weight"`, initialised identically; the pipeline keeps
 the two equal by summing their gradients.
+
+Packed documents (`data.packing`): `forward(x, targets, documents=...)` with a
+`data.packing.Documents` runs every segment of a window as its own sequence: positions from its
+start (wpe gathered per token) and `document_attention` (no attention across a boundary).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 from hpcpar import backend
 from hpcpar.autograd import ops
-from hpcpar.autograd.attention import causal_attention
+from hpcpar.autograd.attention import causal_attention, document_attention
 from hpcpar.autograd.dropout import dropout
 from hpcpar.autograd.functional import cross_entropy
 from hpcpar.autograd.linear import linear
@@ -34,6 +38,7 @@ from hpcpar.layout import Layout
 from hpcpar.nn import init
 from hpcpar.nn.layers import Embedding, LayerNorm, Linear
 from hpcpar.parallel.cp.layers import ContextParallelLayers
+from hpcpar.parallel.mappings import split_to
 from hpcpar.nn.module import Module, Parameter
 from hpcpar.nn.moe import MoE
 from hpcpar.parallel.tp.layers import TensorParallelLayers
@@ -323,6 +328,7 @@ class GPT(Module):
         self.embed, self.head = embed, head
         self.layer_ids = list(range(config.n_layer) if layers is None else layers)
         self.rng_context = None  # (seed, step, sample_ids) for dropout masks; set by the trainer
+        self.documents = None    # the micro-batch's `data.packing.Documents` during its forward
         self.unit_hooks = None  # ZeRO-3 (`parallel.dp.fsdp.ShardedUnits`): gathers around each unit
         cfg = config
         # Tensor parallelism only when there is more than one tp rank (size 1: the plain layers).
@@ -340,8 +346,10 @@ class GPT(Module):
             self.transformer.wpe = Embedding(cfg.block_size, cfg.n_embd, cfg.dtype)
             # Under sequence parallelism a tp rank adds only its tokens' rows (`layer_set.positions`).
             self.transformer.wpe.weight.sequence_parallel = self.sequence_parallel
+        # The attention reads `self.documents` (context parallelism brings its own; packing refuses it).
+        attend = {} if self.cp is not None else {"attend": self._attend}
         self.transformer.h = Blocks([
-            Block(i, layer_set.norm(cfg), layer_set.attn(cfg), layer_set.norm(cfg),
+            Block(i, layer_set.norm(cfg), layer_set.attn(cfg, **attend), layer_set.norm(cfg),
                   MoE(cfg, ep_comm, i) if cfg.is_moe(i) else layer_set.mlp(cfg), self._dropout)
             for i in self.layer_ids])
         if head:
@@ -434,10 +442,17 @@ class GPT(Module):
         seed, step, sample_ids = self.rng_context
         return self.layer_set.dropout(x, p, [(seed, step, int(k), site) for k in sample_ids])
 
+    def _attend(self, qkv: Tensor, n_head: int, recompute: bool = False) -> Tensor:
+        """The blocks' attention: causal, or within the documents of a packed micro-batch."""
+        if self.documents is None:
+            return causal_attention(qkv, n_head, recompute)
+        return document_attention(qkv, n_head, self.documents, recompute)
+
     def _recomputed(self, block: Block, h: Tensor) -> Tensor:
         """`block(h)` keeping only h (`recompute`). The re-run in backward uses this
-        micro-batch's dropout context: by then a pipeline schedule may have set the next one's."""
-        context = self.rng_context
+        micro-batch's dropout context and documents: by then a pipeline schedule may have set the
+        next one's."""
+        context, documents = self.rng_context, self.documents
         runs = []
 
         def run(x):
@@ -446,19 +461,29 @@ class GPT(Module):
                 block.mlp.record = not runs
             runs.append(True)
             current, self.rng_context = self.rng_context, context
+            current_documents, self.documents = self.documents, documents
             try:
                 return block(x)
             finally:
-                self.rng_context = current
+                self.rng_context, self.documents = current, current_documents
                 if isinstance(block.mlp, MoE):
                     block.mlp.record = True
         return recompute(run, h)
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, documents=None):
         """x: idx int [B, T] (embed; host or device) or activations [B, T, C] ([B, T/tp, C] under
         sequence parallelism); targets int [B, T] (head). Returns the loss, logits [B, T, V] or
         activations (same layout as x). Token ids and targets move to the parameters' device here.
-        Under context parallelism T is this rank's share of the sequence, T/cp."""
+        Under context parallelism T is this rank's share of the sequence, T/cp. `documents`: the
+        segments of a packed micro-batch (`data.packing.Documents`; targets crossing a boundary
+        are -100 already), None: each row one sequence."""
+        self.documents = documents
+        try:
+            return self._forward(x, targets)
+        finally:
+            self.documents = None
+
+    def _forward(self, x, targets):
         if self.embed:
             h = self._unit("embedding", self._embedding, x)
         else:
@@ -481,13 +506,28 @@ class GPT(Module):
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
         tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
-        rows = self.layer_set.position_ids(t)   # slice(0, t), or my positions under context parallelism
-        rows = rows if isinstance(rows, slice) else xp.asarray(rows)
-        pos = self.layer_set.positions(self.transformer.wpe.weight, rows, t)
+        if self.documents is not None:
+            pos = self._document_positions(self.transformer.wpe.weight, xp.asarray(self.documents.positions()))
+        else:
+            rows = self.layer_set.position_ids(t)   # slice(0, t), or my positions under context parallelism
+            rows = rows if isinstance(rows, slice) else xp.asarray(rows)
+            pos = self.layer_set.positions(self.transformer.wpe.weight, rows, t)
         h = tok + pos
         if h.dtype != self.activation_dtype:  # mixed precision: 16 bits from here to the loss
             h = ops.cast(h, self.activation_dtype)
         return self._dropout(h, 0)
+
+    def _document_positions(self, weight: Tensor, rows) -> Tensor:
+        """wpe rows at each token's position in its segment, rows int [B, T] -> [B, T, C]; under
+        sequence parallelism my part [B, T/tp, C], as `TensorParallelLayers.positions` cuts it
+        (from the whole lookup, or looked up alone where wpe's gradient is summed over tp)."""
+        if not self.sequence_parallel:
+            return ops.getitem(weight, rows)
+        comm = self.layer_set.comm
+        if not weight.tp_partial_grad:
+            return split_to(ops.getitem(weight, rows), comm, 1)
+        n = rows.shape[1] // comm.size
+        return ops.getitem(weight, rows[:, comm.rank * n:(comm.rank + 1) * n])
 
     def _head(self, h, targets):
         if targets is not None:

@@ -34,7 +34,7 @@ from hpcpar.config.load import to_toml
 from hpcpar.config.memory import estimate_memory
 from hpcpar.config.sections import Config, TrainConfig
 from hpcpar.config.validate import slow_ranks, validate
-from hpcpar.data import corpus, formats, tokenizer
+from hpcpar.data import corpus, formats, packing, tokenizer
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.launch.jobs import REQUEUE_STATUS  # checkpoint saved, requeue me: what the job templates test for
 from hpcpar.optim.loss_scale import LossScaler
@@ -124,7 +124,7 @@ class Trainer:
         comm: mpi4py communicator spanning the run (default COMM_WORLD). With a parameter server
             (`ps.servers` = S, see `run.build`) the mesh is its first size - S ranks, and this rank
             pushes its gradients to the servers instead of averaging them over dp (`self.update`).
-        tokens: the corpus as uint8 tokens (default: open `cfg.data`, see `formats.load`).
+        tokens: the corpus as uint8 tokens, or a `formats.Dataset` (default: open `cfg.data`, see `formats.load`).
         available_memory_bytes: memory per rank to check the model against (None: no check).
     """
 
@@ -279,11 +279,11 @@ class Trainer:
         return [corpus.microbatch_sample_ids(d, dp, t.micro_batch_size, j) for j in range(t.microbatches)]
 
     def microbatches(self, step: int) -> list:
-        """This dp rank's micro-batches of global step `step`: (x, y), int64 [B, T] each; under
-        context parallelism only this rank's tokens, [B, T/cp] (`self.positions`)."""
+        """This dp rank's micro-batches of global step `step`: (x, y), int64 [B, T] each (and packed, the
+        `Documents`: data/packing.py); under context parallelism only this rank's tokens, [B, T/cp]."""
         t = self.cfg.train
-        return [corpus.get_batch(self.train_tokens, t.seed, step, ids, self.cfg.model.block_size, self.positions)
-                for ids in self.sample_ids()]
+        return [packing.get_batch(self.dataset, "train", t.seed, step, ids, self.cfg.model.block_size, self.positions,
+                                  self.cfg.data.packing) for ids in self.sample_ids()]
 
     def _global_mean_loss(self, losses: list, microbatches: int) -> float:
         """Mean loss over the global batch, the same float on every rank (one world all-reduce) from
@@ -393,8 +393,8 @@ class Trainer:
         figure depends on the global batch, not on the mesh.
         """
         t = self.cfg.train
-        eval_batches = [corpus.get_eval_batch(self.val_tokens, t.seed, i, ids, self.cfg.model.block_size,
-                                              self.positions)
+        eval_batches = [packing.get_batch(self.dataset, "val", t.seed, i, ids, self.cfg.model.block_size,
+                                          self.positions, self.cfg.data.packing)
                         for i in range(batches) for ids in self.sample_ids()]
         return self._global_mean_loss(self.forward_losses(eval_batches), len(eval_batches))
 
@@ -639,6 +639,7 @@ class Trainer:
         def check():
             tokenizer.require_match(stored.meta.get("tokenizer"), self.dataset.tokenizer, f"checkpoint {stored.path}",
                                     f"data {self.cfg.data.corpus or '(default corpus)'}")
+            packing.require_resumable(stored, self.cfg.data.packing)
         self.update.agree_on(check)
         self.update.load_checkpoint_state(stored)
         if self.scaler is not None:

@@ -113,7 +113,8 @@ class PipelineExecutor:
         self.host_messages = backend.name() == "cupy" and not in_order_safe
 
     def run(self, batches: Sequence[tuple[Any, Any]], forward_only: bool = False) -> list[float]:
-        """One step over `batches` (pairs (x, y) of int [mbs, T]); returns the per-microbatch
+        """One step over `batches` (pairs (x, y) of int [mbs, T], or with packed documents triples
+        (x, y, `data.packing.Documents`), given to every stage); returns the per-microbatch
         losses on the rank holding the last virtual stage, else [].
 
         Training (default): exactly `microbatches` batches, replayed per the schedule, gradients
@@ -244,15 +245,16 @@ class PipelineExecutor:
         stash (in, out) for the backward, or for the send when evaluating."""
         key, v = st.key(action), self._stage(action)
         stage = self.stages[action.chunk]
-        x, y = st.batches[action.microbatch]
+        x, y, *packed = st.batches[action.microbatch]   # packed: [data.packing.Documents] or []
         if st.contexts is not None:
             stage.rng_context = st.contexts[action.microbatch]
         inp = x if v == 0 else st.inputs.pop(key)
+        documents = {"documents": packed[0]} if packed else {}
         if v == self.last_stage:
-            out = stage(inp, y)
+            out = stage(inp, y, **documents)
             st.losses[action.microbatch] = out.data  # a device scalar: read once at the end of the step
         else:
-            out = stage(inp)
+            out = stage(inp, **documents)
             assert out.shape == st.act_shape, f"stage {v} produced {out.shape}, expected {st.act_shape}"
         above = self.placement.local(self.pp_rank, action.chunk, +1)
         if above is not None:  # the next stage is on this rank: its input, with no message
