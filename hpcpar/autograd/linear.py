@@ -134,9 +134,11 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts) -> Te
 
     x [M, in] holds the groups back to back, group g being `counts[g]` consecutive rows;
     weight [G, out, in], bias [G, out] -> [M, out], rows of group g mapped by weight[g], bias[g].
-    A group may be empty (an expert no token was routed to; M may be 0): it computes nothing, and
-    its dW[g], db[g] are zero. Split backward (B/W) as `linear`: dX in B; dW[g] = g_g^T x_g and
-    db[g] = sum(g_g) are weight work (`weight_grad`). The backward reads `weight.data` when it runs.
+    Each GEMM writes its rows of the preallocated output (and of dX, dW[g]) in place; only the
+    groups with rows run one. A group may be empty (an expert no token was routed to; M may be 0):
+    it computes nothing, and its dW[g], db[g] are zero. Split backward (B/W) as `linear`: dX in B;
+    dW[g] = g_g^T x_g and db[g] = sum(g_g) are weight work (`weight_grad`). The backward reads
+    `weight.data` when it runs.
     """
     xd, wd = x.data, weight.data
     xp = array_module(xd)
@@ -147,9 +149,10 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts) -> Te
                          f"of x are needed, got {counts}")
     # Only the groups with rows: an empty one has no GEMM to run (a k = 0 product for dW).
     bounds = [(g, a, e) for g, (a, e) in enumerate(zip([0] + ends[:-1], ends)) if e > a]
+    mm = blas.matmul if xp is np else xp.matmul
     out = xp.empty((xd.shape[0], wd.shape[1]), dtype=xd.dtype)
     for g, a, e in bounds:
-        out[a:e] = xd[a:e] @ wd[g].T
+        mm(xd[a:e], wd[g].T, out=out[a:e])
         if bias is not None:
             out[a:e] += bias.data[g]
     del wd
@@ -160,12 +163,12 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts) -> Te
             w = weight.data
             gx = xp.empty_like(xd)
             for g, a, e in bounds:
-                gx[a:e] = gy[a:e] @ w[g]
+                mm(gy[a:e], w[g], out=gx[a:e])
 
         def dw():
             gw = xp.zeros(weight.shape, dtype=weight.dtype)
             for g, a, e in bounds:
-                gw[g] = gy[a:e].T @ xd[a:e]
+                mm(gy[a:e].T, xd[a:e], out=gw[g])
             return gw
 
         def db():
@@ -177,4 +180,3 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, counts) -> Te
         gb = weight_grad(db) if bias is not None and bias.requires_grad else None
         return gx, gw, gb
     return Tensor.from_op(out, (x, weight, bias), backward)
-

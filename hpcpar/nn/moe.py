@@ -18,12 +18,17 @@ Per token (N = B*T tokens of a micro-batch on this rank, C = n_embd, E experts, 
 
 Expert parallelism over `ep_comm` (ep ranks): rank r holds experts [r E/ep, (r+1) E/ep), the
 expert weights being slices of the global tensors [E, 4C, C], [E, 4C], [E, C, 4C], [E, C]
-(`Layout.split` on dim 0). Dispatch: this rank's kept assignments sorted by expert, their
-per-expert counts exchanged with an all-to-all, then the token rows with an all-to-all-v
-(`mappings.all_to_all_v`); the experts run on what arrived (grouped by expert); combine is the
-reverse all-to-all-v, and the rows go back to the original token order. Routing, capacity and
-the aux loss depend only on this rank's micro-batch, so any ep gives the one-process model's
-results. The router, like every dense weight, is replicated.
+(`Layout.split` on dim 0). Dispatch: this rank's kept assignments sorted by expert (one stable
+argsort, `dispatch_order`), their token rows gathered in that order (`dispatch_rows`), their
+per-expert counts exchanged with an all-to-all (started first, so the aux loss and the gather
+run while it travels), then the rows with an all-to-all-v (`mappings.all_to_all_v`); the
+experts run on what arrived, grouped by expert by one permutation when a rank holds several
+(`grouped_linear`, one GEMM per expert with rows); combine is the reverse all-to-all-v, and one
+op (`combine_rows`) weights each choice's row by its probability and sums them per token. No
+step loops over experts in Python but the GEMMs, and every gradient of the row movements is a
+gather (`autograd.dispatch`). Routing, capacity and the aux loss depend only on this rank's
+micro-batch, so any ep gives the one-process model's results. The router, like every dense
+weight, is replicated.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import numpy as np
 
 from hpcpar import backend
 from hpcpar.autograd import ops
+from hpcpar.autograd.dispatch import Assignments, combine_rows, dispatch_rows, permute_rows
 from hpcpar.autograd.functional import softmax
 from hpcpar.autograd.linear import grouped_linear, linear
 from hpcpar.layout import Layout
@@ -149,22 +155,19 @@ class MoE(Module):
         probs = softmax(logits, axis=-1)
         choices = top_k(backend.to_host(probs.data), k)                      # [N, k], host
         routing = dispatch_order(choices, e, capacity(n, k, e, cfg.moe_capacity_factor))
-        gates = ops.getitem(probs, (xp.arange(n)[:, None], xp.asarray(choices)))   # [N, k]
+        # Under expert parallelism the counts travel first; meanwhile the work that needs none.
+        exchange = self._start_count_exchange(routing["kept"])
+        where = Assignments.of(routing["order"], routing["row"], n, k, xp)
         aux = self._aux_loss(logits, probs, routing["routed"], n * k)
         if self.training and self.record:
             self.stats.append((routing["routed"], int(n * k - routing["order"].size), n * k, aux.data))
 
         # Dispatch: kept assignments sorted by expert -> the ranks holding their experts.
-        sent = ops.getitem(tokens, xp.asarray(routing["order"] % n))       # [K, C]
-        arrived, counts, undo = self._dispatch(sent, routing["kept"])
-        out = self.experts(arrived, counts)
-        back = undo(out)                                                     # [K, C], order of `sent`
-
-        # Combine: each assignment's expert output (zero when dropped) times its gate, summed over k.
-        padded = ops.concat([back, Tensor(xp.zeros((1, c), dtype=back.dtype))], axis=0)
-        per_choice = ops.reshape(ops.getitem(padded, xp.asarray(routing["row"])), (k, n, c))
-        weights = ops.reshape(ops.transpose(gates), (k, n, 1))
-        y = ops.reshape(ops.sum(per_choice * weights, axis=0), (b, t, c))
+        sent = dispatch_rows(tokens, where)                                  # [K, C]
+        arrived, counts, undo = self._dispatch(sent, routing["kept"], exchange)
+        back = undo(self.experts(arrived, counts))                           # [K, C], order of `sent`
+        # Combine: each kept choice's expert output times its probability, summed over k.
+        y = ops.reshape(combine_rows(back, probs, xp.asarray(choices), where), (b, t, c))
         return ops.with_loss(y, aux, self.loss_scale) if aux.requires_grad else y
 
     def _aux_loss(self, logits: Tensor, probs: Tensor, routed: np.ndarray, assignments: int) -> Tensor:
@@ -178,28 +181,42 @@ class MoE(Module):
             loss = loss + ops.mean(lse * lse) * cfg.moe_z_loss
         return loss
 
-    def _dispatch(self, sent: Tensor, kept: np.ndarray):
+    def _start_count_exchange(self, kept: np.ndarray):
+        """Start the all-to-all of this rank's kept assignments per expert (None without expert
+        parallelism): its `wait()` gives what each source sends to each of my experts, [ep * E/ep]."""
+        if self.comm is None:
+            return None
+        return self.comm.iall_to_all(backend.xp.asarray(kept), 0)
+
+    def _dispatch(self, sent: Tensor, kept: np.ndarray, exchange=None):
         """Rows sorted by expert ([K, C], `kept` per expert) to the experts' ranks. Returns the rows
         that arrived grouped by local expert, their count per local expert, and `undo(out)`: the
-        experts' outputs back on the rows' home ranks in the order of `sent`. Any count may be 0
-        (routing owes no expert a token): a rank may send or receive no rows, and then its gathers,
-        experts and all-to-all-vs run, forward and backward, on [0, C] arrays."""
+        experts' outputs back on the rows' home ranks in the order of `sent`. `exchange`: the
+        count exchange `_start_count_exchange(kept)` started (None: run it here). Any count may be
+        0 (routing owes no expert a token): a rank may send or receive no rows, and then its
+        gathers, experts and all-to-all-vs run, forward and backward, on [0, C] arrays."""
         if self.comm is None:
             return sent, kept, lambda out: out
         comm, xp = self.comm, backend.array_module(sent.data)
         local = kept.size // comm.size
-        # Counts first: what each source sends to each of my experts, [ep, E/ep].
-        incoming = backend.to_host(comm.all_to_all(xp.asarray(kept), 0)).reshape(comm.size, local)
+        # What each source sends to each of my experts, [ep, E/ep].
+        exchange = exchange if exchange is not None else self._start_count_exchange(kept)
+        incoming = backend.to_host(exchange.wait()).reshape(comm.size, local)
         send, recv = kept.reshape(comm.size, local).sum(axis=1), incoming.sum(axis=1)
         arrived = all_to_all_v(sent, comm, send, recv)                      # by source, then expert
-        # Group by expert (then source): a permutation of rows and its inverse for the way back.
-        starts = np.concatenate([[0], np.cumsum(incoming.reshape(-1))[:-1]]).reshape(comm.size, local)
-        perm = np.concatenate([np.arange(starts[s, j], starts[s, j] + incoming[s, j])
-                               for j in range(local) for s in range(comm.size)])
+        if local == 1:  # one expert per rank: the rows arrived grouped
+            return arrived, incoming.sum(axis=0), lambda out: all_to_all_v(out, comm, recv, send)
+        # Group by expert (then source): one permutation of the rows, its inverse on the way back.
+        # Block (s, j) (source s, expert j) starts at starts[s, j] in arrival order; perm lists
+        # the blocks in (j, s) order, each block's rows in order.
+        sizes = incoming.T.reshape(-1)
+        starts = (np.cumsum(incoming.reshape(-1)) - incoming.reshape(-1)).reshape(comm.size, local).T.reshape(-1)
+        perm = np.arange(sizes.sum()) + np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
         inverse = np.empty_like(perm)
         inverse[perm] = np.arange(perm.size)
-        grouped = ops.getitem(arrived, xp.asarray(perm))
+        perm, inverse = xp.asarray(perm), xp.asarray(inverse)
+        grouped = permute_rows(arrived, perm, inverse)
 
         def undo(out: Tensor) -> Tensor:
-            return all_to_all_v(ops.getitem(out, xp.asarray(inverse)), comm, recv, send)
+            return all_to_all_v(permute_rows(out, inverse, perm), comm, recv, send)
         return grouped, incoming.sum(axis=0), undo
