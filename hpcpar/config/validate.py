@@ -181,12 +181,12 @@ def _check_model(cfg: Config) -> None:
                           "set data.val_fraction > 0 (e.g. 0.05) or run.eval_every=0")
 
 
-def _check_packing(cfg: Config, cp: int) -> None:
-    """data.packing = "documents" where document masking is built (data/packing.py); the rest refused."""
+def _check_packing(cfg: Config) -> None:
+    """data.packing = "documents" where document masking is built (data/packing.py, ring attention and
+    Ulysses included); the rest refused."""
     if cfg.data.packing != "documents":
         return
-    why = ("mesh.cp > 1: ring attention and Ulysses do not mask documents yet (set mesh.cp=1)" if cp > 1 else
-           "ps.servers > 0: the parameter-server path is not checked with packed batches yet" if cfg.ps.servers else
+    why = ("ps.servers > 0: the parameter-server path is not checked with packed batches yet" if cfg.ps.servers else
            "the GPU backend: its attention kernel does not mask documents yet (set run.backend=\"numpy\")"
            if cfg.run.backend == "cupy" or (cfg.run.backend == "auto" and backend.name() == "cupy") else "")
     if why:
@@ -532,7 +532,7 @@ def validate(cfg: Config, world_size: int, available_memory_bytes: int | None = 
     _check_data_parallel(cfg, dp)
     _check_tensor_parallel(cfg, tp)
     _check_context_parallel(cfg, tp, cp)
-    _check_packing(cfg, cp)
+    _check_packing(cfg)
     _check_pipeline(cfg, pp)
     _check_experts(cfg, dp, tp, cp)
     _check_outer_sync(cfg, tp)

@@ -39,10 +39,13 @@ class Documents:
     starts: one sorted int64 array per window (row), each beginning with 0, every entry in
         [0, block_size): the row's segment starts (window start, then document starts).
     block_size: T, the window length.
+    targets: how many targets of the windows the loss keeps (not crossing a boundary); context
+        parallelism weights each rank's loss by its share of them (needed there; None: not known).
     """
 
     starts: list
     block_size: int
+    targets: int | None = None
 
     @classmethod
     def of_windows(cls, doc_starts: np.ndarray, window_starts: np.ndarray, block_size: int
@@ -59,7 +62,7 @@ class Documents:
             inside = doc_starts[lo[b]:hi[b]] - s[b]                      # in (0, T]
             crossing[b, inside - 1] = True
             starts.append(np.concatenate([[0], inside[inside < block_size]]).astype(np.int64))
-        return cls(starts, block_size), crossing
+        return cls(starts, block_size, int(crossing.size - crossing.sum())), crossing
 
     @property
     def whole(self) -> bool:
@@ -95,7 +98,8 @@ def get_batch(dataset, split: str, seed: int, index: int, sample_ids, block_size
 
     Returns ``(x, y)`` as `corpus.get_batch` / `corpus.get_eval_batch` (int64 [B, T]) with
     packing "none"; with "documents" ``(x, y, Documents)``, y's boundary-crossing targets set
-    to -100 (the module doc). `positions` (context parallelism's columns) only with "none".
+    to -100 (the module doc). `positions` (context parallelism's columns): x and y hold only those
+    columns [B, len(positions)]; the Documents stay those of the whole windows.
     """
     train = split == "train"
     tokens = dataset.train if train else dataset.val
@@ -110,7 +114,7 @@ def get_batch(dataset, split: str, seed: int, index: int, sample_ids, block_size
                         "or data.packing = \"none\"")
     starts = corpus.window_starts(len(tokens), seed, index, sample_ids, block_size, stream=0 if train else 1)
     documents, crossing = Documents.of_windows(doc_starts, starts, block_size)
-    y[crossing] = IGNORE
+    y[crossing if positions is None else crossing[:, positions]] = IGNORE
     return x, y, documents
 
 

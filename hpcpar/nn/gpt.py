@@ -30,6 +30,7 @@ from hpcpar import backend
 from hpcpar.autograd import ops
 from hpcpar.autograd.attention import causal_attention, document_attention
 from hpcpar.autograd.dropout import dropout
+from hpcpar.data.packing import IGNORE
 from hpcpar.autograd.functional import cross_entropy
 from hpcpar.autograd.linear import linear
 from hpcpar.autograd.recompute import recompute
@@ -346,10 +347,9 @@ class GPT(Module):
             self.transformer.wpe = Embedding(cfg.block_size, cfg.n_embd, cfg.dtype)
             # Under sequence parallelism a tp rank adds only its tokens' rows (`layer_set.positions`).
             self.transformer.wpe.weight.sequence_parallel = self.sequence_parallel
-        # The attention reads `self.documents` (context parallelism brings its own; packing refuses it).
-        attend = {} if self.cp is not None else {"attend": self._attend}
+        # The attention reads `self.documents` (under context parallelism it hands them to `cp.attention`).
         self.transformer.h = Blocks([
-            Block(i, layer_set.norm(cfg), layer_set.attn(cfg, **attend), layer_set.norm(cfg),
+            Block(i, layer_set.norm(cfg), layer_set.attn(cfg, attend=self._attend), layer_set.norm(cfg),
                   MoE(cfg, ep_comm, i) if cfg.is_moe(i) else layer_set.mlp(cfg), self._dropout)
             for i in self.layer_ids])
         if head:
@@ -443,7 +443,10 @@ class GPT(Module):
         return self.layer_set.dropout(x, p, [(seed, step, int(k), site) for k in sample_ids])
 
     def _attend(self, qkv: Tensor, n_head: int, recompute: bool = False) -> Tensor:
-        """The blocks' attention: causal, or within the documents of a packed micro-batch."""
+        """The blocks' attention: causal, or within the documents of a packed micro-batch; under
+        context parallelism over the cp group (the documents of the whole windows go with it)."""
+        if self.cp is not None:
+            return self.cp.attention(qkv, n_head, recompute, self.documents)
         if self.documents is None:
             return causal_attention(qkv, n_head, recompute)
         return document_attention(qkv, n_head, self.documents, recompute)
@@ -507,7 +510,10 @@ class GPT(Module):
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
         tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
         if self.documents is not None:
-            pos = self._document_positions(self.transformer.wpe.weight, xp.asarray(self.documents.positions()))
+            rows = self.documents.positions()                  # [B, T] of the whole windows
+            if self.cp is not None:                            # my tokens' columns (`cp.positions`)
+                rows = rows[:, self.cp.positions(rows.shape[1])]
+            pos = self._document_positions(self.transformer.wpe.weight, xp.asarray(rows))
         else:
             rows = self.layer_set.position_ids(t)   # slice(0, t), or my positions under context parallelism
             rows = rows if isinstance(rows, slice) else xp.asarray(rows)
@@ -523,7 +529,7 @@ class GPT(Module):
         (from the whole lookup, or looked up alone where wpe's gradient is summed over tp)."""
         if not self.sequence_parallel:
             return ops.getitem(weight, rows)
-        comm = self.layer_set.comm
+        comm = self.tp_comm
         if not weight.tp_partial_grad:
             return split_to(ops.getitem(weight, rows), comm, 1)
         n = rows.shape[1] // comm.size
@@ -533,4 +539,9 @@ class GPT(Module):
         if targets is not None:
             targets = backend.array_module(self.head_weight.data).asarray(
                 targets.data if isinstance(targets, Tensor) else targets)
-        return self.layer_set.lm_head(self.transformer.ln_f(h), self.head_weight, targets)
+        out = self.layer_set.lm_head(self.transformer.ln_f(h), self.head_weight, targets)
+        if targets is None or self.cp is None or self.documents is None:
+            return out
+        # The cp ranks' losses are averaged, each the mean over its own targets; packed, they keep
+        # different numbers of them, so mine counts by its share of the whole windows' targets.
+        return out * (int((targets != IGNORE).sum()) * self.cp.size / self.documents.targets)

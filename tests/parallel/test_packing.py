@@ -1,6 +1,9 @@
 """Packed documents (data.packing = "documents") on every mesh against the single-process packed run.
 
 Run: mpiexec -n 4 python -m pytest tests/parallel/test_packing.py (layouts of other sizes skip).
+Context parallelism (ring, Ulysses) also op by op: my rows of `document_attention` of the whole
+windows and their gradients (1e-12), the ring computing only unmasked pairs and skipping blocks
+and K/V messages nobody further along needs (on any world of 2 ranks or more).
 Documents of long-tailed lengths (many shorter than block_size, so most windows hold several
 segments and cut documents), float64: 3 training steps of the parallel Trainer match a Trainer on
 a 1x1x1 mesh (COMM_SELF, same seed and global batch) to 1e-10 relative: losses, gradient norms and
@@ -15,8 +18,12 @@ from mpi4py import MPI
 
 from collective import collective_assert, training_problems
 
+from hpcpar.autograd.attention import document_attention
+from hpcpar.autograd.tensor import Tensor
 from hpcpar.config.load import load_config
-from hpcpar.data import formats
+from hpcpar.data import formats, packing
+from hpcpar.parallel.cp.attention import ContextParallel
+from hpcpar.runtime.comm import Communicator
 from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
@@ -51,6 +58,17 @@ LAYOUTS = {
     "moe-ep2-dp4": (["mesh.dp=4", "mesh.pp=1", "mesh.ep=2", "model.moe_experts=4", "model.moe_top_k=2",
                      "model.moe_capacity_factor=0.75"], 1),
     "moe-ep2-pp2": (["mesh.dp=2", "mesh.pp=2", "mesh.ep=2", "model.moe_experts=4", "model.moe_top_k=2"], 2),
+    # Context parallelism: each rank holds T/cp tokens of every window (ring: zigzag chunks of 2
+    # tokens at cp=4, so many blocks are wholly masked and skipped), the Documents whole.
+    "cp4-ring": (["mesh.cp=4", "mesh.pp=1", "model.dropout=0.1"], 2),
+    "cp4-ulysses": (["mesh.cp=4", "mesh.cp_impl=ulysses", "mesh.pp=1", "model.dropout=0.1"], 2),
+    "cp2-dp2-ring-selective": (["mesh.cp=2", "mesh.dp=2", "mesh.pp=1", "train.recompute=selective"], 2),
+    "cp2-dp2-ulysses-full-recompute": (["mesh.cp=2", "mesh.dp=2", "mesh.cp_impl=ulysses", "mesh.pp=1",
+                                        "train.recompute=full"], 2),
+    "cp2-tp2-sp-ring": (["mesh.cp=2", "mesh.tp=2", "mesh.pp=1", "mesh.sequence_parallel=true",
+                         "model.dropout=0.1"], 2),
+    "cp2-tp2-ulysses": (["mesh.cp=2", "mesh.tp=2", "mesh.cp_impl=ulysses", "mesh.pp=1"], 2),
+    "cp2-pp2-ring-1f1b": (["mesh.cp=2", "mesh.pp=2", "pipeline.schedule=1f1b"], 2),
 }
 
 
@@ -95,12 +113,14 @@ def test_packed_training_matches_single_process(name):
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(SIZE != 4, reason="the layouts of 4 ranks")
+@pytest.mark.parametrize("mesh", [("mesh.tp=2", "mesh.sequence_parallel=true"), ("mesh.cp=2", "mesh.cp_impl=ring")],
+                         ids=["tp2-sp", "cp2-ring"])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_packed_mixed_precision_tracks_the_one_process_run(precision):
+def test_packed_mixed_precision_tracks_the_one_process_run(precision, mesh):
     # As test_precision.py: no biases (one starting at 0 has no scale to round against) and SGD (AdamW
     # turns a rounding-sized gradient into a full-sized step).
     model = ("model.bias=false", "train.optimizer=sgd", "train.momentum=0.9", f"train.precision={precision}")
-    overrides = ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "mesh.sequence_parallel=true", *model]
+    overrides = ["mesh.dp=2", "mesh.pp=1", *mesh, *model]
     results, params = run(overrides + ["train.microbatches=2"])
     ref_steps, ref_params = reference(model + ("train.microbatches=4",))
     problems = (training_problems(results, ref_steps, {}, {}, ULP[precision] / 4)
@@ -116,3 +136,43 @@ def test_packing_changes_the_run():
     packed, _ = run(overrides)
     plain, _ = run(overrides + ["data.packing=none"])
     collective_assert(abs(packed[0].loss - plain[0].loss) > 1e-6, f"same loss {packed[0].loss} either way")
+
+
+@pytest.mark.skipif(SIZE < 2, reason="context parallelism needs >= 2 ranks")
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_cp_attention_of_packed_windows_is_document_attention(impl):
+    """Ring attention and Ulysses over the world on packed windows of short documents (<= 6 tokens,
+    zigzag chunks of 4): my rows of `document_attention` and of its gradient; the attention work
+    is exactly the unmasked pairs; the ring skips blocks and sends fewer K/V bytes than unmasked."""
+    b, t, h, d = 2, 8 * SIZE, SIZE, 3
+    rng = np.random.default_rng(11)
+    doc_starts = np.concatenate([[0], np.cumsum(rng.integers(1, 7, 4 * t))]).astype(np.int64)
+    documents, _ = packing.Documents.of_windows(doc_starts, np.array([3, t + 5]), t)
+    qkv, g = rng.standard_normal((b, t, 3 * h * d)), rng.standard_normal((b, t, h * d))
+    whole = Tensor(qkv.copy(), requires_grad=True)
+    want = document_attention(whole, h, documents)
+    want.backward(g)
+    comm = Communicator(WORLD.Dup(), "cp-packing-test")
+    try:
+        cp = ContextParallel(comm, impl)
+        cols = cp.positions(t)
+        mine = Tensor(qkv[:, cols].copy(), requires_grad=True)
+        got = cp.attention(mine, h, documents=documents)
+        got.backward(g[:, cols])
+        stats = WORLD.allgather(dict(cp.stats))
+    finally:
+        comm.free()
+    problems = [f"{what}: {err:.1e}" for what, err in
+                (("output", np.abs(got.data - want.data[:, cols]).max() / np.abs(want.data).max()),
+                 ("grad", np.abs(mine.grad - whole.grad[:, cols]).max() / np.abs(whole.grad).max()))
+                if not err <= 1e-12]
+    unmasked = h * sum(len(rows) * n * (n + 1) // 2 for n, rows, _ in documents.segments())
+    if sum(s["pairs"] for s in stats) != unmasked:
+        problems.append(f"pairs {[s['pairs'] for s in stats]}, unmasked {unmasked}")
+    if impl == "ring":
+        kv = 2 * b * h * (t // SIZE) * d * 8
+        unmasked_ring = SIZE * (2 * (SIZE - 1) * kv + SIZE * kv)   # every rank: K/V twice around, dK/dV
+        sent = sum(s["bytes_sent"] for s in stats)
+        if SIZE > 2 and not (sum(s["skipped"] for s in stats) and sent < unmasked_ring):
+            problems.append(f"nothing skipped: {stats}")
+    collective_assert(not problems, f"{impl}: " + "; ".join(problems))

@@ -6,7 +6,9 @@
 - document starts of a corpus directory, the index `hpcpar data prepare` writes (file starts and
   end-of-text tokens) and its checks; packing "none" is today's batch, bit for bit;
 - what is refused: layouts without document masking, data without boundaries, a resume that
-  changes the packing.
+  changes the packing;
+- context parallelism's ring plan of packed windows (which blocks are computed, which K/V messages
+  are sent) against the masks spelled out pair by pair.
 """
 
 import json
@@ -23,6 +25,7 @@ from hpcpar.config.validate import validate
 from hpcpar.data import corpus, formats, packing, prepare
 from hpcpar.errors import CheckpointError, ConfigError, DataError
 from hpcpar.nn.gpt import GPT, GPTConfig
+from hpcpar.parallel.cp.attention import ContextParallel, positions
 from hpcpar.training.trainer import Trainer
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, dtype="float64")
@@ -192,7 +195,6 @@ def test_an_end_of_text_id_outside_the_vocabulary_and_a_file_without_index_are_r
 
 
 @pytest.mark.parametrize("overrides,reason", [
-    (["mesh.cp=2", "mesh.dp=1"], "mesh.cp > 1"),
     (["ps.servers=1"], "ps.servers > 0"),
     (["run.backend=cupy"], "the GPU backend"),
 ])
@@ -225,3 +227,47 @@ def test_hpcpar_train_refuses_a_bad_index_in_one_line_with_exit_2(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert job.returncode == 2, job.stdout + job.stderr
     assert "out of order" in job.stderr and "Traceback" not in job.stderr
+
+
+class _Rank:
+    """A stand-in cp communicator: the plan needs only the group's size and my rank."""
+
+    def __init__(self, size, rank):
+        self.size, self.rank = size, rank
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_ring_plan_of_packed_windows_computes_and_sends_only_what_is_attended(size, layout):
+    t = 4 * size
+    rng = np.random.default_rng(size)
+    doc_starts = np.concatenate([[0], np.cumsum(rng.integers(1, 6, 4 * t))]).astype(np.int64)
+    documents, _ = packing.Documents.of_windows(doc_starts, np.array([0, 2, t + 1]), t)
+    first = np.arange(t) - documents.positions()                        # each token's segment start
+    where = [positions(layout, t, size, r) for r in range(size)]
+    # allowed[q, k][b, i, j]: rank q's query i attends to rank k's key j in window b
+    allowed = {(q, k): (where[q][:, None] >= where[k][None, :])
+               & (where[k][None, None, :] >= first[:, where[q]][..., None])
+               for q in range(size) for k in range(size)}
+    plans = [ContextParallel(_Rank(size, r), "ring", layout)._plan(t // size, 3, documents, np, np.float64)
+             for r in range(size)]
+    for q, plan in enumerate(plans):
+        for k, block in enumerate(plan.blocks):
+            mask = allowed[q, k]
+            assert (block is None) == (not mask.any()), (q, k)
+            if block is not None:                          # the box holds every pair; its bias masks the rest
+                assert mask.sum() == block.pairs and not mask[:, :block.r0].any() and not mask[:, block.r1:].any()
+                assert not mask[..., :block.c0].any() and not mask[..., block.c1:].any()
+                box = mask[:, block.r0:block.r1, block.c0:block.c1]
+                assert box.all() if block.bias is None else np.array_equal(block.bias[:, 0] == 0, box)
+        # what I send at a step is what the next rank receives, and a K/V block reaches every rank
+        # that attends to it (it has travelled from its owner through every rank before)
+        after = plans[(q + 1) % size]
+        assert plan.send == after.recv
+        for step in range(1, size):
+            src = (q - step) % size
+            if plan.blocks[src] is not None:
+                assert all(plans[(src + j) % size].send[j] for j in range(step)), (q, src)
+    assert any(block is None for plan in plans for block in plan.blocks) == (size > 2 or layout == "contiguous")
+    # a K/V block stops early where the last ranks on its way attend to none of it
+    assert any(not sent for plan in plans for sent in plan.send) == (size == 4 or layout == "contiguous")

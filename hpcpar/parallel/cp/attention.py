@@ -30,6 +30,15 @@ steps every rank holds the complete gradient of its own K and V.
                                backward (cp-1) 2 B (T/cp) C/tp (K, V) + cp 2 B (T/cp) C/tp (dK, dV)
     kept for backward:         q, k, v, output [B, T/cp, C/tp] each + lse [B, H/tp, T/cp]
 
+Packed documents (`data.packing = "documents"`): `ContextParallel.attention(..., documents=)` takes
+the `Documents` of the whole windows, and each rank derives its masks from them and the layout's
+positions (a query attends a key at or before it and not before its segment's start). Ring: every
+block is masked by documents as well as causally; a block wholly masked (every row of the
+micro-batch) is not computed, and a K/V block travels the ring only as far as the last rank that
+attends to it (`_Plan`), so the forward and backward K/V figures above are upper bounds; the
+dK/dV accumulators always go the whole way. Ulysses: `document_attention` on the whole
+sequences of my heads; the messages are unchanged.
+
 Ulysses (`ulysses_attention`, arXiv 2309.14509): an all-to-all turns q, k, v from sequence-
 sharded [B, T/cp, 3, H, D] into head-sharded [B, T, 3, H/cp, D]; ordinary causal attention
 runs on whole sequences of my heads; a second all-to-all brings the output back to my tokens.
@@ -53,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from hpcpar.autograd import ops
-from hpcpar.autograd.attention import causal_attention
+from hpcpar.autograd.attention import causal_attention, document_attention
 from hpcpar.backend import array_module
 from hpcpar.backend.precision import down, up
 from hpcpar.autograd.tensor import Tensor
@@ -99,24 +108,60 @@ def positions(layout: str, t: int, cp: int, rank: int) -> np.ndarray:
 
 
 class _Block:
-    """The part of the scores [my queries x the keys of one source rank] that causality leaves:
-    query rows [r0, r1) and key columns [c0, c1) of the local sequences, the additive mask
-    (None: nothing masked) and the number of (query, key) pairs attended (the work)."""
+    """The part of the scores [my queries x the keys of one source rank] that the mask leaves:
+    query rows [r0, r1) and key columns [c0, c1) of the local sequences (the smallest box holding
+    every allowed pair), the additive mask of that box (None: nothing masked) and the number of
+    (query, key) pairs attended (the work, summed over the batch).
+
+    `allowed`: [Tl, Tl] bool, the causal mask every row of the batch shares (`batch` rows), or
+    [B, Tl, Tl] with packed documents (each row its own segments); the bias is then [B, 1, n, m].
+    """
 
     __slots__ = ("r0", "r1", "c0", "c1", "bias", "pairs")
 
-    def __init__(self, q_pos: np.ndarray, k_pos: np.ndarray, c: int, xp, dtype):
-        allowed = q_pos[:, None] >= k_pos[None, :]
-        rows = np.flatnonzero(allowed.any(axis=1))
-        cols = np.flatnonzero(allowed.any(axis=0))
-        # Whole chunks are in or out (chunks are causal-ordered blocks), so the spans below hold
-        # no row or column without work for the zigzag and contiguous layouts.
-        self.r0, self.r1 = int(rows[0]) // c * c, -(-(int(rows[-1]) + 1) // c) * c
-        self.c0, self.c1 = int(cols[0]) // c * c, -(-(int(cols[-1]) + 1) // c) * c
-        sub = allowed[self.r0:self.r1, self.c0:self.c1]
-        assert sub.any(axis=1).all(), "a query row without keys would make the online softmax NaN"
-        self.bias = None if sub.all() else xp.asarray(np.where(sub, 0.0, -np.inf).astype(dtype))
-        self.pairs = int(allowed.sum())
+    def __init__(self, allowed: np.ndarray, xp, dtype, batch: int = 1):
+        rows = np.flatnonzero(allowed.any(axis=-1).reshape(-1, allowed.shape[-2]).any(axis=0))
+        cols = np.flatnonzero(allowed.any(axis=-2).reshape(-1, allowed.shape[-1]).any(axis=0))
+        self.r0, self.r1 = int(rows[0]), int(rows[-1]) + 1
+        self.c0, self.c1 = int(cols[0]), int(cols[-1]) + 1
+        sub = allowed[..., self.r0:self.r1, self.c0:self.c1]
+        bias = np.where(sub, 0.0, -np.inf).astype(dtype)
+        self.bias = None if sub.all() else xp.asarray(bias if sub.ndim == 2 else bias[:, None])
+        self.pairs = int(allowed.sum()) * (batch if allowed.ndim == 2 else 1)
+
+
+class _Plan:
+    """What one rank computes and passes on in a ring pass (forward and backward alike).
+
+    blocks[src]: my `_Block` against rank src's keys (None: wholly masked, not computed).
+    send[step] / recv[step]: whether, in ring step `step` < cp-1, I pass the K/V I hold to the next
+    rank / take the next one from the previous rank. A K/V block travels the ring from its owner
+    only as far as the last rank that attends to it: rank r sends src's K/V on iff some rank after
+    it on the way (r+1 .. src-1, ring order) has an unmasked pair with src's keys. `need[q, k]`
+    (the same on every rank: each derives it from the whole windows' documents) says whether rank
+    q's queries attend to any of rank k's keys.
+    """
+
+    def __init__(self, need: np.ndarray, rank: int, blocks: list):
+        size = len(need)
+        self.blocks = blocks
+
+        def sends(r: int, step: int) -> bool:
+            src = (r - step) % size
+            return any(need[(r + j) % size, src] for j in range(1, size - step))
+        self.send = [sends(rank, step) for step in range(size - 1)]
+        self.recv = [sends((rank - 1) % size, step) for step in range(size - 1)]
+
+
+def _needs(q_pos: np.ndarray, k_pos: np.ndarray, first: np.ndarray | None) -> bool:
+    """Whether queries at global positions `q_pos` attend to any key at `k_pos`: causally, or
+    (`first` [B, T]: each token's segment start) also only within their segment."""
+    if first is None:
+        return bool(q_pos.max() >= k_pos.min())
+    keys = np.sort(k_pos)
+    lo = np.searchsorted(keys, first[:, q_pos], side="left")     # first key >= my segment's start
+    hi = np.searchsorted(keys, q_pos, side="right")              # past the keys <= me
+    return bool((hi > lo).any())
 
 
 class ContextParallel:
@@ -136,7 +181,8 @@ class ContextParallel:
             waited), per ring step, forward and backward ("back_..."). For the overlap test.
         stats: counters since the last `reset_stats()`: "bytes_sent" (this rank, all cp messages),
             "pairs" (causal (query, key) pairs whose scores this rank's forwards computed: the
-            attention work; a backward does the same pairs again), "calls" (forwards).
+            attention work; a backward does the same pairs again), "calls" (forwards), "skipped"
+            (ring blocks of a forward wholly masked, so not computed, forward or backward).
     """
 
     def __init__(self, comm: Communicator | None = None, impl: str = RING, layout: str | None = None,
@@ -155,11 +201,12 @@ class ContextParallel:
             tracer.thread_names[TRACE_TID] = f"context parallel ({impl})"
         self.events: list | None = None
         self._positions: dict[int, np.ndarray] = {}
-        self._blocks: dict[tuple, _Block | None] = {}
+        self._plans: dict[tuple, _Plan] = {}
+        self._documents_plan: tuple | None = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.stats = {"bytes_sent": 0, "pairs": 0, "calls": 0}
+        self.stats = {"bytes_sent": 0, "pairs": 0, "calls": 0, "skipped": 0}
 
     def positions(self, t: int) -> np.ndarray:
         """My tokens' global positions in a sequence of `t` (cached; see the module's `positions`)."""
@@ -167,18 +214,23 @@ class ContextParallel:
             self._positions[t] = positions(self.layout, t, self.size, self.rank)
         return self._positions[t]
 
-    def attention(self, qkv: Tensor, n_head: int, recompute: bool = False) -> Tensor:
+    def attention(self, qkv: Tensor, n_head: int, recompute: bool = False, documents=None) -> Tensor:
         """Causal self-attention of my tokens over the whole sequence: [B, T/cp, 3 n_head D] ->
         [B, T/cp, n_head D], as `causal_attention` of the full sequence would give my rows.
-        `recompute` (selective recomputation): Ulysses' inner `causal_attention` keeps no
-        probabilities; ring attention keeps none in any case (its backward rebuilds each block's
-        from the saved log-sum-exp), so the flag changes nothing there."""
+        `documents` (packed documents, a `data.packing.Documents` of the whole [B, T] windows):
+        within segments only, as `document_attention` would give my rows. `recompute` (selective
+        recomputation): Ulysses' inner attention keeps no probabilities; ring attention keeps
+        none in any case (its backward rebuilds each block's from the saved log-sum-exp), so the
+        flag changes nothing there."""
+        if documents is not None and documents.whole:
+            documents = None                     # one segment per window: the causal plan, cached
         if self.size == 1:
-            return causal_attention(qkv, n_head, recompute)
+            return (causal_attention(qkv, n_head, recompute) if documents is None
+                    else document_attention(qkv, n_head, documents, recompute))
         self.stats["calls"] += 1
         if self.impl == RING:
-            return ring_attention(qkv, n_head, self)
-        return ulysses_attention(qkv, n_head, self, recompute)
+            return ring_attention(qkv, n_head, self, documents)
+        return ulysses_attention(qkv, n_head, self, recompute, documents)
 
     # -- recording ---------------------------------------------------------------------------
     def _event(self, what: str, step: int) -> None:
@@ -192,16 +244,42 @@ class ContextParallel:
     def _tracing(self) -> bool:
         return self.tracer is not None and self.tracer.enabled
 
-    def _block(self, t_local: int, src: int, xp, dtype) -> _Block | None:
-        """The causal block of my queries against rank `src`'s keys (None: nothing to attend)."""
-        key = (t_local, src, xp.__name__, str(dtype))
-        if key not in self._blocks:
-            t = t_local * self.size
-            q_pos, k_pos = self.positions(t), positions(self.layout, t, self.size, src)
-            c = t // n_chunks(self.layout, self.size)
-            self._blocks[key] = (_Block(q_pos, k_pos, c, xp, dtype) if (q_pos[:, None] >= k_pos[None, :]).any()
-                                 else None)
-        return self._blocks[key]
+    def _plan(self, t_local: int, batch: int, documents, xp, dtype) -> _Plan:
+        """My blocks and messages of a ring pass over `batch` rows of cp*t_local tokens (see
+        `_Plan`): causal (`documents` None; cached per shape) or within the segments of packed
+        `documents` (cached for the last Documents seen: every layer of a micro-batch, forward
+        and backward, uses the same)."""
+        key = (t_local, batch, xp.__name__, str(dtype))
+        if documents is None and key in self._plans:
+            return self._plans[key]
+        last = self._documents_plan
+        if documents is not None and last is not None and last[0] is documents and last[1] == key:
+            return last[2]
+        t = t_local * self.size
+        where = [positions(self.layout, t, self.size, r) for r in range(self.size)]
+        if documents is None:
+            first = None
+        else:
+            if documents.block_size != t:
+                raise ValueError(f"packed documents of {documents.block_size}-token windows, but the sequence "
+                                 f"has {t} tokens")
+            first = np.arange(t) - documents.positions()                        # [B, T] segment starts
+        need = np.array([[_needs(q, k, first) for k in where] for q in where])
+        q_pos, blocks = where[self.rank], []
+        for src in range(self.size):
+            if not need[self.rank, src]:
+                blocks.append(None)
+                continue
+            allowed = q_pos[:, None] >= where[src][None, :]                        # [Tl, Tl] causal
+            if first is not None:                                                  # and the same segment
+                allowed = allowed & (where[src][None, None, :] >= first[:, q_pos][:, :, None])
+            blocks.append(_Block(allowed, xp, dtype, batch))
+        plan = _Plan(need, self.rank, blocks)
+        if documents is None:
+            self._plans[key] = plan
+        else:
+            self._documents_plan = (documents, key, plan)
+        return plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,11 +309,22 @@ class _Rotation:
         self._incoming = self._free.pop() if self._free else xp.empty_like(self.own)
         return self._incoming
 
+    def pass_on(self, comm, send: bool, recv: bool, nxt: int, prv: int, tag: int) -> tuple:
+        """Post this step's messages (`_Plan`): the block held to `nxt` (if `send`), the next one
+        from `prv` (if `recv`). Returns the (send, receive) handles, None where not posted."""
+        if send and recv:
+            return comm.isend_irecv(self.held, nxt, self.next_buffer(), prv, tag, tag)
+        return (comm.isend(self.held, nxt, tag) if send else None,
+                comm.irecv(self.next_buffer(), prv, tag) if recv else None)
+
     def arrived(self, sent, received) -> None:
-        """Wait for the step's messages; the received block becomes the one held."""
-        received.wait()
-        sent.wait()
-        if self.held is not self.own:
+        """Wait for the step's messages; the received block becomes the one held (None: none
+        came, as no rank from here on attends to it)."""
+        if received is not None:
+            received.wait()
+        if sent is not None:
+            sent.wait()
+        if self.held is not self.own and self.held is not None:
             self._free.append(self.held)
         self.held, self._incoming = self._incoming, None
 
@@ -249,12 +338,19 @@ def _scores(q, k, block: _Block, scale: float):
     return s
 
 
-def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
+def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel, documents=None) -> Tensor:
     """Causal attention of my tokens against the whole sequence, K/V passed around the cp ring.
 
-    In: qkv [B, T/cp, 3 H D] (my tokens in `cp.layout` order; H = the heads on this tp rank).
-    Out: [B, T/cp, H D], equal to my rows of `causal_attention` on the full sequence.
-    Backward: dQ locally, dK/dV accumulated around the ring and delivered to their owners.
+    In: qkv [B, T/cp, 3 H D] (my tokens in `cp.layout` order; H = the heads on this tp rank);
+    `documents` (`data.packing.Documents` of the whole windows): attention within segments only.
+    Out: [B, T/cp, H D], equal to my rows of `causal_attention` (`document_attention`) on the full
+    sequence. Backward: dQ locally, dK/dV accumulated around the ring and delivered to their owners.
+
+    Masked blocks (`_Plan`): a block with no unmasked pair is not computed, and a K/V block is
+    passed on only while a rank further along the ring attends to it. A row with no unmasked key
+    in a block scores -inf throughout: its running maximum is finite from step 0 on (my own block
+    comes first and holds each query's own key), so exp(-inf - m) = 0 adds nothing and the
+    rescale factor is exp(0) = 1: the merge is unchanged, exactly.
     """
     xp = array_module(qkv.data)
     comm, size, rank = cp.comm, cp.size, cp.rank
@@ -269,17 +365,18 @@ def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
     row_max = xp.full((b, n_head, tl), -xp.inf, dtype=dtype)
     row_sum = xp.zeros((b, n_head, tl), dtype=dtype)
     acc = xp.zeros_like(qf)                                                # unnormalised output
+    plan = cp._plan(tl, b, documents, xp, dtype)
     ring = _Rotation(kv)
     for step in range(size):
         src = (rank - step) % size                                         # whose K/V I hold
-        held, handles = ring.held, ()
-        if step < size - 1:                                                # pass it on before computing
+        held, handles = ring.held, (None, None)
+        if step < size - 1 and (plan.send[step] or plan.recv[step]):       # pass it on before computing
             start = time.perf_counter()
-            handles = comm.isend_irecv(held, nxt, ring.next_buffer(), prv, _TAG_KV, _TAG_KV)
-            cp.stats["bytes_sent"] += held.nbytes
+            handles = ring.pass_on(comm, plan.send[step], plan.recv[step], nxt, prv, _TAG_KV)
+            cp.stats["bytes_sent"] += held.nbytes if plan.send[step] else 0
             cp._event("post", step)
             cp._span("cp_kv_send_recv", "comm", start, {"step": step})
-        block = cp._block(tl, src, xp, dtype)
+        block = plan.blocks[src]
         cp._event("compute", step)
         start = time.perf_counter()
         if block is not None:
@@ -292,12 +389,14 @@ def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
             row_sum[:, :, r0:r1] = row_sum[:, :, r0:r1] * alpha + s.sum(axis=-1)
             acc[:, :, r0:r1] = acc[:, :, r0:r1] * alpha[..., None] + s @ up(held[1][:, :, block.c0:block.c1])
             row_max[:, :, r0:r1] = new_max
-            cp.stats["pairs"] += b * n_head * block.pairs
+            cp.stats["pairs"] += n_head * block.pairs
             del s  # before the next block's scores exist: one [n, n] block at a time
+        else:
+            cp.stats["skipped"] += 1
         cp._event("computed", step)
         if cp._tracing():
             cp._span("cp_attention_block", "compute", start, {"step": step, "source": src})
-        if handles:
+        if step < size - 1:
             start = time.perf_counter()
             ring.arrived(*handles)
             cp._event("arrived", step)
@@ -307,12 +406,13 @@ def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel) -> Tensor:
     out = down(out_heads.transpose(0, 2, 1, 3).reshape(b, tl, n_head * d), qkv.dtype)
 
     def backward(g):
-        return (down(_ring_backward(up(g), q, kv, out_heads, lse, n_head, scale, cp), qkv.dtype),)
+        return (down(_ring_backward(up(g), q, kv, out_heads, lse, n_head, scale, cp, plan), qkv.dtype),)
     return Tensor.from_op(out, (qkv,), backward)
 
 
-def _ring_backward(g, q, kv, out_heads, lse, n_head: int, scale: float, cp: ContextParallel):
-    """dqkv [B, T/cp, 3 H D] of `ring_attention` (see its doc and the module's). `g`, `out_heads`,
+def _ring_backward(g, q, kv, out_heads, lse, n_head: int, scale: float, cp: ContextParallel, plan: _Plan):
+    """dqkv [B, T/cp, 3 H D] of `ring_attention` (see its doc and the module's), over the forward's
+    `plan` (the same blocks computed, the same K/V messages). `g`, `out_heads`,
     `lse` and the result in float32 (or float64); q and the K/V blocks may be 16-bit (taken up to
     float32 block by block; the dK/dV accumulators travel in float32)."""
     xp = array_module(g)
@@ -329,14 +429,14 @@ def _ring_backward(g, q, kv, out_heads, lse, n_head: int, scale: float, cp: Cont
     pending = []         # send handles, waited at the end
     for step in range(size):
         src = (rank - step) % size
-        held, kv_handles = ring.held, ()
-        if step < size - 1:
+        held, kv_handles = ring.held, (None, None)
+        if step < size - 1 and (plan.send[step] or plan.recv[step]):
             start = time.perf_counter()
-            kv_handles = comm.isend_irecv(held, nxt, ring.next_buffer(), prv, _TAG_KV_BACK, _TAG_KV_BACK)
-            cp.stats["bytes_sent"] += held.nbytes
+            kv_handles = ring.pass_on(comm, plan.send[step], plan.recv[step], nxt, prv, _TAG_KV_BACK)
+            cp.stats["bytes_sent"] += held.nbytes if plan.send[step] else 0
             cp._event("back_post", step)
             cp._span("cp_kv_send_recv", "comm", start, {"step": step, "backward": True})
-        block = cp._block(tl, src, xp, q.dtype)
+        block = plan.blocks[src]
         cp._event("back_compute", step)
         start = time.perf_counter()
         part = xp.zeros(kv.shape, dtype=acc_dtype)                          # my dK, dV of src's keys
@@ -366,7 +466,7 @@ def _ring_backward(g, q, kv, out_heads, lse, n_head: int, scale: float, cp: Cont
         incoming = comm.isend_irecv(part, nxt, incoming_buf, prv, _TAG_DKV, _TAG_DKV)
         pending.append((incoming[0], part))
         cp.stats["bytes_sent"] += part.nbytes
-        if kv_handles:
+        if step < size - 1:
             ring.arrived(*kv_handles)
         cp._event("back_arrived", step)
         cp._span("cp_dkv_send_recv", "comm", start, {"step": step, "backward": True})
@@ -418,10 +518,12 @@ def all_to_all_dim(x: Tensor, comm: Communicator | None, split_dim: int, concat_
                           lambda g: (exchange(g, concat_dim, split_dim),))
 
 
-def ulysses_attention(qkv: Tensor, n_head: int, cp: ContextParallel, recompute: bool = False) -> Tensor:
+def ulysses_attention(qkv: Tensor, n_head: int, cp: ContextParallel, recompute: bool = False,
+                      documents=None) -> Tensor:
     """DeepSpeed-Ulysses: [B, T/cp, 3 H D] (contiguous chunk r) -> all-to-all -> [B, T, 3, H/cp, D]
     -> `causal_attention` on my H/cp heads (`recompute`: keeping no probabilities) -> all-to-all
-    -> [B, T/cp, H D]."""
+    -> [B, T/cp, H D]. With packed `documents` (whole windows): `document_attention` instead, as
+    the all-to-all leaves whole sequences, in order, on every rank; the messages are unchanged."""
     comm, size = cp.comm, cp.size
     if n_head % size:
         raise ValueError(f"ulysses: {n_head} heads do not split over cp={size} ranks")
@@ -434,7 +536,12 @@ def ulysses_attention(qkv: Tensor, n_head: int, cp: ContextParallel, recompute: 
         cp._span("cp_all_to_all", "comm", start, {"shape": list(a.shape)})
 
     x = all_to_all_dim(ops.reshape(qkv, (b, tl, 3, n_head, d)), comm, 3, 1, on_exchange)   # [B, T, 3, H/cp, D]
-    cp.stats["pairs"] += b * heads * t * (t + 1) // 2
-    y = causal_attention(ops.reshape(x, (b, t, 3 * heads * d)), heads, recompute)         # [B, T, H/cp D]
+    x = ops.reshape(x, (b, t, 3 * heads * d))
+    if documents is None:
+        cp.stats["pairs"] += b * heads * t * (t + 1) // 2
+        y = causal_attention(x, heads, recompute)                                          # [B, T, H/cp D]
+    else:
+        cp.stats["pairs"] += heads * sum(len(rows) * n * (n + 1) // 2 for n, rows, _ in documents.segments())
+        y = document_attention(x, heads, documents, recompute)
     y = all_to_all_dim(ops.reshape(y, (b, t, heads, d)), comm, 1, 2, on_exchange)         # [B, T/cp, H, D]
     return ops.reshape(y, (b, tl, n_head * d))

@@ -7,7 +7,8 @@ base layers', run on this rank's T/cp tokens:
 
     attn        the base attention module, its attention computed by `cp.attention`
                 (ring attention or Ulysses, `parallel/cp/attention.py`) instead of
-                `causal_attention`;
+                `causal_attention`; with packed documents (`data.packing`) the whole windows'
+                `Documents` go with it, and each rank derives its masks from them and its positions;
     position_ids  my tokens' global positions (`cp.positions(T)`: zigzag chunks r and 2cp-1-r
                 for ring, chunk r for Ulysses): wpe rows are gathered there, and the gradient
                 scatter-adds back into those rows;
@@ -45,8 +46,10 @@ class ContextParallelLayers:
     def wte(self, cfg):
         return self.base.wte(cfg)
 
-    def attn(self, cfg):
-        return self.base.attn(cfg, attend=self.cp.attention)
+    def attn(self, cfg, attend=None):
+        """The base attention module over `attend` (default `cp.attention`; the GPT passes its own,
+        which adds the micro-batch's packed documents)."""
+        return self.base.attn(cfg, attend=attend or self.cp.attention)
 
     def mlp(self, cfg):
         return self.base.mlp(cfg)
