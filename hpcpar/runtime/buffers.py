@@ -6,6 +6,8 @@
 - `DTYPE_FACTS`: per dtype, what every op of the Communicator looks up (the datatype, whether
   reductions run in float32, whether it is floating), worked out once.
 - `ResultPool`: large host results in recycled memory (MPI caches per-address work).
+- `contiguous`, `to_front`, `from_front`, `copied`: the layouts an op's buffers need and its
+  result gets back.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from hpcpar.backend import is_device_array
+from hpcpar.backend import array_module, is_device_array
 from hpcpar.backend.precision import is_low
 
 _mpi_types: dict = {}  # numpy dtype -> MPI datatype or None (looked up once: ops are latency-bound)
@@ -55,6 +57,30 @@ def mpi_buffer(a: np.ndarray) -> list:
     if datatype is None:
         return [a, a.nbytes, MPI.BYTE]
     return [a, a.size, datatype]
+
+
+def contiguous(a):
+    """`a` itself when C-contiguous, else a C-contiguous copy (NumPy or CuPy)."""
+    return a if a.flags.c_contiguous else array_module(a).ascontiguousarray(a)
+
+
+def copied(src, dst):
+    """`dst` with `src`'s values (an op's result that has to land in the caller's array)."""
+    dst[...] = src
+    return dst
+
+
+def to_front(a, dim: int):
+    """`a` with `dim` moved first, C-contiguous (no copy when dim is 0 and `a` is contiguous)."""
+    return contiguous(array_module(a).moveaxis(a, dim, 0) if dim else a)
+
+
+def from_front(a, dim: int):
+    """`to_front` undone: axis 0 of `a` moved back to `dim`, C-contiguous."""
+    if not dim:
+        return a
+    xp = array_module(a)
+    return xp.ascontiguousarray(xp.moveaxis(a, 0, dim))
 
 
 _NCCL_TYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",

@@ -10,20 +10,20 @@ for it and finishes the result, the same way for every transport.
 Every op is recorded in the flight recorder (`watchdog.recorder`) and numbered per
 communicator, and the bytes it sends from this rank are counted (`Communicator.sent`, by op
 kind; `bytes_sent` is the formula per collective kind). Blocking ops on host arrays call MPI's
-blocking functions (MPICH's blocking collectives are faster than its non-blocking ones); the
-watchdog's monitor thread watches them and aborts the job with a report across ranks when one waits
-longer than `watchdog.timeout()`. Not when the node runs more ranks than cores
-(`waiting.mpi_waits_block`): there every op polls, since some MPIs' blocking waits never yield
-the core. Non-blocking ops (`Handle.wait()`) and GPU ops are completed by one polling loop
-(`waiting.wait_for`) that yields the core to ranks sharing it and raises
-`watchdog.CommTimeout` when the monitor reports a timeout. Without MPI_THREAD_MULTIPLE (no
-monitor) every op polls and times out on its own.
+blocking functions (MPICH's blocking collectives are faster than its non-blocking ones), or poll
+where the node runs more ranks than cores (`waiting.mpi_waits_block`: some MPIs' blocking waits
+never yield the core); the watchdog's monitor thread watches them and aborts the job with a
+report across ranks when one waits longer than `watchdog.timeout()`. Non-blocking ops
+(`Handle.wait()`) and GPU ops are completed by one polling loop (`waiting.wait_for`) that yields
+the core to ranks sharing it and raises `watchdog.CommTimeout` when the monitor reports a
+timeout. Without MPI_THREAD_MULTIPLE (no monitor) every op polls and times out on its own.
 
-Small messages are latency-bound, so every op's own path is kept short (bench/allreduce.py
-measures it next to raw mpi4py): datatypes and byte-count factors are worked out once per dtype
-or communicator, a blocking op returns its result without a Handle, results are finished by
-named functions (no closures), large results reuse their array objects (`buffers.ResultPool`),
-and the flight recorder takes no lock and keeps a blocking op as a tuple.
+Small messages are latency-bound and, with ranks sharing cores, any interpreter work next to an
+op delays every rank many times over, so every op's path is kept short (bench/allreduce.py
+measures it next to raw mpi4py): an op enters MPI before it is recorded; a repeated all_reduce,
+reduce_scatter, all_gather or iall_reduce of a contiguous NumPy array runs from a plan kept per
+shape and dtype (`_keep_plan`); a blocking op is recorded as a tuple and returns without a
+Handle; results are finished by named functions and large ones reuse their arrays (`ResultPool`).
 
 Aliasing: blocking ops other than `broadcast`/`recv` never modify their input, but
 on a size-1 communicator every op returns its input object itself (nothing to do),
@@ -44,9 +44,10 @@ from mpi4py import MPI
 
 from hpcpar import backend
 from hpcpar.runtime import ulfm, watchdog
-from hpcpar.runtime.buffers import DTYPE_FACTS, ResultPool, mpi_datatype
-from hpcpar.runtime.transports import KINDS, Handle, MpiTransport, NcclTransport, nccl_possible
-from hpcpar.runtime.waiting import mpi_waits_block, wait_any, wait_for
+from hpcpar.runtime.buffers import DTYPE_FACTS, ResultPool, contiguous, copied, from_front, mpi_datatype, to_front
+from hpcpar.runtime.transports import KINDS, Handle, MpiTransport, NcclTransport, nccl_possible, send_factor
+from hpcpar.runtime.transports import bytes_sent as bytes_sent  # part of this module's API
+from hpcpar.runtime.waiting import mpi_waits_block, wait_any, wait_blocked, wait_for
 
 # The requests and buffers of ops that timed out, kept until the process ends. MPI may still be
 # working on them (a late peer can arrive after the CommTimeout), and freeing an active collective's
@@ -56,60 +57,8 @@ _ABANDONED: list[tuple[Any, Any, Any]] = []
 
 
 def _ready(value: Any, now: bool) -> Any:
-    """An op's result that needed no communication: itself when the caller waits for it (`now`),
-    else in a Handle."""
+    """An op's result that needed no communication: itself when `now` (blocking), else in a Handle."""
     return value if now else Handle.ready(value)
-
-
-def bytes_sent(op: str, nbytes: int, size: int) -> float:
-    """Bytes one rank sends for one op over `size` ranks whose input (as the op records it) is
-    `nbytes` long: what a bandwidth-optimal algorithm sends (ring or Rabenseifner; nccl-tests'
-    bus-bandwidth factors), whatever algorithm the MPI library picks.
-
-        all_reduce       2 (n-1)/n · S     (S = the whole array)
-        reduce_scatter     (n-1)/n · S     (S = the whole input, n parts)
-        all_gather         (n-1)   · S     (S = this rank's piece: it reaches n-1 others)
-        all_to_all         (n-1)/n · S     (S = the whole input: all parts but its own leave)
-        all_to_all_v       the rows that leave the rank (counted by the op itself, not here)
-        broadcast          S on the root, 0 elsewhere (the data that leaves the root)
-        send               S;  recv, barrier: 0
-    """
-    return _send_factor(op, size) * nbytes
-
-
-def _send_factor(op: str, n: int) -> float:
-    """bytes_sent(op, S, n) / S (Communicator caches it per op kind)."""
-    if n <= 1:
-        return 0.0
-    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1,
-            "all_to_all": (n - 1) / n, "send": 1.0, "broadcast": 1.0}.get(op, 0.0)
-
-
-def _contiguous(a):
-    return a if a.flags.c_contiguous else backend.array_module(a).ascontiguousarray(a)
-
-
-def _copied(src, dst):
-    """`dst` with `src`'s values (an op's result that has to land in the caller's array)."""
-    dst[...] = src
-    return dst
-
-
-def _alone(a, out):
-    """A size-1 communicator's result: the input itself, or copied into `out` when given."""
-    return a if out is None else _copied(a, out)
-
-
-def _to_front(a, dim: int):
-    """`a` with `dim` moved first, C-contiguous (no copy when dim is 0 and `a` is contiguous)."""
-    return _contiguous(backend.array_module(a).moveaxis(a, dim, 0) if dim else a)
-
-
-def _from_front(a, dim: int):
-    if not dim:
-        return a
-    xp = backend.array_module(a)
-    return xp.ascontiguousarray(xp.moveaxis(a, 0, dim))
 
 
 class Communicator:
@@ -147,9 +96,11 @@ class Communicator:
         self._host = MpiTransport(mpi_comm)
         self._nccl: NcclTransport | None | bool = None  # None: not decided yet; False: stage through host
         self._results = ResultPool()  # large host results in recycled memory
+        # (op, shape, dtype, dim or op) -> plan of a host op that needs no finishing (`_keep_plan`)
+        self._plans: dict[tuple, tuple] = {}
         # op kind -> bytes this rank sent (bytes_sent), since creation
         self.sent: dict[str, float] = collections.defaultdict(float)
-        self._factor = {kind: _send_factor(kind, self.size) for kind in KINDS}  # bytes_sent per input byte
+        self._factor = {kind: send_factor(kind, self.size) for kind in KINDS}  # bytes_sent per input byte
         self._node: Communicator | None = None  # split_by_node's, once made
 
     def bytes_sent_total(self) -> float:
@@ -231,26 +182,19 @@ class Communicator:
         monitor watches it; else return a Handle whose `wait()` does. `peer`: the other rank of
         a send/recv, a broadcast's root. `counts`: all_to_all_v's (send, recv) elements per rank;
         `sent`: its bytes leaving this rank."""
-        # A blocking host op's timeout aborts the job (one report, from the monitor), whether it
-        # waits in MPI's blocking call or polls (`mpi_waits_block`).
-        blocking = now and self._watched and transport is self._host
-        in_mpi = blocking and self._in_mpi
         if kind != "send" and kind != "recv" and watchdog.check_every():
             # all_to_all_v's shapes differ between ranks by design: the check compares its name only.
             self._check_sequence(kind, a if kind != "all_to_all_v" else None)
-        if in_mpi:
-            record = self._begin(kind, a, peer, True, True, sent)
-            try:
-                transport.start(kind, send, recv, op, peer, tag, True, counts)
-            finally:  # an MPI error must not leave the op pending for the monitor to time out
-                watchdog.recorder.leave(record)
+        if now and self._watched and transport is self._host:
+            self._block(kind, a, transport.start, (kind, send, recv, op, peer, tag, self._in_mpi, counts), send, recv,
+                        peer, sent)
             return recv if finish is None else finish(*args)
         # A non-blocking start returns at once: the op is recorded after it, because with ranks
         # sharing cores whatever a rank does before it enters an op delays every rank many times
         # over (4 ranks on 2 cores, side by side: 3 us more before a 1 MiB all-reduce cost 70 us;
         # recording after took bench/allreduce.py's 1 MiB all-reduce from 0.88-0.92x raw to 0.97-1.01x).
         request = transport.start(kind, send, recv, op, peer, tag, False, counts)
-        record = self._begin(kind, a, peer, blocking, False, sent)
+        record = self._begin(kind, a, peer, False, sent)
         if now:
             return self._complete(request, record, send, recv, finish, args)
         # MPI (or NCCL) reads and writes the buffers until the op completes: the handle keeps them.
@@ -265,6 +209,51 @@ class Communicator:
             _ABANDONED.append((request, send, recv))
             raise
         return recv if finish is None else finish(*args)
+
+    def _block(self, kind: str, a, start: Callable, args: tuple, send, recv, peer: int | None = None,
+               sent: float | None = None) -> None:
+        """Complete blocking host op `start(*args)`: MPI's blocking call (`_in_mpi`), else a start
+        polled once recorded (`_start`); recorded as blocked-in, whose timeout the monitor aborts."""
+        if self._in_mpi:
+            entry = self._begin(kind, a, peer, True, sent)
+            try:
+                start(*args)
+            finally:  # an MPI error must not leave the op pending for the monitor to time out
+                watchdog.recorder.leave(entry)
+            return
+        request = start(*args)
+        entry = self._begin(kind, a, peer, True, sent)
+        try:
+            wait_blocked(request, entry)
+        except watchdog.CommTimeout:
+            _ABANDONED.append((request, send, recv))  # see _complete
+            raise
+        finally:
+            watchdog.recorder.leave(entry)
+
+    # -- plans: the short path of a repeated host op ----------------------------------------------
+
+    def _keep_plan(self, key: tuple, kind: str, a, op: str | None, recv, now: bool) -> None:
+        """Keep, under `key`, the plan of host op `kind` on C-contiguous NumPy `a` into `recv` (`a`:
+        in place) that needs no finishing: (kind, its start `MpiTransport.starter`, the result's
+        shape or None). The next calls with `key` check and prepare nothing but the result before
+        entering MPI (`_run`, `iall_reduce`). Blocking plans need the monitor (see `_start`)."""
+        if now and not self._watched:
+            return
+        if len(self._plans) >= 256:  # shapes come and go (evaluation, a changed batch): keep the recent
+            self._plans.clear()
+        in_place = recv is a
+        start = self._host.starter(kind, a.dtype, op, now and self._in_mpi, in_place, a.size, recv.nbytes)
+        self._plans[key] = (kind, start, None if in_place else recv.shape)
+
+    def _run(self, plan: tuple, a):
+        """Run a kept blocking plan on `a` (C-contiguous NumPy of its shape and dtype): its result."""
+        kind, start, shape = plan
+        recv = self._results.take(shape, a.dtype, np)
+        if watchdog.check_every():
+            self._check_sequence(kind, a)
+        self._block(kind, a, start, (a, recv), a, recv)
+        return recv
 
     def _staged(self, start: Callable, a, args: tuple, now: bool, into=None):
         """Run the host form of an op, `start(host copy of a, *args, now)`, on GPU array `a` (same
@@ -285,14 +274,13 @@ class Communicator:
 
     # -- issuing and waiting --------------------------------------------------------------------
 
-    def _begin(self, op: str, a, peer: int | None = None, blocking: bool = False, in_mpi: bool = False,
-               sent: float | None = None):
+    def _begin(self, op: str, a, peer: int | None = None, blocked: bool = False, sent: float | None = None):
         """Number and record an op and count the bytes it sends from this rank (a broadcast's on
         its root `peer` only; `sent` when the op knows them better than `bytes_sent`'s formula:
-        all_to_all_v). `blocking`: an op the caller waits for at once, whose timeout the monitor
-        turns into an abort; `in_mpi`: waited for in MPI's blocking call, recorded with
-        `recorder.enter` (the entry `recorder.leave` takes); else an OpRecord (`recorder.begin`).
-        The record keeps a send's or receive's `peer`. Every op passes here: it is kept short."""
+        all_to_all_v). `blocked`: a blocking op, recorded as the op this thread is blocked in
+        (`recorder.enter`; the monitor aborts the job on its timeout) and returned as the entry
+        `recorder.leave` takes; else an OpRecord (`recorder.begin`) that a wait polls. The record
+        keeps a send's or receive's `peer`. Every op passes here: it is kept short."""
         record_peer = peer if op == "send" or op == "recv" else None
         seq = self._seq
         self._seq = seq + 1
@@ -302,9 +290,9 @@ class Communicator:
             shape, dtype, nbytes = a.shape, a.dtype, a.nbytes
             if sent is not None or op != "broadcast" or peer == self.rank:
                 self.sent[op] += self._factor[op] * nbytes if sent is None else sent
-        if in_mpi:
+        if blocked:
             return watchdog.recorder.enter(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group)
-        return watchdog.recorder.begin(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group, blocking)
+        return watchdog.recorder.begin(self.name, seq, op, shape, dtype, nbytes, record_peer, self._group)
 
     def wait_any(self, handles: list) -> int:
         """Complete whichever of `handles` (this communicator's non-blocking host ops; None entries
@@ -366,11 +354,21 @@ class Communicator:
 
         In place on `a` when `a` is contiguous; otherwise on a contiguous copy.
         """
-        return self._iall_reduce(a, op, True, False)
+        plan = self._plans.get(("iall_reduce", a.shape, a.dtype, op))
+        if plan is None or type(a) is not np.ndarray or not a.flags.c_contiguous:
+            return self._iall_reduce(a, op, True, False)
+        if watchdog.check_every():
+            self._check_sequence("all_reduce", a)
+        request = plan[1](a, a)
+        record = self._begin("all_reduce", a)
+        return Handle(self._complete, (request, record, a, a, None, ()), request, record)
 
     def all_reduce(self, a, op: str = "sum"):
         """Elementwise sum/avg/max/min of `a` over the ranks (replicated result); `a` is not modified."""
-        return self._iall_reduce(a, op, False, True)
+        plan = self._plans.get(("all_reduce", a.shape, a.dtype, op))
+        if plan is None or type(a) is not np.ndarray or not a.flags.c_contiguous:
+            return self._iall_reduce(a, op, False, True)
+        return self._run(plan, a)
 
     def _iall_reduce(self, a, op: str, in_place: bool, now: bool):
         self._check_op("all_reduce", op, a)
@@ -380,7 +378,7 @@ class Communicator:
         if transport is None:
             return self._staged(self._iall_reduce, a, (op, in_place), now,
                                 a if in_place and a.flags.c_contiguous else None)
-        send = _contiguous(a)
+        send = contiguous(a)
         work = self._work_buffer(send, transport)
         if work is not send:  # reduce the upcast copy in place, cast back when finished
             send = recv = work
@@ -389,6 +387,9 @@ class Communicator:
             # split, `MpiTransport.start`) and every rank must issue the same ones
             recv = send if in_place else self._results.take(send.shape, send.dtype, transport.xp)
         finish = None if op != "avg" and recv.dtype == a.dtype else self._reduced
+        if finish is None and send is a and transport is self._host:
+            self._keep_plan(("all_reduce" if now else "iall_reduce", a.shape, a.dtype, op), "all_reduce", a, op,
+                            recv, now)
         return self._start("all_reduce", a, send, recv, transport, now, finish, (recv, a, op, in_place), op)
 
     def _reduced(self, recv, a, op: str, in_place: bool):
@@ -414,7 +415,10 @@ class Communicator:
 
     def reduce_scatter(self, a, dim: int = 0, op: str = "sum"):
         """Sum (or avg) over ranks, keeping part `rank` of `dim`: [.., n, ..] -> [.., n/size, ..]."""
-        return self._ireduce_scatter(a, dim, op, True)
+        plan = self._plans.get(("reduce_scatter", a.shape, a.dtype, dim, op))
+        if plan is None or type(a) is not np.ndarray or not a.flags.c_contiguous:
+            return self._ireduce_scatter(a, dim, op, True)
+        return self._run(plan, a)
 
     def _ireduce_scatter(self, a, dim: int, op: str, now: bool, out=None):
         self._check_op("reduce_scatter", op, a, allowed=("sum", "avg"))
@@ -422,15 +426,17 @@ class Communicator:
         if out is not None:
             self._check_out("reduce_scatter", a, dim, out, a.shape[0] // self.size)
         if self.size == 1:
-            return _ready(_alone(a, out), now)
+            return _ready(a if out is None else copied(a, out), now)  # size 1: nothing to do
         transport = self._transport(a)
         if transport is None:
             return self._staged(self._ireduce_scatter, a, (dim, op), now, out)
-        send = self._work_buffer(_to_front(a, dim), transport)
+        send = self._work_buffer(to_front(a, dim), transport)
         own = out is not None and out.dtype == send.dtype
         recv = out if own else self._results.take((send.shape[0] // self.size,) + send.shape[1:], send.dtype,
                                             transport.xp)
         finish = None if op != "avg" and not dim and recv.dtype == a.dtype else self._scattered
+        if now and finish is None and out is None and send is a and transport is self._host:
+            self._keep_plan(("reduce_scatter", a.shape, a.dtype, dim, op), "reduce_scatter", a, op, recv, True)
         return self._start("reduce_scatter", a, send, recv, transport, now, finish, (recv, a, dim, op, out), op)
 
     def _scattered(self, recv, a, dim: int, op: str, out):
@@ -441,7 +447,7 @@ class Communicator:
         if out is not None and recv is not out:
             out[...] = recv
             return out
-        return _from_front(recv.astype(a.dtype, copy=False), dim)
+        return from_front(recv.astype(a.dtype, copy=False), dim)
 
     def _check_out(self, what: str, a, dim: int, out, rows: int) -> None:
         """`out` must be a C-contiguous array of `a`'s dtype and the result's shape (dim 0 only)."""
@@ -464,21 +470,26 @@ class Communicator:
 
     def all_gather(self, a, dim: int = 0):
         """Concatenate every rank's `a` along `dim` in rank order: [.., m, ..] -> [.., size*m, ..]."""
-        return self._iall_gather(a, dim, True)
+        plan = self._plans.get(("all_gather", a.shape, a.dtype, dim))
+        if plan is None or type(a) is not np.ndarray or not a.flags.c_contiguous:
+            return self._iall_gather(a, dim, True)
+        return self._run(plan, a)
 
     def _iall_gather(self, a, dim: int, now: bool, out=None):
         dim = self._dim("all_gather", a, dim)
         if out is not None:
             self._check_out("all_gather", a, dim, out, a.shape[0] * self.size)
         if self.size == 1:
-            return _ready(_alone(a, out), now)
+            return _ready(a if out is None else copied(a, out), now)  # size 1: nothing to do
         transport = self._transport(a)
         if transport is None:
             return self._staged(self._iall_gather, a, (dim,), now, out)
-        send = _to_front(a, dim)
+        send = to_front(a, dim)
         recv = out if out is not None else self._results.take((send.shape[0] * self.size,) + send.shape[1:], send.dtype,
                                                         transport.xp)
-        return self._start("all_gather", a, send, recv, transport, now, _from_front if dim else None, (recv, dim))
+        if now and out is None and not dim and send is a and transport is self._host:
+            self._keep_plan(("all_gather", a.shape, a.dtype, dim), "all_gather", a, None, recv, True)
+        return self._start("all_gather", a, send, recv, transport, now, from_front if dim else None, (recv, dim))
 
     def iall_to_all(self, a, dim: int = 0) -> Handle:
         """Start an all-to-all; `wait()` returns an array shaped like `a` (see `all_to_all`)."""
@@ -496,9 +507,9 @@ class Communicator:
         transport = self._transport(a)
         if transport is None:
             return self._staged(self._iall_to_all, a, (dim,), now)
-        send = _to_front(a, dim)
+        send = to_front(a, dim)
         recv = self._results.take(send.shape, send.dtype, transport.xp)
-        return self._start("all_to_all", a, send, recv, transport, now, _from_front if dim else None, (recv, dim))
+        return self._start("all_to_all", a, send, recv, transport, now, from_front if dim else None, (recv, dim))
 
     def all_to_all_v(self, a, send_counts, recv_counts):
         """Rows of different lengths to every rank (MPI_Alltoallv): the first `send_counts[0]` rows
@@ -521,7 +532,7 @@ class Communicator:
             return _ready(a, now)
         if backend.is_device_array(a):
             return self._staged(self._iall_to_all_v, a, (send_counts, recv_counts), now)
-        send = _contiguous(a)
+        send = contiguous(a)
         row = math.prod(a.shape[1:])
         recv = self._results.take((sum(recv_counts),) + tuple(a.shape[1:]), a.dtype, np)
         elements = (np.array(send_counts, dtype=np.int64) * row, np.array(recv_counts, dtype=np.int64) * row)
@@ -546,8 +557,8 @@ class Communicator:
         transport = self._transport(a)
         if transport is None:
             return self._staged(self._ibroadcast, a, (root,), now, a)
-        buf = _contiguous(a)
-        return self._start("broadcast", a, buf, buf, transport, now, None if buf is a else _copied, (buf, a),
+        buf = contiguous(a)
+        return self._start("broadcast", a, buf, buf, transport, now, None if buf is a else copied, (buf, a),
                            peer=root)
 
     def isend(self, a, dest: int, tag: int = 0) -> Handle:
@@ -564,7 +575,7 @@ class Communicator:
         transport = self._transport(a)
         if transport is None:
             return self._staged(self._isend, a, (dest, tag), now)
-        return self._start("send", a, _contiguous(a), None, transport, now, peer=dest, tag=tag)
+        return self._start("send", a, contiguous(a), None, transport, now, peer=dest, tag=tag)
 
     def irecv(self, out, source: int, tag: int = 0) -> Handle:
         """Start receiving into `out` from rank `source`; `wait()` returns `out` filled."""
@@ -583,7 +594,7 @@ class Communicator:
         if out.flags.c_contiguous:
             return self._start("recv", out, None, out, transport, now, peer=source, tag=tag)
         buf = transport.xp.empty_like(out, order="C")
-        return self._start("recv", out, None, buf, transport, now, _copied, (buf, out), peer=source, tag=tag)
+        return self._start("recv", out, None, buf, transport, now, copied, (buf, out), peer=source, tag=tag)
 
     def isend_irecv(self, a, dest: int, out, source: int, send_tag: int = 0, recv_tag: int = 0
                     ) -> tuple[Handle, Handle]:
@@ -591,14 +602,20 @@ class Communicator:
         (send, receive) handles. On NCCL the two are one group: NCCL matches messages in posting
         order and a send waits for its receiver, so two ranks that each send, then receive, would
         wait on each other forever if posted one by one (`simulate.check_in_order_transport`).
-        On MPI, where tags match messages, it is an Isend and an Irecv."""
+        On MPI, where tags match messages, it is an Irecv and an Isend."""
         if not (0 <= dest < self.size and 0 <= source < self.size):
             self._check_rank("send", dest, "dest")
             self._check_rank("recv", source, "source")
+        if type(a) is np.ndarray and type(out) is np.ndarray and a.flags.c_contiguous and out.flags.c_contiguous:
+            # Host arrays as they are: both started before either is recorded (see `_start`).
+            send, receive = self._host.exchange(a, dest, send_tag, out, source, recv_tag)
+            sent, received = self._begin("send", a, dest), self._begin("recv", out, source)
+            return (Handle(self._complete, (send, sent, a, None, None, ()), send, sent),
+                    Handle(self._complete, (receive, received, None, out, None, ()), receive, received))
         transport = self._transport(a)
         if not isinstance(transport, NcclTransport) or self._transport(out) is not transport:
             return self._isend(a, dest, send_tag, False), self._irecv(out, source, recv_tag, False)
-        buf = _contiguous(a)
+        buf = contiguous(a)
         rbuf = out if out.flags.c_contiguous else transport.xp.empty_like(out, order="C")
         sent, received = self._begin("send", a, dest), self._begin("recv", out, source)
         request = transport.start_group([("send", buf, None, None, dest), ("recv", None, rbuf, None, source)])
@@ -608,7 +625,7 @@ class Communicator:
 
         def received_done(rbuf):
             wait_for(request, received, self._watched)
-            return out if rbuf is out else _copied(rbuf, out)
+            return out if rbuf is out else copied(rbuf, out)
         return Handle(sent_done, (buf,)), Handle(received_done, (rbuf,))
 
     def ibarrier(self) -> Handle:

@@ -6,11 +6,12 @@ buffers and finishes the result once for every transport; only the call that mov
 differs:
 
 - `MpiTransport`: host (NumPy) arrays with mpi4py's upper-case buffer methods, blocking or
-  non-blocking; a large polled all-reduce into a new array runs as `_SplitAllReduce`.
+  non-blocking; a large polled all-reduce into a new array runs as `_SplitAllReduce`. `starter`
+  works out once the call a repeated collective makes (the Communicator keeps it per shape).
 - `NcclTransport`: CuPy arrays over an NCCL communicator of the same ranks, on its own CUDA
   stream; its requests are CUDA events (`_EventRequest`). `nccl_possible` says whether every rank
   has its own GPU and NCCL loads (otherwise GPU arrays are staged through host memory).
-- `Handle`: a started op, completed by `wait()`.
+- `Handle`: a started op, completed by `wait()`; `bytes_sent`: the bytes an op sends.
 """
 
 from __future__ import annotations
@@ -73,6 +74,30 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all
          "barrier")
 
 
+def bytes_sent(op: str, nbytes: int, size: int) -> float:
+    """Bytes one rank sends for one op over `size` ranks whose input (as the op records it) is
+    `nbytes` long: what a bandwidth-optimal algorithm sends (ring or Rabenseifner; nccl-tests'
+    bus-bandwidth factors), whatever algorithm the MPI library picks.
+
+        all_reduce       2 (n-1)/n · S     (S = the whole array)
+        reduce_scatter     (n-1)/n · S     (S = the whole input, n parts)
+        all_gather         (n-1)   · S     (S = this rank's piece: it reaches n-1 others)
+        all_to_all         (n-1)/n · S     (S = the whole input: all parts but its own leave)
+        all_to_all_v       the rows that leave the rank (counted by the op itself, not here)
+        broadcast          S on the root, 0 elsewhere (the data that leaves the root)
+        send               S;  recv, barrier: 0
+    """
+    return send_factor(op, size) * nbytes
+
+
+def send_factor(op: str, n: int) -> float:
+    """bytes_sent(op, S, n) / S (a Communicator keeps it per op kind)."""
+    if n <= 1:
+        return 0.0
+    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1,
+            "all_to_all": (n - 1) / n, "send": 1.0, "broadcast": 1.0}.get(op, 0.0)
+
+
 class MpiTransport:
     """Host arrays over MPI's buffer methods (never pickled).
 
@@ -113,15 +138,9 @@ class MpiTransport:
 
     def start(self, kind: str, send, recv, op: str | None = None, peer: int | None = None, tag: int = 0,
               blocking: bool = False, counts: tuple | None = None):
+        if kind == "all_reduce" or kind == "reduce_scatter" or kind == "all_gather":
+            return self.starter(kind, recv.dtype, op, blocking, send is recv, send.size, recv.nbytes)(send, recv)
         call = getattr(self.comm, self._CALLS[kind][0 if blocking else 1])
-        if op is not None:  # all_reduce, reduce_scatter: [buffer, datatype]; MPI derives the counts
-            datatype = DTYPE_FACTS[recv.dtype][0]
-            if kind == "reduce_scatter" and not blocking:  # Ireduce_scatter: every rank's count
-                return call([send, datatype], [recv, datatype], [recv.size] * self.size, self._REDUCE_OPS[op])
-            if (kind == "all_reduce" and not blocking and send is not recv
-                    and recv.nbytes >= _SPLIT_ALL_REDUCE_BYTES and recv.size >= self.size):
-                return _SplitAllReduce(self, send, recv, datatype, self._REDUCE_OPS[op])
-            return call(MPI.IN_PLACE if send is recv else [send, datatype], [recv, datatype], self._REDUCE_OPS[op])
         if kind == "send":
             return call([send, DTYPE_FACTS[send.dtype][0]], peer, tag)
         if kind == "recv":
@@ -135,6 +154,36 @@ class MpiTransport:
             # [buffer, (counts, displacements), datatype] per side; counts in elements of the datatype.
             return call(*([buf, (c, _displacements(c)), datatype] for buf, c in zip((send, recv), counts)))
         return call(MPI.IN_PLACE if send is recv else [send, datatype], [recv, datatype])
+
+    def exchange(self, send, dest: int, send_tag: int, recv, source: int, recv_tag: int) -> tuple:
+        """Start receiving contiguous `recv` from `source` and sending contiguous `send` to `dest`
+        (the receive posted first, as MPI_Sendrecv does); returns the (send, receive) requests."""
+        comm = self.comm
+        receive = comm.Irecv([recv, DTYPE_FACTS[recv.dtype][0]], source, recv_tag)
+        return comm.Isend([send, DTYPE_FACTS[send.dtype][0]], dest, send_tag), receive
+
+    def starter(self, kind: str, dtype, op: str | None, blocking: bool, in_place: bool, elements: int,
+                nbytes: int) -> Callable:
+        """The call `(send, recv) -> request` (None when `blocking`) that starts an all_reduce,
+        reduce_scatter or all_gather on contiguous host buffers: `recv` of `dtype` and `nbytes`,
+        `send` of `elements` (`recv` itself when `in_place`). Worked out once per op, shape and
+        dtype and kept by the Communicator (`Communicator._plans`): each call then does nothing
+        before MPI but build the two buffer specs."""
+        call = getattr(self.comm, self._CALLS[kind][0 if blocking else 1])
+        datatype = DTYPE_FACTS[dtype][0]
+        if kind == "all_gather":
+            return lambda send, recv: call([send, datatype], [recv, datatype])
+        reduce_op = self._REDUCE_OPS[op]
+        if kind == "reduce_scatter":
+            if blocking:
+                return lambda send, recv: call([send, datatype], [recv, datatype], reduce_op)
+            counts = [elements // self.size] * self.size  # Ireduce_scatter: every rank's count
+            return lambda send, recv: call([send, datatype], [recv, datatype], counts, reduce_op)
+        if in_place:
+            return lambda send, recv: call(MPI.IN_PLACE, [recv, datatype], reduce_op)
+        if not blocking and nbytes >= _SPLIT_ALL_REDUCE_BYTES and elements >= self.size:
+            return lambda send, recv: _SplitAllReduce(self, send, recv, datatype, reduce_op)
+        return lambda send, recv: call([send, datatype], [recv, datatype], reduce_op)
 
 
 class _SplitAllReduce:

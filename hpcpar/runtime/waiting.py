@@ -5,7 +5,9 @@ watchdog's monitor thread watches them) unless this node runs more ranks than co
 else, non-blocking ops (`Handle.wait()`), GPU ops and blocking ops where ranks share cores, is
 completed by `wait_for`, one polling loop that yields the core to the ranks sharing it and raises
 `watchdog.CommTimeout` when the monitor reports a timeout (or, without a monitor, past the
-timeout on its own). `wait_any` polls several ops and completes the first that finishes.
+timeout on its own); blocking ops that poll use the same loop through `wait_blocked`, recorded
+as blocked-in like an op in MPI's own blocking call. `wait_any` polls several ops and completes
+the first that finishes.
 """
 
 from __future__ import annotations
@@ -63,29 +65,51 @@ def wait_for(request, record: watchdog.OpRecord, watched: bool) -> None:
     test = request.Test
     if not test():
         watchdog.recorder.waiting(record)
-        since = record.waiting
-        spin_until = since + max(_SPIN_S, record.nbytes / _SPIN_BYTES_PER_S)
-        limit = None  # read once the spinning is over: most waits end before
-        delay = _FIRST_SLEEP_S
-        polls = 0
-        yield_core = os.sched_yield
-        while not test():
-            polls += 1
-            if polls % _POLLS_PER_YIELD:
-                continue
-            if limit is None:  # spinning
-                if polls % _POLLS_PER_CLOCK or time.monotonic() < spin_until:
-                    yield_core()
-                    continue
-                limit = watchdog.timeout() + (watchdog.DELIVERY_GRACE_S if watched else 0.0)
-            now = time.monotonic()
-            if record.report is not None or now - since > limit:
-                error = watchdog.CommTimeout(record, now - since, record.report)
-                record.report = str(error)  # reported: the monitor leaves it alone from now on
-                raise error
-            time.sleep(delay)
-            delay = min(2 * delay, _MAX_SLEEP_S)
+        _poll(test, record.waiting, record.nbytes, watched, record)
     watchdog.recorder.end(record)
+
+
+def wait_blocked(request, entry: tuple) -> None:
+    """Poll `request.Test()` until done for a blocking op recorded as blocked-in (`entry`, from
+    `recorder.enter`; the caller `leave`s it): the cheapest record, for the blocking ops that poll
+    where ranks share cores. The monitor turns its timeout into a report and an abort, as for an
+    op blocked in MPI's own call; should none come (the monitor died), this raises CommTimeout on
+    its own past the timeout plus the delivery grace."""
+    test = request.Test
+    if not test():
+        _poll(test, entry[6], entry[5], True, None, entry)
+
+
+def _poll(test, since: float, nbytes: int, watched: bool, record: watchdog.OpRecord | None,
+          entry: tuple | None = None) -> None:
+    """The polling loop of `wait_for` and `wait_blocked`: call `test` until it returns True (see
+    the constants above for the cadence). An op waited for since `since` (time.monotonic()) with
+    `nbytes` to move; its `record` (an OpRecord, whose delivered report ends the wait) or, for a
+    blocked-in op, its recorder `entry`."""
+    spin_until = since + max(_SPIN_S, nbytes / _SPIN_BYTES_PER_S)
+    limit = None  # read once the spinning is over: most waits end before
+    delay = _FIRST_SLEEP_S
+    polls = 0
+    yield_core = os.sched_yield
+    while not test():
+        polls += 1
+        if polls % _POLLS_PER_YIELD:
+            continue
+        if limit is None:  # spinning
+            if polls % _POLLS_PER_CLOCK or time.monotonic() < spin_until:
+                yield_core()
+                continue
+            limit = watchdog.timeout() + (watchdog.DELIVERY_GRACE_S if watched else 0.0)
+        now = time.monotonic()
+        report = None if record is None else record.report
+        if report is not None or now - since > limit:
+            if record is None:
+                record = watchdog._blocked_record(entry)
+            error = watchdog.CommTimeout(record, now - since, report)
+            record.report = str(error)  # reported: the monitor leaves it alone from now on
+            raise error
+        time.sleep(delay)
+        delay = min(2 * delay, _MAX_SLEEP_S)
 
 
 def wait_any(handles: list) -> int:
