@@ -8,14 +8,18 @@ n, of which a rank keeps only its shard (`FlatParameter.shard`, the master copy 
 updates). Tensor parallelism is untouched: a tp rank's parameters are its tp shards, and ZeRO-3
 shards those flat over the shard group.
 
-    pre-forward (unit u)    all-gather u's flat parameters into a fresh buffer, point every
-                            `p.data` at its view of it (waits for a prefetch issued earlier);
-                            issue the non-blocking all-gather of the next unit (prefetch)
+    pre-forward (unit u)    issue the non-blocking all-gathers of u (unless prefetched) and of
+                            the next PREFETCH_DEPTH units (prefetch; those not yet in flight),
+                            then wait for u's, gathered into a fresh buffer: every `p.data` a
+                            view of it
     post-forward            free the gathered buffer (`reshard_after_forward`; otherwise keep it
-                            until u's backward: ZeRO-2's parameter memory, one gather fewer)
+                            until u's backward: ZeRO-2's parameter memory, one gather fewer);
+                            after the last unit, when the backward follows at once (no
+                            pipeline), issue the gathers of the backward's first units
     pre-backward            (an identity op on u's output calls it when u's output gradient
-                            arrives) gather u again, prefetch the unit before it, give u's flat
-                            parameters a zeroed full gradient buffer (every `p.grad` a view)
+                            arrives) gather u again, prefetch the PREFETCH_DEPTH units before it,
+                            give u's flat parameters a zeroed full gradient buffer (every
+                            `p.grad` a view)
     u's backward done       (every parameter of u has had its grad hook in this pass) free the
                             gathered buffer; on the last micro-batch the flat gradient is
                             reduce-scattered (average) into this rank's gradient shard as soon as
@@ -57,6 +61,7 @@ from typing import Any, Callable, Iterable
 
 from hpcpar import backend
 from hpcpar.runtime.comm import Communicator
+from hpcpar.runtime.topology import Axis
 from hpcpar.errors import ConfigError
 from hpcpar.optim.optimizers import AdamW
 from hpcpar.parallel.dp.buckets import Slot
@@ -218,7 +223,10 @@ class ShardedUnits:
         tied_comm: the embedding group the tied flats' gradient shards are summed over, or None.
         reshard_after_forward: free a unit's parameters after its forward (gather again for
             backward); False keeps them from forward to backward.
-        prefetch: issue the next unit's gather while the current one computes.
+        prefetch: issue the gathers of the next `PREFETCH_DEPTH` units while the current one
+            computes (forward and backward).
+        backward_follows: a chunk's backward starts right after its forward (no pipeline): the
+            end of the forward issues the gathers of the backward's first units.
 
     The model calls `pre_forward(name)`, `post_forward(name, backward)` and (from an identity op
     on the unit's output) `pre_backward(name)`; every parameter's grad hook calls `on_grad`.
@@ -234,13 +242,23 @@ class ShardedUnits:
     """
 
     MAX_IN_FLIGHT = 2  # reduce-scatters launched from hooks and not yet waited, at most
+    # Units whose gathers are issued ahead of the one computing. A non-blocking all-gather ends
+    # only once every rank of the group has issued it, so the depth is how far (in units) one
+    # rank may run ahead of the slowest before it waits: with ranks sharing cores (4 on 2,
+    # bench/zero.py) they drift by more than one unit, and prefetching one unit ahead hid 10-15 %
+    # of the all-gather wait, two about 50 %, three about 60 %, four no more than three. Driving
+    # MPI's progress between a unit's ops (a probe every few autograd ops) hid nothing more: the
+    # gathers were waiting for late ranks, not for progress. Memory: up to 1 + PREFETCH_DEPTH
+    # units gathered (config/memory.py).
+    PREFETCH_DEPTH = 3
 
     def __init__(self, units: Iterable[tuple[int, str, list]], comm: Communicator,
                  replicate: Communicator | None = None, tied: Iterable[str] = (),
                  tied_comm: Communicator | None = None, reshard_after_forward: bool = True,
-                 prefetch: bool = True):
+                 prefetch: bool = True, backward_follows: bool = False):
         self.comm, self.replicate, self.tied_comm = comm, replicate, tied_comm
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.backward_follows = backward_follows
         tied = set(tied)
         self.flats: list[FlatParameter] = []
         self.units: dict[str, Unit] = {}
@@ -286,33 +304,43 @@ class ShardedUnits:
                 p.register_grad_hook(self.on_grad)
 
     # -- gathers --------------------------------------------------------------------------------
-    def _acquire(self, unit: Unit) -> None:
+    def _acquire(self, unit: Unit, ahead: Unit | None, forward: bool) -> None:
+        """Gather `unit` (issuing its gathers unless prefetched), first issuing the prefetches from
+        `ahead` on, so that they are under way while this rank waits. `gather_wait_s` counts the
+        issue of the unit's own gathers and the wait for them, not the prefetches' issue."""
         t0 = time.perf_counter()
-        issued = False
-        for f in unit.flats:
-            issued |= f.start_gather()
-        if issued:
+        if any([f.start_gather() for f in unit.flats]):
             self.events.append(("gather", unit.name, t0))
+        t1 = time.perf_counter()
+        self._prefetch(ahead, forward)
+        t2 = time.perf_counter()
         for f in unit.flats:
             f.acquire()
-        self.gather_wait_s += time.perf_counter() - t0
+        self.gather_wait_s += (t1 - t0) + (time.perf_counter() - t2)
 
     def _release(self, unit: Unit) -> None:
         for f in unit.flats:
             f.release()
 
-    def _prefetch(self, unit: Unit | None) -> None:
-        if self.prefetch and unit is not None:
+    def _prefetch(self, unit: Unit | None, forward: bool) -> None:
+        """Issue the gathers of `unit` and the `PREFETCH_DEPTH - 1` units after it (before it in
+        backward), nearest first: every rank issues the same gathers in the same order."""
+        if not self.prefetch:
+            return
+        for _ in range(self.PREFETCH_DEPTH):
+            if unit is None:
+                return
             t = time.perf_counter()
             if any([f.start_gather() for f in unit.flats]):
                 self.events.append(("gather", unit.name, t))
+            unit = unit.next if forward else unit.prev
 
     # -- the model's hooks -------------------------------------------------------------------------
     def pre_forward(self, name: str) -> None:
-        """Before unit `name`'s forward: its parameters gathered; the next unit's gather issued."""
+        """Before unit `name`'s forward: the gathers of the next PREFETCH_DEPTH units issued, its own
+        parameters gathered."""
         unit = self.units[name]
-        self._acquire(unit)
-        self._prefetch(unit.next)
+        self._acquire(unit, unit.next, True)
         self.events.append(("forward_begin", name, time.perf_counter()))
 
     def post_forward(self, name: str, backward: bool) -> None:
@@ -328,16 +356,19 @@ class ShardedUnits:
             for f in self.flats:
                 if f.users == 0:
                     f.drop_prefetch()
+            if backward and self.backward_follows:  # its backward starts with this unit: gather ahead
+                self._prefetch(unit, False)
 
     def pre_backward(self, name: str) -> None:
         """When unit `name`'s output gradient arrives: its parameters gathered again (unless kept
-        from forward), the previous unit's gather issued, zeroed gradient buffers attached."""
+        from forward), the gathers of the PREFETCH_DEPTH units before it issued, zeroed gradient
+        buffers attached."""
         unit = self.units[name]
         if unit.held:
             unit.held -= 1  # the forward's gathered parameters, kept for this backward
+            self._prefetch(unit.prev, False)
         else:
-            self._acquire(unit)
-        self._prefetch(unit.prev)
+            self._acquire(unit, unit.prev, False)
         for f in unit.flats:
             f.ensure_grad()
         unit.hooked = 0
@@ -449,7 +480,8 @@ class FSDP(ShardedState, DataParallel):
             so that the model gathers its units.
         make_optimizer: builds the optimizer from this rank's segments.
         reshard_after_forward: free a unit's gathered parameters after its forward.
-        prefetch: issue the next unit's all-gather while the current one computes.
+        prefetch: issue the next units' all-gathers while the current one computes
+            (`ShardedUnits.PREFETCH_DEPTH` ahead).
 
     Attributes:
         unit_hooks: the `ShardedUnits`.
@@ -470,7 +502,8 @@ class FSDP(ShardedState, DataParallel):
         if missing:
             raise ConfigError(f"zero=3: parameters {missing[:3]} belong to no unit")
         self.unit_hooks = ShardedUnits(units, self.shard_comm, self.replicate_comm, self._tied,
-                                       self.embedding_comm, reshard_after_forward, prefetch)
+                                       self.embedding_comm, reshard_after_forward, prefetch,
+                                       backward_follows=mesh.size(Axis.PP) == 1)
         self.segments = self.unit_hooks.segments
         if self.embedding_comm is not None:
             self._check_tied_match([(f.size, f.dtype) for f in self.unit_hooks.flats if f.tied])
