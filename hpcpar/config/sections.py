@@ -71,6 +71,10 @@ class DataConfig:
                                   "documents; documents = the same windows, each document start inside one "
                                   "begins a segment attended on its own (positions from 0, no attention across, "
                                   "the target crossing a boundary left out of the loss)", ("none", "documents"))
+    balance: str = _field("none", "how a global batch's packed windows are dealt to dp ranks and micro-batches: "
+                                  "none = in sample-id order; attention = longest first onto the least loaded, "
+                                  "balancing attention work sum(len^2) per dp rank and micro-batch (needs "
+                                  "packing = documents)", ("none", "attention"))
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,12 @@ class TrainConfig:
     momentum: float = _field(0.9, "SGD momentum, 0 <= momentum < 1 (optimizer = \"sgd\" only)")
     bucket_mb: float = _field(25.0, "data-parallel gradient bucket size in MiB (> 0); with ps.servers, the size of "
                               "the push pieces sent during backward")
+    sparse_embedding: str = _field("auto", "untied embeddings (model.tie_embeddings = false), zero = 0, no "
+                                           "compression: auto = each step wte's gradient travels as (row id, row) "
+                                           "pairs of the rows touched when that is fewer bytes than the dense "
+                                           "all-reduce, else dense (the same choice on every rank); never = always "
+                                           "dense. ZeRO, FSDP, the parameter servers and compression: always dense",
+                                   ("auto", "never"))
     grad_compression: str = _field("none", "gradient compression on the data-parallel wire: none; fp16/bf16 = "
                                            "16-bit values summed in float32; int8 = blockwise absmax int8, two "
                                            "compressed phases; topk = the compression_ratio largest entries per "

@@ -183,7 +183,15 @@ def _check_model(cfg: Config) -> None:
 
 def _check_packing(cfg: Config) -> None:
     """data.packing = "documents" where document masking is built (data/packing.py, ring attention and
-    Ulysses included); the rest refused."""
+    Ulysses included); the rest refused. data.balance deals packed windows, and regroups the
+    micro-batches that MoE's capacity and balancing loss are computed over: not with experts."""
+    if cfg.data.balance != "none" and cfg.data.packing != "documents":
+        raise ConfigError(f"data.balance = \"{cfg.data.balance}\" deals packed documents: set data.packing = "
+                          "\"documents\" (or data.balance = \"none\")")
+    if cfg.data.balance != "none" and cfg.model.moe_experts:
+        raise ConfigError(f"data.balance = \"{cfg.data.balance}\" does not compose with model.moe_experts > 0: "
+                          "expert capacity and the balancing loss are per micro-batch, so regrouping windows "
+                          "changes the run; set data.balance = \"none\"")
     if cfg.data.packing != "documents":
         return
     why = ("ps.servers > 0: the parameter-server path is not checked with packed batches yet" if cfg.ps.servers else

@@ -9,7 +9,8 @@ document start to the next start) is attended as its own sequence:
 - positions restart at 0 at each segment start (`Documents.positions`);
 - a target that crosses a boundary (the token before a document start predicting that start,
   the window's last target included) is left out of the loss: it is set to -100, which
-  `cross_entropy` ignores, and each micro-batch's loss is the mean over its remaining targets.
+  `cross_entropy` ignores; a step's loss is the mean over the global batch's remaining targets
+  (the per-token loss, data/balance.py: each micro-batch's mean weighted by its share of them).
 
 So a packed batch's per-segment losses and gradients are those of the segments run alone.
 
@@ -39,13 +40,17 @@ class Documents:
     starts: one sorted int64 array per window (row), each beginning with 0, every entry in
         [0, block_size): the row's segment starts (window start, then document starts).
     block_size: T, the window length.
-    targets: how many targets of the windows the loss keeps (not crossing a boundary); context
-        parallelism weights each rank's loss by its share of them (needed there; None: not known).
+    targets: how many targets the loss keeps (not crossing a boundary) in the batch the loss is the
+        per-token mean of: these windows (`of_windows`), or a step's global batch (data/balance.py).
+    losses: how many micro-batch losses the trainer averages over that batch (cp ranks not counted:
+        1 for these windows, dp * microbatches for a global batch). `GPT._head` weights a loss over
+        kept_here targets by kept_here * losses * cp / targets.
     """
 
     starts: list
     block_size: int
-    targets: int | None = None
+    targets: int
+    losses: int = 1
 
     @classmethod
     def of_windows(cls, doc_starts: np.ndarray, window_starts: np.ndarray, block_size: int
@@ -107,15 +112,20 @@ def get_batch(dataset, split: str, seed: int, index: int, sample_ids, block_size
     x, y = sample(tokens, seed, index, sample_ids, block_size, positions)
     if packing == "none":
         return x, y
-    doc_starts = dataset.train_starts if train else dataset.val_starts
+    starts = corpus.window_starts(len(tokens), seed, index, sample_ids, block_size, stream=0 if train else 1)
+    documents, crossing = Documents.of_windows(document_starts(dataset, split), starts, block_size)
+    y[crossing if positions is None else crossing[:, positions]] = IGNORE
+    return x, y, documents
+
+
+def document_starts(dataset, split: str) -> np.ndarray:
+    """The document starts of `dataset`'s `split` ("train" or "val"); a one-line DataError without."""
+    doc_starts = dataset.train_starts if split == "train" else dataset.val_starts
     if doc_starts is None:
         raise DataError(f"data.packing = \"documents\" needs document boundaries, and {dataset.description} "
                         "has none; use a corpus directory, a token directory from `hpcpar data prepare`, "
                         "or data.packing = \"none\"")
-    starts = corpus.window_starts(len(tokens), seed, index, sample_ids, block_size, stream=0 if train else 1)
-    documents, crossing = Documents.of_windows(doc_starts, starts, block_size)
-    y[crossing if positions is None else crossing[:, positions]] = IGNORE
-    return x, y, documents
+    return doc_starts
 
 
 def split_starts(starts: np.ndarray, n_tokens: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:

@@ -11,7 +11,9 @@ Conv1D, weight [in, out], where hpcpar stores nn.Linear's [out, in]; c_attn, att
 and mlp.c_proj weights are transposed both ways. HF's names are hpcpar's under ``transformer.``
 (files from the hub may lack the prefix; both are read). The LM head is wte: export leaves
 ``lm_head.weight`` out, as ``save_pretrained`` does (the config says ``tie_word_embeddings``),
-and import accepts it only when it equals wte. Biases hpcpar's ``model.bias = false`` drops are
+and import accepts it only when it equals wte. An untied model (``model.tie_embeddings = false``)
+exports its ``lm_head.weight`` with ``tie_word_embeddings: false``, and a file whose config.json
+says so imports untied when its ``lm_head.weight`` differs from wte. Biases hpcpar's ``model.bias = false`` drops are
 exported as zeros, which is the same function.
 
 An imported checkpoint holds the weights only (meta ``weights_only``): `hpcpar sample` and
@@ -57,6 +59,8 @@ def _model_names(cfg: GPTConfig) -> dict[str, tuple]:
     c, v, t = cfg.n_embd, cfg.vocab_size, cfg.block_size
     names = {"transformer.wte.weight": (v, c), "transformer.wpe.weight": (t, c),
              "transformer.ln_f.weight": (c,), "transformer.ln_f.bias": (c,)}
+    if not cfg.tie_embeddings:
+        names["lm_head.weight"] = (v, c)
     for i in range(cfg.n_layer):
         p = f"transformer.h.{i}."
         names.update({p + "ln_1.weight": (c,), p + "ln_1.bias": (c,), p + "ln_2.weight": (c,), p + "ln_2.bias": (c,),
@@ -75,7 +79,7 @@ def _hf_config(cfg: GPTConfig, tok: dict | None, dtype: str) -> dict:
            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": 0.0,  # no attention dropout
            "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-           "tie_word_embeddings": True, "use_cache": True, "torch_dtype": dtype}
+           "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "torch_dtype": dtype}
     # Written even when None: transformers' GPT2Config otherwise fills in GPT-2's 50256, an id a
     # smaller vocabulary does not have (and warns about).
     out["bos_token_id"] = out["eos_token_id"] = end_of_text_id(tok)
@@ -267,9 +271,14 @@ def import_(src: str, out: str, n_head: int | None = None, tokenizer_file: str |
         if not isinstance(hf, dict):
             raise CheckpointError(f"{os.path.join(where, 'config.json')}: not a model config (a JSON object expected)")
     cfg = _architecture(hf, tensors, n_head, src)
-    head = tensors.pop("lm_head.weight", None)
+    head = tensors.get("lm_head.weight")
     if head is not None and not np.array_equal(head, tensors["transformer.wte.weight"]):
-        raise CheckpointError(f"{src}: lm_head.weight differs from wte; hpcpar ties the LM head to the embedding")
+        if hf is None or hf.get("tie_word_embeddings", True):
+            raise CheckpointError(f"{src}: lm_head.weight differs from wte, and no config.json says "
+                                  "tie_word_embeddings: false; hpcpar ties the LM head to the embedding")
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)  # an untied head: kept as lm_head.weight
+    else:
+        tensors.pop("lm_head.weight", None)
     expected = _model_names(cfg)
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))

@@ -2,7 +2,11 @@
 
 Layout of activations: idx [B, T] int -> h [B, T, C] -> logits [B, T, V].
 Pre-LayerNorm blocks: h = h + attn(ln_1(h)); h = h + mlp(ln_2(h)). The LM head is
-tied to `transformer.wte.weight`.
+tied to `transformer.wte.weight` (`model.tie_embeddings`, the default), or with
+`tie_embeddings = false` a weight of its own, `lm_head.weight` [V, C] (vocab-parallel under tp
+like wte), initialised N(0, 0.02) from its own name's seed stream: wte's gradient then comes
+from the lookup alone and is nonzero only in the rows of the tokens seen (`Parameter.sparse_grad`,
+which the data-parallel sync may send as rows: parallel/dp/sparse.py).
 
 With a tensor-parallel communicator of size tp > 1 the blocks, wte and the head are the
 layers of `parallel/tp/layers.py` (same names, parameters are shards of the same global
@@ -11,10 +15,11 @@ and output) are sequence shards [B, T/tp, C].
 
 A pipeline stage is `GPT(config, layers=range(a, b), embed=..., head=...)`: blocks
 keep their global index in their names (`transformer.h.5.attn.c_attn.weight`), so a
-stage's parameters are named exactly as in the whole model. When the head lives on a
+stage's parameters are named exactly as in the whole model. When the (tied) head lives on a
 stage without the embedding, it owns a copy `lm_head.weight` with
 `tied_to = "transformer.wte.weight"`, initialised identically; the pipeline keeps
-the two equal by summing their gradients.
+the two equal by summing their gradients. An untied head's `lm_head.weight` is a plain
+parameter on whichever stage holds the head.
 
 Packed documents (`data.packing`): `forward(x, targets, documents=...)` with a
 `data.packing.Documents` runs every segment of a window as its own sequence: positions from its
@@ -102,6 +107,9 @@ class GPTConfig:
     moe_aux_loss: float = field(0.01, "load-balancing loss weight alpha: alpha * E * sum_i f_i P_i (Switch), f_i "
                                       "counted before dropping; 0 = off")
     moe_z_loss: float = field(0.0, "router z-loss weight beta: beta * mean(logsumexp(router logits)^2); 0 = off")
+    tie_embeddings: bool = field(True, "the LM head is wte (GPT-2); false: a weight of its own, lm_head.weight "
+                                       "[V, C] (init N(0, 0.02)), so wte's gradient is nonzero only in the rows of "
+                                       "the tokens a batch holds (train.sparse_embedding)")
     preset: str = field("", "named architecture whose shape keys (vocab_size, block_size, n_layer, n_head, "
                             "n_embd, bias) apply unless given explicitly: \"gpt2\" = GPT-2 small, 124M "
                             "(50257, 1024, 12, 12, 768, true); \"\" = none", ("", *PRESETS))
@@ -142,8 +150,9 @@ class GPTConfig:
         return self.vocab_rows(tp) * self.n_embd + self.block_size * self.n_embd
 
     def head_params(self, tp: int = 1, tied: bool = True) -> int:
-        """ln_f, plus the LM head's own copy of wte ([ceil(V/tp), C]) unless it is `tied` to the wte
-        of the same module (a pipeline stage with the head but not the embedding holds the copy)."""
+        """ln_f, plus the LM head's own weight ([ceil(V/tp), C]) unless it is `tied` to the wte
+        of the same module (a pipeline stage with the head but not the embedding holds a copy; an
+        untied model's head always holds its own: `stage_params` passes tied=False then)."""
         return self.n_embd * (1 + int(self.bias)) + (0 if tied else self.vocab_rows(tp) * self.n_embd)
 
     def stage_params(self, n_blocks, embed: bool = True, head: bool = True, tp: int = 1, ep: int = 1) -> int:
@@ -153,20 +162,22 @@ class GPTConfig:
         blocks = range(n_blocks) if isinstance(n_blocks, int) else n_blocks
         moe = self._moe_blocks(blocks)
         return ((len(blocks) - moe) * self.block_params(tp) + moe * self.block_params(tp, 0, ep)
-                + (self.embedding_params(tp) if embed else 0) + (self.head_params(tp, tied=embed) if head else 0))
+                + (self.embedding_params(tp) if embed else 0)
+                + (self.head_params(tp, tied=embed and self.tie_embeddings) if head else 0))
 
     def _moe_blocks(self, blocks) -> int:
         """How many of `blocks` (global indices) have an MoE layer (block 0 has one when any does)."""
         return sum(1 for i in blocks if self.is_moe(i)) if self.moe_experts else 0
 
     def num_params(self, tp: int = 1, ep: int = 1) -> int:
-        """The whole model (tied head), on one tp rank of `tp` (and ep rank of `ep`); tp = 1: nanoGPT's
-        12 L C^2 + 13 L C + V C + T C + 2 C with bias."""
+        """The whole model (+ V C for an untied head), on one tp rank of `tp` (and ep rank of `ep`); tp = 1: nanoGPT's
+        12 L C^2 + 13 L C + V C + T C + 2 C with bias (tied)."""
         return self.stage_params(self.n_layer, tp=tp, ep=ep)
 
     def non_embedding_params(self) -> int:
-        """The N of MFU's 6 N: every parameter outside wte/wpe (the tied head adds none) that a
-        token uses: of an MoE layer, the router and top_k experts."""
+        """The N of MFU's 6 N: every parameter outside wte/wpe and the LM head's weight (tied or
+        not: the count does not change with `tie_embeddings`) that a token uses: of an MoE layer,
+        the router and top_k experts."""
         moe = self._moe_blocks(range(self.n_layer))
         return ((self.n_layer - moe) * self.block_params() + moe * self.block_params(1, 0, active=True)
                 + self.head_params())
@@ -344,6 +355,8 @@ class GPT(Module):
         self.transformer = Transformer()
         if embed:
             self.transformer.wte = layer_set.wte(cfg)
+            # Untied: wte's gradient is the lookup's scatter, nonzero only in the rows looked up.
+            self.transformer.wte.weight.sparse_grad = not cfg.tie_embeddings
             self.transformer.wpe = Embedding(cfg.block_size, cfg.n_embd, cfg.dtype)
             # Under sequence parallelism a tp rank adds only its tokens' rows (`layer_set.positions`).
             self.transformer.wpe.weight.sequence_parallel = self.sequence_parallel
@@ -354,13 +367,13 @@ class GPT(Module):
             for i in self.layer_ids])
         if head:
             self.transformer.ln_f = layer_set.norm(cfg)
-            if embed:
+            if embed and cfg.tie_embeddings:
                 object.__setattr__(self, "head_weight", self.transformer.wte.weight)
-            else:
+            else:  # the tied copy of a stage without the embedding, or an untied head's own weight
                 layout = layer_set.vocab_layout(cfg)
                 self.lm_head = Module()
-                self.lm_head.weight = Parameter(backend.xp.zeros(layout.local_shape, dtype=cfg.dtype),
-                                                layout, tied_to="transformer.wte.weight")
+                self.lm_head.weight = Parameter(backend.xp.zeros(layout.local_shape, dtype=cfg.dtype), layout,
+                                                tied_to="transformer.wte.weight" if cfg.tie_embeddings else None)
                 object.__setattr__(self, "head_weight", self.lm_head.weight)
         self.init_weights(seed)
 
@@ -390,7 +403,9 @@ class GPT(Module):
     # -- initialisation -----------------------------------------------------------------
     def init_weights(self, seed: int) -> None:
         """GPT-2 init: N(0, 0.02) weights and embeddings, residual projections
-        N(0, 0.02/sqrt(2 n_layer)), zero biases, LayerNorm weight 1."""
+        N(0, 0.02/sqrt(2 n_layer)), zero biases, LayerNorm weight 1. Each tensor's values come
+        from the stream of its global name (a tied copy: the weight it mirrors'), so an untied
+        `lm_head.weight` is N(0, 0.02) of its own."""
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
             key = p.tied_to or name
@@ -404,7 +419,7 @@ class GPT(Module):
     def fsdp_units(self) -> list[tuple[str, list]]:
         """The units ZeRO-3 gathers as one, in forward order: (name, [(global name, Parameter)]
         it uses): "embedding" (wte, wpe), "h.<i>" per block, "head" (ln_f and the LM head's
-        weight: wte itself when this module holds the embedding too)."""
+        weight: wte itself when this module holds the embedding too and it is tied)."""
         units = []
         if self.embed:
             units.append(("embedding", [(f"transformer.wte.{n}", p) for n, p in self.transformer.wte.named_parameters()]
@@ -414,7 +429,7 @@ class GPT(Module):
                                                for n, p in block.named_parameters()]))
         if self.head:
             head = [(f"transformer.ln_f.{n}", p) for n, p in self.transformer.ln_f.named_parameters()]
-            name = "transformer.wte.weight" if self.embed else "lm_head.weight"
+            name = "transformer.wte.weight" if self.embed and self.config.tie_embeddings else "lm_head.weight"
             units.append(("head", head + [(name, self.head_weight)]))
         return units
 
@@ -509,7 +524,7 @@ class GPT(Module):
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
         tok = self.transformer.wte(idx)   # [B, T, C], or [B, T/tp, C] under sequence parallelism
-        if self.documents is not None:
+        if self.documents is not None and not self.documents.whole:  # (whole: positions 0..T-1 as unpacked)
             rows = self.documents.positions()                  # [B, T] of the whole windows
             if self.cp is not None:                            # my tokens' columns (`cp.positions`)
                 rows = rows[:, self.cp.positions(rows.shape[1])]
@@ -540,8 +555,10 @@ class GPT(Module):
             targets = backend.array_module(self.head_weight.data).asarray(
                 targets.data if isinstance(targets, Tensor) else targets)
         out = self.layer_set.lm_head(self.transformer.ln_f(h), self.head_weight, targets)
-        if targets is None or self.cp is None or self.documents is None:
+        if targets is None or self.documents is None:
             return out
-        # The cp ranks' losses are averaged, each the mean over its own targets; packed, they keep
-        # different numbers of them, so mine counts by its share of the whole windows' targets.
-        return out * (int((targets != IGNORE).sum()) * self.cp.size / self.documents.targets)
+        # The trainer averages the micro-batch (and cp ranks') losses, each the mean over its own
+        # targets; packed, they keep different numbers of them, so mine counts by its share of the
+        # batch's kept targets: the per-token loss (data/balance.py).
+        cp = self.cp.size if self.cp is not None else 1
+        return out * (int((targets != IGNORE).sum()) * cp * self.documents.losses / self.documents.targets)

@@ -32,9 +32,12 @@ class Parameter(Tensor):
         tp_partial_grad: (sequence_parallel only) `.grad` stays this tp rank's part, and the
             training step sums it over tp once per step (`DataParallel`); False: the model sums
             it at every use (f, `mappings.sequence_parallel_param`).
+        sparse_grad: the gradient is nonzero only in the rows of [rows, ...] the forward looked up
+            (an untied embedding, `model.tie_embeddings = false`): the data-parallel sync may send
+            those rows alone (parallel/dp/sparse.py).
     """
 
-    __slots__ = ("layout", "no_decay", "tied_to", "expert", "sequence_parallel", "tp_partial_grad")
+    __slots__ = ("layout", "no_decay", "tied_to", "expert", "sequence_parallel", "tp_partial_grad", "sparse_grad")
 
     def __init__(self, data, layout: Layout | None = None, no_decay: bool = False,
                  tied_to: str | None = None, expert: bool = False):
@@ -48,6 +51,7 @@ class Parameter(Tensor):
         self.expert = expert
         self.sequence_parallel = False
         self.tp_partial_grad = False
+        self.sparse_grad = False
 
     def __repr__(self) -> str:
         return f"Parameter(shape={self.shape}, global={self.layout.global_shape}, dtype={self.dtype})"

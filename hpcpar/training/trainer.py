@@ -34,7 +34,7 @@ from hpcpar.config.load import to_toml
 from hpcpar.config.memory import estimate_memory
 from hpcpar.config.sections import Config, TrainConfig
 from hpcpar.config.validate import slow_ranks, validate
-from hpcpar.data import corpus, formats, packing, tokenizer
+from hpcpar.data import balance, corpus, formats, packing, tokenizer
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.launch.jobs import REQUEUE_STATUS  # checkpoint saved, requeue me: what the job templates test for
 from hpcpar.optim.loss_scale import LossScaler
@@ -154,6 +154,8 @@ class Trainer:
         self.dataset = (formats.load(cfg.data, cfg.model.vocab_size, self.mesh.world) if tokens is None
                         else formats.from_tokens(tokens, cfg.data.val_fraction))
         self.train_tokens, self.val_tokens = self.dataset.train, self.dataset.val
+        self.global_batches = balance.GlobalBatches(self.dataset, cfg.data, t, cfg.model.block_size,
+                                                    self.mesh.size(Axis.DP), self.mesh.rank(Axis.DP), self.positions)
         self.tokens_per_step = self.mesh.size(Axis.DP) * t.micro_batch_size * t.microbatches * cfg.model.block_size
         self.step = 0  # the next step to run
         self.save_in_flight = None  # checkpoint.save.SaveHandle of an asynchronous save not yet committed
@@ -218,6 +220,7 @@ class Trainer:
         return (ExpertDataParallel if cfg.model.moe_experts else make_gradient_sync)(
             self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
             compression=compression, zero=t.zero, make_optimizer=optimizer_factory(t),
+            sparse_embedding=t.sparse_embedding,
             units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward,
             local_tied=self.placement.holder(0)[0] == self.placement.holder(n_virtual - 1)[0], **alone)
 
@@ -270,25 +273,21 @@ class Trainer:
                 f"x pp={self.mesh.size(Axis.PP)}{zero}{ep}{sync}{ps_text(self.cfg)}")
 
     # -- data ------------------------------------------------------------------------------
-    def sample_ids(self) -> list[range]:
-        """Global sample ids of this dp rank's micro-batches, one range of micro_batch_size ids
-        per micro-batch (see data.microbatch_sample_ids). The same ids serve every training step,
-        its dropout masks and every evaluation batch: only the key (step or batch index) changes."""
-        t = self.cfg.train
-        dp, d = self.mesh.size(Axis.DP), self.mesh.rank(Axis.DP)
-        return [corpus.microbatch_sample_ids(d, dp, t.micro_batch_size, j) for j in range(t.microbatches)]
+    def sample_ids(self, step: int | None = None) -> list:
+        """Global sample ids of this dp rank's micro-batches of training step `step`, one array of
+        micro_batch_size ids per micro-batch, which also key its dropout masks; dealt by data.balance
+        (data/balance.py); None: the sample-id order (corpus.microbatch_sample_ids), data.balance "none"'s."""
+        return self.global_batches.sample_ids("train", step)
 
     def microbatches(self, step: int) -> list:
         """This dp rank's micro-batches of global step `step`: (x, y), int64 [B, T] each (and packed, the
         `Documents`: data/packing.py); under context parallelism only this rank's tokens, [B, T/cp]."""
-        t = self.cfg.train
-        return [packing.get_batch(self.dataset, "train", t.seed, step, ids, self.cfg.model.block_size, self.positions,
-                                  self.cfg.data.packing) for ids in self.sample_ids()]
+        return self.global_batches.batches("train", step, self.sample_ids(step))
 
     def _global_mean_loss(self, losses: list, microbatches: int) -> float:
         """Mean loss over the global batch, the same float on every rank (one world all-reduce) from
         this rank's micro-batch `losses` (last stage, tp rank 0; [] elsewhere), `microbatches` per dp
-        rank. Each cp rank's loss is the mean over its T/cp tokens: their average is the whole mean."""
+        rank. Each cp rank's loss is the mean over its T/cp tokens (packed: weighted, data/balance.py)."""
         local = np.array([float(sum(losses)) if self.is_loss_reporter else 0.0])
         total = self.mesh.world.all_reduce(local, op="sum")
         return float(total[0]) / (self.mesh.size(Axis.DP) * self.mesh.size(Axis.CP) * microbatches)
@@ -315,7 +314,7 @@ class Trainer:
         t = self.cfg.train
         batches = self.microbatches(step)
         if self.cfg.model.dropout:  # masks are keyed by (seed, step, sample id), not by rank
-            self.executor.rng_contexts = [(t.seed, step, list(ids)) for ids in self.sample_ids()]
+            self.executor.rng_contexts = [(t.seed, step, list(ids)) for ids in self.sample_ids(step)]
         self.executor.loss_scale = scale
         for stage in self.stages:  # aux losses get the main loss's gradient: the executor's scale / m
             for moe in stage.moe_layers():
@@ -392,10 +391,7 @@ class Trainer:
         (dp * micro_batch_size * microbatches), drawn from the validation stream, so the
         figure depends on the global batch, not on the mesh.
         """
-        t = self.cfg.train
-        eval_batches = [packing.get_batch(self.dataset, "val", t.seed, i, ids, self.cfg.model.block_size,
-                                          self.positions, self.cfg.data.packing)
-                        for i in range(batches) for ids in self.sample_ids()]
+        eval_batches = [b for i in range(batches) for b in self.global_batches.batches("val", i)]
         return self._global_mean_loss(self.forward_losses(eval_batches), len(eval_batches))
 
     def forward_losses(self, batches: list) -> list:
@@ -504,7 +500,7 @@ class Trainer:
         mfu = peak.mfu(tok_s * model_flops)
         record = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                   "tokens_per_s": tok_s, "mfu": mfu, "step_time_s": elapsed, "skipped": result.skipped,
-                  **result.traffic, **result.moe}
+                  **result.traffic, **result.moe, **self.global_batches.figures(step)}
         if self.scaler is not None:
             record.update(loss_scale=result.loss_scale, overflow=result.overflow)
         if result.staleness is not None:

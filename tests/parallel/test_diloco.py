@@ -114,8 +114,8 @@ def reference_diloco(overrides: list, replicas: int, shards: int, steps: int) ->
         tr = make(overrides + ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1", "mesh.cp=1", "mesh.dp_replicate=1",
                                "train.sync=step", "train.sync_fragments=1", "train.sync_delay=0", "train.sync_mix=0"],
                   MPI.COMM_SELF, mbs=MBS * shards)
-        tr.sample_ids = (lambda r=r: [range((j * dp + r * shards) * MBS, (j * dp + r * shards + shards) * MBS)
-                                      for j in range(M)])
+        tr.sample_ids = (lambda step=None, r=r: [range((j * dp + r * shards) * MBS,
+                                                       (j * dp + r * shards + shards) * MBS) for j in range(M)])
         trainers.append(tr)
     params = [dict(tr.named_parameters) for tr in trainers]
     names = sorted(params[0])

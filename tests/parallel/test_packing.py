@@ -21,7 +21,7 @@ from collective import collective_assert, training_problems
 from hpcpar.autograd.attention import document_attention
 from hpcpar.autograd.tensor import Tensor
 from hpcpar.config.load import load_config
-from hpcpar.data import formats, packing
+from hpcpar.data import balance, formats, packing
 from hpcpar.parallel.cp.attention import ContextParallel
 from hpcpar.runtime.comm import Communicator
 from hpcpar.training.trainer import Trainer
@@ -69,6 +69,16 @@ LAYOUTS = {
                          "model.dropout=0.1"], 2),
     "cp2-tp2-ulysses": (["mesh.cp=2", "mesh.tp=2", "mesh.cp_impl=ulysses", "mesh.pp=1"], 2),
     "cp2-pp2-ring-1f1b": (["mesh.cp=2", "mesh.pp=2", "pipeline.schedule=1f1b"], 2),
+}
+
+
+# data.balance = "attention": the global batch's windows dealt by attention work, so the grouping
+# into (dp rank, micro-batch) differs from the one-process run's; the per-token loss does not.
+BALANCED = {
+    "dp4": (["mesh.dp=4", "mesh.pp=1", "model.dropout=0.1"], 1),
+    "dp2-tp2": (["mesh.dp=2", "mesh.tp=2", "mesh.pp=1"], 2),
+    "pp2-dp2-1f1b": (["mesh.dp=2", "mesh.pp=2", "pipeline.schedule=1f1b"], 2),
+    "cp2-dp2-ring": (["mesh.cp=2", "mesh.dp=2", "mesh.pp=1", "model.dropout=0.1"], 2),
 }
 
 
@@ -126,6 +136,24 @@ def test_packed_mixed_precision_tracks_the_one_process_run(precision, mesh):
     problems = (training_problems(results, ref_steps, {}, {}, ULP[precision] / 4)
                 + training_problems([], [], params, ref_params, 2 * ULP[precision]))
     collective_assert(not any(r.skipped for r in results) and not problems, f"{precision}: {problems[:3]}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(SIZE != 4, reason="the layouts of 4 ranks")
+@pytest.mark.parametrize("name", list(BALANCED))
+def test_balanced_packed_training_matches_single_process(name):
+    """Dealt by attention work, equal to the one-process run dealt in sample-id order (whose
+    micro-batches group the windows otherwise): the per-token loss does not depend on the grouping."""
+    overrides, m = BALANCED[name]
+    dp = dp_of(overrides)
+    results, params = run(overrides + [f"train.microbatches={m}", "data.balance=attention"])
+    ref_steps, ref_params = reference(model_overrides(overrides) + (f"train.microbatches={dp * m}",))
+    problems = training_problems(results, ref_steps, params, ref_params, RTOL)
+    dealt = balance.deal(DATA, "train", 7, 0, dp, m, 2, 16, "documents", "attention")
+    if {frozenset(ids.tolist()) for ids in dealt.ids.reshape(-1, 2)} == \
+            {frozenset(ids.tolist()) for ids in balance.in_order(dp, m, 2).reshape(-1, 2)}:
+        problems.append("the dealing is the sample-id order's grouping: nothing here is regrouped")
+    collective_assert(not problems, f"{name}: " + "; ".join(problems[:3]))
 
 
 @pytest.mark.timeout(120)

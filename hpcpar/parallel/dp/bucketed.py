@@ -9,6 +9,9 @@ it after `compression.start_step` warm-up steps. Without HSDP the buckets are co
 dp x cp; with HSDP the shard group reduce-scatters uncompressed and the compressor averages the
 shards over dp_replicate (except PowerSGD, which factors whole matrices: over all of dp x cp).
 The compressor's residuals and PowerSGD Qs go into checkpoints (compression/state.py).
+
+A strategy may keep row-sparse gradients out of the buckets (`_sparse_rows`: DDP's untied
+embedding, synced as (row id, row) pairs or dense each step after the buckets, sparse.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from hpcpar.parallel.dp.buckets import BucketManager, CompressedReduction, Reduc
 from hpcpar.parallel.dp.compression.compressors import BucketSpec, Compression, SpecSlot, make_compressor
 from hpcpar.parallel.dp.compression.state import CompressionState
 from hpcpar.parallel.dp.data_parallel import DataParallel, distinct_nbytes
+from hpcpar.parallel.dp.sparse import SparseRows
 from hpcpar.state import key_of
 
 _MIB = 1 << 20
@@ -64,6 +68,8 @@ class BucketedDataParallel(DataParallel):
                 scatter=self.shard_comm if self._compress_replicas else None,
                 part_comm=self.shard_comm if self.shards_parts else None)
         self._tp_summed_per_bucket = self.compressor is not None and bool(self._sequence_parallel)
+        self._sparse = self._sparse_rows(named)  # synced apart from the buckets (sparse.py)
+        named = [(n, p) for n, p in named if all(p is not s.param for s in self._sparse)]
         assignments = self._assign_buckets(named, bucket_mb)
         self.reducer = BucketManager(named, assignments, reduction, tied_comm=self.embedding_comm,
                                      overlap=overlap, release=release,
@@ -78,6 +84,10 @@ class BucketedDataParallel(DataParallel):
     @abc.abstractmethod
     def _plain_reduction(self) -> Reduction:
         """How a bucket travels uncompressed."""
+
+    def _sparse_rows(self, named: list[tuple[str, Any]]) -> list[SparseRows]:
+        """The row-sparse gradients this strategy syncs apart from the buckets (none by default)."""
+        return []
 
     def _assign_buckets(self, named: list[tuple[str, Any]], bucket_mb: float) -> list:
         """The bucket assignments: padded to a multiple of the shard group (ZeRO's parts) or of dp x cp
@@ -147,6 +157,8 @@ class BucketedDataParallel(DataParallel):
             warm_up = step is not None and step < self.compression.start_step
             self.reducer.set_reduction(self._plain if warm_up else self._compressed)
         self.reducer.begin_step(microbatches)
+        for rows in self._sparse:
+            rows.begin_step()
 
     @property
     def compressing(self) -> bool:
@@ -156,6 +168,8 @@ class BucketedDataParallel(DataParallel):
     def _reduce(self) -> None:
         self._sum_local_tied([(a.grad, b.grad) for a, b in self._local_tied])
         self.reducer.finish_backward()
+        for rows in self._sparse:  # after the buckets, in the same order on every rank
+            rows.reduce()
 
     def _sum_bucket_over_tp(self, bucket) -> None:
         """Before bucket `bucket`'s (compressed) reduction: its sequence-parallel gradients summed over tp."""
@@ -177,6 +191,6 @@ class BucketedDataParallel(DataParallel):
         state = [v for st in self.optimizer.state_dict()["state"] for v in st.values()]
         params = distinct_nbytes((p.data for p in self.params), seen)
         grads = distinct_nbytes((b.grad for b in self.buckets), seen) + distinct_nbytes(
-            (b.part_buffer for b in self.buckets), seen)
+            (b.part_buffer for b in self.buckets), seen) + distinct_nbytes((r.grad for r in self._sparse), seen)
         return {"parameters": params, "gradients": grads, "optimizer": distinct_nbytes(state, seen), "gathered": 0}
 

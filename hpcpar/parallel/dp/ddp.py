@@ -5,6 +5,11 @@ Every bucket is averaged in place over dp x cp (`AllReduceAvg`, or a compressor'
 form), so after `finish_backward` each `.grad` holds the averaged gradient and every replica
 takes the identical optimizer step (PyTorch DDP, arXiv 2006.15704). A checkpoint gets every
 parameter and its optimizer state whole from every replica, and writes each block once.
+
+A row-sparse gradient (`Parameter.sparse_grad`: an untied wte) stays out of the buckets when
+`sparse_embedding = "auto"`, there is more than one replica and no compressor: each step it is
+averaged as (row id, row) pairs when those are fewer bytes than the dense all-reduce, else
+dense (sparse.py; `embedding_sync` has the figures).
 """
 
 from __future__ import annotations
@@ -20,21 +25,23 @@ from hpcpar.parallel.dp.bucketed import BucketedDataParallel
 from hpcpar.parallel.dp.buckets import AllReduceAvg
 from hpcpar.parallel.dp.clipping import counts_toward_norm
 from hpcpar.parallel.dp.compression.compressors import Compression
+from hpcpar.parallel.dp.sparse import SparseRows, dense_bytes
 from hpcpar.state import key_of
 
 
 class DDP(BucketedDataParallel):
     """Replicated data parallelism: bucketed all-reduce, the optimizer over whole parameters.
 
-    Args: those of `BucketedDataParallel`, and `make_optimizer`, which builds the optimizer
-    from the list of parameters.
+    Args: those of `BucketedDataParallel`, `make_optimizer`, which builds the optimizer from
+    the list of parameters, and `sparse_embedding` ("auto" or "never", `train.sparse_embedding`).
     """
 
     shards_parts = False
 
     def __init__(self, named_params: Iterable[tuple[str, Any]], mesh, make_optimizer: Callable[[list], Any] = AdamW,
                  *, bucket_mb: float = 25.0, compression: Compression = Compression(), overlap: bool = True,
-                 local_tied: bool = False, groups: tuple | None = None):
+                 local_tied: bool = False, groups: tuple | None = None, sparse_embedding: str = "auto"):
+        self.sparse_embedding = sparse_embedding  # read by `_sparse_rows` during the base's construction
         super().__init__(named_params, mesh, bucket_mb=bucket_mb, compression=compression, overlap=overlap,
                          local_tied=local_tied, groups=groups)
         self.optimizer = make_optimizer(list(self.params))
@@ -44,14 +51,30 @@ class DDP(BucketedDataParallel):
     def _plain_reduction(self) -> AllReduceAvg:
         return AllReduceAvg(self.dp_comm)
 
+    def _sparse_rows(self, named: list[tuple[str, Any]]) -> list[SparseRows]:
+        """The untied embedding's gradient, unless "never", one replica (nothing to sync; a
+        parameter-server replica pushes its buckets) or compression (the buckets' own wire)."""
+        if self.sparse_embedding == "never" or self.dp_comm.size == 1 or self.compressor is not None:
+            return []
+        return [SparseRows(p, self.dp_comm, self.sparse_embedding) for _, p in named
+                if getattr(p, "sparse_grad", False)]
+
     def _grad_buffers(self) -> list:
-        return [b.grad for b in self.buckets]
+        return [b.grad for b in self.buckets] + [r.grad for r in self._sparse]
+
+    @property
+    def embedding_sync(self) -> dict:
+        """The row-sparse gradients' sync (`sparse.SparseRows`): {"steps": {"sparse": .., "dense": ..},
+        "last": the last step's figures} of the (one) untied embedding; {} when it goes in the buckets."""
+        return {"steps": dict(self._sparse[0].steps), "last": dict(self._sparse[0].last)} if self._sparse else {}
 
     def uncompressed_bytes(self) -> float:
         """Bytes this rank sends per step to synchronise gradients without compression: an
-        all-reduce of every bucket over dp x cp (`comm.bytes_sent`)."""
+        all-reduce of every bucket over dp x cp (`comm.bytes_sent`), and of a row-sparse gradient
+        kept apart (its dense formula)."""
         return sum((bytes_sent("all_reduce", b.assignment.size * np.dtype(b.assignment.dtype).itemsize,
-                               self.dp_comm.size) for b in self.buckets), 0.0)
+                               self.dp_comm.size) for b in self.buckets), 0.0) + sum(
+            dense_bytes(r.grad.shape[0], r.row_bytes, self.dp_comm.size) for r in self._sparse)
 
     def _saved_tensors(self) -> dict[str, tuple[Any, Any]]:
         """Every parameter and its optimizer state, whole local tensors in the parameter's layout.
