@@ -396,7 +396,7 @@ def measure_model_state(args, zero: int, world) -> dict:
     units = trainer.dp.unit_hooks
     if units is not None:  # the "+ one gathered unit" term: the largest unit through the real gather path
         unit = max(units.units.values(), key=lambda u: sum(f.size for f in u.flats))
-        units._acquire(unit)
+        units._acquire(unit, None, True)  # no prefetch: this unit alone
         unit_bytes = numpy_bytes() - after
         unit_params = sum(f.size for f in unit.flats)
         units._release(unit)

@@ -1,16 +1,23 @@
 """Mixture of experts with expert parallelism on 4 ranks: throughput, all-to-all bytes, load balance.
 
-    mpiexec -n 4 python bench/moe.py [--steps 4] [--balance-steps 150]
+    mpiexec -n 4 python bench/moe.py [--steps 4] [--rounds 3] [--balance-steps 150]
 
 Three measurements, all on dp = 4 with the experts divided over ep = 4 (one expert per rank):
 
 1. tokens/s of an MoE GPT (E = 4 experts per layer, top_k = 1, unlimited capacity) against the
    dense GPT of the same active parameters (the same model with one 4C-wide MLP per block; the
    MoE model adds only the router, E C per layer, to what a token uses). Float32, `Trainer.train`
-   without files, a warm-up step and `--steps` timed steps, the runs alternated twice and the
-   faster of each kept; the slowest rank's median step. A third row, the same MoE model with
-   every expert on every rank (ep = 1, no dispatch), separates the routing's own cost from
-   expert parallelism's (the all-to-alls and the wait for the busiest expert's rank).
+   without files, a warm-up step and `--steps` timed steps, the runs alternated `--rounds` times
+   and the fastest of each kept; the slowest rank's median step. A third row, the same MoE model
+   with every expert on every rank (ep = 1, no dispatch), separates the routing's own cost from
+   expert parallelism's (the all-to-alls and the wait for the busiest expert's rank). The ratios
+   before issue #45 (dispatch and combine through generic gathers whose gradients were one-hot
+   GEMMs, a per-expert Python loop) are kept in the result next to today's; so is the routing's
+   max / mean tokens per expert over the MoE run's steps (the busiest expert's rank sets the pace
+   at ep = 4: on these random tokens the router drifts within a few steps towards sending a
+   layer's tokens to one expert, max / mean up to E = 4). A fourth row, ep = 4 with capacity
+   factor 1.25 (Switch Transformer's), bounds the busiest expert at 1.25x the mean and so shows
+   what the dispatch itself costs once routing is bounded (its dropped share of assignments beside).
 2. all-to-all bytes per step and rank, measured (`Communicator.sent` of the ep group: the rows
    that leave the rank in the dispatch and combine all-to-all-v's, forward and backward, plus the
    per-expert count exchange) next to the formula for balanced routing:
@@ -52,6 +59,9 @@ from hpcpar.training.trainer import Trainer  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = MPI.COMM_WORLD
 TOKENS = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
+# This bench's ratios before issue #45 (commit 1402f7b, the default model options, 4 ranks on 2 cores).
+BEFORE = {"ratio_moe_over_dense": 0.53, "ratio_moe_ep1_over_dense": 0.74, "commit": "1402f7b"}
+CAPACITY = 1.25  # the fourth row's capacity factor (Switch Transformer's for training)
 
 
 def trainer(args, overrides: list[str]) -> Trainer:
@@ -69,18 +79,23 @@ def throughput(args) -> dict:
     n = WORLD.Get_size()
     moe = ["model.moe_experts=4", "model.moe_top_k=1", f"mesh.ep={n}"]
     best: dict = {}
-    for _ in range(2):  # alternate, so that load from elsewhere hits both alike
-        for name, overrides in (("dense", []), ("moe", moe), ("moe_ep1", moe[:2] + ["mesh.ep=1"])):
+    for _ in range(args.rounds):  # alternate, so that load from elsewhere hits all alike
+        for name, overrides in (("dense", []), ("moe", moe), ("moe_ep1", moe[:2] + ["mesh.ep=1"]),
+                                ("moe_cap", moe + [f"model.moe_capacity_factor={CAPACITY}"])):
             t = trainer(args, overrides)
             ep = t.mesh.comm(Axis.EP)
             before = ep.sent.copy()
             step_s, _, cpu_s = timed_steps(t, args.steps, lambda: 0.0)
             steps = args.steps + 1   # the warm-up step sends too
             sent = {k: (v - before.get(k, 0.0)) / steps for k, v in ep.sent.items()}
+            # The routing of one more step (the metrics' load figure): how uneven the experts' work was.
+            routing = t.train_step(steps).moe
+            load, dropped = routing.get("moe_load_imbalance"), routing.get("moe_dropped_fraction")
             row = {"step_s": step_s, "cpu_s": cpu_s, "tokens_per_s": t.tokens_per_step / step_s,
                    "params_per_rank": sum(p.data.size for _, p in t.named_parameters),
                    "active_params": t.cfg.model.non_embedding_params(),
-                   "all_to_all_v_bytes": sent.get("all_to_all_v", 0.0), "count_bytes": sent.get("all_to_all", 0.0)}
+                   "all_to_all_v_bytes": sent.get("all_to_all_v", 0.0), "count_bytes": sent.get("all_to_all", 0.0),
+                   "load_imbalance": load, "dropped_fraction": dropped}
             t.mesh.free()
             if name not in best or row["step_s"] < best[name]["step_s"]:
                 best[name] = row
@@ -93,6 +108,11 @@ def throughput(args) -> dict:
     best["formula_count_bytes"] = layers * args.microbatches * experts * 8 * (n - 1) / n
     best["ratio_moe_over_dense"] = best["moe"]["tokens_per_s"] / best["dense"]["tokens_per_s"]
     best["ratio_moe_ep1_over_dense"] = best["moe_ep1"]["tokens_per_s"] / best["dense"]["tokens_per_s"]
+    best["ratio_moe_cap_over_dense"] = best["moe_cap"]["tokens_per_s"] / best["dense"]["tokens_per_s"]
+    best["capacity_factor"] = CAPACITY
+    best["rounds"] = args.rounds
+    if (args.layers, args.embd, args.block, args.batch, args.microbatches) == (4, 128, 128, 4, 2):
+        best["before"] = BEFORE  # measured with these options only
     return best
 
 
@@ -119,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe.json"))
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--embd", type=int, default=128)
     parser.add_argument("--block", type=int, default=128)
@@ -136,11 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n# MoE (E=4, top_k=1, ep={n}) vs dense GPT of the same active parameters, dp={n}, "
           f"{args.layers}x{args.embd} float32, micro-batch {args.batch}x{args.block} x {args.microbatches}")
     print(f"{'model':<10} {'tokens/s':>10} {'step ms':>8} {'params/rank':>12} {'active':>10}")
-    for name, r in (("dense", d), (f"moe ep={n}", m), ("moe ep=1", m1)):
+    for name, r in (("dense", d), (f"moe ep={n}", m), ("moe ep=1", m1), (f"cap {CAPACITY}", speed["moe_cap"])):
         print(f"{name:<10} {r['tokens_per_s']:>10.0f} {1e3 * r['step_s']:>8.1f} {r['params_per_rank']:>12,} "
               f"{r['active_params']:>10,}")
     print(f"MoE / dense tokens/s: {speed['ratio_moe_over_dense']:.2f}x with ep={n}, "
-          f"{speed['ratio_moe_ep1_over_dense']:.2f}x with ep=1")
+          f"{speed['ratio_moe_ep1_over_dense']:.2f}x with ep=1"
+          + (f" (before issue #45: {BEFORE['ratio_moe_over_dense']:.2f}x, {BEFORE['ratio_moe_ep1_over_dense']:.2f}x)"
+             if "before" in speed else "") + f"; max/mean tokens per expert {m['load_imbalance']:.2f}; "
+          f"ep={n} with capacity factor {CAPACITY}: {speed['ratio_moe_cap_over_dense']:.2f}x "
+          f"({speed['moe_cap']['dropped_fraction']:.1%} of assignments dropped)")
     print(f"all-to-all-v bytes per step and rank: measured {m['all_to_all_v_bytes'] / 2**20:.3f} MiB, formula "
           f"(balanced routing) {speed['formula_all_to_all_v_bytes'] / 2**20:.3f} MiB; count exchange "
           f"{m['count_bytes']:.0f} B vs {speed['formula_count_bytes']:.0f} B")

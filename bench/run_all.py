@@ -112,7 +112,17 @@ BENCHMARKS = (
     Benchmark("moe", "bench/moe.py", 4,
               "mixture of experts, ep=4 on 4 ranks: tokens/s vs the dense GPT of the same active parameters, "
               "all-to-all bytes per step vs the formula, expert load after N steps with and without the aux loss",
-              quick_args=("--steps", "1", "--balance-steps", "12", "--layers", "2", "--embd", "64", "--block", "64")),
+              quick_args=("--steps", "1", "--rounds", "1", "--balance-steps", "12", "--layers", "2", "--embd", "64",
+                          "--block", "64")),
+    Benchmark("varlen", "bench/varlen.py", None,
+              "packed documents (issue #43), one process on the standard library's files: tokens/s and eval loss "
+              "of packed + masked vs padding each document vs packing without masking; document attention vs the "
+              "dense causal kernel (time and FLOPs, corpus and Pareto lengths); dp balance of attention work",
+              quick_args=("--quick",), timeout_s=600.0),
+    Benchmark("sparse_embedding", "bench/sparse_embedding.py", 4,
+              "sparse embedding gradients (issue #43), untied GPT with a BPE-sized vocabulary, dp=4: wte's sync "
+              "bytes per step dense vs (row id, row) pairs, measured next to the formula; sync and step time",
+              quick_args=("--quick",)),
     Benchmark("ps", "bench/ps.py", 6,
               "parameter server (1 and 2 servers) vs all-reduce on 4 workers: tokens/s of synchronous, SSP k=2 and "
               "async with no straggler, a random and a fixed 2x straggler; bytes per server vs the formula; loss "
@@ -280,6 +290,12 @@ def _allreduce(d: dict) -> list[str]:
     return out
 
 
+# bench/allreduce.py's goals per op before issue #45 (bench/results/allreduce.json at 1402f7b, the same
+# method): (worst busbw / raw from 1 MiB up, latency overhead / before issue #20's).
+_COLLECTIVES_BEFORE_45 = {"all_reduce": (0.97, 0.27), "reduce_scatter": (0.77, 0.54), "all_gather": (0.76, 0.57),
+                          "iall_reduce": (0.85, 0.42), "sendrecv": (0.76, 0.42)}
+
+
 def _collectives_table(d: dict) -> list[str]:
     """bench/allreduce.py: the goals per op, then all_reduce size by size."""
     if "summary" not in d:
@@ -287,14 +303,17 @@ def _collectives_table(d: dict) -> list[str]:
     m = d["meta"]
     lines = [f"{m['ranks']} ranks on {m['cores']} cores" + (" (oversubscribed: ranks share the cores)"
                                                            if m["oversubscribed"] else "")
+             + (f" (load average {m['load_average_before'][0]:.1f} before the run, {m['load_average_after'][0]:.1f} "
+                "after)" if "load_average_after" in m else "")
              + f", float32; per size the best of {m['rounds']} interleaved rounds, each the slowest rank's mean time "
              "per op. raw: mpi4py's upper-case call on preallocated buffers (non-blocking + Wait for iall_reduce and "
              "sendrecv; where hpcpar returns a new array, raw receives into the very buffer hpcpar's result lives in); "
              "hpcpar: the Communicator as training code calls it (flight recorder, byte accounting); before: the "
              f"Communicator of {m['before']} (its results in its own memory: its bandwidth ratios carry that "
              "memory's luck, up to 15% from 1 MiB up). busbw as in nccl-tests; overhead = time - raw's.", "",
-             "| op | busbw / raw from 1 MiB, worst | before | goal | goal met from | overhead (median 8 B..1 KiB) µs | "
-             "before µs | ratio | goal |", "|---|---:|---:|---|---:|---:|---:|---:|---|"]
+             "| op | busbw / raw from 1 MiB, worst | before #45 | before | goal | goal met from | "
+             "overhead (median 8 B..1 KiB) µs | before µs | ratio | before #45 | goal |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
 
     def num(x, fmt: str) -> str:
         return "–" if x is None else format(x, fmt)
@@ -303,20 +322,30 @@ def _collectives_table(d: dict) -> list[str]:
         return "–" if ok is None else "ok" if ok else "missed"
     for s in d["summary"]:
         met = s.get("goal_met_from_bytes")
-        lines.append(f"| {s['op']} | {num(s['min_ratio'], '.2f')} | {num(s['min_ratio_before'], '.2f')} | "
+        was = _COLLECTIVES_BEFORE_45.get(s["op"], (None, None))
+        lines.append(f"| {s['op']} | {num(s['min_ratio'], '.2f')} | {num(was[0], '.2f')} | "
+                     f"{num(s['min_ratio_before'], '.2f')} | "
                      f">= {s['bandwidth_goal']}: {verdict(s['bandwidth_ok'])} | {_size(met) if met else '–'} | "
                      f"{num(s['overhead_us'], '+.1f')} | "
                      f"{num(s['overhead_before_us'], '+.1f')} | {num(s['overhead_vs_before'], '.2f')} | "
-                     f"<= {s['overhead_goal']}: {verdict(s['overhead_ok'])} |")
+                     f"{num(was[1], '.2f')} | <= {s['overhead_goal']}: {verdict(s['overhead_ok'])} |")
     lines += ["", "From 1 MiB up, hpcpar's polled all_reduce into a new array is a reduce-scatter into this rank's part of "
               "the result and an in-place all-gather (hpcpar/runtime/transports.py, `_SplitAllReduce`): MPI's out-of-place "
               "all-reduce first copies the input into the result, the reduce-scatter reads it where it is. With 4 "
               "ranks on 2 cores, whatever a call does in the interpreter before it enters the MPI op delays every "
               "rank many times over (5 µs of busy work before a raw Iallreduce of 256 KiB made it 14-18 µs slower, "
               "20 µs 48 µs slower; 3 µs of list arithmetic before a 1 MiB split all-reduce 70 µs), so an op enters "
-              "MPI first and is recorded after. What is left below 1 MiB, and for the other ops, is that cost of the "
-              "interpreter's work per call, and for reduce_scatter MPICH's non-blocking reduce-scatter (0.86-0.93x "
-              "its blocking one at 512 KiB - 1 MiB). Smaller messages are latency-bound (the overhead goal).", "",
+              "MPI first and is recorded after. Issue #45 took the rest of that work off the other ops' paths: a "
+              "repeated all_reduce, reduce_scatter, all_gather or iall_reduce of a contiguous NumPy array runs from a "
+              "plan kept per shape and dtype (hpcpar/runtime/comm.py, `_keep_plan`: the checks, the MPI call and its "
+              "counts worked out on the first call; then 1.3-1.5 µs of interpreter work per op instead of 2.2-2.9 "
+              "µs, CPU time measured with MPI stubbed out), a blocking op that polls is recorded as a tuple like one "
+              "inside MPI's blocking call (no OpRecord), and isend_irecv posts the receive and the send before "
+              "recording either (sendrecv: 3.9 µs instead of 4.5). Polling stays (MPICH's non-blocking "
+              "reduce-scatter with equal counts is as fast as its blocking one here; its Ireduce_scatter_block is "
+              "6x slower at 1 MiB). The machine is shared: from 1 MiB up a round is mostly how the scheduler "
+              "treated it, so single sizes swing by 10-30% between runs (before #45: the figures of the run before "
+              "the change). Smaller messages are latency-bound (the overhead goal).", "",
               "all_reduce by size:", "",
               "| bytes | raw µs | hpcpar µs | before µs | raw busbw GB/s | hpcpar busbw GB/s | ratio | ratio before |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -473,11 +502,18 @@ def _memory(d: dict) -> list[str]:
 def _zero(d: dict) -> list[str]:
     best = d["best"]
     hidden = d.get("hidden_fraction")
-    return [f"zero=3 / zero=1 tokens/s on {best['dp']} ranks: {d['ratio_zero3_over_zero1']:.2f}x "
-            f"({best['zero3']['tokens_per_s']:,.0f} vs {best['zero1']['tokens_per_s']:,.0f}; goal >= 0.8)",
-            f"all-gather wait {1e3 * best['zero3']['gather_wait_s']:.1f} ms/step with prefetch, "
-            f"{1e3 * best['zero3_no_prefetch']['gather_wait_s']:.1f} without: "
-            + (f"{hidden:.0%} hidden" if hidden is not None else "not measured")]
+    before = d.get("before")
+    out = [f"zero=3 / zero=1 tokens/s on {best['dp']} ranks: {d['ratio_zero3_over_zero1']:.2f}x "
+           f"({best['zero3']['tokens_per_s']:,.0f} vs {best['zero1']['tokens_per_s']:,.0f}, same run; goal >= 0.95)",
+           f"all-gather wait {1e3 * best['zero3']['gather_wait_s']:.1f} ms/step with prefetch "
+           f"({best['zero3'].get('prefetch_depth', 1)} units ahead), "
+           f"{1e3 * best['zero3_no_prefetch']['gather_wait_s']:.1f} without: "
+           + (f"{hidden:.0%} hidden (goal >= 50 %)" if hidden is not None else "not measured")]
+    if before:
+        out.append(f"before (issue #45, one unit prefetched): {before['ratio_zero3_over_zero1']:.2f}x, "
+                   f"wait {before['gather_wait_ms']:.1f} vs {before['gather_wait_no_prefetch_ms']:.1f} ms/step, "
+                   f"{before['hidden_fraction']:.0%} hidden")
+    return out
 
 
 def _vs_torch(d: dict) -> list[str]:
@@ -672,9 +708,15 @@ def _moe(d: dict) -> list[str]:
     t, n = d["throughput"], d["ranks"]
     balance = {b["alpha"]: b for b in d["balance"]}
     with_aux, without = max(balance), min(balance)
+    before = t.get("before")
+    was = (f" (before issue #45: {before['ratio_moe_over_dense']:.2f}x, {before['ratio_moe_ep1_over_dense']:.2f}x; "
+           f"goal >= 0.8x)" if before else "")
     return [f"MoE (E=4, top_k=1) / dense of the same active parameters, tokens/s: {t['ratio_moe_over_dense']:.2f}x "
             f"with ep={n} ({t['moe']['tokens_per_s']:,.0f} vs {t['dense']['tokens_per_s']:,.0f}), "
-            f"{t['ratio_moe_ep1_over_dense']:.2f}x with ep=1",
+            f"{t['ratio_moe_ep1_over_dense']:.2f}x with ep=1{was}"
+            + (f"; ep={n} with capacity factor {t['capacity_factor']}: {t['ratio_moe_cap_over_dense']:.2f}x "
+               f"(the unlimited run's busiest expert: {t['moe']['load_imbalance']:.2f}x the mean)"
+               if "moe_cap" in t else ""),
             f"all-to-all-v {t['moe']['all_to_all_v_bytes'] / MiB:.2f} MiB/step/rank vs "
             f"{t['formula_all_to_all_v_bytes'] / MiB:.2f} MiB formula (balanced routing)",
             f"max/mean tokens per expert after {balance[with_aux]['steps']} steps: "
@@ -684,23 +726,173 @@ def _moe(d: dict) -> list[str]:
 
 def _moe_table(d: dict) -> list[str]:
     t, n = d["throughput"], d["ranks"]
-    lines = [f"dp={n}, float32; step time: slowest rank's median step, the faster of two alternating runs; bytes: "
+    lines = [f"dp={n}, float32; step time: slowest rank's median step, the fastest of {t.get('rounds', 2)} "
+             "alternating runs; max/mean tokens per expert: the routing of the worst MoE layer, one step after the "
+             "timed ones; bytes: "
              "`Communicator.sent` of the ep group per step, mean over ranks "
              "([parallelism.md](parallelism.md#mixture-of-experts-and-expert-parallelism)).", "",
-             "| model | tokens/s | step ms | parameters per rank | active parameters | all-to-all-v MiB/step "
-             "| formula |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, key in (("dense", "dense"), (f"MoE, ep={n}", "moe"), ("MoE, ep=1", "moe_ep1")):
+             "| model | tokens/s | step ms | / dense | before #45 | max/mean tokens per expert | parameters per rank "
+             "| active parameters | all-to-all-v MiB/step | formula |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    before = t.get("before", {})
+    rows = [("dense", "dense", None), (f"MoE, ep={n}", "moe", "ratio_moe_over_dense"),
+            ("MoE, ep=1", "moe_ep1", "ratio_moe_ep1_over_dense")]
+    if "moe_cap" in t:
+        rows.append((f"MoE, ep={n}, capacity factor {t['capacity_factor']} ({t['moe_cap']['dropped_fraction']:.1%} "
+                     "dropped)", "moe_cap", "ratio_moe_cap_over_dense"))
+    for name, key, ratio in rows:
         r = t[key]
         formula = f"{t['formula_all_to_all_v_bytes'] / MiB:.3f}" if key == "moe" else "–"
-        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {1e3 * r['step_s']:.0f} | {r['params_per_rank']:,} | "
-                     f"{r['active_params']:,} | {r['all_to_all_v_bytes'] / MiB:.3f} | {formula} |")
+        now = f"{t[ratio]:.2f}x" if ratio else "1"
+        was = f"{before[ratio]:.2f}x" if ratio and ratio in before else "–"
+        load = f"{r['load_imbalance']:.2f}" if r.get("load_imbalance") is not None else "–"
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {1e3 * r['step_s']:.0f} | {now} | {was} | {load} | "
+                     f"{r['params_per_rank']:,} | {r['active_params']:,} | {r['all_to_all_v_bytes'] / MiB:.3f} | "
+                     f"{formula} |")
     lines += ["", "Load balance (E=8, top_k=2, ep=4): max / mean tokens per expert of the worst MoE layer.", "",
               "| aux loss alpha | step 0 | mean of the last 10 steps | steps | loss (last 10) |",
               "|---:|---:|---:|---:|---:|"]
     for b in d["balance"]:
         lines.append(f"| {b['alpha']} | {b['imbalance_first']:.2f} | {b['imbalance_last10']:.2f} | {b['steps']} | "
                      f"{b['loss_last10']:.3f} |")
+    return lines
+
+
+def _varlen(d: dict) -> list[str]:
+    """bench/varlen.py: lengths, the three layouts, attention time vs FLOPs, dp balance."""
+    m, t = d["meta"], d["training"]
+    c = d["lengths"]["corpus"]
+    rows = {r["layout"]: r for r in t["rows"]}
+    pareto = next(b for b in d["balance"] if b["case"] != "corpus")
+    return [f"corpus: {c['documents']} documents, median {c['median']:,.0f}, p99 {c['p99']:,.0f}, "
+            f"max {c['max']:,} bytes; {c['share_documents_below_block']:.0%} of documents, "
+            f"{c['share_tokens_below_block']:.2%} of tokens shorter than T = {m['block']}",
+            "useful tokens/s vs packed + masked: " + ", ".join(
+                f"{n} {rows[n]['tokens_per_s_vs_packed']:.2f}x" for n in ("padded", "stream"))
+            + "; eval loss (masked val windows) "
+            + ", ".join(f"{n} {r['eval_loss_masked']:.3f}" for n, r in rows.items())
+            + f" (data-order spread {t['seed_spread']:.3f})",
+            "document / dense causal attention, forward + backward: " + ", ".join(
+                f"{a['case']} {a['forward_backward']['time_ratio']:.2f}x time at {a['flop_ratio']:.2f}x FLOPs"
+                for a in d["attention"]) + " (all windows: " + ", ".join(
+                f"{b['case']} {b['flop_ratio_all_windows']:.2f}x FLOPs" for b in d["balance"]) + ")",
+            f"attention work max/mean per rank ({pareto['case']}): " + ", ".join(
+                f"dp={dp} {pareto[f'dp{dp}']['today_mean']:.2f} today, {pareto[f'dp{dp}']['greedy_mean']:.2f} balanced"
+                for dp in (4, 8))]
+
+
+def _sparse_embedding(d: dict) -> list[str]:
+    """bench/sparse_embedding.py: wte bytes dense -> sparse, measured vs formula, times."""
+    return [f"wte sync bytes per rank per step, dp={d['world']}, V={c['vocab']:,}, {c['tokens_per_rank']} tokens/rank "
+            f"({c['share_of_rows']:.1%} of rows touched): dense {c['wte_bytes_dense'] / 1e6:.2f} MB -> sparse "
+            f"{c['wte_bytes_sparse'] / 1e6:.3f} MB ({c['ratio_measured']:.3f}x; formula {c['ratio_formula']:.3f}x); "
+            f"sync time {c['sync_ratio']:.2f}x, step {c['time_ratio']:.2f}x" for c in d["cases"]]
+
+
+def _sparse_embedding_table(d: dict) -> list[str]:
+    lines = [f"Untied GPT (`model.tie_embeddings = false`), {d['n_layer']} layers x {d['n_embd']}, block "
+             f"{d['block_size']}, {d['dtype']}, micro-batches of {d['micro_batch_size']} windows, dp = {d['world']}, "
+             "Zipf-distributed token ids; `train.sparse_embedding = never` (dense, in the buckets) vs `auto` (pairs). "
+             "Bytes per rank per step from the communicators' counters; formulas: dense 2 (n-1)/n V C s, sparse "
+             "(n-1)/n sum_r k_r (C s + 8). Times: best of interleaved rounds, noisy on a shared machine.", "",
+             "| V | tokens/rank | rows touched | wte dense MB | wte sparse MB | measured | formula | all grads MB "
+             "dense -> sparse | sync time | step time |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in d["cases"]:
+        lines.append(f"| {c['vocab']:,} | {c['tokens_per_rank']} | {c['rows_touched_per_rank']:.0f} "
+                     f"({c['share_of_rows']:.1%}) | {c['wte_bytes_dense'] / 1e6:.2f} | "
+                     f"{c['wte_bytes_sparse'] / 1e6:.3f} | {c['ratio_measured']:.3f}x | {c['ratio_formula']:.3f}x | {c['grad_bytes_dense'] / 1e6:.1f} -> "
+                     f"{c['grad_bytes_sparse'] / 1e6:.1f} | {c['sync_ratio']:.2f}x | {c['time_ratio']:.2f}x |")
+    return lines
+
+
+def _varlen_table(d: dict) -> list[str]:
+    m, t = d["meta"], d["training"]
+    lines = [f"One process, float32, {m['corpus']}; block_size T = {m['block']}. Length distributions "
+             f"(tokens = bytes; Pareto: a synthetic stream, alpha {m['pareto_alpha']:g}, smallest length "
+             f"{m['pareto_xm']}):", "",
+             "| lengths | documents | median | p90 | p99 | max | documents < T | tokens in documents < T |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, c in d["lengths"].items():
+        lines.append(f"| {name} | {c['documents']:,} | {c['median']:,.0f} | {c['p90']:,.0f} | {c['p99']:,.0f} | "
+                     f"{c['max']:,} | {c['share_documents_below_block']:.1%} | {c['share_tokens_below_block']:.2%} |")
+    lines += ["", f"1. Training, GPT {m['layers']} x {m['embd']} ({m['heads']} heads), {m['steps']} steps of "
+              f"{m['batch']} windows, AdamW lr {m['lr']:g} on a cosine to 0, the same initial weights; each layout "
+              f"trained on {len(t['data_seeds'])} data orders (seeds {', '.join(map(str, t['data_seeds']))}), all "
+              "runs in lockstep (one step of each in turn). packed: `data.packing = \"documents\"`; padded: one "
+              f"document piece per window (documents cut into T pieces, padded with target -100; "
+              f"{t['padding_fill']:.1%} of the slots of an epoch's {t['pieces']:,} pieces are real tokens); stream: "
+              "`data.packing = \"none\"`, the same windows as packed. Useful tokens = targets in the loss (document "
+              "boundary targets excluded in every layout); tokens/s = mean useful tokens per step / median step "
+              f"time (forward, backward, AdamW). Eval: every model on the same {t['eval_windows']} validation "
+              "windows, packed and masked (each document scored alone), and unmasked; the mean over the data "
+              f"orders. The eval loss moves by up to {t['seed_spread']:.3f} with the data order alone: differences "
+              "below that are noise."
+              + (f" The packed path itself, on windows with no document start inside (the same batch with and "
+                 f"without its Documents, forward + backward, best of {m['rounds']} interleaved rounds): "
+                 f"{t['packed_path_whole_windows']:.2f}x the plain time (positions gathered from wpe per token, "
+                 "and scattered back in backward, instead of one slice)." if "packed_path_whole_windows" in t
+                 else ""), "",
+              "| layout | useful tokens/s | vs packed | useful tokens / step | step ms | train loss (last 5) | "
+              "eval loss, masked | per data order | eval loss, unmasked |",
+              "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in t["rows"]:
+        lines.append(f"| {r['layout']} | {r['useful_tokens_per_s']:,.0f} | {r['tokens_per_s_vs_packed']:.2f} | "
+                     f"{r['useful_tokens_per_step']:,.0f} | {1e3 * r['step_s_median']:.0f} | "
+                     f"{r['final_train_loss']:.3f} | "
+                     f"{r['eval_loss_masked']:.3f} | {', '.join(f'{x:.3f}' for x in r['eval_loss_masked_per_seed'])} | "
+                     f"{r['eval_loss_unmasked']:.3f} |")
+    rows = {r["layout"]: r for r in t["rows"]}
+    losses = [r["eval_loss_masked"] for r in t["rows"]]
+    corpus = next(b for b in d["balance"] if b["case"] == "corpus")
+    lines += ["", f"Reading: in byte tokens the standard library's files are mostly longer than T (median "
+              f"{d['lengths']['corpus']['median']:,.0f}), so padding fills {t['padding_fill']:.1%} of its slots and "
+              f"only {corpus['share_windows_cut']:.0%} of packed windows hold a document start: the three layouts' "
+              f"eval losses lie within {max(losses) - min(losses):.3f} of each other, "
+              + ("inside" if max(losses) - min(losses) <= t["seed_spread"] else "outside")
+              + f" the data-order spread ({t['seed_spread']:.3f}), and packed + masked trains at "
+              f"{1 / rows['stream']['tokens_per_s_vs_packed']:.2f}x the stream's useful tokens/s and "
+              f"{1 / rows['padded']['tokens_per_s_vs_packed']:.2f}x padding's: its path's own cost, not yet paid "
+              "back by attention work on this corpus. Where documents are short (the Pareto rows below) the "
+              "attention work halves and its spread over dp ranks appears."]
+    a0 = d["attention"][0]
+    lines += ["", f"2. Attention on the same [B, T, 3C] input (B = {a0['B']}, T = {a0['T']}, C = {a0['C']}, "
+              f"H = {a0['H']}, float32): `document_attention` (segments of equal length batched through the CPU "
+              "causal kernels) vs `causal_attention` (dense causal), best of "
+              f"{m['rounds']} interleaved rounds. FLOPs: 4 D H per (query, key) pair forward, 12 D H forward + "
+              "backward; dense T (T + 1)/2 pairs per row and head, documents sum len_i (len_i + 1)/2. Windows "
+              "without a document start go to the dense kernel itself: there the ratio measures the noise. Over "
+              "all the windows of part 3, document attention's FLOPs are " + ", ".join(
+                  f"{b['flop_ratio_all_windows']:.2f}x dense ({b['case']}; {b['share_windows_cut']:.0%} of the "
+                  "windows hold a document start)" for b in d["balance"]) + ".", "",
+              "| lengths | segments (distinct lengths) | pass | dense ms | documents ms | time ratio | dense GFLOP | "
+              "documents GFLOP | FLOP ratio |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for a in d["attention"]:
+        for mode, label in (("forward", "forward"), ("forward_backward", "forward + backward")):
+            x = a[mode]
+            lines.append(f"| {a['case']} | {a['segments']} ({a['distinct_lengths']}) | {label} | "
+                         f"{1e3 * x['dense_s']:.1f} | {1e3 * x['documents_s']:.1f} | {x['time_ratio']:.2f} | "
+                         f"{x['dense_gflop']:.2f} | {x['documents_gflop']:.2f} | {a['flop_ratio']:.2f} |")
+    lines += ["", "Time above the FLOP ratio: document attention calls the causal kernels once per distinct segment "
+              "length (" + ", ".join(f"{a['distinct_lengths']} for {a['case']}" for a in d["attention"])
+              + ") on small batches, and copies each group's q, k, v in and its output (and gradient) out; and the "
+              "CPU kernels score a block of 64 queries against the keys up to the block's end, so a segment of "
+              "L <= 64 tokens costs L^2 pairs, up to twice its L (L + 1)/2 (the dense kernel's extra, 32 per query, "
+              "is 6% of T/2 at T = 1024)."]
+    b0 = d["balance"][0]
+    lines += ["", f"3. Data-parallel balance of attention work (sum over a rank's windows' segments of "
+              f"len (len + 1)/2), a global batch of {b0['global_batch']} packed windows over {b0['steps']} steps, 2 "
+              "micro-batches per rank. today: windows dealt in sample-id order (`corpus.microbatch_sample_ids`); "
+              "balanced: `data.balance = attention` (largest window first to the least loaded rank with room, then "
+              "onto its micro-batches; `hpcpar.data.balance`). Tokens are balanced either way (every packed window "
+              "holds T tokens).", "",
+              "| lengths | dp | max/mean today (mean over steps) | worst step | data.balance=attention | worst step |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for b in d["balance"]:
+        for dp in (4, 8):
+            x = b[f"dp{dp}"]
+            lines.append(f"| {b['case']} | {dp} | {x['today_mean']:.2f} | {x['today_worst']:.2f} | "
+                         f"{x['greedy_mean']:.2f} | {x['greedy_worst']:.2f} |")
     return lines
 
 
@@ -1160,7 +1352,8 @@ def key_figures(name: str, data: dict, ranks: int | None = None) -> list[str]:
         return {"allreduce": _allreduce, "pipeline": _pipeline, "pipeline_gpt": _pipeline_gpt, "scaling": _scaling,
                 "mesh_scaling": _mesh_scaling, "context": _context, "memory": _memory, "zero": _zero,
                 "compression": _compression, "diloco": _diloco, "precision": _precision, "vs_torch": _vs_torch,
-                "plan": _plan, "moe": _moe, "ps": _ps, "step_overhead": _step_overhead,
+                "plan": _plan, "moe": _moe, "varlen": _varlen, "sparse_embedding": _sparse_embedding, "ps": _ps,
+                "step_overhead": _step_overhead,
                 "cluster": _cluster, "resilience": _resilience}[name](data)
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as e:
         return [f"results not in the expected form ({type(e).__name__}: {e})"]
@@ -1327,6 +1520,10 @@ def render_markdown(summary: dict, docs_path: Path | None = None) -> str:
                                        lambda d: _diloco_table(d, _beside(details, "diloco", "diloco_cluster.json")),
                                        "DiLoCo loss curves and loss vs bytes"),
                                       ("moe", "Mixture of experts", _moe_table, None),
+                                      ("varlen", "Packed documents", _varlen_table,
+                                       "packed documents: loss curves, length distributions, attention time vs FLOPs"),
+                                      ("sparse_embedding", "Sparse embedding gradients", _sparse_embedding_table,
+                                       None),
                                       ("ps", "Parameter server", _ps_table, "parameter server loss curves"),
                                       ("step_overhead", "Per-step overhead", _step_overhead_table, None),
                                       ("vs_torch", "hpcpar vs PyTorch eager", _vs_torch_table, None),

@@ -1,15 +1,16 @@
 """ZeRO-3 (FSDP) against ZeRO-1 on 4 ranks: tokens/s, and how much of the all-gather time hides.
 
-    python bench/zero.py [--ranks 4] [--steps 6] [--repeats 2]
+    python bench/zero.py [--ranks 4] [--steps 6] [--repeats 3]
 
 The script launches itself under `mpiexec -n 4` (1 BLAS thread per rank; bench/scaling.py's
 launcher) `--repeats` times; each launch trains the same float32 GPT on a dp=4 mesh with
 `Trainer.train` (no files), a warm-up step and `--steps` timed steps per run, three runs
-alternating twice (the faster of the two kept), so that load from elsewhere hits them alike:
+alternating three times (the fastest of each kept), so that load from elsewhere hits them alike:
 
   zero=1                 the baseline: optimizer state sharded, parameters whole;
-  zero=3, prefetch       parameters sharded per unit, the next unit's all-gather issued while
-                         the current one computes (forward and backward): the throughput figure;
+  zero=3, prefetch       parameters sharded per unit, the next units' all-gathers issued while
+                         the current one computes (`ShardedUnits.PREFETCH_DEPTH` ahead, forward
+                         and backward): the throughput figure;
   zero=3, no prefetch    every all-gather issued when its unit needs it (nothing hidden).
 
 Time per step is the slowest rank's (median over the timed steps); tokens/s = dp * batch * block /
@@ -21,7 +22,8 @@ time; with prefetch only what compute did not hide, so
 
 (from the repeat whose zero=1 run was fastest). On a machine with fewer cores than ranks, wall time measures the
 scheduler as much as the code; the ratio of the two zero stages measured in one launch is the
-meaningful figure. Results: bench/results/zero.json and a table on stdout.
+meaningful figure. Results: bench/results/zero.json (with `BEFORE`, the figures of issue #45 with
+one unit prefetched, for comparison) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scaling import add_model_options, launch, timed_steps, write_result  # noqa: E402
 
+# bench/zero.py's figures before issue #45 (commit 1402f7b: one unit prefetched, no gathers issued
+# at the end of the forward), the same options on this 2-core machine: tokens/s ratio and the
+# all-gather wait per step with and without prefetch.
+BEFORE = {"ratio_zero3_over_zero1": 0.916, "hidden_fraction": 0.191, "gather_wait_ms": 47.5,
+          "gather_wait_no_prefetch_ms": 58.7}
+
 
 def worker(args: argparse.Namespace) -> None:
     """One mpiexec launch: the three runs, twice; rank 0 writes a JSON row to args.out."""
@@ -51,26 +59,26 @@ def worker(args: argparse.Namespace) -> None:
     dp = MPI.COMM_WORLD.Get_size()
     tokens = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
 
-    def run(zero: int, prefetch: bool = True) -> dict:
+    def run(zero: int, prefetch: int | None) -> dict:  # prefetch None: train.prefetch_units' default
         cfg = load_config(None, [
             f"model.block_size={args.block}", f"model.n_layer={args.layers}", "model.n_head=4",
             f"model.n_embd={args.embd}", "model.dtype=float32", f"mesh.dp={dp}", "mesh.tp=1", "mesh.pp=1",
             f"train.micro_batch_size={args.batch}", "train.microbatches=1", f"train.bucket_mb={args.bucket_mb}",
-            f"train.zero={zero}", "train.steps=1000", "run.eval_every=0", "run.progress=false"])
+            f"train.zero={zero}", "train.steps=1000", "run.eval_every=0", "run.progress=false",
+            *([] if prefetch is None else [f"train.prefetch_units={prefetch}"])])
         trainer = Trainer(cfg, MPI.COMM_WORLD, tokens=tokens)
         units = trainer.dp.unit_hooks
-        if units is not None:
-            units.prefetch = prefetch
         step_s, gather_s, cpu_s = timed_steps(trainer, args.steps,
                                               lambda: units.gather_wait_s if units is not None else 0.0)
         params = sum(int(np.prod(p.layout.local_shape)) for _, p in trainer.named_parameters)
         trainer.mesh.free()
         return {"step_s": step_s, "gather_wait_s": gather_s, "cpu_s": cpu_s, "params": params,
-                "units": len(units.units) if units is not None else 0}
+                "units": len(units.units) if units is not None else 0,
+                "prefetch_depth": cfg.train.prefetch_units if units is not None else 0}
 
     row = {"dp": dp, "micro_batch": args.batch, "block": args.block, "layers": args.layers, "embd": args.embd}
-    for _ in range(2):  # alternate, so that load from elsewhere hits both stages alike
-        for name, zero, prefetch in (("zero1", 1, True), ("zero3", 3, True), ("zero3_no_prefetch", 3, False)):
+    for _ in range(3):  # alternate, so that load from elsewhere hits both stages alike
+        for name, zero, prefetch in (("zero1", 1, 0), ("zero3", 3, None), ("zero3_no_prefetch", 3, 0)):
             result = run(zero, prefetch)
             if name not in row or result["step_s"] < row[name]["step_s"]:
                 row[name] = result
@@ -84,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
-    add_model_options(parser, steps=6, repeats=2, timeout=900, out="zero.json")
+    add_model_options(parser, steps=6, repeats=3, timeout=900, out="zero.json")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -98,16 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     ratio = z3["tokens_per_s"] / z1["tokens_per_s"]
     hidden = max(0.0, 1.0 - z3["gather_wait_s"] / z3n["gather_wait_s"]) if z3n["gather_wait_s"] > 0 else None
     print(f"\n# ZeRO-3 vs ZeRO-1 on {args.ranks} ranks (dp={args.ranks}), GPT {args.layers}x{args.embd} float32, "
-          f"{z1['params'] / 1e6:.2f}M params, {z3['units']} units, micro-batch {args.batch}x{args.block} per rank")
+          f"{z1['params'] / 1e6:.2f}M params, {z3['units']} units ({z3['prefetch_depth']} prefetched), "
+          f"micro-batch {args.batch}x{args.block} per rank")
     print(f"{'run':<22} {'tokens/s':>10} {'tok/cpu-s':>10} {'step ms':>8} {'gather wait ms':>15}")
     for name, r in (("zero=1", z1), ("zero=3, prefetch", z3), ("zero=3, no prefetch", z3n)):
         print(f"{name:<22} {r['tokens_per_s']:>10.0f} {r['tokens_per_cpu_s']:>10.0f} {1e3 * r['step_s']:>8.1f} "
               f"{1e3 * r['gather_wait_s']:>15.2f}")
-    print(f"zero=3 / zero=1 tokens/s: {ratio:.2f}x (goal >= 0.8); all-gather time hidden by prefetch: "
-          f"{'-' if hidden is None else f'{hidden:.0%}'}")
+    print(f"zero=3 / zero=1 tokens/s: {ratio:.2f}x (goal >= 0.95; before {BEFORE['ratio_zero3_over_zero1']:.2f}x); "
+          f"all-gather time hidden by prefetch: {'-' if hidden is None else f'{hidden:.0%}'} "
+          f"(goal >= 50 %; before {BEFORE['hidden_fraction']:.0%})")
     write_result(args.out, started, "slowest rank's median step; gather wait = time waiting for all-gathers "
                  "inside ZeRO-3 (forward and backward); hidden = 1 - wait(prefetch) / wait(no prefetch)",
-                 ratio_zero3_over_zero1=ratio, hidden_fraction=hidden, best=best, all_repeats=runs)
+                 ratio_zero3_over_zero1=ratio, hidden_fraction=hidden, before=BEFORE, best=best, all_repeats=runs)
     return 0
 
 

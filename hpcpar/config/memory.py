@@ -89,8 +89,8 @@ def _model_state(cfg: Config, params: int, units: list[int], shards: int) -> int
         zero 1  P s + P s + P k / n
         zero 2  P s + G + P s / n + P k / n  (G: full gradient buckets alive: up to 3 in flight
                                               with one micro-batch; all with accumulation)
-        zero 3  P (s + s + k) / n + 4 U s + G  (four units gathered, the current and the three
-                                              prefetched (fsdp.ShardedUnits.PREFETCH_DEPTH), or all
+        zero 3  P (s + s + k) / n + (1 + f) U s + G  (the current unit and f = train.prefetch_units
+                                              prefetched ones gathered, or all
                                               P s with reshard_after_forward = false; G: full unit
                                               gradients, up to 4, all with accumulation)
 
@@ -109,7 +109,7 @@ def _model_state(cfg: Config, params: int, units: list[int], shards: int) -> int
         live = p if accumulate else min(p, 3 * bucket)
         return p * s + live * s + -(-p * s // n) + state
     largest = max(units) if units else 0
-    gathered = p * s if not t.reshard_after_forward else min(p, 4 * largest) * s
+    gathered = p * s if not t.reshard_after_forward else min(p, (1 + t.prefetch_units) * largest) * s
     grads = p if accumulate else min(p, 4 * largest)
     return 2 * -(-p * s // n) + state + gathered + grads * s
 

@@ -97,15 +97,19 @@ class TrainConfig:
     reshard_after_forward: bool = _field(True, "ZeRO-3: free each unit's gathered parameters after its forward "
                                                "and gather them again for backward (false: keep them from "
                                                "forward to backward, one all-gather fewer, more memory)")
+    prefetch_units: int = _field(3, "ZeRO-3: units (blocks, embedding, head) whose all-gathers are issued ahead of "
+                                    "the one computing, >= 0 (0 = each gathered when needed; each one more unit "
+                                    "of gathered parameters in memory)")
     optimizer: str = _field("adamw", "optimizer", ("adamw", "sgd"))
     momentum: float = _field(0.9, "SGD momentum, 0 <= momentum < 1 (optimizer = \"sgd\" only)")
     bucket_mb: float = _field(25.0, "data-parallel gradient bucket size in MiB (> 0); with ps.servers, the size of "
                               "the push pieces sent during backward")
-    sparse_embedding: str = _field("auto", "untied embeddings (model.tie_embeddings = false), zero = 0, no "
-                                           "compression: auto = each step wte's gradient travels as (row id, row) "
-                                           "pairs of the rows touched when that is fewer bytes than the dense "
-                                           "all-reduce, else dense (the same choice on every rank); never = always "
-                                           "dense. ZeRO, FSDP, the parameter servers and compression: always dense",
+    sparse_embedding: str = _field("auto", "untied embeddings (model.tie_embeddings = false), no compression: "
+                                           "auto = each step wte's gradient travels as (row id, row) pairs of the "
+                                           "rows touched (zero 1-3: each row to its owner only) when that is fewer "
+                                           "bytes than the dense all-reduce (reduce-scatter), else dense (the same "
+                                           "choice on every rank); never = always dense. The parameter servers and "
+                                           "compression: always dense",
                                    ("auto", "never"))
     grad_compression: str = _field("none", "gradient compression on the data-parallel wire: none; fp16/bf16 = "
                                            "16-bit values summed in float32; int8 = blockwise absmax int8, two "

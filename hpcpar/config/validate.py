@@ -82,6 +82,7 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("train.seed", _ge0, ">= 0"),
     ("train.momentum", _unit, "in [0, 1)"),
     ("train.bucket_mb", _gt0, "> 0"),
+    ("train.prefetch_units", _ge0, ">= 0 (0 = no prefetch)"),
     ("train.compression_ratio", lambda v: 0 < v <= 1, "in (0, 1]: the fraction of each bucket's entries top-k sends"),
     ("train.powersgd_rank", _ge1, ">= 1"),
     ("train.compression_start_step", _ge0, ">= 0"),
@@ -182,9 +183,10 @@ def _check_model(cfg: Config) -> None:
 
 
 def _check_packing(cfg: Config) -> None:
-    """data.packing = "documents" where document masking is built (data/packing.py, ring attention and
-    Ulysses included); the rest refused. data.balance deals packed windows, and regroups the
-    micro-batches that MoE's capacity and balancing loss are computed over: not with experts."""
+    """data.packing = "documents" where document masking is built (data/packing.py, ring attention,
+    Ulysses and parameter servers included); the GPU backend refused. data.balance deals packed
+    windows, and regroups the micro-batches that MoE's capacity and balancing loss are computed
+    over: not with experts."""
     if cfg.data.balance != "none" and cfg.data.packing != "documents":
         raise ConfigError(f"data.balance = \"{cfg.data.balance}\" deals packed documents: set data.packing = "
                           "\"documents\" (or data.balance = \"none\")")
@@ -194,11 +196,9 @@ def _check_packing(cfg: Config) -> None:
                           "changes the run; set data.balance = \"none\"")
     if cfg.data.packing != "documents":
         return
-    why = ("ps.servers > 0: the parameter-server path is not checked with packed batches yet" if cfg.ps.servers else
-           "the GPU backend: its attention kernel does not mask documents yet (set run.backend=\"numpy\")"
-           if cfg.run.backend == "cupy" or (cfg.run.backend == "auto" and backend.name() == "cupy") else "")
-    if why:
-        raise ConfigError(f"data.packing = \"documents\" does not yet work with {why}")
+    if cfg.run.backend == "cupy" or (cfg.run.backend == "auto" and backend.name() == "cupy"):
+        raise ConfigError("data.packing = \"documents\" does not yet work with the GPU backend: its attention "
+                          "kernel does not mask documents yet (set run.backend=\"numpy\")")
 
 
 def _check_data_parallel(cfg: Config, dp: int) -> None:

@@ -220,7 +220,7 @@ class Trainer:
         return (ExpertDataParallel if cfg.model.moe_experts else make_gradient_sync)(
             self.named_parameters, self.mesh, bucket_mb=t.bucket_mb,
             compression=compression, zero=t.zero, make_optimizer=optimizer_factory(t),
-            sparse_embedding=t.sparse_embedding,
+            sparse_embedding=t.sparse_embedding, prefetch=t.prefetch_units,
             units=units if t.zero == 3 else None, reshard_after_forward=t.reshard_after_forward,
             local_tied=self.placement.holder(0)[0] == self.placement.holder(n_virtual - 1)[0], **alone)
 

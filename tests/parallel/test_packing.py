@@ -9,7 +9,9 @@ segments and cut documents), float64: 3 training steps of the parallel Trainer m
 a 1x1x1 mesh (COMM_SELF, same seed and global batch) to 1e-10 relative: losses, gradient norms and
 every global parameter. Dropout is on where the layout's masks are the single process's (they
 are keyed by sample, not by rank). Mixed precision tracks the one-process packed run of the same
-precision to its rounding, as tests/parallel/test_precision.py does.
+precision to its rounding, as tests/parallel/test_precision.py does. With parameter servers
+(synchronous: 3 workers and 1 server, or pp=2 workers and 2 servers, tied and untied embeddings)
+the workers' losses, gradient norms and parameters match the one-process packed run too.
 """
 
 import numpy as np
@@ -24,6 +26,7 @@ from hpcpar.config.load import load_config
 from hpcpar.data import balance, formats, packing
 from hpcpar.parallel.cp.attention import ContextParallel
 from hpcpar.runtime.comm import Communicator
+from hpcpar.training.run import build
 from hpcpar.training.trainer import Trainer
 
 WORLD = MPI.COMM_WORLD
@@ -204,3 +207,38 @@ def test_cp_attention_of_packed_windows_is_document_attention(impl):
         if SIZE > 2 and not (sum(s["skipped"] for s in stats) and sent < unmasked_ring):
             problems.append(f"nothing skipped: {stats}")
     collective_assert(not problems, f"{impl}: " + "; ".join(problems))
+
+
+# Synchronous parameter servers: (overrides, micro-batches per replica); the workers' mesh is 4 - servers ranks.
+SERVERS = {
+    "dp3-1server": (["mesh.dp=3", "mesh.pp=1", "ps.servers=1", "model.dropout=0.1"], 1),
+    "pp2-2servers": (["mesh.dp=1", "mesh.pp=2", "ps.servers=2", "pipeline.schedule=1f1b"], 3),
+    "dp3-untied": (["mesh.dp=3", "mesh.pp=1", "ps.servers=1", "model.tie_embeddings=false"], 2),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(SIZE != 4, reason="the layouts of 4 ranks")
+@pytest.mark.parametrize("name", list(SERVERS))
+def test_packed_parameter_server_training_matches_single_process(name):
+    overrides, m = SERVERS[name]
+    rank = build(load_config(None, BASE + overrides + [f"train.microbatches={m}", "run.eval_every=0"]), WORLD,
+                 tokens=DATA)
+    records: list = []
+    rank.train(steps=STEPS, files=False, progress=False, on_step=records.append, peak_flops=0.0)
+    worker = hasattr(rank, "dp")
+    mine = {n: p.data.copy() for n, p in rank.named_parameters if not p.tied_to} if worker else {}
+    rank.free()
+    problems = []
+    if worker:
+        ref_steps, ref_params = reference(model_overrides(overrides) + (f"train.microbatches={dp_of(overrides) * m}",))
+        for s, (r, (loss, norm)) in enumerate(zip(records, ref_steps)):
+            if abs(r["loss"] - loss) > RTOL * abs(loss) or abs(r["grad_norm"] - norm) > RTOL * abs(norm):
+                problems.append(f"step {s}: loss {r['loss']!r} vs {loss!r}, norm {r['grad_norm']!r} vs {norm!r}")
+        if len(records) != STEPS or not mine:
+            problems.append(f"{len(records)} steps, {len(mine)} parameters")
+        for n, a in mine.items():
+            ref = ref_params[n]
+            if a.shape != ref.shape or np.linalg.norm(a - ref) > RTOL * np.linalg.norm(ref):
+                problems.append(f"{n} differs from the one-process run")
+    collective_assert(not problems, f"{name} rank {WORLD.Get_rank()}: " + "; ".join(problems[:3]))

@@ -276,15 +276,22 @@ def test_differentiable_collective_is_adjoint_to_its_backward(name, dim):
 # Communication per transformer layer and micro-batch, counted at the MPI calls themselves.
 # ---------------------------------------------------------------------------------------------
 class CountingMPI:
-    """Stands in for a Communicator's mpi4py communicator and counts every method it is asked for."""
+    """Stands in for a Communicator's mpi4py communicator and counts every call of its methods (a
+    kept plan holds a method and calls it again: `Communicator._keep_plan`)."""
 
     def __init__(self, real):
         self._real = real
         self.calls = collections.Counter()
 
     def __getattr__(self, name):
-        self.calls[name] += 1
-        return getattr(self._real, name)
+        found = getattr(self._real, name)
+        if not callable(found):
+            return found
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return found(*args, **kwargs)
+        return counted
 
 
 def _counts(n_layer: int, tp_comm: Communicator, sp: bool, partial: bool = False) -> tuple:
@@ -295,6 +302,7 @@ def _counts(n_layer: int, tp_comm: Communicator, sp: bool, partial: bool = False
     transport = tp_comm._host  # the MPI transport every host-array op of tp_comm goes through
     counter = CountingMPI(transport.comm)
     transport.comm = counter
+    tp_comm._plans.clear()  # kept plans hold the MPI communicator's methods (`Communicator._keep_plan`)
     try:
         x, y = batch(2, seed=14, cfg=cfg)
         loss = model(x, y)
@@ -303,6 +311,7 @@ def _counts(n_layer: int, tp_comm: Communicator, sp: bool, partial: bool = False
         backward = counter.calls - forward
     finally:
         transport.comm = counter._real
+        tp_comm._plans.clear()
     return forward, backward
 
 

@@ -236,6 +236,39 @@ def test_prefetch_issues_the_next_gather_before_the_current_unit_computes_to_its
     collective_assert(not problems, "; ".join(problems))
 
 
+@pytest.mark.skipif(SIZE < 2, reason="one rank gathers nothing")
+def test_prefetch_depth_bounds_the_units_gathered_and_leaves_results_bitwise_unchanged():
+    """train.prefetch_units = d: when a unit starts its forward or backward at most 1 + d units' worth
+    of parameters are gathered or in flight (it and the d ahead: config/memory.py's (1 + d) U), more
+    than one when d > 0 (the prefetch is issued), and every depth gives the same bits."""
+    runs, problems = {}, []
+    for depth in (0, 1, 3):
+        t = make([f"mesh.dp={SIZE}", "mesh.pp=1", "train.zero=3", "model.n_layer=4", "train.microbatches=1",
+                  f"train.prefetch_units={depth}"])
+        units = t.dp.unit_hooks
+        most = {"forward": 0, "backward": 0}   # the most gathered elements, in units of the largest unit
+        largest = max(sum(f.size for f in u.flats) for u in units.units.values())
+
+        def watch(hook, phase):
+            def watched(name):
+                hook(name)
+                held = sum(f.size for f in units.flats if f.gathered is not None or f._gathering is not None)
+                most[phase] = max(most[phase], held / largest)
+            return watched
+        units.pre_forward = watch(units.pre_forward, "forward")
+        units.pre_backward = watch(units.pre_backward, "backward")
+        losses = [t.train_step(s).loss for s in range(2)]
+        runs[depth] = (losses, t.global_parameters())
+        t.mesh.free()
+        if max(most.values()) > 1 + depth or (depth and most["forward"] <= 1):
+            problems.append(f"depth {depth}: {most} units gathered at once")
+    for depth in (1, 3):
+        same = runs[depth][0] == runs[0][0] and all(np.array_equal(runs[depth][1][k], v) for k, v in runs[0][1].items())
+        if not same:
+            problems.append(f"depth {depth} differs from depth 0")
+    collective_assert(not problems, "; ".join(problems))
+
+
 def test_no_gathered_buffer_is_referenced_after_a_units_forward():
     """With reshard_after_forward the graph keeps no reference to a gathered parameter array: after
     each unit's forward its gathered buffer is gone (weak reference dead), in every op on the path

@@ -53,6 +53,7 @@ BAD = [
     (["train.seed=-5"], 1, "train.seed=-5 is invalid: must be >= 0"),
     (["train.momentum=1.5", "train.optimizer=sgd"], 1, "train.momentum=1.5 is invalid: must be in [0, 1)"),
     (["train.bucket_mb=0"], 1, "train.bucket_mb=0.0 is invalid: must be > 0"),
+    (["train.prefetch_units=-1"], 1, "train.prefetch_units=-1 is invalid: must be >= 0"),
     (["train.max_bad_steps=0"], 1, "train.max_bad_steps=0 is invalid: must be >= 1"),
     (["train.sync_every=0"], 1, "train.sync_every=0 is invalid: must be >= 1"),
     (["train.outer_lr=0"], 1, "train.outer_lr=0.0 is invalid: must be > 0"),

@@ -16,7 +16,8 @@ from hpcpar.config.load import load_config
 from hpcpar.config.validate import validate
 from hpcpar.errors import ConfigError
 from hpcpar.nn.gpt import GPT, GPTConfig
-from hpcpar.parallel.dp.sparse import choose_sparse, dense_bytes, sparse_bytes
+from hpcpar.parallel.dp.sparse import (choose_sparse, dense_bytes, owned_dense_bytes, owned_sparse_bytes,
+                                      row_owners, sparse_bytes)
 from test_gpt import Ranks, elements  # a stand-in tp group, parameter elements of a built model
 
 CFG = GPTConfig(vocab_size=512, block_size=8, n_layer=3, n_head=4, n_embd=16, dtype="float64")
@@ -99,6 +100,34 @@ def test_the_choice_follows_the_bytes_and_the_mode():
     assert not choose_sparse("auto", [0], v, row, 1)  # one rank: nothing to send either way
     with pytest.raises(ConfigError, match="sparse_embedding"):
         choose_sparse("always", below, v, row, n)
+
+
+def test_row_owners_tile_the_rows_in_blocks_of_ceil_v_over_n():
+    assert row_owners(1024, 4) == [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    assert row_owners(1003, 4) == [(0, 251), (251, 502), (502, 753), (753, 1003)]
+    assert row_owners(5, 4) == [(0, 2), (2, 4), (4, 5), (5, 5)]  # the last owner holds none
+    for v in range(1, 40):
+        for n in range(1, 9):
+            spans = row_owners(v, n)
+            per = -(-v // n)
+            assert spans[0][0] == 0 and spans[-1][1] == v and len(spans) == n
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            # a row's owner is row // ceil(v/n), what OwnedRows sends by
+            assert all(spans[r // per][0] <= r < spans[r // per][1] for r in range(v))
+
+
+def test_owner_byte_formulas_and_break_even():
+    row, n = 128, 4
+    assert owned_dense_bytes(1024, row, n) == (n - 1) / n * 1024 * row
+    assert owned_dense_bytes(1003, row, n) == (n - 1) / n * 4 * 251 * row  # padded to n ceil(V/n) rows
+    k = np.arange(16).reshape(4, 4)
+    # rows a rank owns itself (the diagonal) never leave it
+    assert owned_sparse_bytes(k, row) == (k.sum() - np.trace(k)) / n * (row + 8)
+    assert owned_sparse_bytes(np.diag([50, 60, 70, 80]), row) == 0.0
+    assert owned_sparse_bytes([[7]], row) == 0.0
+    # every rank touching every row: (n-1)/n V (row + 8) > the reduce-scatter's (n-1)/n V row
+    full = np.full((n, n), 1024 // n)
+    assert owned_sparse_bytes(full, row) > owned_dense_bytes(1024, row, n)
 
 
 def test_untied_checkpoint_exports_lm_head_and_imports_untied(tmp_path):

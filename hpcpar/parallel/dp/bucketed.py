@@ -10,8 +10,9 @@ dp x cp; with HSDP the shard group reduce-scatters uncompressed and the compress
 shards over dp_replicate (except PowerSGD, which factors whole matrices: over all of dp x cp).
 The compressor's residuals and PowerSGD Qs go into checkpoints (compression/state.py).
 
-A strategy may keep row-sparse gradients out of the buckets (`_sparse_rows`: DDP's untied
-embedding, synced as (row id, row) pairs or dense each step after the buckets, sparse.py).
+A strategy may keep row-sparse gradients out of the buckets (`_sparse_rows`: the untied
+embedding, synced as (row id, row) pairs or dense each step after the buckets, sparse.py: DDP's
+`SparseRows`, ZeRO-1/2's `OwnedRows`, each row to its owner).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hpcpar.parallel.dp.buckets import BucketManager, CompressedReduction, Reduc
 from hpcpar.parallel.dp.compression.compressors import BucketSpec, Compression, SpecSlot, make_compressor
 from hpcpar.parallel.dp.compression.state import CompressionState
 from hpcpar.parallel.dp.data_parallel import DataParallel, distinct_nbytes
-from hpcpar.parallel.dp.sparse import SparseRows
+from hpcpar.parallel.dp.sparse import OwnedRows, SparseRows
 from hpcpar.state import key_of
 
 _MIB = 1 << 20
@@ -85,9 +86,15 @@ class BucketedDataParallel(DataParallel):
     def _plain_reduction(self) -> Reduction:
         """How a bucket travels uncompressed."""
 
-    def _sparse_rows(self, named: list[tuple[str, Any]]) -> list[SparseRows]:
+    def _sparse_rows(self, named: list[tuple[str, Any]]) -> list[SparseRows | OwnedRows]:
         """The row-sparse gradients this strategy syncs apart from the buckets (none by default)."""
         return []
+
+    @property
+    def embedding_sync(self) -> dict:
+        """The row-sparse gradients' sync (sparse.py): {"steps": {"sparse": .., "dense": ..},
+        "last": the last step's figures} of the (one) untied embedding; {} when it goes in the buckets."""
+        return {"steps": dict(self._sparse[0].steps), "last": dict(self._sparse[0].last)} if self._sparse else {}
 
     def _assign_buckets(self, named: list[tuple[str, Any]], bucket_mb: float) -> list:
         """The bucket assignments: padded to a multiple of the shard group (ZeRO's parts) or of dp x cp
@@ -191,6 +198,7 @@ class BucketedDataParallel(DataParallel):
         state = [v for st in self.optimizer.state_dict()["state"] for v in st.values()]
         params = distinct_nbytes((p.data for p in self.params), seen)
         grads = distinct_nbytes((b.grad for b in self.buckets), seen) + distinct_nbytes(
-            (b.part_buffer for b in self.buckets), seen) + distinct_nbytes((r.grad for r in self._sparse), seen)
+            (b.part_buffer for b in self.buckets), seen) + distinct_nbytes(
+            (a for r in self._sparse for a in (r.grad, getattr(r, "part_buffer", None))), seen)
         return {"parameters": params, "gradients": grads, "optimizer": distinct_nbytes(state, seen), "gathered": 0}
 

@@ -62,12 +62,6 @@ class DDP(BucketedDataParallel):
     def _grad_buffers(self) -> list:
         return [b.grad for b in self.buckets] + [r.grad for r in self._sparse]
 
-    @property
-    def embedding_sync(self) -> dict:
-        """The row-sparse gradients' sync (`sparse.SparseRows`): {"steps": {"sparse": .., "dense": ..},
-        "last": the last step's figures} of the (one) untied embedding; {} when it goes in the buckets."""
-        return {"steps": dict(self._sparse[0].steps), "last": dict(self._sparse[0].last)} if self._sparse else {}
-
     def uncompressed_bytes(self) -> float:
         """Bytes this rank sends per step to synchronise gradients without compression: an
         all-reduce of every bucket over dp x cp (`comm.bytes_sent`), and of a row-sparse gradient

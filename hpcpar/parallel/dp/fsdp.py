@@ -9,7 +9,7 @@ updates). Tensor parallelism is untouched: a tp rank's parameters are its tp sha
 shards those flat over the shard group.
 
     pre-forward (unit u)    issue the non-blocking all-gathers of u (unless prefetched) and of
-                            the next PREFETCH_DEPTH units (prefetch; those not yet in flight),
+                            the next `prefetch` units (prefetch; those not yet in flight),
                             then wait for u's, gathered into a fresh buffer: every `p.data` a
                             view of it
     post-forward            free the gathered buffer (`reshard_after_forward`; otherwise keep it
@@ -17,7 +17,7 @@ shards those flat over the shard group.
                             after the last unit, when the backward follows at once (no
                             pipeline), issue the gathers of the backward's first units
     pre-backward            (an identity op on u's output calls it when u's output gradient
-                            arrives) gather u again, prefetch the PREFETCH_DEPTH units before it,
+                            arrives) gather u again, prefetch the `prefetch` units before it,
                             give u's flat parameters a zeroed full gradient buffer (every
                             `p.grad` a view)
     u's backward done       (every parameter of u has had its grad hook in this pass) free the
@@ -40,6 +40,12 @@ memory): a use outside its unit shows up as NaN, not as stale values. A block un
 activation recomputation (`recompute`) runs inside its unit: its no-graph forward between
 pre- and post-forward, its re-run inside the recompute op's backward, after pre-backward has
 gathered the unit again, so recomputation costs no extra gather.
+
+An untied embedding (`Parameter.sparse_grad`, `sparse_embedding = "auto"`, a shard group of more
+than one rank) is a flat parameter of its own, padded to n R rows (R = ceil(V/n)) so that rank r's
+shard is rows [r R, (r + 1) R): its gradient goes to the owners of its rows as (row id, row) pairs
+when fewer bytes than the reduce-scatter, else by the reduce-scatter (`sparse.reduce_to_owners`,
+blocking, in the flats' fixed launch order); the gathers stay dense.
 
 A padded vocabulary (wte's rows past V under tp, `Layout.split_padded`) is part of the flat
 buffer like any element: zero from the start, it gets zero gradient and so stays zero; the
@@ -67,6 +73,7 @@ from hpcpar.optim.optimizers import AdamW
 from hpcpar.parallel.dp.buckets import Slot
 from hpcpar.parallel.dp.data_parallel import DataParallel, distinct_nbytes
 from hpcpar.parallel.dp.segments import ShardedState, segments_of
+from hpcpar.parallel.dp.sparse import reduce_to_owners
 
 
 class FlatParameter:
@@ -82,11 +89,15 @@ class FlatParameter:
         grad: the whole flat gradient `[size]` during backward, else None.
         segments: the parameters' pieces inside the shard (the optimizer's "parameters").
         tied: a tied copy's flat (summed over the embedding group after the reduction).
+        rows: a row-sparse parameter's flat (`sparse_grad`, alone in it): the mode ("auto") its
+            gradient goes to the owners of its rows in, padded to n ceil(V/n) rows; None otherwise.
+        steps, last: with `rows`, the steps sent as pairs or dense and the last one's figures.
     """
 
     def __init__(self, index: int, named: list[tuple[str, Any]], comm: Communicator,
-                 replicate: Communicator | None, tied: bool = False):
-        self.index, self.comm, self.tied = index, comm, tied
+                 replicate: Communicator | None, tied: bool = False, rows: str | None = None):
+        self.index, self.comm, self.tied, self.rows = index, comm, tied, rows
+        self.steps, self.last = {"sparse": 0, "dense": 0}, {}
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -100,7 +111,9 @@ class FlatParameter:
             self.slots.append(Slot(n, i, offset, int(p.data.size)))
             offset += int(p.data.size)
         self.numel = offset
-        self.size = -(-offset // comm.size) * comm.size
+        # A row-sparse flat pads whole rows, so that the shards are the owners' rows.
+        width = offset // max(1, self.params[0].shape[0]) if rows else 1
+        self.size = -(-offset // (comm.size * width)) * comm.size * width
         self.shard_size = self.size // comm.size
         self.lo, self.hi = comm.rank * self.shard_size, (comm.rank + 1) * self.shard_size
         full = xp.zeros(self.size, dtype=self.dtype)
@@ -180,10 +193,18 @@ class FlatParameter:
                 p.grad = self.grad[s.offset:s.offset + s.numel].reshape(p.shape)
 
     def start_reduce(self) -> None:
-        """Reduce-scatter (average) the full gradient into `grad_shard`, non-blocking."""
+        """Reduce-scatter (average) the full gradient into `grad_shard`, non-blocking; a row-sparse
+        flat's rows to their owners (blocking: `reduce_to_owners`)."""
         self.ensure_grad()  # zeros for a flat no gradient reached
         self.launched = True
-        self._reducing = self.comm.ireduce_scatter(self.grad, dim=0, op="avg", out=self.grad_shard)
+        if self.rows is None:
+            self._reducing = self.comm.ireduce_scatter(self.grad, dim=0, op="avg", out=self.grad_shard)
+            return
+        p = self.params[0]
+        self.last = reduce_to_owners(self.grad, p.shape[0], self.numel // max(1, p.shape[0]), self.comm, self.rows,
+                                     self.grad_shard)
+        self.steps["sparse" if self.last["sparse"] else "dense"] += 1
+        self._reducing = _DONE
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, average over the replicas (HSDP), free the full buffer."""
@@ -196,6 +217,17 @@ class FlatParameter:
         for p in self.params:
             p.grad = None
         self.grad = None
+
+
+class _Done:
+    """A reduction already complete (a row-sparse flat's, `start_reduce`)."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_DONE = _Done()
 
 
 class Unit:
@@ -223,10 +255,12 @@ class ShardedUnits:
         tied_comm: the embedding group the tied flats' gradient shards are summed over, or None.
         reshard_after_forward: free a unit's parameters after its forward (gather again for
             backward); False keeps them from forward to backward.
-        prefetch: issue the gathers of the next `PREFETCH_DEPTH` units while the current one
-            computes (forward and backward).
+        prefetch: how many units' gathers are issued ahead of the one computing (forward and
+            backward; 0: none, each unit gathered when it is needed; `train.prefetch_units`).
         backward_follows: a chunk's backward starts right after its forward (no pipeline): the
             end of the forward issues the gathers of the backward's first units.
+        sparse: "auto": a row-sparse parameter (`sparse_grad`) is a flat of its own whose rows go
+            to their owners (`FlatParameter.rows`; with n > 1); "never": it is not.
 
     The model calls `pre_forward(name)`, `post_forward(name, backward)` and (from an identity op
     on the unit's output) `pre_backward(name)`; every parameter's grad hook calls `on_grad`.
@@ -242,20 +276,19 @@ class ShardedUnits:
     """
 
     MAX_IN_FLIGHT = 2  # reduce-scatters launched from hooks and not yet waited, at most
-    # Units whose gathers are issued ahead of the one computing. A non-blocking all-gather ends
-    # only once every rank of the group has issued it, so the depth is how far (in units) one
-    # rank may run ahead of the slowest before it waits: with ranks sharing cores (4 on 2,
-    # bench/zero.py) they drift by more than one unit, and prefetching one unit ahead hid 10-15 %
-    # of the all-gather wait, two about 50 %, three about 60 %, four no more than three. Driving
-    # MPI's progress between a unit's ops (a probe every few autograd ops) hid nothing more: the
-    # gathers were waiting for late ranks, not for progress. Memory: up to 1 + PREFETCH_DEPTH
-    # units gathered (config/memory.py).
-    PREFETCH_DEPTH = 3
+    # `prefetch`, the units whose gathers are issued ahead of the one computing: a non-blocking
+    # all-gather ends only once every rank of the group has issued it, so the depth is how far (in
+    # units) one rank may run ahead of the slowest before it waits. With ranks sharing cores (4 on
+    # 2, bench/zero.py) they drift by more than one unit: prefetching one unit ahead hid 10-15 % of
+    # the all-gather wait, two about 50 %, three about 60 %, four no more than three (hence the
+    # default 3). Driving MPI's progress between a unit's ops (a probe every few autograd ops) hid
+    # nothing more: the gathers were waiting for late ranks, not for progress. Memory: up to
+    # 1 + prefetch units gathered (config/memory.py).
 
     def __init__(self, units: Iterable[tuple[int, str, list]], comm: Communicator,
                  replicate: Communicator | None = None, tied: Iterable[str] = (),
                  tied_comm: Communicator | None = None, reshard_after_forward: bool = True,
-                 prefetch: bool = True, backward_follows: bool = False):
+                 prefetch: int = 3, backward_follows: bool = False, sparse: str = "never"):
         self.comm, self.replicate, self.tied_comm = comm, replicate, tied_comm
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.backward_follows = backward_follows
@@ -269,11 +302,14 @@ class ShardedUnits:
             if name in self.units:
                 raise ConfigError(f"ZeRO-3 unit {name!r} appears twice on this rank")
             new = [(n, p) for n, p in named if id(p) not in flat_of]
-            groups = [[(n, p)] for n, p in new if n in tied or getattr(p, "tied_to", None)]
-            rest = [(n, p) for n, p in new if not (n in tied or getattr(p, "tied_to", None))]
-            for group in ([rest] if rest else []) + groups:
+            rowed = {id(p) for n, p in new if sparse == "auto" and comm.size > 1 and getattr(p, "sparse_grad", False)
+                     and n not in tied}
+            alone = [[(n, p)] for n, p in new if n in tied or getattr(p, "tied_to", None) or id(p) in rowed]
+            rest = [(n, p) for n, p in new if not (n in tied or getattr(p, "tied_to", None) or id(p) in rowed)]
+            for group in ([rest] if rest else []) + alone:
                 flat = FlatParameter(len(self.flats), group, comm, replicate,
-                                     tied=bool(tied_comm is not None and group is not rest))
+                                     tied=bool(tied_comm is not None and group is not rest and id(group[0][1]) not in
+                                               rowed), rows=sparse if id(group[0][1]) in rowed else None)
                 self.flats.append(flat)
                 for n, p in group:
                     flat_of[id(p)] = flat
@@ -323,11 +359,9 @@ class ShardedUnits:
             f.release()
 
     def _prefetch(self, unit: Unit | None, forward: bool) -> None:
-        """Issue the gathers of `unit` and the `PREFETCH_DEPTH - 1` units after it (before it in
+        """Issue the gathers of `unit` and the `prefetch - 1` units after it (before it in
         backward), nearest first: every rank issues the same gathers in the same order."""
-        if not self.prefetch:
-            return
-        for _ in range(self.PREFETCH_DEPTH):
+        for _ in range(self.prefetch):
             if unit is None:
                 return
             t = time.perf_counter()
@@ -337,7 +371,7 @@ class ShardedUnits:
 
     # -- the model's hooks -------------------------------------------------------------------------
     def pre_forward(self, name: str) -> None:
-        """Before unit `name`'s forward: the gathers of the next PREFETCH_DEPTH units issued, its own
+        """Before unit `name`'s forward: the gathers of the next `prefetch` units issued, its own
         parameters gathered."""
         unit = self.units[name]
         self._acquire(unit, unit.next, True)
@@ -361,7 +395,7 @@ class ShardedUnits:
 
     def pre_backward(self, name: str) -> None:
         """When unit `name`'s output gradient arrives: its parameters gathered again (unless kept
-        from forward), the gathers of the PREFETCH_DEPTH units before it issued, zeroed gradient
+        from forward), the gathers of the `prefetch` units before it issued, zeroed gradient
         buffers attached."""
         unit = self.units[name]
         if unit.held:
@@ -480,8 +514,9 @@ class FSDP(ShardedState, DataParallel):
             so that the model gathers its units.
         make_optimizer: builds the optimizer from this rank's segments.
         reshard_after_forward: free a unit's gathered parameters after its forward.
-        prefetch: issue the next units' all-gathers while the current one computes
-            (`ShardedUnits.PREFETCH_DEPTH` ahead).
+        prefetch: units whose all-gathers are issued ahead of the one computing (`ShardedUnits`).
+        sparse_embedding: "auto" or "never" (`train.sparse_embedding`): an untied wte's rows to
+            their owners (`FlatParameter.rows`).
 
     Attributes:
         unit_hooks: the `ShardedUnits`.
@@ -491,7 +526,8 @@ class FSDP(ShardedState, DataParallel):
 
     def __init__(self, named_params: Iterable[tuple[str, Any]], mesh, units: Iterable[tuple[int, str, list]] | None,
                  make_optimizer: Callable[[list], Any] = AdamW, *, reshard_after_forward: bool = True,
-                 prefetch: bool = True, local_tied: bool = False, groups: tuple | None = None):
+                 prefetch: int = 3, local_tied: bool = False, groups: tuple | None = None,
+                 sparse_embedding: str = "auto"):
         super().__init__(named_params, mesh, local_tied=local_tied, groups=groups)
         if units is None:
             raise ConfigError("zero=3 needs the model's units (make_gradient_sync(..., units=[(chunk, name, "
@@ -503,7 +539,7 @@ class FSDP(ShardedState, DataParallel):
             raise ConfigError(f"zero=3: parameters {missing[:3]} belong to no unit")
         self.unit_hooks = ShardedUnits(units, self.shard_comm, self.replicate_comm, self._tied,
                                        self.embedding_comm, reshard_after_forward, prefetch,
-                                       backward_follows=mesh.size(Axis.PP) == 1)
+                                       backward_follows=mesh.size(Axis.PP) == 1, sparse=sparse_embedding)
         self.segments = self.unit_hooks.segments
         if self.embedding_comm is not None:
             self._check_tied_match([(f.size, f.dtype) for f in self.unit_hooks.flats if f.tied])
@@ -541,6 +577,13 @@ class FSDP(ShardedState, DataParallel):
 
     def _grad_buffers(self) -> list:
         return [f.grad_shard for f in self.unit_hooks.flats]
+
+    @property
+    def embedding_sync(self) -> dict:
+        """The untied embedding's sync to its rows' owners (`BucketedDataParallel.embedding_sync`'s
+        form); {} when it is reduce-scattered with its unit."""
+        rowed = [f for f in self.unit_hooks.flats if f.rows is not None]
+        return {"steps": dict(rowed[0].steps), "last": dict(rowed[0].last)} if rowed else {}
 
     def uncompressed_bytes(self) -> None:
         """None: no compression under ZeRO-3, what is measured is what an uncompressed step sends."""

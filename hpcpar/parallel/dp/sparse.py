@@ -19,8 +19,25 @@ and syncs it here once per step, after the buckets (`SparseRows.reduce`):
    the same average the dense all-reduce gives up to the order of the additions (float64:
    rounding). Dense: the all-reduce (`op="avg"`) of the whole array, as a bucket would.
 
+ZeRO-1/2 (`OwnedRows`, the shard group's n ranks; ZeRO-3: fsdp.py's `FlatParameter.rows`, the
+same exchange, `reduce_to_owners`): rank r owns rows [r R, (r + 1) R) of wte,
+R = ceil(V/n) (`row_owners`); its optimizer segment of wte is those rows (wte has a flat buffer
+[n R, ...] of its own, padded like a bucket, so `zero.Part` cuts it at the row partition). Each
+step the owner of each row receives only its rows:
+
+1. each rank splits its k nonzero rows by owner, k_{r,d} rows for owner d, and the shard group
+   all-gathers the count rows (8 n bytes per rank): the [n, n] matrix k, the same everywhere;
+2. sparse when the mean bytes a rank sends, 1/n sum_{r != d} k_{r,d} (C s + 8) (rows a rank owns
+   itself never leave it), are fewer than the dense reduce-scatter's (n-1)/n n R C s
+   (`owned_sparse_bytes`, `owned_dense_bytes`);
+3. sparse: an all-to-all-v of the ids and one of the rows, each to its owner; the owner sums them
+   in rank order into zeros [R, ...] and divides by n. Dense: the reduce-scatter (`op="avg"`) of
+   the padded gradient, as a bucket would. With HSDP the owner's rows are then averaged over the
+   replicas (an all-reduce, as `ReduceScatterAvg` does). The optimizer step on the owner's rows
+   and the all-gather of the updated rows are ZeRO's, unchanged (the all-gather stays dense).
+
 Each step's figures (the path taken, the bytes this rank sent for the parameter, both formulas)
-are kept in `SparseRows.last` and the totals in `SparseRows.steps` (`DDP.embedding_sync`), where
+are kept in `last` and the totals in `steps` (`BucketedDataParallel.embedding_sync`), where
 the data-parallel bytes are accounted: the collectives run on the gradient group, whose counters
 (`DataParallel.sync_bytes`) include them.
 """
@@ -33,6 +50,7 @@ import numpy as np
 
 from hpcpar import backend
 from hpcpar.errors import ConfigError
+from hpcpar.parallel.dp.buckets import BucketAssignment, Slot
 from hpcpar.runtime.comm import bytes_sent
 
 # train.sparse_embedding: auto = choose each step by bytes, never = always dense.
@@ -124,3 +142,121 @@ class SparseRows:
                      "sent": self.comm.bytes_sent_total() - before,
                      "dense_bytes": dense_bytes(rows, self.row_bytes, n),
                      "sparse_bytes": sparse_bytes(counts, self.row_bytes, n)}
+
+
+def row_owners(rows: int, n: int) -> list[tuple[int, int]]:
+    """Rank r's rows [lo, hi) of a [rows, ...] array over n ranks: R = ceil(rows/n) each, the
+    last ones fewer (or none)."""
+    per = -(-rows // n)
+    return [(min(rows, r * per), min(rows, (r + 1) * per)) for r in range(n)]
+
+
+def owned_dense_bytes(rows: int, row_bytes: int, n: int) -> float:
+    """Bytes one rank sends to reduce-scatter a [n R, ...] (padded) gradient: (n-1)/n n R row_bytes."""
+    return bytes_sent("reduce_scatter", n * -(-rows // n) * row_bytes, n)
+
+
+def owned_sparse_bytes(matrix, row_bytes: int) -> float:
+    """Mean bytes a rank sends for the (id, row) pairs of `matrix` [n, n] (rows of sender r for
+    owner d): 1/n sum_{r != d} k_{r,d} (row_bytes + 8)."""
+    k = np.asarray(matrix, dtype=np.int64)
+    n = k.shape[0]
+    return 0.0 if n <= 1 else float(k.sum() - np.trace(k)) / n * (row_bytes + ID_BYTES)
+
+
+class OwnedRows:
+    """ZeRO-1/2: a row-sparse parameter's gradient, each row's average delivered to its owner only
+    (module doc). Looks like a gradient bucket to `zero.Part`: `assignment` (one slot, padded to
+    n R rows), `params`, `part` (after `reduce`: this rank's averaged rows, flat [R row elements]).
+
+    Args:
+        name: the parameter's global name; param: the Parameter (`sparse_grad`), [rows, ...].
+        comm: the shard group (n ranks); replicate: HSDP's replica group (or one rank).
+        mode: "auto" or "never" (`SPARSE_MODES`).
+
+    Attributes:
+        grad: [rows, ...], the unreduced local gradient (a view of a flat buffer [n R ...] whose
+            padding stays zero), `param.grad` points at it.
+        last, steps: as `SparseRows`' ("counts": the [n, n] matrix as lists).
+    """
+
+    def __init__(self, name: str, param: Any, comm, replicate, mode: str):
+        if mode not in SPARSE_MODES:
+            raise ConfigError(f"train.sparse_embedding={mode!r} is not one of " + ", ".join(map(repr, SPARSE_MODES)))
+        self.param, self.comm, self.mode, self.params = param, comm, mode, [param]
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
+        n, rows = comm.size, param.data.shape[0]
+        self.rows, self.width = rows, int(np.prod(param.data.shape[1:], dtype=np.int64))
+        self.row_bytes = self.width * param.data.dtype.itemsize
+        self.per = -(-rows // n)
+        self.assignment = BucketAssignment((Slot(name, 0, 0, rows * self.width),), n * self.per * self.width,
+                                           str(param.data.dtype))
+        xp = backend.array_module(param.data)
+        self._flat = xp.zeros(self.assignment.size, dtype=param.data.dtype)
+        self.grad = self._flat[:rows * self.width].reshape(param.data.shape)
+        self.part_buffer = xp.zeros(self.per * self.width, dtype=param.data.dtype)
+        self.part = None
+        self.last: dict = {}
+        self.steps = {"sparse": 0, "dense": 0}
+        param.grad = self.grad
+
+    def begin_step(self) -> None:
+        """Zero the buffer and point `param.grad` at it (backward accumulates into it)."""
+        self.grad.fill(0)
+        self.param.grad = self.grad
+        self.part = None
+
+    def reduce(self) -> None:
+        """Leave this rank's rows of the average in `part`, as pairs or dense (module doc; collective)."""
+        g = self.param.grad
+        if g is not self.grad:  # someone replaced .grad: take its values into the buffer
+            self.grad[...] = g
+            self.param.grad = self.grad
+        self.last = reduce_to_owners(self._flat, self.rows, self.width, self.comm, self.mode, self.part_buffer)
+        if self.replicate is not None:
+            self.replicate.iall_reduce(self.part_buffer, op="avg").wait()  # in place
+        self.part = self.part_buffer
+        self.steps["sparse" if self.last["sparse"] else "dense"] += 1
+
+    def uncompressed_bytes(self) -> float:
+        """The dense path's bytes per step: the reduce-scatter, HSDP's all-reduce of the rows, the
+        all-gather of the updated rows (ZeRO's, counted by the bucket formula)."""
+        part = self.per * self.row_bytes
+        return (owned_dense_bytes(self.rows, self.row_bytes, self.comm.size)
+                + (bytes_sent("all_reduce", part, self.replicate.size) if self.replicate is not None else 0.0)
+                + bytes_sent("all_gather", part, self.comm.size))
+
+
+def reduce_to_owners(flat, rows: int, width: int, comm, mode: str, out) -> dict:
+    """Average a row-sparse gradient over `comm`, each owner receiving its rows only (module doc).
+
+    Args:
+        flat: [n R width], the local gradient, rows [0, rows) of `width` elements back to back,
+            the padding zero (R = ceil(rows/n)).
+        out: [R width], receives this rank's rows [rank R, (rank + 1) R) of the average.
+    Returns the step's figures (`OwnedRows.last`). Collective over `comm`.
+    """
+    xp = backend.array_module(flat)
+    n, per = comm.size, -(-rows // comm.size)
+    dense, row_bytes = flat[:rows * width].reshape(rows, width), width * flat.dtype.itemsize
+    ids = backend.to_host(xp.flatnonzero(xp.any(dense != 0, axis=1))).astype(np.int64)  # ascending
+    mine = np.bincount(ids // per, minlength=n).astype(np.int64)  # rows for each owner
+    before = comm.bytes_sent_total()
+    matrix = comm.all_gather(mine[None, :]).reshape(n, n)   # [sender, owner]
+    sparse = mode == "auto" and owned_sparse_bytes(matrix, row_bytes) < owned_dense_bytes(rows, row_bytes, n)
+    if sparse:
+        got = matrix[:, comm.rank]
+        all_ids = comm.all_to_all_v(ids, mine, got)  # ascending ids: grouped by owner, in rank order
+        all_rows = comm.all_to_all_v(dense[xp.asarray(ids)], mine, got)
+        part = out.reshape(per, width)
+        part[...] = 0
+        lo, at = row_owners(rows, n)[comm.rank][0], 0
+        for c in got:  # rank order; a rank's ids are distinct, so += adds each row once
+            part[xp.asarray(all_ids[at:at + c] - lo)] += all_rows[at:at + c]
+            at += c
+        part /= n
+    else:
+        comm.ireduce_scatter(flat, dim=0, op="avg", out=out).wait()
+    return {"sparse": sparse, "rows": int(ids.size), "counts": matrix.tolist(),
+            "sent": comm.bytes_sent_total() - before, "dense_bytes": owned_dense_bytes(rows, row_bytes, n),
+            "sparse_bytes": owned_sparse_bytes(matrix, row_bytes)}

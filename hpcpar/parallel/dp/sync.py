@@ -116,7 +116,7 @@ def make_gradient_sync(named_params: Iterable[tuple[str, Any]], mesh, bucket_mb:
                        compression: Compression | str = "none", zero: int = 0,
                        make_optimizer: Callable[[list], Any] = AdamW, overlap: bool = True,
                        units: Iterable[tuple[int, str, list]] | None = None, reshard_after_forward: bool = True,
-                       prefetch: bool = True, local_tied: bool = False, groups: tuple | None = None,
+                       prefetch: int = 3, local_tied: bool = False, groups: tuple | None = None,
                        sparse_embedding: str = "auto") -> GradientSync:
     """The strategy for ZeRO stage `zero` (the module's table).
 
@@ -130,9 +130,9 @@ def make_gradient_sync(named_params: Iterable[tuple[str, Any]], mesh, bucket_mb:
             `.no_decay` (the parameters, or under ZeRO this rank's segments).
         overlap: start reductions from grad hooks during backward (stages 0-2).
         units, reshard_after_forward, prefetch: stage 3, see `fsdp.FSDP`.
-        sparse_embedding: stage 0: "auto" syncs a row-sparse gradient (an untied wte) as (row id,
-            row) pairs when fewer bytes than dense, "never" keeps it dense (sparse.py). Stages 1-3
-            keep it dense (each owner receiving only its rows is not built yet).
+        sparse_embedding: "auto" syncs a row-sparse gradient (an untied wte) as (row id, row)
+            pairs when fewer bytes than dense (ZeRO 1-3: each row to its owner only), "never" keeps
+            it dense (sparse.py).
     """
     if zero not in ZERO_STAGES or isinstance(zero, bool):
         raise ConfigError(f"zero={zero!r} is not a supported ZeRO stage; choose 0, 1, 2 or 3")
@@ -146,8 +146,8 @@ def make_gradient_sync(named_params: Iterable[tuple[str, Any]], mesh, bucket_mb:
     common = {"local_tied": local_tied, "groups": groups}
     if zero == 3:
         return FSDP(named_params, mesh, units, make_optimizer, reshard_after_forward=reshard_after_forward,
-                    prefetch=prefetch, **common)
+                    prefetch=prefetch, sparse_embedding=sparse_embedding, **common)
     bucketed = {"bucket_mb": bucket_mb, "compression": compression, "overlap": overlap, **common}
     if zero:
-        return ZeRO(named_params, mesh, make_optimizer, stage=zero, **bucketed)
+        return ZeRO(named_params, mesh, make_optimizer, stage=zero, sparse_embedding=sparse_embedding, **bucketed)
     return DDP(named_params, mesh, make_optimizer, sparse_embedding=sparse_embedding, **bucketed)

@@ -20,6 +20,14 @@ inside it, flat views of the part and of the reduced gradient part, so results e
 unsharded optimizer's bit for bit and checkpoints save every piece as it is (no rank ever holds
 another rank's state).
 
+An untied embedding (`Parameter.sparse_grad`, `sparse_embedding = "auto"`, no compressor, a
+shard group of more than one rank) stays out of the buckets: its gradient goes each step to the
+owners of its rows, as (row id, row) pairs when fewer bytes than its reduce-scatter, else dense
+(`sparse.OwnedRows`). It has a flat buffer of its own cut at the row partition, so this rank's
+optimizer segment of it is the rows it owns; the step and the all-gather are the buckets' (a
+`Part` of it, after the buckets' parts). ZeRO-2 keeps its whole gradient buffer (the lookup's
+scatter-add needs one), as DDP does.
+
 `ZeRO` is the gradient sync strategy (`sync.GradientSync`) of stages 1 and 2: the bucketed
 reductions of bucketed.py with a reduce-scatter, and `ZeroOptimizer` over the parts.
 """
@@ -36,6 +44,7 @@ from hpcpar.optim.optimizers import AdamW
 from hpcpar.parallel.dp.bucketed import BucketedDataParallel
 from hpcpar.parallel.dp.buckets import Bucket, ReduceScatterAvg
 from hpcpar.parallel.dp.compression.compressors import Compression
+from hpcpar.parallel.dp.sparse import OwnedRows
 from hpcpar.parallel.dp.segments import ShardedState, gather_state, load_state, segments_of
 
 
@@ -66,14 +75,15 @@ class ZeroOptimizer:
     """An optimizer over this rank's parts of `buckets`, plus the all-gather of the parameters.
 
     Args:
-        buckets: the gradient buckets (sizes multiples of `comm.size`), reduced by reduce-scatter.
+        buckets: the gradient buckets (sizes multiples of `comm.size`), reduced by reduce-scatter,
+            then the `OwnedRows` (each a bucket of one parameter to `Part`).
         comm: the shard group (dp x cp; with HSDP dp_shard x cp).
         make_optimizer: builds the optimizer from the list of segments.
 
     Per step, after the reduction: `attach_grads()`, then (after clipping) `step(lr)`.
     """
 
-    def __init__(self, buckets: list[Bucket], comm: Communicator, make_optimizer: Callable[[list], Any]):
+    def __init__(self, buckets: list[Bucket | OwnedRows], comm: Communicator, make_optimizer: Callable[[list], Any]):
         self.comm = comm
         xp = backend.array_module(*(p.data for b in buckets for p in b.params))
         self.parts = [Part(b, comm.rank, comm.size, xp) for b in buckets]
@@ -125,8 +135,9 @@ class ZeroOptimizer:
 class ZeRO(ShardedState, BucketedDataParallel):
     """ZeRO stage 1 (optimizer state sharded) or 2 (gradients too) over the shard group.
 
-    Args: those of `BucketedDataParallel`, `stage` (1 or 2), and `make_optimizer`, which builds
-    the optimizer from this rank's segments.
+    Args: those of `BucketedDataParallel`, `stage` (1 or 2), `make_optimizer`, which builds
+    the optimizer from this rank's segments, and `sparse_embedding` ("auto" or "never",
+    `train.sparse_embedding`: an untied wte's rows to their owners, module doc).
 
     Attributes:
         segments: this rank's pieces of the parameters, the optimizer's "parameters".
@@ -136,11 +147,13 @@ class ZeRO(ShardedState, BucketedDataParallel):
 
     def __init__(self, named_params: Iterable[tuple[str, Any]], mesh, make_optimizer: Callable[[list], Any] = AdamW,
                  *, stage: int, bucket_mb: float = 25.0, compression: Compression = Compression(),
-                 overlap: bool = True, local_tied: bool = False, groups: tuple | None = None):
+                 overlap: bool = True, local_tied: bool = False, groups: tuple | None = None,
+                 sparse_embedding: str = "auto"):
         self.stage = stage
+        self.sparse_embedding = sparse_embedding  # read by `_sparse_rows` during the base's construction
         super().__init__(named_params, mesh, bucket_mb=bucket_mb, compression=compression, overlap=overlap,
                          release=stage == 2, local_tied=local_tied, groups=groups)
-        self._zero = ZeroOptimizer(self.buckets, self.shard_comm, make_optimizer)
+        self._zero = ZeroOptimizer(self.buckets + self._sparse, self.shard_comm, make_optimizer)
         self.segments = self._zero.segments
         self.optimizer = self._zero.optimizer
         self._norm_items = self._sharded_norm_items()
@@ -149,12 +162,20 @@ class ZeRO(ShardedState, BucketedDataParallel):
         # ZeRO-1 keeps the whole gradient buffer anyway: the part goes back into it.
         return ReduceScatterAvg(self.shard_comm, self.replicate_comm, in_bucket=self.stage == 1)
 
+    def _sparse_rows(self, named: list[tuple[str, Any]]) -> list[OwnedRows]:
+        """The untied embedding's gradient, unless "never", one rank in the shard group or
+        compression (the buckets' own wire)."""
+        if self.sparse_embedding == "never" or self.shard_comm.size == 1 or self.compressor is not None:
+            return []
+        return [OwnedRows(n, p, self.shard_comm, self.replicate_comm, self.sparse_embedding) for n, p in named
+                if getattr(p, "sparse_grad", False)]
+
     def _reduce(self) -> None:
         super()._reduce()
         self._zero.attach_grads()
 
     def _grad_buffers(self) -> list:
-        return [b.part for b in self.buckets]
+        return [b.part for b in self.buckets] + [r.part for r in self._sparse]
 
     def _update(self, lr: float | None) -> None:
         """Update this rank's part, all-gather the parameters."""
@@ -176,7 +197,7 @@ class ZeRO(ShardedState, BucketedDataParallel):
             total += (bytes_sent("reduce_scatter", nbytes, n) + bytes_sent("all_reduce", nbytes // n,
                                                                           self.replicate_comm.size)
                       + bytes_sent("all_gather", nbytes // n, n))
-        return total
+        return total + sum(r.uncompressed_bytes() for r in self._sparse)
 
     def _parameter_pieces(self) -> list[tuple[Any, str, Any, Any]]:
         """The parameters whole: ZeRO-1/2 keeps them whole on every rank."""
