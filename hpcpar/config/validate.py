@@ -184,7 +184,8 @@ def _check_model(cfg: Config) -> None:
 
 def _check_packing(cfg: Config) -> None:
     """data.packing = "documents" where document masking is built (data/packing.py, ring attention,
-    Ulysses and parameter servers included); the GPU backend refused. data.balance deals packed
+    Ulysses and synchronous parameter servers included); the GPU backend, local SGD / DiLoCo and stale
+    or async parameter servers refused. data.balance deals packed
     windows, and regroups the micro-batches that MoE's capacity and balancing loss are computed
     over: not with experts."""
     if cfg.data.balance != "none" and cfg.data.packing != "documents":
@@ -196,6 +197,15 @@ def _check_packing(cfg: Config) -> None:
                           "changes the run; set data.balance = \"none\"")
     if cfg.data.packing != "documents":
         return
+    # The per-token weights count the kept targets of the whole global batch (data/balance.py): right
+    # where every step averages every replica's gradients of that step, not where replicas step alone.
+    if cfg.train.sync != "step":
+        raise ConfigError(f"data.packing = \"documents\" does not yet work with train.sync = \"{cfg.train.sync}\": "
+                          "its per-token loss counts the whole global batch's targets, not a replica's own; set "
+                          "train.sync = \"step\" or data.packing = \"none\"")
+    if cfg.ps.servers and (cfg.ps.mode != "bounded" or cfg.ps.staleness):
+        raise ConfigError("data.packing = \"documents\" works with synchronous parameter servers only (ps.mode = "
+                          "\"bounded\", ps.staleness = 0): its per-token loss counts each step's whole global batch")
     if cfg.run.backend == "cupy" or (cfg.run.backend == "auto" and backend.name() == "cupy"):
         raise ConfigError("data.packing = \"documents\" does not yet work with the GPU backend: its attention "
                           "kernel does not mask documents yet (set run.backend=\"numpy\")")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcpar.data import corpus, packing
+from hpcpar.errors import DataError
 
 BALANCE = ("none", "attention")
 
@@ -113,6 +114,10 @@ def deal(dataset, split: str, seed: int, index: int, dp: int, microbatches: int,
     work, kept = window_work(documents), block_size - crossing.sum(axis=1)
     ids = (by_work(work, dp, microbatches, micro_batch_size) if balance == "attention"
            else in_order(dp, microbatches, micro_batch_size))
+    if not kept.sum():  # every target crosses a boundary: documents of one token each
+        raise DataError(f"{split} batch {index}: no target is left once those crossing a document boundary are "
+                        "left out (documents of one token?): the per-token loss has nothing to average; check the "
+                        "document index, or set data.packing = \"none\"")
     per_rank = ids.reshape(dp, -1)
     return Dealing(ids, int(kept.sum()), work[per_rank].sum(axis=1), kept[per_rank].sum(axis=1))
 

@@ -18,7 +18,7 @@ import pytest
 from hpcpar.config.load import load_config
 from hpcpar.config.validate import validate
 from hpcpar.data import balance, formats, packing
-from hpcpar.errors import ConfigError
+from hpcpar.errors import ConfigError, DataError
 from hpcpar.training.trainer import Trainer
 
 _rng = np.random.default_rng(0)
@@ -137,3 +137,11 @@ def test_hpcpar_train_refuses_balance_without_packing_with_exit_2(tmp_path):
     assert job.returncode == 2, job.stdout + job.stderr
     assert "data.packing" in job.stderr and "Traceback" not in job.stderr
     assert len([line for line in job.stderr.splitlines() if line.strip()]) == 1, job.stderr
+
+
+def test_a_global_batch_without_a_kept_target_is_a_one_line_data_error():
+    """Documents of one token each: every target crosses a boundary, nothing is left to average."""
+    ones = formats.from_tokens(TOKENS[:2000], 0.05, np.arange(2000, dtype=np.int64))
+    with pytest.raises(DataError, match="no target is left") as info:
+        balance.deal(ones, "train", 7, 0, 2, 1, 2, 16, "documents")
+    assert "\n" not in str(info.value)

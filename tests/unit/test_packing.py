@@ -198,8 +198,14 @@ def test_layouts_without_document_masking_are_refused():
     cfg = load_config(None, ["data.packing=documents", "model.block_size=8", "run.backend=cupy"])
     with pytest.raises(ConfigError, match="data.packing = \"documents\" does not yet work with the GPU backend"):
         validate(cfg, 2)
-    # Parameter servers take packed batches (tests/parallel/test_packing.py).
+    # Synchronous parameter servers take packed batches (tests/parallel/test_packing.py) ...
     validate(load_config(None, ["data.packing=documents", "model.block_size=8", "ps.servers=1"]), 2)
+    # ... but not a replica stepping alone: the per-token weights count the whole global batch.
+    for extra, what in ((["mesh.dp=2", "mesh.dp_replicate=2", "train.sync=local"], "train.sync = \"local\""),
+                        (["ps.servers=1", "ps.mode=async"], "synchronous parameter servers only"),
+                        (["ps.servers=1", "ps.staleness=2"], "synchronous parameter servers only")):
+        with pytest.raises(ConfigError, match=what):
+            validate(load_config(None, ["data.packing=documents", "model.block_size=8", *extra]), 2)
 
 
 def test_a_resume_cannot_change_the_packing():
