@@ -44,7 +44,6 @@ from hpcpar.layout import Layout
 from hpcpar.nn import init
 from hpcpar.nn.layers import Embedding, LayerNorm, Linear
 from hpcpar.parallel.cp.layers import ContextParallelLayers
-from hpcpar.parallel.mappings import split_to
 from hpcpar.nn.module import Module, Parameter
 from hpcpar.nn.moe import MoE
 from hpcpar.parallel.tp.layers import TensorParallelLayers
@@ -528,7 +527,7 @@ class GPT(Module):
             rows = self.documents.positions()                  # [B, T] of the whole windows
             if self.cp is not None:                            # my tokens' columns (`cp.positions`)
                 rows = rows[:, self.cp.positions(rows.shape[1])]
-            pos = self._document_positions(self.transformer.wpe.weight, xp.asarray(rows))
+            pos = self.layer_set.positions(self.transformer.wpe.weight, xp.asarray(rows), rows.shape[1])
         else:
             rows = self.layer_set.position_ids(t)   # slice(0, t), or my positions under context parallelism
             rows = rows if isinstance(rows, slice) else xp.asarray(rows)
@@ -537,18 +536,6 @@ class GPT(Module):
         if h.dtype != self.activation_dtype:  # mixed precision: 16 bits from here to the loss
             h = ops.cast(h, self.activation_dtype)
         return self._dropout(h, 0)
-
-    def _document_positions(self, weight: Tensor, rows) -> Tensor:
-        """wpe rows at each token's position in its segment, rows int [B, T] -> [B, T, C]; under
-        sequence parallelism my part [B, T/tp, C], as `TensorParallelLayers.positions` cuts it
-        (from the whole lookup, or looked up alone where wpe's gradient is summed over tp)."""
-        if not self.sequence_parallel:
-            return ops.getitem(weight, rows)
-        comm = self.tp_comm
-        if not weight.tp_partial_grad:
-            return split_to(ops.getitem(weight, rows), comm, 1)
-        n = rows.shape[1] // comm.size
-        return ops.getitem(weight, rows[:, comm.rank * n:(comm.rank + 1) * n])
 
     def _head(self, h, targets):
         if targets is not None:

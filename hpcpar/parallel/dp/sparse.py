@@ -72,15 +72,44 @@ def sparse_bytes(counts, row_bytes: int, n: int) -> float:
     return (n - 1) / n * float(sum(int(c) for c in counts)) * (row_bytes + ID_BYTES)
 
 
+def check_mode(mode: str) -> None:
+    """`mode` is one of `SPARSE_MODES`, else a one-line ConfigError."""
+    if mode not in SPARSE_MODES:
+        raise ConfigError(f"train.sparse_embedding={mode!r} is not one of " + ", ".join(map(repr, SPARSE_MODES)))
+
+
+class _RowGradient:
+    """What `SparseRows` and `OwnedRows` share: the buffer `grad` that `param.grad` points at,
+    zeroed each step, and the figures `last` (the last step's) and `steps` (per path)."""
+
+    def __init__(self, param: Any, comm, mode: str, grad):
+        check_mode(mode)
+        self.param, self.comm, self.mode, self.grad = param, comm, mode, grad
+        self.last: dict = {}
+        self.steps = {"sparse": 0, "dense": 0}
+        param.grad = grad
+
+    def begin_step(self) -> None:
+        """Zero the buffer and point `param.grad` at it (backward accumulates into it)."""
+        self.grad.fill(0)
+        self.param.grad = self.grad
+
+    def _gathered_grad(self):
+        """The buffer, holding the step's gradient (someone who replaced `.grad`: its values)."""
+        if self.param.grad is not self.grad:
+            self.grad[...] = self.param.grad
+            self.param.grad = self.grad
+        return self.grad
+
+
 def choose_sparse(mode: str, counts, rows: int, row_bytes: int, n: int) -> bool:
     """Whether a step with `counts` touched rows per rank (every rank's, rank order: the same list
     everywhere, so the same answer) sends pairs: mode "auto" and fewer bytes than dense."""
-    if mode not in SPARSE_MODES:
-        raise ConfigError(f"train.sparse_embedding={mode!r} is not one of " + ", ".join(map(repr, SPARSE_MODES)))
+    check_mode(mode)
     return mode == "auto" and n > 1 and sparse_bytes(counts, row_bytes, n) < dense_bytes(rows, row_bytes, n)
 
 
-class SparseRows:
+class SparseRows(_RowGradient):
     """One row-sparse parameter's gradient buffer and its per-step sync over `comm` (module doc).
 
     Args:
@@ -98,26 +127,12 @@ class SparseRows:
     """
 
     def __init__(self, param: Any, comm, mode: str):
-        if mode not in SPARSE_MODES:
-            raise ConfigError(f"train.sparse_embedding={mode!r} is not one of " + ", ".join(map(repr, SPARSE_MODES)))
-        self.param, self.comm, self.mode = param, comm, mode
-        self.grad = backend.array_module(param.data).zeros_like(param.data)
+        super().__init__(param, comm, mode, backend.array_module(param.data).zeros_like(param.data))
         self.row_bytes = int(np.prod(param.data.shape[1:], dtype=np.int64)) * param.data.dtype.itemsize
-        self.last: dict = {}
-        self.steps = {"sparse": 0, "dense": 0}
-        param.grad = self.grad
-
-    def begin_step(self) -> None:
-        """Zero the buffer and point `param.grad` at it (backward accumulates into it)."""
-        self.grad.fill(0)
-        self.param.grad = self.grad
 
     def reduce(self) -> None:
         """Average the gradient over `comm`, as pairs or dense (module doc; collective)."""
-        g = self.param.grad
-        if g is not self.grad:  # someone replaced .grad: take its values into the buffer
-            self.grad[...] = g
-            self.param.grad = g = self.grad
+        g = self._gathered_grad()
         xp = backend.array_module(g)
         n, rows = self.comm.size, g.shape[0]
         flat = g.reshape(rows, -1)
@@ -164,7 +179,7 @@ def owned_sparse_bytes(matrix, row_bytes: int) -> float:
     return 0.0 if n <= 1 else float(k.sum() - np.trace(k)) / n * (row_bytes + ID_BYTES)
 
 
-class OwnedRows:
+class OwnedRows(_RowGradient):
     """ZeRO-1/2: a row-sparse parameter's gradient, each row's average delivered to its owner only
     (module doc). Looks like a gradient bucket to `zero.Part`: `assignment` (one slot, padded to
     n R rows), `params`, `part` (after `reduce`: this rank's averaged rows, flat [R row elements]).
@@ -181,9 +196,7 @@ class OwnedRows:
     """
 
     def __init__(self, name: str, param: Any, comm, replicate, mode: str):
-        if mode not in SPARSE_MODES:
-            raise ConfigError(f"train.sparse_embedding={mode!r} is not one of " + ", ".join(map(repr, SPARSE_MODES)))
-        self.param, self.comm, self.mode, self.params = param, comm, mode, [param]
+        self.params = [param]
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         n, rows = comm.size, param.data.shape[0]
         self.rows, self.width = rows, int(np.prod(param.data.shape[1:], dtype=np.int64))
@@ -193,25 +206,17 @@ class OwnedRows:
                                            str(param.data.dtype))
         xp = backend.array_module(param.data)
         self._flat = xp.zeros(self.assignment.size, dtype=param.data.dtype)
-        self.grad = self._flat[:rows * self.width].reshape(param.data.shape)
+        super().__init__(param, comm, mode, self._flat[:rows * self.width].reshape(param.data.shape))
         self.part_buffer = xp.zeros(self.per * self.width, dtype=param.data.dtype)
         self.part = None
-        self.last: dict = {}
-        self.steps = {"sparse": 0, "dense": 0}
-        param.grad = self.grad
 
     def begin_step(self) -> None:
-        """Zero the buffer and point `param.grad` at it (backward accumulates into it)."""
-        self.grad.fill(0)
-        self.param.grad = self.grad
+        super().begin_step()
         self.part = None
 
     def reduce(self) -> None:
         """Leave this rank's rows of the average in `part`, as pairs or dense (module doc; collective)."""
-        g = self.param.grad
-        if g is not self.grad:  # someone replaced .grad: take its values into the buffer
-            self.grad[...] = g
-            self.param.grad = self.grad
+        self._gathered_grad()
         self.last = reduce_to_owners(self._flat, self.rows, self.width, self.comm, self.mode, self.part_buffer)
         if self.replicate is not None:
             self.replicate.iall_reduce(self.part_buffer, op="avg").wait()  # in place

@@ -339,21 +339,22 @@ class TensorParallelLayers:
         return slice(0, t)
 
     def positions(self, weight: Parameter, rows, t: int) -> Tensor:
-        """The position embeddings of the tp group's `t` tokens (`rows` of wpe `weight`, a slice
-        or positions): all of them [T, C], or under sequence parallelism my part [T/tp, C]. That
-        part is cut from the whole lookup (its gradient all-gathered back: whole on every rank),
-        or, when the training step sums wpe's gradient over tp (`tp_partial_grad`), looked up
-        alone: the gradient reaches my rows only, and the sum over tp fills in the others."""
+        """The position embeddings of the tp group's `t` tokens (`rows` of wpe `weight`: a slice,
+        positions [T], or per-sequence positions [B, T] (packed documents)): all of them [T, C]
+        ([B, T, C]), or under sequence parallelism my part [T/tp, C] ([B, T/tp, C]). That part is
+        cut from the whole lookup (its gradient all-gathered back: whole on every rank), or, when
+        the training step sums wpe's gradient over tp (`tp_partial_grad`), looked up alone: the
+        gradient reaches my rows only, and the sum over tp fills in the others."""
         if not self.sequence_parallel:
             return ops.getitem(weight, rows)
         # config checks block_size; a shorter batch is checked here
         require_divisible("sequence length T", t, "tp", self.comm.size, "with sequence parallelism")
         if not weight.tp_partial_grad:
-            return split_to(ops.getitem(weight, rows), self.comm, 0)
+            return split_to(ops.getitem(weight, rows), self.comm, 0 if isinstance(rows, slice) else rows.ndim - 1)
         n = t // self.comm.size
         lo = self.comm.rank * n
         start = (rows.start or 0) if isinstance(rows, slice) else 0
-        mine = slice(start + lo, start + lo + n) if isinstance(rows, slice) else rows[lo:lo + n]
+        mine = slice(start + lo, start + lo + n) if isinstance(rows, slice) else rows[..., lo:lo + n]
         return ops.getitem(weight, mine)
 
     def dropout(self, x: Tensor, p: float, keys, rows=None, length: int | None = None) -> Tensor:
