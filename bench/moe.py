@@ -18,6 +18,12 @@ Three measurements, all on dp = 4 with the experts divided over ep = 4 (one expe
    layer's tokens to one expert, max / mean up to E = 4). A fourth row, ep = 4 with capacity
    factor 1.25 (Switch Transformer's), bounds the busiest expert at 1.25x the mean and so shows
    what the dispatch itself costs once routing is bounded (its dropped share of assignments beside).
+   Two more rows turn on DeepSeek-V3's auxiliary-loss-free balancing (model.moe_expert_bias_rate
+   = `--bias-rate`, a per-expert routing bias updated every step against the global batch's
+   loads), ep = 4 and ep = 1: each trainer first runs `--bias-warmup` untimed steps (so the bias
+   has reacted to the router), then its timed steps each round (the same trainer, training on),
+   against a dense twin treated alike (warmed up as long, kept through the rounds); on the default
+   corpus; beside them the max / mean tokens per expert over their timed steps (mean of the steps).
 2. all-to-all bytes per step and rank, measured (`Communicator.sent` of the ep group: the rows
    that leave the rank in the dispatch and combine all-to-all-v's, forward and backward, plus the
    per-expert count exchange) next to the formula for balanced routing:
@@ -28,7 +34,8 @@ Three measurements, all on dp = 4 with the experts divided over ep = 4 (one expe
    of the experts, so the mean over ranks meets the formula; imbalance moves bytes between ranks.
 3. load balance: max / mean tokens per expert (the worst MoE layer, over the global batch) after
    `--balance-steps` steps of a small model with E = 8, top_k = 2, with the load-balancing loss
-   (alpha = 0.05) and without it (alpha = 0), the mean over the last 10 steps.
+   (alpha = 0.05) and without it (alpha = 0), and with the expert bias (`--bias-rate`) and no aux
+   loss, the mean over the last 10 steps.
 
 Results: bench/results/moe.json and a table on stdout. On a machine with fewer cores than ranks,
 wall time measures the scheduler as much as the code; the MoE / dense ratio measured in one run
@@ -62,16 +69,29 @@ TOKENS = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
 # This bench's ratios before issue #45 (commit 1402f7b, the default model options, 4 ranks on 2 cores).
 BEFORE = {"ratio_moe_over_dense": 0.53, "ratio_moe_ep1_over_dense": 0.74, "commit": "1402f7b"}
 CAPACITY = 1.25  # the fourth row's capacity factor (Switch Transformer's for training)
+BIAS_RATE = 0.01  # the expert bias rows' model.moe_expert_bias_rate (the best of 1e-3, 1e-2, 5e-2 at lr 3e-3)
 
 
-def trainer(args, overrides: list[str]) -> Trainer:
+def trainer(args, overrides: list[str], tokens: np.ndarray | None = TOKENS) -> Trainer:
     n = WORLD.Get_size()
     cfg = load_config(None, [
         f"model.block_size={args.block}", f"model.n_layer={args.layers}", "model.n_head=4",
         f"model.n_embd={args.embd}", "model.dtype=float32", f"mesh.dp={n}", "mesh.tp=1", "mesh.pp=1",
         f"train.micro_batch_size={args.batch}", f"train.microbatches={args.microbatches}", "train.steps=1000",
         "train.warmup=5", "run.eval_every=0", "run.progress=false"] + overrides)
-    return Trainer(cfg, WORLD, tokens=TOKENS)
+    return Trainer(cfg, WORLD, tokens=tokens)
+
+
+def recording_loads(t: Trainer) -> list:
+    """The list that each later `t.train_step` appends its step's max / mean tokens per expert to."""
+    loads, step = [], t.train_step
+
+    def recorded(s: int):
+        result = step(s)
+        loads.append(result.moe["moe_load_imbalance"])
+        return result
+    t.train_step = recorded
+    return loads
 
 
 def throughput(args) -> dict:
@@ -79,7 +99,31 @@ def throughput(args) -> dict:
     n = WORLD.Get_size()
     moe = ["model.moe_experts=4", "model.moe_top_k=1", f"mesh.ep={n}"]
     best: dict = {}
+    # The expert-bias trainers live through the rounds: warmed up once, then timed each round; so
+    # does their dense twin, "dense_warm" (long-lived trainers step faster than fresh ones here).
+    # On the default corpus (text): on random tokens every token looks alike to a trained router
+    # (the best model of uniform noise ignores its input), so any bias sends them all to one expert.
+    bias = [f"model.moe_expert_bias_rate={args.bias_rate}"]
+    biased = {name: trainer(args, overrides, tokens=None) for name, overrides in
+              (("dense_warm", []), ("moe_bias", moe + bias), ("moe_ep1_bias", moe[:2] + ["mesh.ep=1"] + bias))}
+    warmup = {}
+    for name, t in biased.items():
+        t.train(steps=args.bias_warmup, files=False, progress=False, peak_flops=0.0)
+        warmup[name] = recording_loads(t) if name != "dense_warm" else []
     for _ in range(args.rounds):  # alternate, so that load from elsewhere hits all alike
+        for name, t in biased.items():
+            loads = warmup[name]
+            first = len(loads)
+            step_s, _, cpu_s = timed_steps(t, args.steps, lambda: 0.0)
+            row = {"step_s": step_s, "cpu_s": cpu_s, "tokens_per_s": t.tokens_per_step / step_s,
+                   "params_per_rank": sum(p.data.size for _, p in t.named_parameters),
+                   "active_params": t.cfg.model.non_embedding_params(),
+                   "warmup_steps": args.bias_warmup}
+            if loads:
+                row.update(load_imbalance=statistics.mean(loads[first:]), load_imbalance_max=max(loads[first:]),
+                           bias_max=float(np.abs(t.expert_bias.bias).max()))
+            if name not in best or row["step_s"] < best[name]["step_s"]:
+                best[name] = row
         for name, overrides in (("dense", []), ("moe", moe), ("moe_ep1", moe[:2] + ["mesh.ep=1"]),
                                 ("moe_cap", moe + [f"model.moe_capacity_factor={CAPACITY}"])):
             t = trainer(args, overrides)
@@ -109,6 +153,11 @@ def throughput(args) -> dict:
     best["ratio_moe_over_dense"] = best["moe"]["tokens_per_s"] / best["dense"]["tokens_per_s"]
     best["ratio_moe_ep1_over_dense"] = best["moe_ep1"]["tokens_per_s"] / best["dense"]["tokens_per_s"]
     best["ratio_moe_cap_over_dense"] = best["moe_cap"]["tokens_per_s"] / best["dense"]["tokens_per_s"]
+    best["ratio_moe_bias_over_dense"] = best["moe_bias"]["tokens_per_s"] / best["dense_warm"]["tokens_per_s"]
+    best["ratio_moe_ep1_bias_over_dense"] = best["moe_ep1_bias"]["tokens_per_s"] / best["dense_warm"]["tokens_per_s"]
+    best["bias_rate"] = args.bias_rate
+    for t in biased.values():
+        t.mesh.free()
     best["capacity_factor"] = CAPACITY
     best["rounds"] = args.rounds
     if (args.layers, args.embd, args.block, args.batch, args.microbatches) == (4, 128, 128, 4, 2):
@@ -116,18 +165,19 @@ def throughput(args) -> dict:
     return best
 
 
-def balance(args, alpha: float) -> dict:
-    """max / mean tokens per expert over `--balance-steps` steps of a small model, E = 8, top_k = 2."""
+def balance(args, alpha: float, rate: float = 0.0) -> dict:
+    """max / mean tokens per expert over `--balance-steps` steps of a small model, E = 8, top_k = 2,
+    aux loss weight `alpha`, expert bias rate `rate`."""
     n = WORLD.Get_size()
     t = trainer(argparse.Namespace(**{**vars(args), "layers": 2, "embd": 64, "block": 64, "batch": 4,
                                       "microbatches": 1}),
                 ["model.moe_experts=8", "model.moe_top_k=2", f"mesh.ep={n}", f"model.moe_aux_loss={alpha}",
-                 "train.lr=0.003"])
+                 f"model.moe_expert_bias_rate={rate}", "train.lr=0.003"])
     records: list = []
     t.train(steps=args.balance_steps, files=False, progress=False, on_step=records.append, peak_flops=0.0)
     t.mesh.free()
     last = records[-10:]
-    return {"alpha": alpha, "steps": len(records),
+    return {"alpha": alpha, "bias_rate": rate, "steps": len(records),
             "imbalance_first": records[0]["moe_load_imbalance"],
             "imbalance_last10": statistics.mean(r["moe_load_imbalance"] for r in last),
             "aux_loss_last10": statistics.mean(r["moe_aux_loss"] for r in last),
@@ -146,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--balance-steps", type=int, default=150)
+    parser.add_argument("--bias-rate", type=float, default=BIAS_RATE)
+    parser.add_argument("--bias-warmup", type=int, default=60)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     speed = throughput(args)
-    balanced = [balance(args, alpha) for alpha in (0.05, 0.0)]
+    balanced = [balance(args, alpha) for alpha in (0.05, 0.0)] + [balance(args, 0.0, args.bias_rate)]
     if WORLD.Get_rank() != 0:
         return 0
     n = WORLD.Get_size()
@@ -157,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n# MoE (E=4, top_k=1, ep={n}) vs dense GPT of the same active parameters, dp={n}, "
           f"{args.layers}x{args.embd} float32, micro-batch {args.batch}x{args.block} x {args.microbatches}")
     print(f"{'model':<10} {'tokens/s':>10} {'step ms':>8} {'params/rank':>12} {'active':>10}")
-    for name, r in (("dense", d), (f"moe ep={n}", m), ("moe ep=1", m1), (f"cap {CAPACITY}", speed["moe_cap"])):
+    for name, r in (("dense", d), (f"moe ep={n}", m), ("moe ep=1", m1), (f"cap {CAPACITY}", speed["moe_cap"]),
+                    ("dense warm", speed["dense_warm"]), (f"bias ep={n}", speed["moe_bias"]),
+                    ("bias ep=1", speed["moe_ep1_bias"])):
         print(f"{name:<10} {r['tokens_per_s']:>10.0f} {1e3 * r['step_s']:>8.1f} {r['params_per_rank']:>12,} "
               f"{r['active_params']:>10,}")
     print(f"MoE / dense tokens/s: {speed['ratio_moe_over_dense']:.2f}x with ep={n}, "
@@ -166,11 +220,17 @@ def main(argv: list[str] | None = None) -> int:
              if "before" in speed else "") + f"; max/mean tokens per expert {m['load_imbalance']:.2f}; "
           f"ep={n} with capacity factor {CAPACITY}: {speed['ratio_moe_cap_over_dense']:.2f}x "
           f"({speed['moe_cap']['dropped_fraction']:.1%} of assignments dropped)")
+    b4, b1 = speed["moe_bias"], speed["moe_ep1_bias"]
+    print(f"expert bias (rate {args.bias_rate}, after {args.bias_warmup} untimed steps): "
+          f"{speed['ratio_moe_bias_over_dense']:.2f}x with ep={n} (max/mean tokens per expert over the timed "
+          f"steps {b4['load_imbalance']:.2f}), {speed['ratio_moe_ep1_bias_over_dense']:.2f}x with ep=1 "
+          f"({b1['load_imbalance']:.2f})")
     print(f"all-to-all-v bytes per step and rank: measured {m['all_to_all_v_bytes'] / 2**20:.3f} MiB, formula "
           f"(balanced routing) {speed['formula_all_to_all_v_bytes'] / 2**20:.3f} MiB; count exchange "
           f"{m['count_bytes']:.0f} B vs {speed['formula_count_bytes']:.0f} B")
     for b in balanced:
-        print(f"load balance alpha={b['alpha']}: max/mean tokens per expert {b['imbalance_first']:.2f} at step 0, "
+        print(f"load balance alpha={b['alpha']}, expert bias rate {b['bias_rate']}: max/mean tokens per expert "
+              f"{b['imbalance_first']:.2f} at step 0, "
               f"{b['imbalance_last10']:.2f} over the last 10 of {b['steps']} steps (loss {b['loss_last10']:.3f})")
     write_result(args.out, started, "slowest rank's median step; bytes: Communicator.sent of the ep group, mean "
                  "over ranks; load: max/mean tokens per expert of the worst MoE layer over the global batch",

@@ -18,7 +18,7 @@ Ranks a run does not use wait asleep.
    the fixed one each replica still runs the same number of steps, so the run ends when the slow
    replica has done its share, in every mode: it bounds them all alike.
 2. Bytes per server per step, measured (the server's messages in and out) next to the formula:
-   in = s (3 W + R n), out = s (5 W + R n) (s bytes per element, W worker ranks, R replicas,
+   in = s (3 W + R n), out = s (6 W + R n) (s bytes per element, W worker ranks, R replicas,
    n = the server's range; tp = pp = 1 here, so every rank pushes and pulls its replica's range).
 3. Transport, between two ranks: a push and a pull of the default model's parameters by
    point-to-point messages against an MPI one-sided epoch (Lock, Accumulate, Get, Unlock), the
@@ -188,7 +188,7 @@ def bytes_rows(rows: list[dict]) -> list[dict]:
             out.append({"mode": r["mode"], "servers": r["servers"], "server_rank": s["rank"], "range": s["range"],
                         "bytes_in": s["bytes_in_per_step"], "bytes_out": s["bytes_out_per_step"],
                         "formula_in": r["itemsize"] * (3 * WORKERS + WORKERS * n),
-                        "formula_out": r["itemsize"] * (5 * WORKERS + WORKERS * n)})
+                        "formula_out": r["itemsize"] * (6 * WORKERS + WORKERS * n)})
     return out
 
 

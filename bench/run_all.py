@@ -111,17 +111,20 @@ BENCHMARKS = (
               quick_args=("--quick",), timeout_s=1800.0),
     Benchmark("moe", "bench/moe.py", 4,
               "mixture of experts, ep=4 on 4 ranks: tokens/s vs the dense GPT of the same active parameters, "
-              "all-to-all bytes per step vs the formula, expert load after N steps with and without the aux loss",
+              "all-to-all bytes per step vs the formula, expert load after N steps with and without the aux loss, "
+              "and with the aux-loss-free expert bias (tokens/s and load)",
               quick_args=("--steps", "1", "--rounds", "1", "--balance-steps", "12", "--layers", "2", "--embd", "64",
-                          "--block", "64")),
+                          "--block", "64", "--bias-warmup", "2")),
     Benchmark("varlen", "bench/varlen.py", None,
               "packed documents (issue #43), one process on the standard library's files: tokens/s and eval loss "
               "of packed + masked vs padding each document vs packing without masking; document attention vs the "
-              "dense causal kernel (time and FLOPs, corpus and Pareto lengths); dp balance of attention work",
+              "dense causal kernel (time and FLOPs, corpus and Pareto lengths); dp and cp (ring) balance of "
+              "attention work",
               quick_args=("--quick",), timeout_s=600.0),
     Benchmark("sparse_embedding", "bench/sparse_embedding.py", 4,
               "sparse embedding gradients (issue #43), untied GPT with a BPE-sized vocabulary, dp=4: wte's sync "
-              "bytes per step dense vs (row id, row) pairs, measured next to the formula; sync and step time",
+              "bytes per step dense vs (row id, row) pairs, measured next to the formula; sync and step time; "
+              "parameter servers (3 workers + 1 server): bytes pushed + pulled per worker, whole wte vs its rows",
               quick_args=("--quick",)),
     Benchmark("ps", "bench/ps.py", 6,
               "parameter server (1 and 2 servers) vs all-reduce on 4 workers: tokens/s of synchronous, SSP k=2 and "
@@ -706,8 +709,9 @@ def _precision(d: dict) -> list[str]:
 
 def _moe(d: dict) -> list[str]:
     t, n = d["throughput"], d["ranks"]
-    balance = {b["alpha"]: b for b in d["balance"]}
-    with_aux, without = max(balance), min(balance)
+    aux_rows = {b["alpha"]: b for b in d["balance"] if not b.get("bias_rate")}
+    with_aux, without = aux_rows[max(aux_rows)], aux_rows[min(aux_rows)]
+    bias = next((b for b in d["balance"] if b.get("bias_rate")), None)
     before = t.get("before")
     was = (f" (before issue #45: {before['ratio_moe_over_dense']:.2f}x, {before['ratio_moe_ep1_over_dense']:.2f}x; "
            f"goal >= 0.8x)" if before else "")
@@ -716,12 +720,18 @@ def _moe(d: dict) -> list[str]:
             f"{t['ratio_moe_ep1_over_dense']:.2f}x with ep=1{was}"
             + (f"; ep={n} with capacity factor {t['capacity_factor']}: {t['ratio_moe_cap_over_dense']:.2f}x "
                f"(the unlimited run's busiest expert: {t['moe']['load_imbalance']:.2f}x the mean)"
-               if "moe_cap" in t else ""),
+               if "moe_cap" in t else "")
+            + (f"; with the expert bias (rate {t['bias_rate']}, after {t['moe_bias']['warmup_steps']} untimed steps, "
+               f"default corpus): {t['ratio_moe_bias_over_dense']:.2f}x with ep={n} (max/mean tokens per expert "
+               f"{t['moe_bias']['load_imbalance']:.2f}), {t['ratio_moe_ep1_bias_over_dense']:.2f}x with ep=1 "
+               f"({t['moe_ep1_bias']['load_imbalance']:.2f})" if "moe_bias" in t else ""),
             f"all-to-all-v {t['moe']['all_to_all_v_bytes'] / MiB:.2f} MiB/step/rank vs "
             f"{t['formula_all_to_all_v_bytes'] / MiB:.2f} MiB formula (balanced routing)",
-            f"max/mean tokens per expert after {balance[with_aux]['steps']} steps: "
-            f"{balance[with_aux]['imbalance_last10']:.2f} with aux loss (alpha={with_aux}), "
-            f"{balance[without]['imbalance_last10']:.2f} without"]
+            f"max/mean tokens per expert after {with_aux['steps']} steps: "
+            f"{with_aux['imbalance_last10']:.2f} with aux loss (alpha={with_aux['alpha']}), "
+            f"{without['imbalance_last10']:.2f} without"
+            + (f", {bias['imbalance_last10']:.2f} with the expert bias (rate {bias['bias_rate']}, no aux loss)"
+               if bias else "")]
 
 
 def _moe_table(d: dict) -> list[str]:
@@ -740,26 +750,32 @@ def _moe_table(d: dict) -> list[str]:
     if "moe_cap" in t:
         rows.append((f"MoE, ep={n}, capacity factor {t['capacity_factor']} ({t['moe_cap']['dropped_fraction']:.1%} "
                      "dropped)", "moe_cap", "ratio_moe_cap_over_dense"))
+    if "moe_bias" in t:
+        warm = f"rate {t['bias_rate']}, default corpus, after {t['moe_bias']['warmup_steps']} untimed steps"
+        rows += [(f"dense ({warm.split(', ', 1)[1]}: the expert-bias rows' twin)", "dense_warm", None),
+                 (f"MoE, ep={n}, expert bias ({warm})", "moe_bias", "ratio_moe_bias_over_dense"),
+                 (f"MoE, ep=1, expert bias ({warm})", "moe_ep1_bias", "ratio_moe_ep1_bias_over_dense")]
     for name, key, ratio in rows:
         r = t[key]
         formula = f"{t['formula_all_to_all_v_bytes'] / MiB:.3f}" if key == "moe" else "–"
         now = f"{t[ratio]:.2f}x" if ratio else "1"
         was = f"{before[ratio]:.2f}x" if ratio and ratio in before else "–"
         load = f"{r['load_imbalance']:.2f}" if r.get("load_imbalance") is not None else "–"
+        sent = f"{r['all_to_all_v_bytes'] / MiB:.3f}" if "all_to_all_v_bytes" in r else "–"
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {1e3 * r['step_s']:.0f} | {now} | {was} | {load} | "
-                     f"{r['params_per_rank']:,} | {r['active_params']:,} | {r['all_to_all_v_bytes'] / MiB:.3f} | "
-                     f"{formula} |")
+                     f"{r['params_per_rank']:,} | {r['active_params']:,} | {sent} | {formula} |")
     lines += ["", "Load balance (E=8, top_k=2, ep=4): max / mean tokens per expert of the worst MoE layer.", "",
-              "| aux loss alpha | step 0 | mean of the last 10 steps | steps | loss (last 10) |",
-              "|---:|---:|---:|---:|---:|"]
+              "| aux loss alpha | expert bias rate | step 0 | mean of the last 10 steps | steps | loss (last 10) |",
+              "|---:|---:|---:|---:|---:|---:|"]
     for b in d["balance"]:
-        lines.append(f"| {b['alpha']} | {b['imbalance_first']:.2f} | {b['imbalance_last10']:.2f} | {b['steps']} | "
+        lines.append(f"| {b['alpha']} | {b.get('bias_rate', 0.0)} | {b['imbalance_first']:.2f} | "
+                     f"{b['imbalance_last10']:.2f} | {b['steps']} | "
                      f"{b['loss_last10']:.3f} |")
     return lines
 
 
 def _varlen(d: dict) -> list[str]:
-    """bench/varlen.py: lengths, the three layouts, attention time vs FLOPs, dp balance."""
+    """bench/varlen.py: lengths, the three layouts, attention time vs FLOPs, dp and cp balance."""
     m, t = d["meta"], d["training"]
     c = d["lengths"]["corpus"]
     rows = {r["layout"]: r for r in t["rows"]}
@@ -778,7 +794,26 @@ def _varlen(d: dict) -> list[str]:
                 f"{b['case']} {b['flop_ratio_all_windows']:.2f}x FLOPs" for b in d["balance"]) + ")",
             f"attention work max/mean per rank ({pareto['case']}): " + ", ".join(
                 f"dp={dp} {pareto[f'dp{dp}']['today_mean']:.2f} today, {pareto[f'dp{dp}']['greedy_mean']:.2f} balanced"
-                for dp in (4, 8))]
+                for dp in (4, 8))] + _varlen_cp(d)
+
+
+def _varlen_cp(d: dict) -> list[str]:
+    """Part 4's summary line (absent from results before it existed)."""
+    if "cp_balance" not in d:
+        return []
+    b = next(b for b in d["cp_balance"] if b["case"] != "corpus")
+    line = (f"ring cp unmasked pairs max/mean per rank ({b['case']}), token-zigzag -> work-balanced: " + ", ".join(
+        f"cp={cp} {b[f'cp{cp}']['zigzag_work_mean']:.3f} -> {b[f'cp{cp}']['balanced_work_mean']:.3f}"
+        for cp in (2, 4, 8)) + "; computed score elements " + ", ".join(
+        f"{b[f'cp{cp}']['zigzag_box_mean']:.3f} -> {b[f'cp{cp}']['balanced_box_mean']:.3f}" for cp in (2, 4, 8)))
+    if "busiest_now_over_before" in b["cp2"]:            # boxes per row and chunk (results after they existed)
+        line += ("; busiest rank's computed elements vs one box per block on zigzag " + ", ".join(
+            f"{b[f'cp{cp}']['busiest_now_over_before']:.2f}x" for cp in (2, 4, 8)))
+    if "ring_timing" in d:
+        r = d["ring_timing"]
+        line += (f"; ring forward + backward on {r['ranks']} ranks, balanced / zigzag time {r['time_ratio']:.2f}x "
+                 f"({r['cores']} cores)")
+    return [line]
 
 
 def _sparse_embedding(d: dict) -> list[str]:
@@ -786,7 +821,20 @@ def _sparse_embedding(d: dict) -> list[str]:
     return [f"wte sync bytes per rank per step, dp={d['world']}, V={c['vocab']:,}, {c['tokens_per_rank']} tokens/rank "
             f"({c['share_of_rows']:.1%} of rows touched): dense {c['wte_bytes_dense'] / 1e6:.2f} MB -> sparse "
             f"{c['wte_bytes_sparse'] / 1e6:.3f} MB ({c['ratio_measured']:.3f}x; formula {c['ratio_formula']:.3f}x); "
-            f"sync time {c['sync_ratio']:.2f}x, step {c['time_ratio']:.2f}x" for c in d["cases"]]
+            f"sync time {c['sync_ratio']:.2f}x, step {c['time_ratio']:.2f}x" for c in d["cases"]] + _sparse_ps(d)
+
+
+def _sparse_ps(d: dict) -> list[str]:
+    """The parameter-server part's summary line (absent from results before it existed)."""
+    if "ps" not in d:
+        return []
+    p = d["ps"]
+    return [f"parameter servers ({p['workers']} workers + 1 server, V={p['vocab']:,}, {p['steps']} steps): bytes "
+            f"pushed + pulled per worker per step {p['bytes_dense'] / 1e6:.2f} MB (whole wte) -> "
+            f"{p['bytes_sparse'] / 1e6:.2f} MB (its rows), {p['ratio']:.3f}x; wte's {p['wte_bytes_dense'] / 1e6:.2f} "
+            f"-> {p['wte_bytes_sparse'] / 1e6:.3f} MB ({p['wte_ratio_measured']:.3f}x; formula "
+            f"{p['wte_ratio_formula']:.3f}x), a step before the last {p['wte_formula_sparse_step'] / 1e6:.3f} MB; "
+            f"step {p['time_ratio']:.2f}x"]
 
 
 def _sparse_embedding_table(d: dict) -> list[str]:
@@ -803,6 +851,23 @@ def _sparse_embedding_table(d: dict) -> list[str]:
                      f"({c['share_of_rows']:.1%}) | {c['wte_bytes_dense'] / 1e6:.2f} | "
                      f"{c['wte_bytes_sparse'] / 1e6:.3f} | {c['ratio_measured']:.3f}x | {c['ratio_formula']:.3f}x | {c['grad_bytes_dense'] / 1e6:.1f} -> "
                      f"{c['grad_bytes_sparse'] / 1e6:.1f} | {c['sync_ratio']:.2f}x | {c['time_ratio']:.2f}x |")
+    if "ps" in d:
+        p = d["ps"]
+        lines += ["", f"Parameter servers: the same model, V = {p['vocab']:,}, {p['workers']} workers (dp = "
+                  f"{p['workers']}, {p['tokens_per_worker']} tokens each per step) + 1 synchronous server, "
+                  f"{p['steps']} steps per run. Before (`never`): every worker pushes and pulls the whole wte; now "
+                  "(`auto`): its k touched rows up, the k' rows of its next step down, the whole table at the run's "
+                  "last pull (parallel/ps/wire.py). Bytes per worker per step from the server's counters (in + out "
+                  "/ workers) and wte's row messages (`RowRoutes.bytes`; the dense wte = the dense total minus the "
+                  "sparse run's other bytes); formulas: dense 2 V C s, sparse 8 (2 + k + k') + (k + k') C s per "
+                  "step (the last: 8 (2 + k) + k C s + V C s), with the measured distinct ids.", "",
+                  "| V | rows touched | all bytes MB before -> now | wte MB before -> now | measured | formula | "
+                  "a step before the last, formula MB | step time |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|",
+                  f"| {p['vocab']:,} | {p['rows_touched_per_worker']:.0f} | {p['bytes_dense'] / 1e6:.2f} -> "
+                  f"{p['bytes_sparse'] / 1e6:.2f} ({p['ratio']:.3f}x) | {p['wte_bytes_dense'] / 1e6:.2f} -> "
+                  f"{p['wte_bytes_sparse'] / 1e6:.3f} | {p['wte_ratio_measured']:.3f}x | {p['wte_ratio_formula']:.3f}x "
+                  f"| {p['wte_formula_sparse_step'] / 1e6:.3f} | {p['time_ratio']:.2f}x |"]
     return lines
 
 
@@ -893,6 +958,50 @@ def _varlen_table(d: dict) -> list[str]:
             x = b[f"dp{dp}"]
             lines.append(f"| {b['case']} | {dp} | {x['today_mean']:.2f} | {x['today_worst']:.2f} | "
                          f"{x['greedy_mean']:.2f} | {x['greedy_worst']:.2f} |")
+    if "cp_balance" in d:
+        c0 = d["cp_balance"][0]
+        lines += ["", f"4. Context-parallel (ring attention) balance, {c0['micro_batches']} micro-batches of "
+                  f"{c0['micro_batch']} packed windows: 2cp chunks two per rank, before: token-zigzag (rank r: "
+                  "chunks r and 2cp-1-r), now: dealt by attention work (`hpcpar.parallel.cp.balance`: chunks by "
+                  "unmasked pairs, the lightest with the heaviest). Pairs: unmasked (query, key) pairs per rank "
+                  "(what `ContextParallel.stats` counts, and what the dealing balances); computed: score elements "
+                  "the rank's ring blocks compute (what the kernels multiply): now a box per row of the "
+                  "micro-batch and (my chunk, its chunk) of a block, the smallest holding that piece's pairs "
+                  "(`cp.attention._Block`); before: one box per block, over all rows and both chunks. max/mean "
+                  "over the ranks, mean (worst) over the micro-batches. elements / pairs: all ranks' computed "
+                  "elements over their pairs, before (one box, zigzag) and now (boxes per piece, balanced); "
+                  "busiest: the busiest rank's elements, now over before (sum over the micro-batches). Pure "
+                  "arithmetic, no MPI.", "",
+                  "| lengths | cp | re-dealt | pairs zigzag | pairs balanced | computed zigzag | computed balanced "
+                  "| one box: zigzag | one box: balanced | elements / pairs before -> now | busiest now / before |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for b in d["cp_balance"]:
+            for cp in (2, 4, 8):
+                x = b[f"cp{cp}"]
+                shared = (f"{x['zigzag_shared_box_mean']:.3f} | {x['balanced_shared_box_mean']:.3f} | "
+                          f"{x['shared_box_over_pairs']:.2f} -> {x['box_over_pairs']:.2f} | "
+                          f"{x['busiest_now_over_before']:.2f}" if "busiest_now_over_before" in x
+                          else "– | – | – | –")
+                lines.append(f"| {b['case']} | {cp} | {x['changed']:.0%} | {x['zigzag_work_mean']:.3f} "
+                             f"({x['zigzag_work_worst']:.2f}) | {x['balanced_work_mean']:.3f} "
+                             f"({x['balanced_work_worst']:.2f}) | {x['zigzag_box_mean']:.3f} "
+                             f"({x['zigzag_box_worst']:.2f}) | {x['balanced_box_mean']:.3f} "
+                             f"({x['balanced_box_worst']:.2f}) | {shared} |")
+    if "ring_timing" in d:
+        r = d["ring_timing"]
+        lines += ["", f"Ring attention forward + backward, timed ({r['case']}, B = {r['batch']}, T = {r['block']}, "
+                  f"C = {r['embd']}, H = {r['heads']}, float32): `mpiexec -n {r['ranks']}` on {r['cores']} cores "
+                  f"(oversubscribed; load average {r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}), the "
+                  f"first {len(r['rows'])} micro-batches the balance re-deals at cp = {r['ranks']}, token-zigzag "
+                  f"vs balanced layout (both with boxes per piece), best of {r['rounds']} interleaved rounds; time "
+                  "of the slowest rank. elements: the ranks' computed elements, max/mean.", "",
+                  "| micro-batch | zigzag ms | balanced ms | balanced / zigzag | elements zigzag | elements balanced |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {x['micro_batch']} | {1e3 * x['zigzag_s']:.1f} | {1e3 * x['balanced_s']:.1f} | "
+                  f"{x['time_ratio']:.2f} | {x['zigzag_elements_max_over_mean']:.3f} | "
+                  f"{x['balanced_elements_max_over_mean']:.3f} |" for x in r["rows"]]
+        lines.append(f"| all | {1e3 * sum(x['zigzag_s'] for x in r['rows']):.1f} | "
+                     f"{1e3 * sum(x['balanced_s'] for x in r['rows']):.1f} | {r['time_ratio']:.2f} | | |")
     return lines
 
 

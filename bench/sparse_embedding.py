@@ -20,6 +20,16 @@ buckets are the same). Next to them the formulas: dense 2 (n-1)/n V C s; sparse 
 interleaved rounds, each the median of its steps) and of its gradient sync (`DataParallel.wait_s`:
 the time `finish_backward` took, the slowest rank's): noisy on a shared machine, the bytes exact.
 
+Parameter servers (`ps`, the same model and data, vocabulary 32,768): 3 workers (dp = 3) and 1
+server on the 4 ranks, synchronous, --ps-steps steps per run, "never" (wte pushed and pulled
+whole) and "auto" (the rows a batch touches, parallel/ps/wire.py) in interleaved rounds. Per worker
+and step: the bytes pushed + pulled in all (the server's counters: bytes in + out / 3) and wte's
+part (the sparse run's row messages, `RowRoutes.bytes`; the dense run's = its total minus the
+sparse run's other bytes), next to the formulas: dense 2 V C s; sparse 8 (2 + k + k') + k C s
+pushed + k' C s pulled, with k the distinct ids of the worker's step and k' of its next step
+(the run's last pull is whole, V C s, and its push names no rows), averaged over the run's steps,
+and a step before the last alone (`wte_formula_sparse_step`).
+
 Writes bench/results/sparse_embedding.json.
 """
 
@@ -41,6 +51,7 @@ from mpi4py import MPI  # noqa: E402
 from hpcpar.config.load import load_config  # noqa: E402
 from hpcpar.data import formats  # noqa: E402
 from hpcpar.parallel.dp.sparse import dense_bytes, sparse_bytes  # noqa: E402
+from hpcpar.training.run import build  # noqa: E402
 from hpcpar.training.trainer import Trainer  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -57,13 +68,16 @@ def zipf_tokens(vocab: int, n: int, seed: int = 0) -> np.ndarray:
     return rng.permutation(vocab)[ids].astype(np.uint16 if vocab <= 65535 else np.uint32)
 
 
+def config(vocab: int, microbatches: int, mode: str, *more: str):
+    return load_config(None, [f"model.vocab_size={vocab}", f"model.block_size={BLOCK}", f"model.n_layer={LAYERS}",
+                              "model.n_head=4", f"model.n_embd={C}", "model.tie_embeddings=false", "mesh.pp=1",
+                              f"mesh.dp={WORLD.size}", f"train.micro_batch_size={BATCH}",
+                              f"train.microbatches={microbatches}", "train.steps=1000", "train.warmup=2",
+                              f"train.sparse_embedding={mode}", "run.progress=false", "train.seed=5", *more])
+
+
 def trainer(vocab: int, microbatches: int, mode: str, data) -> Trainer:
-    cfg = load_config(None, [f"model.vocab_size={vocab}", f"model.block_size={BLOCK}", f"model.n_layer={LAYERS}",
-                             "model.n_head=4", f"model.n_embd={C}", "model.tie_embeddings=false", "mesh.pp=1",
-                             f"mesh.dp={WORLD.size}", f"train.micro_batch_size={BATCH}",
-                             f"train.microbatches={microbatches}", "train.steps=1000", "train.warmup=2",
-                             f"train.sparse_embedding={mode}", "run.progress=false", "train.seed=5"])
-    return Trainer(cfg, comm=WORLD, tokens=data)
+    return Trainer(config(vocab, microbatches, mode), comm=WORLD, tokens=data)
 
 
 def mean_over_ranks(x: float) -> float:
@@ -119,16 +133,77 @@ def case(vocab: int, microbatches: int, steps: int, rounds: int) -> dict:
             "max_loss_rel_diff": float(max(abs(a - b) / abs(b) for a, b in zip(losses["auto"], losses["never"])))}
 
 
+def ps_run(vocab: int, mode: str, steps: int, data) -> dict:
+    """One parameter-server run of `steps` steps (dp = world - 1, one server): per rank its step
+    times, and on the workers wte's row bytes and the distinct ids of each step (and of the next)."""
+    workers = WORLD.size - 1
+    rank = build(config(vocab, 1, mode, f"mesh.dp={workers}", "ps.servers=1", f"train.steps={steps}",
+                        "run.eval_every=0"), WORLD, tokens=data)
+    worker = isinstance(rank, Trainer)
+    times: list = []
+    result = rank.train(steps=steps, files=False, progress=False, on_step=lambda r: times.append(r["step_time_s"]),
+                        peak_flops=0.0)
+    out = {"times": times, "ps": result.summary.get("ps")}
+    if worker:
+        rows = rank.update.client.rows
+        out["row_bytes"] = float(sum(rows.bytes.values())) if rows is not None else 0.0
+        out["ids"] = [len(np.unique(np.concatenate([b[0].reshape(-1) for b in rank.microbatches(s)])))
+                      for s in range(steps)]
+    rank.free()
+    return out
+
+
+def ps_case(vocab: int, steps: int, rounds: int) -> dict:
+    """Parameter servers: bytes per worker per step, dense ("never") vs rows ("auto"), next to the formula."""
+    data = formats.from_tokens(zipf_tokens(vocab, 2_000_000), 0.01)
+    runs: dict = {m: [] for m in ("never", "auto")}
+    for _ in range(rounds):
+        for m in runs:
+            runs[m].append(ps_run(vocab, m, steps, data))
+    workers, s = WORLD.size - 1, 4
+    # The server's counters reach every rank through the summary; the rest is the workers'.
+    total = {m: sum(v["bytes_in_per_step"] + v["bytes_out_per_step"] for v in runs[m][0]["ps"]["servers"]) / workers
+             for m in runs} if WORLD.rank == 0 else {}
+    mine = runs["auto"][0]
+    row_bytes = WORLD.gather(mine.get("row_bytes", None), root=0)
+    ids = WORLD.gather(mine.get("ids", None), root=0)
+    times = {m: min(statistics.median(r["times"]) if r["times"] else 0.0 for r in rs) for m, rs in runs.items()}
+    times = {m: max(WORLD.allgather(t)) for m, t in times.items()}   # the slowest rank's
+    if WORLD.rank:
+        return {}
+    wte_sparse = float(np.mean([b for b in row_bytes[:workers]])) / steps
+    dense = 2 * vocab * C * s
+    formula, between = [], []
+    for k in ids[:workers]:   # per worker: every step's pushed rows and the next step's wanted rows
+        per = [8 * (2 + k[t] + k[t + 1]) + (k[t] + k[t + 1]) * C * s for t in range(steps - 1)]
+        per.append(8 * (2 + k[-1]) + k[-1] * C * s + vocab * C * s)   # last: no next step, the whole table
+        formula.append(float(np.mean(per)))
+        between.append(float(np.mean(per[:-1])))
+    return {"vocab": vocab, "workers": workers, "servers": 1, "steps": steps, "tokens_per_worker": BATCH * BLOCK,
+            "rows_touched_per_worker": float(np.mean([np.mean(k) for k in ids[:workers]])),
+            "bytes_dense": total["never"], "bytes_sparse": total["auto"],
+            "ratio": total["auto"] / total["never"],
+            "wte_bytes_sparse": wte_sparse, "wte_bytes_dense": total["never"] - (total["auto"] - wte_sparse),
+            "wte_formula_dense": float(dense), "wte_formula_sparse": float(np.mean(formula)),
+            "wte_formula_sparse_step": float(np.mean(between)),
+            "wte_ratio_measured": wte_sparse / (total["never"] - (total["auto"] - wte_sparse)),
+            "wte_ratio_formula": float(np.mean(formula)) / dense,
+            "step_s_dense": times["never"], "step_s_sparse": times["auto"],
+            "time_ratio": times["auto"] / times["never"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="steps per round and mode")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the best is kept)")
     ap.add_argument("--quick", action="store_true", help="one vocabulary, one round of 2 steps")
+    ap.add_argument("--ps-steps", type=int, default=20, help="steps per parameter-server run")
     ap.add_argument("--out", type=Path, default=OUT, help="the JSON to write")
     args = ap.parse_args()
     grid = [(32768, 1)] if args.quick else [(32768, 1), (32768, 4), (50304, 1)]
     steps, rounds = (2, 1) if args.quick else (args.steps, args.rounds)
     rows = [case(v, m, steps, rounds) for v, m in grid]
+    ps = ps_case(32768, 3 if args.quick else args.ps_steps, rounds)
     out = args.out
     if WORLD.rank:
         return
@@ -140,10 +215,18 @@ def main() -> None:
         print(f"{r['vocab']:>6} {r['tokens_per_rank']:>8} {r['rows_touched_per_rank']:>7.0f} "
               f"{r['share_of_rows']:>6.1%} {r['wte_bytes_dense'] / 1e6:>9.3f} {r['wte_bytes_sparse'] / 1e6:>10.3f} "
               f"{r['ratio_measured']:>6.3f} {r['ratio_formula']:>7.3f} {r['sync_ratio']:>6.2f} {r['time_ratio']:>6.2f}")
+    print(f"parameter servers, {ps['workers']} workers + 1 server, V = {ps['vocab']}, {ps['steps']} steps: bytes "
+          f"pushed + pulled per worker per step {ps['bytes_dense'] / 1e6:.3f} MB (never) -> "
+          f"{ps['bytes_sparse'] / 1e6:.3f} MB (auto), {ps['ratio']:.3f}x; wte {ps['wte_bytes_dense'] / 1e6:.3f} -> "
+          f"{ps['wte_bytes_sparse'] / 1e6:.3f} MB ({ps['wte_ratio_measured']:.3f}x, formula "
+          f"{ps['wte_ratio_formula']:.3f}x: {ps['wte_formula_dense'] / 1e6:.3f} -> "
+          f"{ps['wte_formula_sparse'] / 1e6:.3f} MB; a step before the last "
+          f"{ps['wte_formula_sparse_step'] / 1e6:.3f} MB); {ps['rows_touched_per_worker']:.0f} rows per step; "
+          f"step time {ps['time_ratio']:.2f}x")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"world": WORLD.size, "n_embd": C, "block_size": BLOCK, "n_layer": LAYERS,
                                "micro_batch_size": BATCH, "dtype": "float32", "steps": steps, "rounds": rounds,
-                               "cases": rows}, indent=2) + "\n")
+                               "cases": rows, "ps": ps}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

@@ -42,6 +42,20 @@ documents shorter than block_size.
    `data.balance = "attention"`'s dealing (`hpcpar.data.balance.by_work`: longest first onto the
    least loaded rank with room, then onto its micro-batches). Tokens are balanced either way
    (every packed window is block_size tokens).
+4. Context-parallel balance (ring attention, cp = 2, 4, 8; arithmetic): each step's micro-batch of
+   --batch packed windows cut into 2cp chunks, two per rank, as token-zigzag (rank r: chunks r and
+   2cp-1-r) and as the work-balanced dealing packed runs use (`hpcpar.parallel.cp.balance`: lightest
+   chunk with heaviest); per rank the attention work (unmasked (query, key) pairs: sum over its
+   queries of in-segment position + 1, what `ContextParallel.stats` counts) and the score elements
+   its ring blocks compute: now a box per row and (my chunk, its chunk) of a block, the smallest
+   holding that piece's pairs (`cp.attention._Block`: what the kernels multiply); before, one box
+   per block over all rows and chunks. max/mean over the ranks, mean and worst over the
+   micro-batches, the share of micro-batches whose layout changed, all ranks' elements over their
+   pairs and the busiest rank's elements now (balanced, boxes per piece) over before (zigzag, one
+   box). Then timed (--ring-ranks, default 4, under mpiexec; 0: not run): forward + backward of one
+   packed ring attention (B = --batch, T, C = --attn-embd, H = --heads, float32) on the first
+   --ring-batches Pareto micro-batches the balance re-deals, zigzag vs balanced, best of --rounds
+   interleaved rounds, the slowest rank's time.
 
 Prints tables; writes bench/results/varlen.json and bench/results/varlen.png (matplotlib).
 """
@@ -50,6 +64,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,6 +83,8 @@ from hpcpar.data import corpus, formats, packing  # noqa: E402
 from hpcpar.data.balance import by_work  # noqa: E402
 from hpcpar.nn.gpt import GPT, GPTConfig  # noqa: E402
 from hpcpar.optim.optimizers import AdamW  # noqa: E402
+from hpcpar.parallel.cp.attention import ContextParallel, positions as cp_positions  # noqa: E402
+from hpcpar.parallel.cp.balance import balanced_positions, rank_work  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("packed", "padded", "stream")
@@ -298,6 +318,146 @@ def balance(label: str, doc_starts: np.ndarray, n_tokens: int, args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# 4. Context-parallel balance
+# ---------------------------------------------------------------------------------------------
+def box_work(documents: packing.Documents, held: list, shared: bool = False) -> np.ndarray:
+    """int64 [cp]: score elements each rank's ring blocks compute with positions `held`: per source
+    rank, row of the micro-batch and (my chunk, its chunk), the smallest box holding the piece's
+    unmasked pairs (the ring's kernel, `cp.attention._Block`); or (`shared`) one box per source
+    rank holding the pairs of every row and chunk, times B (what the ring computed before)."""
+    first = np.arange(documents.block_size) - documents.positions()          # [B, T] segment starts
+    out = np.zeros(len(held), dtype=np.int64)
+    for r, q in enumerate(held):
+        for k in held:
+            allowed = (q[:, None] >= k[None, :]) & (k[None, None, :] >= first[:, q][:, :, None])   # [B, Tq, Tk]
+            if shared:
+                pieces = [allowed.any(axis=0)]
+            else:
+                half = len(q) // 2                                               # a rank's two chunks
+                pieces = [c for row in allowed for a in np.split(row, [half], axis=0)
+                          for c in np.split(a, [half], axis=1)]
+            for piece in pieces:
+                rows, cols = np.flatnonzero(piece.any(axis=1)), np.flatnonzero(piece.any(axis=0))
+                if rows.size:
+                    out[r] += (rows[-1] - rows[0] + 1) * (cols[-1] - cols[0] + 1) * (len(allowed) if shared else 1)
+    return out
+
+
+def cp_balance(label: str, doc_starts: np.ndarray, n_tokens: int, args) -> dict:
+    """Part 4 (the module doc) on `args.cp_steps` micro-batches of `args.batch` windows."""
+    out = {"case": label, "micro_batch": args.batch, "micro_batches": args.cp_steps}
+    batches = [packing.Documents.of_windows(doc_starts, corpus.window_starts(n_tokens, args.seed, step,
+                                                                             range(args.batch), args.block),
+                                            args.block)[0] for step in range(args.cp_steps)]
+    for cp in (2, 4, 8):
+        zigzag = [cp_positions("zigzag", args.block, cp, r) for r in range(cp)]
+        ratios: dict = {f"{layout}_{what}": [] for layout in ("zigzag", "balanced")
+                        for what in ("work", "box", "shared_box")}
+        totals: dict = {}                         # (layout, what) -> sum over micro-batches: all ranks, busiest
+        changed = 0
+        for documents in batches:
+            balanced = balanced_positions(documents, cp)
+            changed += any(not np.array_equal(a, b) for a, b in zip(balanced, zigzag))
+            for layout, held in (("zigzag", zigzag), ("balanced", balanced)):
+                for what, per_rank in (("work", rank_work(documents, held)), ("box", box_work(documents, held)),
+                                       ("shared_box", box_work(documents, held, shared=True))):
+                    ratios[f"{layout}_{what}"].append(float(per_rank.max() / per_rank.mean()))
+                    total = totals.setdefault((layout, what), np.zeros(2, dtype=np.int64))
+                    total += (per_rank.sum(), per_rank.max())
+        out[f"cp{cp}"] = {"changed": changed / len(batches),
+                          "box_over_pairs": float(totals["balanced", "box"][0] / totals["balanced", "work"][0]),
+                          "shared_box_over_pairs": float(totals["zigzag", "shared_box"][0]
+                                                         / totals["zigzag", "work"][0]),
+                          "busiest_now_over_before": float(totals["balanced", "box"][1]
+                                                           / totals["zigzag", "shared_box"][1]),
+                          **{f"{k}_mean": float(np.mean(v)) for k, v in ratios.items()},
+                          **{f"{k}_worst": float(np.max(v)) for k, v in ratios.items()}}
+    return out
+
+
+
+class _TokenZigzag(ContextParallel):
+    """The ring on token-zigzag (rank r: chunks r and 2cp-1-r) whatever the documents: the layout
+    before work balancing; its blocks are still masked, and cut into boxes, by the documents."""
+
+    def held(self, t: int, documents=None) -> list:
+        return super().held(t, None)
+
+
+def ring_timing_worker(path_in: str, path_out: str) -> None:
+    """One rank of part 4's timing (under mpiexec): `path_in` (npz) holds the document starts, the
+    micro-batches' window starts [n, B] and the sizes; rank 0 writes the JSON to `path_out`."""
+    from mpi4py import MPI
+
+    from hpcpar.runtime.comm import Communicator
+
+    job = np.load(path_in)
+    p = json.loads(str(job["params"]))
+    t, h, c = p["block"], p["heads"], p["embd"]
+    world = MPI.COMM_WORLD
+    comm = Communicator(world.Dup(), "varlen-ring-timing")
+    rng = np.random.default_rng(p["seed"])
+    cases = []                        # (micro-batch, layout, ContextParallel, documents, qkv, grad) each
+    for i, windows in enumerate(job["windows"]):
+        documents = packing.Documents.of_windows(job["doc_starts"], windows, t)[0]
+        qkv = rng.standard_normal((len(windows), t, 3 * c)).astype(np.float32)
+        grad = rng.standard_normal((len(windows), t, c)).astype(np.float32)
+        for layout, kind in (("zigzag", _TokenZigzag), ("balanced", ContextParallel)):
+            cp = kind(comm, "ring")       # one each: its plan stays cached, as over a model's layers
+            cols = cp.positions(t, documents)
+            cases.append((i, layout, cp, documents, qkv[:, cols], grad[:, cols]))
+    best = {(i, layout): float("inf") for i, layout, *_ in cases}
+    elements = {}
+    load = [os.getloadavg()[0]]
+    for r in range(p["rounds"] + 1):                   # round 0 builds the plans: not timed
+        for i, layout, cp, documents, qkv, grad in (cases if r % 2 else cases[::-1]):
+            cp.reset_stats()
+            x = Tensor(qkv, requires_grad=True)
+            world.Barrier()
+            start = time.perf_counter()
+            cp.attention(x, h, documents=documents).backward(grad)
+            took = world.allreduce(time.perf_counter() - start, MPI.MAX)     # the ring ends with its last rank
+            if r:
+                best[i, layout] = min(best[i, layout], took)
+            per_rank = np.array(world.allgather(cp.stats["elements"]))
+            elements[i, layout] = float(per_rank.max() / per_rank.mean())
+    load.append(os.getloadavg()[0])
+    comm.free()
+    if world.Get_rank() == 0:
+        rows = [{"micro_batch": i, "zigzag_s": best[i, "zigzag"], "balanced_s": best[i, "balanced"],
+                 "time_ratio": best[i, "balanced"] / best[i, "zigzag"],
+                 "zigzag_elements_max_over_mean": elements[i, "zigzag"],
+                 "balanced_elements_max_over_mean": elements[i, "balanced"]} for i in range(len(job["windows"]))]
+        Path(path_out).write_text(json.dumps({
+            **p, "ranks": world.Get_size(), "cores": os.cpu_count(), "load_average": load, "rows": rows,
+            "time_ratio": sum(r["balanced_s"] for r in rows) / sum(r["zigzag_s"] for r in rows)}))
+
+
+def ring_timing(label: str, doc_starts: np.ndarray, n_tokens: int, args) -> dict:
+    """Part 4's timing: forward + backward of packed ring attention on `args.ring_ranks` ranks
+    (mpiexec), token-zigzag vs the work-balanced layout, on the first `args.ring_batches`
+    micro-batches the balance re-deals; best of `args.rounds` interleaved rounds."""
+    cp, windows = args.ring_ranks, []
+    zigzag = [cp_positions("zigzag", args.block, cp, r) for r in range(cp)]
+    for step in range(10 * args.cp_steps):
+        w = corpus.window_starts(n_tokens, args.seed, step, range(args.batch), args.block)
+        held = balanced_positions(packing.Documents.of_windows(doc_starts, w, args.block)[0], cp)
+        if any(not np.array_equal(a, b) for a, b in zip(held, zigzag)):
+            windows.append(w)
+        if len(windows) == args.ring_batches:
+            break
+    params = {"case": label, "block": args.block, "batch": args.batch, "heads": args.heads,
+              "embd": args.attn_embd, "rounds": args.rounds, "seed": args.seed}
+    with tempfile.TemporaryDirectory() as tmp:
+        job, out = Path(tmp) / "job.npz", Path(tmp) / "out.json"
+        np.savez(job, doc_starts=doc_starts, windows=np.array(windows), params=json.dumps(params))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        subprocess.run([str(Path(sys.executable).parent / "mpiexec"), "-n", str(cp), sys.executable, __file__,
+                        "--ring-timing-worker", str(job), str(out)], check=True, timeout=900, env=env)
+        return json.loads(out.read_text())
+
+# ---------------------------------------------------------------------------------------------
 def plot(result: dict, lengths: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -341,6 +501,9 @@ def plot(result: dict, lengths: dict, path: Path) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--ring-timing-worker"]:       # one rank of part 4's timing (mpiexec)
+        ring_timing_worker(sys.argv[2], sys.argv[3])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", default="", help="data.corpus (default: the standard library's *.py files)")
     parser.add_argument("--block", type=int, default=1024, help="block_size T")
@@ -359,12 +522,16 @@ def main() -> None:
     parser.add_argument("--pareto-xm", type=int, default=32, help="the Pareto's smallest length")
     parser.add_argument("--global-batch", type=int, default=32, help="windows per step in the balance part")
     parser.add_argument("--balance-steps", type=int, default=200)
+    parser.add_argument("--cp-steps", type=int, default=100, help="micro-batches in the cp balance part")
+    parser.add_argument("--ring-ranks", type=int, default=4, help="ranks of the ring timing (0: none)")
+    parser.add_argument("--ring-batches", type=int, default=8, help="re-dealt micro-batches the ring timing runs")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="a smoke test: T 256, 6 steps, one round")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "varlen.json"))
     args = parser.parse_args()
     if args.quick:
         args.block, args.steps, args.rounds, args.eval_batches, args.balance_steps = 256, 6, 1, 1, 20
+        args.cp_steps, args.ring_batches = 10, 2
     started = time.perf_counter()
 
     tokens, starts = corpus.load_documents(args.corpus)
@@ -416,6 +583,31 @@ def main() -> None:
             r = b[f"dp{dp}"]
             say(f"{b['case']:<14} dp={dp}: max/mean today {r['today_mean']:.2f} (worst {r['today_worst']:.2f}), "
                 f"balanced {r['greedy_mean']:.2f} (worst {r['greedy_worst']:.2f})")
+
+    say(f"\n4. cp balance of ring attention, micro-batches of {args.batch} windows, {args.cp_steps} steps; "
+        "max/mean per rank: zigzag -> work-balanced")
+    cp_bal = [cp_balance("corpus", dataset.train_starts, len(dataset.train), args),
+              cp_balance(f"Pareto a={args.pareto_alpha:g}", synthetic, synthetic_tokens, args)]
+    for b in cp_bal:
+        for cp in (2, 4, 8):
+            r = b[f"cp{cp}"]
+            say(f"{b['case']:<14} cp={cp}: work {r['zigzag_work_mean']:.3f} -> {r['balanced_work_mean']:.3f} "
+                f"(worst {r['zigzag_work_worst']:.3f} -> {r['balanced_work_worst']:.3f}); computed boxes "
+                f"{r['zigzag_box_mean']:.3f} -> {r['balanced_box_mean']:.3f} (one box per block before: "
+                f"{r['zigzag_shared_box_mean']:.3f} -> {r['balanced_shared_box_mean']:.3f}); elements / pairs "
+                f"{r['shared_box_over_pairs']:.2f} before, {r['box_over_pairs']:.2f} now; busiest rank's elements "
+                f"{r['busiest_now_over_before']:.2f}x before's; {r['changed']:.0%} of micro-batches re-dealt")
+    ring = None
+    if args.ring_ranks:
+        ring = ring_timing(f"Pareto a={args.pareto_alpha:g}", synthetic, synthetic_tokens, args)
+        say(f"{ring['case']}: ring attention forward + backward on {ring['ranks']} ranks ({ring['cores']} cores, "
+            f"load average {ring['load_average'][0]:.1f} -> {ring['load_average'][1]:.1f}), B = {ring['batch']}, "
+            f"T = {ring['block']}, C = {ring['embd']}, H = {ring['heads']}, best of {ring['rounds']} rounds:")
+        for r in ring["rows"]:
+            say(f"  micro-batch {r['micro_batch']}: zigzag {r['zigzag_s'] * 1e3:6.1f} ms, balanced "
+                f"{r['balanced_s'] * 1e3:6.1f} ms ({r['time_ratio']:.2f}x); elements max/mean "
+                f"{r['zigzag_elements_max_over_mean']:.3f} -> {r['balanced_elements_max_over_mean']:.3f}")
+        say(f"  all: balanced / zigzag time {ring['time_ratio']:.3f}")
     total = time.perf_counter() - started
     say(f"total {total:.0f} s")
 
@@ -424,7 +616,8 @@ def main() -> None:
                        "lr": args.lr, "attn_embd": args.attn_embd, "rounds": args.rounds,
                        "pareto_alpha": args.pareto_alpha, "pareto_xm": args.pareto_xm, "seed": args.seed,
                        "quick": args.quick, "wall_s": total},
-              "lengths": dists, "training": train, "attention": attention, "balance": bal}
+              "lengths": dists, "training": train, "attention": attention, "balance": bal, "cp_balance": cp_bal,
+              **({"ring_timing": ring} if ring else {})}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -108,8 +108,10 @@ class TrainConfig:
                                            "auto = each step wte's gradient travels as (row id, row) pairs of the "
                                            "rows touched (zero 1-3: each row to its owner only) when that is fewer "
                                            "bytes than the dense all-reduce (reduce-scatter), else dense (the same "
-                                           "choice on every rank); never = always dense. The parameter servers and "
-                                           "compression: always dense",
+                                           "choice on every rank); with ps.servers, a worker pushes the rows it "
+                                           "touched and pulls the rows its next step looks up (every row before an "
+                                           "evaluation, checkpoint or the end); never = always dense. Compression: "
+                                           "always dense",
                                    ("auto", "never"))
     grad_compression: str = _field("none", "gradient compression on the data-parallel wire: none; fp16/bf16 = "
                                            "16-bit values summed in float32; int8 = blockwise absmax int8, two "

@@ -67,6 +67,7 @@ _RANGES: tuple[tuple[str, Any, str], ...] = (
     ("model.moe_capacity_factor", _ge0, ">= 0 (0 = unlimited)"),
     ("model.moe_aux_loss", _ge0, ">= 0 (0 = off)"),
     ("model.moe_z_loss", _ge0, ">= 0 (0 = off)"),
+    ("model.moe_expert_bias_rate", _ge0, ">= 0 (0 = off)"),
     ("data.val_fraction", _unit, "in [0, 1)"),
     ("train.steps", _ge1, ">= 1"),
     ("train.micro_batch_size", _ge1, ">= 1"),
@@ -308,14 +309,19 @@ def _check_context_parallel(cfg: Config, tp: int, cp: int) -> None:
 
 
 def _check_experts(cfg: Config, dp: int, tp: int, cp: int) -> None:
-    """Mixture of experts: top_k <= E, ep divides E and dp_shard, and the combinations not
-    implemented with experts (context parallelism, sequence parallelism, ZeRO-3, gradient
+    """Mixture of experts: top_k <= E, ep divides E and dp_shard, an expert bias only with experts
+    (parameter servers, which never see the global loads, refuse experts), and the combinations
+    not implemented with experts (context parallelism, sequence parallelism, ZeRO-3, gradient
     compression, 16-bit precision) refused, one line each."""
     m, ep, t = cfg.model, cfg.mesh.ep, cfg.train
     if m.moe_experts == 0:
         if ep > 1:
             raise ConfigError(f"mesh.ep={ep} divides the experts of a mixture-of-experts model, but "
                               "model.moe_experts=0 (dense); set model.moe_experts (e.g. 4) or mesh.ep=1")
+        if m.moe_expert_bias_rate > 0:
+            raise ConfigError(f"model.moe_expert_bias_rate={m.moe_expert_bias_rate} balances the experts of a "
+                              "mixture-of-experts model, but model.moe_experts=0 (dense); set model.moe_experts "
+                              "(e.g. 4) or model.moe_expert_bias_rate=0")
         return
     if m.moe_top_k > m.moe_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} exceeds model.moe_experts={m.moe_experts} (a token is "

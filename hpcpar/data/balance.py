@@ -131,22 +131,26 @@ class GlobalBatches:
         data: the run's data section (packing, balance); train: its train section (seed,
             micro_batch_size, microbatches).
         block_size: T. dp, dp_rank: the data-parallel size and this rank's place in it.
-        positions: context parallelism's columns of this rank (None: all), as `packing.get_batch`.
+        positions: context parallelism's columns of this rank (None: all), or a callable (T, Documents
+            or None) -> columns giving each micro-batch's, as `packing.get_batch`.
     """
 
     def __init__(self, dataset, data, train, block_size: int, dp: int, dp_rank: int, positions=None):
         self.dataset, self.data, self.train, self.block_size = dataset, data, train, block_size
         self.dp, self.dp_rank, self.positions = dp, dp_rank, positions
-        self._last: dict = {}   # split -> (index, Dealing): a step asks for its dealing several times
+        # (split, index) -> Dealing of the last two asked: a step asks for its dealing several times, and
+        # a parameter-server worker also for the next step's (the rows its pull brings, update.py).
+        self._last: dict = {}
 
     def dealing(self, split: str, index: int) -> Dealing:
         """The Dealing of training step `index` (`split` "train") or validation batch `index` ("val")."""
-        if self._last.get(split, (None,))[0] != index:
+        key = (split, index)
+        if key not in self._last:
             t = self.train
-            self._last[split] = (index, deal(self.dataset, split, t.seed, index, self.dp, t.microbatches,
-                                             t.micro_batch_size, self.block_size, self.data.packing,
-                                             self.data.balance))
-        return self._last[split][1]
+            dealing = deal(self.dataset, split, t.seed, index, self.dp, t.microbatches, t.micro_batch_size,
+                           self.block_size, self.data.packing, self.data.balance)
+            self._last = {**dict(list(self._last.items())[-1:]), key: dealing}
+        return self._last[key]
 
     def sample_ids(self, split: str = "train", index: int | None = None) -> list[np.ndarray]:
         """This rank's sample ids, one int64 array of micro_batch_size per micro-batch, of training step

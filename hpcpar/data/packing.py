@@ -97,23 +97,29 @@ class Documents:
 
 
 def get_batch(dataset, split: str, seed: int, index: int, sample_ids, block_size: int,
-              positions: np.ndarray | None = None, packing: str = "none") -> tuple:
+              positions=None, packing: str = "none") -> tuple:
     """Samples `sample_ids` of training step `index` (`split` "train") or validation batch
     `index` ("val") of `dataset` (a `formats.Dataset`).
 
     Returns ``(x, y)`` as `corpus.get_batch` / `corpus.get_eval_batch` (int64 [B, T]) with
     packing "none"; with "documents" ``(x, y, Documents)``, y's boundary-crossing targets set
     to -100 (the module doc). `positions` (context parallelism's columns): x and y hold only those
-    columns [B, len(positions)]; the Documents stay those of the whole windows.
+    columns [B, len(positions)]; the Documents stay those of the whole windows. `positions` may be
+    a callable (T, Documents or None) -> columns (`ContextParallel.positions`): the columns then
+    follow each micro-batch's documents (ring attention deals packed windows by attention work).
     """
     train = split == "train"
     tokens = dataset.train if train else dataset.val
     sample = corpus.get_batch if train else corpus.get_eval_batch
+    documents = crossing = None
+    if packing != "none":
+        starts = corpus.window_starts(len(tokens), seed, index, sample_ids, block_size, stream=0 if train else 1)
+        documents, crossing = Documents.of_windows(document_starts(dataset, split), starts, block_size)
+    if callable(positions):
+        positions = positions(block_size, documents)
     x, y = sample(tokens, seed, index, sample_ids, block_size, positions)
-    if packing == "none":
+    if documents is None:
         return x, y
-    starts = corpus.window_starts(len(tokens), seed, index, sample_ids, block_size, stream=0 if train else 1)
-    documents, crossing = Documents.of_windows(document_starts(dataset, split), starts, block_size)
     y[crossing if positions is None else crossing[:, positions]] = IGNORE
     return x, y, documents
 

@@ -106,6 +106,10 @@ class GPTConfig:
     moe_aux_loss: float = field(0.01, "load-balancing loss weight alpha: alpha * E * sum_i f_i P_i (Switch), f_i "
                                       "counted before dropping; 0 = off")
     moe_z_loss: float = field(0.0, "router z-loss weight beta: beta * mean(logsumexp(router logits)^2); 0 = off")
+    moe_expert_bias_rate: float = field(0.0, "auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias "
+                                             "b, added to the router probs only to choose the top-k, updated after "
+                                             "every step by b_e += rate * sign(mean load - load_e) over the global "
+                                             "batch; 0 = off")
     tie_embeddings: bool = field(True, "the LM head is wte (GPT-2); false: a weight of its own, lm_head.weight "
                                        "[V, C] (init N(0, 0.02)), so wte's gradient is nonzero only in the rows of "
                                        "the tokens a batch holds (train.sparse_embedding)")
@@ -348,7 +352,7 @@ class GPT(Module):
                           else TensorParallelLayers(cfg, self.tp_comm, bool(sequence_parallel)))
         self.cp = cp if cp is not None and cp.size > 1 else None
         if self.cp is not None:
-            self.layer_set = ContextParallelLayers(cfg, self.layer_set, self.cp)
+            self.layer_set = ContextParallelLayers(cfg, self.layer_set, self.cp, lambda: self.documents)
         self.sequence_parallel = self.layer_set.sequence_parallel
         layer_set = self.layer_set
         self.transformer = Transformer()
@@ -526,7 +530,7 @@ class GPT(Module):
         if self.documents is not None and not self.documents.whole:  # (whole: positions 0..T-1 as unpacked)
             rows = self.documents.positions()                  # [B, T] of the whole windows
             if self.cp is not None:                            # my tokens' columns (`cp.positions`)
-                rows = rows[:, self.cp.positions(rows.shape[1])]
+                rows = rows[:, self.cp.positions(rows.shape[1], self.documents)]
             pos = self.layer_set.positions(self.transformer.wpe.weight, xp.asarray(rows), rows.shape[1])
         else:
             rows = self.layer_set.position_ids(t)   # slice(0, t), or my positions under context parallelism

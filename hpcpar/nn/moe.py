@@ -4,7 +4,10 @@ expert parallelism: the MLP of a block replaced by E expert MLPs and a router.
 Per token (N = B*T tokens of a micro-batch on this rank, C = n_embd, E experts, k = top_k):
 
     router      logits = x W_r^T [N, E], probs = softmax(logits)
-    top-k       the k largest probs per token; ties go to the lower expert index
+    top-k       the k largest probs per token; ties go to the lower expert index. With an expert
+                bias b [E] (`expert_bias`, model.moe_expert_bias_rate > 0: DeepSeek-V3's
+                auxiliary-loss-free balancing, arXiv 2408.15664) the k largest probs[n] + b: the
+                bias only chooses, every weight below stays the unbiased probs
     capacity    each expert takes at most ceil(capacity_factor * N * k / E) assignments of this
                 rank's micro-batch (0 = unlimited), first the tokens' first choices in token order,
                 then their second choices, ...; a dropped assignment adds nothing (the token keeps
@@ -28,7 +31,8 @@ op (`combine_rows`) weights each choice's row by its probability and sums them p
 step loops over experts in Python but the GEMMs, and every gradient of the row movements is a
 gather (`autograd.dispatch`). Routing, capacity and the aux loss depend only on this rank's
 micro-batch, so any ep gives the one-process model's results. The router, like every dense
-weight, is replicated.
+weight, is replicated; so is the expert bias, which the trainer updates from the global batch's
+loads (training/routing.py `ExpertBias`) and sets here, the same on every rank.
 """
 
 from __future__ import annotations
@@ -132,6 +136,8 @@ class MoE(Module):
             while a recomputed block re-runs its forward in backward).
         stats: (routed [E] tokens per expert before dropping, dropped assignments, assignments,
             aux + z loss value (a 0-d array)) per recorded forward; the trainer drains it.
+        expert_bias: float64 host [E] added to the probs to choose the top-k (training and
+            evaluation forwards alike), or None (no bias); set by `routing.ExpertBias`.
     """
 
     def __init__(self, cfg, ep_comm: Communicator | None = None, index: int = 0):
@@ -144,6 +150,7 @@ class MoE(Module):
         self.loss_scale = 1.0
         self.record = True
         self.stats: list = []
+        self.expert_bias: np.ndarray | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         cfg = self.cfg
@@ -153,7 +160,8 @@ class MoE(Module):
         tokens = ops.reshape(x, (n, c))
         logits = linear(tokens, self.router.weight)                          # [N, E]
         probs = softmax(logits, axis=-1)
-        choices = top_k(backend.to_host(probs.data), k)                      # [N, k], host
+        scores = backend.to_host(probs.data)
+        choices = top_k(scores if self.expert_bias is None else scores + self.expert_bias, k)  # [N, k], host
         routing = dispatch_order(choices, e, capacity(n, k, e, cfg.moe_capacity_factor))
         # Under expert parallelism the counts travel first; meanwhile the work that needs none.
         exchange = self._start_count_exchange(routing["kept"])

@@ -16,7 +16,11 @@ Unlike training's periodic evaluation (random windows), this is one deterministi
 held-out sequence is cut into W = floor((n - 1) / T) windows of T tokens (or the first
 ``--max-tokens``), window k is global sample k, the last global batch is padded with ignored
 targets, and the loss is the mean over all W*T target tokens: the same number on every mesh.
-Perplexity is exp(loss).
+Perplexity is exp(loss). A run that trained on packed documents (`data.packing = "documents"`,
+data/packing.py) is scored the same way: each window's segments attended alone, positions
+restarting at each document, the targets that cross a boundary left out, so the loss is the mean
+over the W*T - D kept targets (D: document starts inside the windows' targets); `--set
+data.packing=none` scores the plain stream instead.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import numpy as np
 from hpcpar.checkpoint.load import load as read_checkpoint
 from hpcpar.config.load import loads, parse_override
 from hpcpar.config.sections import CheckpointConfig, Config, MeshConfig
-from hpcpar.data import corpus, formats
+from hpcpar.data import corpus, formats, packing
 from hpcpar.errors import ConfigError, DataError
 from hpcpar.runtime.comm import Communicator, mpi_world
 from hpcpar.training.generate import checkpoint_of
@@ -89,8 +93,9 @@ def check_max_tokens(max_tokens: int) -> None:
         raise ConfigError(f"--max-tokens must be >= 0 (0 evaluates every token), got {max_tokens}")
 
 
-def evaluate(trainer: Trainer, tokens, max_tokens: int = 0) -> dict:
-    """Mean loss over the windows of `tokens` (collective): {loss, perplexity, tokens, windows}."""
+def evaluate(trainer: Trainer, tokens, max_tokens: int = 0, starts: np.ndarray | None = None) -> dict:
+    """Mean loss over the windows of `tokens` (collective): {loss, perplexity, tokens, windows}.
+    `starts`: the document starts of `tokens` (packed documents, the module doc); None: the stream."""
     check_max_tokens(max_tokens)
     t = trainer.cfg.model.block_size
     windows = (len(tokens) - 1) // t
@@ -102,17 +107,45 @@ def evaluate(trainer: Trainer, tokens, max_tokens: int = 0) -> dict:
                         f"block_size + 1 = {t + 1}")
     per_batch = trainer.tokens_per_step // t      # global samples per batch: dp * micro_batch_size * microbatches
     n_batches = -(-windows // per_batch)
-    # A Trainer with context parallelism holds only its tokens' positions of each sample (None: all).
-    positions = getattr(trainer, "positions", None)
     total = 0.0
     for first in range(0, n_batches, _BATCHES_PER_CALL):
-        batches = [corpus.get_window_batch(tokens, [i * per_batch + k for k in ids], t, windows, positions)
+        batches = [_window_batch(trainer, tokens, [i * per_batch + k for k in ids], windows, starts)
                    for i in range(first, min(first + _BATCHES_PER_CALL, n_batches)) for ids in trainer.sample_ids()]
         losses = trainer.forward_losses(batches)
-        if trainer.is_loss_reporter:   # each micro-batch's loss is its mean over its (this rank's) real targets
-            total += sum(float(loss) * int((y != -100).sum()) for loss, (_, y) in zip(losses, batches))
-    loss = float(trainer.mesh.world.all_reduce(np.array([total]), op="sum")[0]) / (windows * t)
+        if trainer.is_loss_reporter:   # each micro-batch loss times its targets: the sum over them
+            total += sum(_loss_sum(float(loss), batch, trainer.cp.size) for loss, batch in zip(losses, batches))
+    kept = windows * t
+    if starts is not None:   # the windows' targets are tokens 1 .. W*T; one at each document start is left out
+        kept -= int(np.count_nonzero((starts > 0) & (starts <= windows * t)))
+    loss = float(trainer.mesh.world.all_reduce(np.array([total]), op="sum")[0]) / kept
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": windows * t, "windows": windows}
+
+
+def _window_batch(trainer: Trainer, tokens, sample_ids: list, windows: int, starts) -> tuple:
+    """Windows `sample_ids` of `tokens` as this rank's micro-batch: (x, y) of my columns, or packed
+    (`starts` given) (x, y, Documents), boundary targets -100 and the Documents counting the
+    micro-batch's kept targets, so that its loss is their mean (`GPT._head`)."""
+    t = trainer.cfg.model.block_size
+    if starts is None:
+        # A Trainer with context parallelism holds only its tokens' positions of each sample (None: all).
+        return corpus.get_window_batch(tokens, sample_ids, t, windows, getattr(trainer, "positions", None))
+    x, y = corpus.get_window_batch(tokens, sample_ids, t, windows)
+    ks = np.asarray(sample_ids, dtype=np.int64)
+    documents, crossing = packing.Documents.of_windows(starts, np.where(ks < windows, ks, 0) * t, t)
+    y[crossing] = packing.IGNORE                     # (padding windows' targets are ignored already)
+    documents.targets, documents.losses = max(int(np.count_nonzero(y != packing.IGNORE)), 1), 1
+    if trainer.cp.columns is not None:               # my columns, dealt by these windows' documents
+        cols = trainer.cp.columns(t, documents)
+        x, y = np.ascontiguousarray(x[:, cols]), np.ascontiguousarray(y[:, cols])
+    return x, y, documents
+
+
+def _loss_sum(loss: float, batch: tuple, cp: int) -> float:
+    """A micro-batch's loss summed over the targets this rank holds: the loss is their mean
+    (plain), or packed their sum * cp / the micro-batch's kept targets (`GPT._head`'s weighting)."""
+    if len(batch) == 2:
+        return loss * int(np.count_nonzero(batch[1] != -100))
+    return loss * batch[2].targets / cp
 
 
 def evaluate_checkpoint(path: str, data_path: str | None = None, fmt: str | None = None, split: str = "val",
@@ -132,14 +165,18 @@ def evaluate_checkpoint(path: str, data_path: str | None = None, fmt: str | None
                f"data.val_fraction={cfg.data.val_fraction:g} of its {len(trainer.train_tokens)} tokens is not one "
                "token")
         raise DataError(f"{cfg.data.corpus or 'the built-in corpus'} has no held-out part ({why}); use --split all")
-    result = evaluate(trainer, tokens, max_tokens)
+    starts = None
+    if cfg.data.packing == "documents":   # scored as it trained: each document alone
+        starts = packing.document_starts(trainer.dataset, "val" if split == "val" else "train")
+    result = evaluate(trainer, tokens, max_tokens, starts)
     if world.rank == 0:
         mesh = trainer.mesh_text()   # as `hpcpar train` says it
-        print(f"eval {path} on {trainer.dataset.description} ({split} split, {result['tokens']:,} tokens in "
+        packed = ", packed documents" if starts is not None else ""
+        print(f"eval {path} on {trainer.dataset.description} ({split} split{packed}, {result['tokens']:,} tokens in "
               f"{result['windows']:,} windows of {cfg.model.block_size}): loss {result['loss']:.6f}, "
               f"perplexity {result['perplexity']:.4f} (mesh {mesh})")
         if json_out:
             with open(json_out, "w") as f:
-                json.dump({**result, "checkpoint": path, "data": cfg.data.corpus, "split": split, "mesh": mesh}, f,
-                          indent=1)
+                json.dump({**result, "checkpoint": path, "data": cfg.data.corpus, "split": split, "mesh": mesh,
+                           "packing": cfg.data.packing}, f, indent=1)
     return 0

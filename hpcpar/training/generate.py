@@ -29,6 +29,7 @@ from hpcpar.config.load import load_config, loads
 from hpcpar.data import tokenizer
 from hpcpar.errors import ConfigError, DataError, HpcparError
 from hpcpar.nn.gpt import GPT
+from hpcpar.training.routing import ExpertBias
 from hpcpar.runtime.solo import SoloCommunicator
 
 
@@ -56,7 +57,8 @@ def load(path: str) -> tuple[GPT, dict]:
     _, meta = load_checkpoint(resolved, {}, SoloCommunicator())
     cfg = loads(meta["config"], origin=f"config stored in {resolved}")
     model = GPT(cfg.model, seed=cfg.train.seed)
-    load_parts(resolved, [model], SoloCommunicator(), weights_only=True)
+    # The MoE routing bias (model.moe_expert_bias_rate) lives in the metadata, not in the weights.
+    load_parts(resolved, [model, ExpertBias(cfg.model, [model])], SoloCommunicator(), weights_only=True)
     return model.eval(), meta
 
 

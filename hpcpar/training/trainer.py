@@ -155,7 +155,7 @@ class Trainer:
                         else formats.from_tokens(tokens, cfg.data.val_fraction))
         self.train_tokens, self.val_tokens = self.dataset.train, self.dataset.val
         self.global_batches = balance.GlobalBatches(self.dataset, cfg.data, t, cfg.model.block_size,
-                                                    self.mesh.size(Axis.DP), self.mesh.rank(Axis.DP), self.positions)
+                                                    self.mesh.size(Axis.DP), self.mesh.rank(Axis.DP), self.cp.columns)
         self.tokens_per_step = self.mesh.size(Axis.DP) * t.micro_batch_size * t.microbatches * cfg.model.block_size
         self.step = 0  # the next step to run
         self.save_in_flight = None  # checkpoint.save.SaveHandle of an asynchronous save not yet committed
@@ -196,6 +196,7 @@ class Trainer:
         for stage in self.stages:
             stage.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
         self.named_parameters = [(n, p) for s in self.stages for n, p in s.named_parameters()]
+        self.expert_bias = routing.ExpertBias(cfg.model, self.stages)  # model.moe_expert_bias_rate
 
     def _build_gradient_sync(self):
         """The data-parallel gradient sync and optimizer of this rank's parameters (ZeRO stage,
@@ -241,7 +242,7 @@ class Trainer:
         # The lambdas call `_agree` and `_bytes_sent` as they are at each step: benchmarks wrap them.
         if self.cfg.ps.servers:
             return ServerUpdate(self.cfg, comm, workers_comm, self.mesh, self.dp, self.named_parameters,
-                                self.is_loss_reporter, lambda: self._bytes_sent())
+                                self.is_loss_reporter, lambda: self._bytes_sent(), lambda s: self.microbatches(s))
         return LocalUpdate(self.cfg.train, self.mesh, self.dp, self.scaler,
                            lambda *args: self._agree(*args), outer=self.outer)
 
@@ -352,7 +353,7 @@ class Trainer:
             loss=math.fsum(every[:, 0]) / (batches * self.mesh.size(Axis.CP)),
             norm=self._norm(every[:, 1]), stop=bool(every[:, 2].any()),
             means=every[:, 3:n].mean(axis=0), compressing=compressing,
-            moe=(routing.figures(every[:, n:].sum(axis=0).reshape(table.shape), m.moe_experts, batches)
+            moe=(self.expert_bias.step_figures(every[:, n:].sum(axis=0).reshape(table.shape), batches)
                  if table is not None else {}))
 
     def _norm(self, parts: np.ndarray) -> float:
@@ -610,7 +611,7 @@ class Trainer:
     def checkpoint_state(self) -> SavedState:
         """What this rank saves: the run position and how to resume it (metadata), the model and
         optimizer state with the compressor's (`update`: this rank's gradient sync, or with
-        parameter servers none but the optimizer step), and the loss scale. Collective.
+        parameter servers none but the optimizer step), the loss scale and the expert bias. Collective.
 
         Everything else that shapes the trajectory is a pure function of (seed, step): batch
         sampling and dropout masks are keyed by (seed, step, sample id) and the learning rate
@@ -626,7 +627,7 @@ class Trainer:
             "lr_schedule": {"next_step": self.step, "warmup": t.warmup, "total": t.steps},
             "tokenizer": self.dataset.tokenizer})
         scaler = [self.scaler.checkpoint_state()] if self.scaler is not None else []
-        return SavedState.merged([run, self.update.checkpoint_state(), *scaler])
+        return SavedState.merged([run, self.update.checkpoint_state(), *scaler, self.expert_bias.checkpoint_state()])
 
     def load_checkpoint_state(self, stored: StoredState) -> None:
         """A checkpoint whose tokenizer differs from the data's is refused (one line, on every
@@ -637,9 +638,8 @@ class Trainer:
                                     f"data {self.cfg.data.corpus or '(default corpus)'}")
             packing.require_resumable(stored, self.cfg.data.packing)
         self.update.agree_on(check)
-        self.update.load_checkpoint_state(stored)
-        if self.scaler is not None:
-            self.scaler.load_checkpoint_state(stored)
+        for part in (self.update, self.expert_bias, *([self.scaler] if self.scaler is not None else [])):
+            part.load_checkpoint_state(stored)
         if not stored.weights_only:
             stored.read({}, lambda _: setattr(self, "step", int(stored.meta["step"])))
 

@@ -162,12 +162,16 @@ class ServerUpdate:
         named_parameters: (global name, Parameter) of this rank's stages.
         is_loss_reporter: whether this rank's micro-batch losses count (last stage, tp rank 0).
         bytes_sent: `Trainer._bytes_sent`: (bytes sent so far, of which for gradients).
+        batches: `Trainer.microbatches`: a step's micro-batches on this rank, (x, y[, documents]);
+            x holds the token ids whose wte rows the step looks up, which an untied wte's pull
+            brings (train.sparse_embedding = "auto", `ParameterClient`'s sparse_rows).
     Collective with the servers' construction (the push routes are sent to them).
     """
 
     def __init__(self, cfg: Config, comm, workers_comm, mesh: Mesh, dp, named_parameters: list,
-                 is_loss_reporter: bool, bytes_sent: Callable[[], tuple[float, float]]):
-        self.train, self.dp, self.named_parameters = cfg.train, dp, named_parameters
+                 is_loss_reporter: bool, bytes_sent: Callable[[], tuple[float, float]],
+                 batches: Callable[[int], list] | None = None):
+        self.train, self.dp, self.named_parameters, self.batches = cfg.train, dp, named_parameters, batches
         self.is_loss_reporter, self.bytes_sent, self.workers_comm = is_loss_reporter, bytes_sent, workers_comm
         self.job = Communicator(comm, "workers+servers")  # every rank of the job: checkpoints, pushes
         self.workers = workers_comm.Get_size()
@@ -185,7 +189,7 @@ class ServerUpdate:
             named_parameters, FlatSpace(_global_shapes(named_parameters, mesh.world)), self.job,
             list(range(self.workers, comm.Get_size())), mesh.rank(Axis.DP),
             owns=lambda p: counts_toward_norm(p, tp_rank),
-            dtype=np.dtype(cfg.model.dtype), groups=groups)
+            dtype=np.dtype(cfg.model.dtype), groups=groups, sparse_rows=cfg.train.sparse_embedding == "auto")
         dp.on_bucket_ready(lambda bucket: self.client.push_ready(bucket.index))
 
     def finish_step(self, step: int, losses: list, before: tuple[float, float], scale: float) -> StepResult:
@@ -193,11 +197,19 @@ class ServerUpdate:
         signal rides on the push) and pull the parameters. `scale` is 1: the servers keep no loss scale."""
         t = self.train
         flags = FLAG_PREEMPT if preemption.requested() else 0
-        reply = self.client.exchange(step, float(sum(losses)) if self.is_loss_reporter else 0.0, flags)
+        reply = self.client.exchange(step, float(sum(losses)) if self.is_loss_reporter else 0.0, flags,
+                                     want=self._tokens(step + 1))
         lr = lr_at(step, t.lr, t.warmup, t.steps, t.min_lr)
         bad = first_bad_parameter(self.dp, self.step_comm) if reply.skipped else ""
         return StepResult(reply.loss, reply.norm, lr, reply.skipped, bad, stop=reply.stop_at == step + 1,
                           staleness=reply.staleness, traffic=self._traffic_since(before))
+
+    def _tokens(self, step: int):
+        """The token ids this rank's micro-batches of `step` look up, int64, when it holds a row-sparse
+        parameter and `step` is one of the run's (None otherwise: every row is pulled)."""
+        if self.client.rows is None or self.batches is None or step >= self.train.steps:
+            return None
+        return np.concatenate([backend.to_host(b[0]).reshape(-1) for b in self.batches(step)]).astype(np.int64)
 
     def _traffic_since(self, before: tuple[float, float]) -> dict:
         """The step's bytes since `before` (`traffic_record`), averaged over the replica's ranks

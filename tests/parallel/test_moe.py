@@ -96,15 +96,27 @@ def favour(trainer: Trainer, experts=FAVOURED) -> Trainer:
     return trainer
 
 
+def routing_problems(results: list, routing: list, keys: tuple) -> list[str]:
+    """The routing figures `keys` of each step's `results` that differ from the one-process
+    run's (`routing`) by more than 1e-10 relative."""
+    problems = []
+    for key in keys:
+        got, want = [r.moe[key] for r in results], [r[key] for r in routing]
+        if np.asarray(got) != pytest.approx(np.asarray(want), rel=1e-10):
+            problems.append(f"{key} {got} vs {want}")
+    return problems
+
+
 @functools.lru_cache(maxsize=None)
 def reference(model: tuple, microbatches: int, favoured: bool = False):
-    """One process, the same micro-batches: (losses, norms, routing figures, global parameters);
-    with `favoured`, the router set by `favour` first."""
+    """One process, the same micro-batches: (losses, norms, routing figures, global parameters,
+    expert bias after the run); with `favoured`, the router set by `favour` first."""
     t = make(list(model) + ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1"], MPI.COMM_SELF, microbatches)
     if favoured:
         favour(t)
     results = [t.train_step(step) for step in range(STEPS)]
-    out = ([(r.loss, r.grad_norm) for r in results], [r.moe for r in results], t.global_parameters())
+    out = ([(r.loss, r.grad_norm) for r in results], [r.moe for r in results], t.global_parameters(),
+           t.expert_bias.bias.copy())
     t.mesh.free()
     return out
 
@@ -113,19 +125,53 @@ def reference(model: tuple, microbatches: int, favoured: bool = False):
 def test_expert_parallel_matches_single_process(overrides):
     results, params, dp = run_and_free(make(overrides), STEPS)
     model = tuple(o for o in overrides if o.startswith("model."))
-    steps, routing, ref_params = reference(model, 2 * dp)
-    problems = training_problems(results, steps, params, ref_params, 1e-10)
+    steps, routing, ref_params, _ = reference(model, 2 * dp)
     # The routing figures too (recomputation must not count a re-run's routing twice).
-    for key in ("moe_dropped_fraction", "moe_aux_loss", "moe_load_imbalance", "moe_layer_imbalance"):
-        got, want = [r.moe[key] for r in results], [r[key] for r in routing]
-        if np.asarray(got) != pytest.approx(np.asarray(want), rel=1e-10):
-            problems.append(f"{key} {got} vs {want}")
+    problems = training_problems(results, steps, params, ref_params, 1e-10) + routing_problems(
+        results, routing, ("moe_dropped_fraction", "moe_aux_loss", "moe_load_imbalance", "moe_layer_imbalance"))
     dropped = [r["moe_dropped_fraction"] for r in routing]
     # The finite capacity factor really drops assignments; unlimited capacity none.
     if (max(dropped) > 0) != (DROP in overrides):
         problems.append(f"dropped fractions {dropped} with {overrides}")
     clipped = max(n for _, n in steps) > 0.5
     collective_assert(not problems and clipped, f"{overrides}: {problems[:4]}")
+
+
+BIAS = "model.moe_expert_bias_rate=0.05"   # large: the bias changes routing within the 3 steps
+
+
+def bias_layouts(world: int) -> list:
+    out = [(f"ep{world}", [f"mesh.dp={world}", "mesh.pp=1", f"mesh.ep={world}"])]
+    if world == 4:
+        out += [("dp4-ep2-drop", ["mesh.dp=4", "mesh.pp=1", "mesh.ep=2", DROP]),
+                ("ep2-tp2", ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "mesh.ep=2"]),
+                ("ep2-pp2-zbh1", ["mesh.dp=2", "mesh.pp=2", "mesh.ep=2", "pipeline.schedule=zbh1"]),
+                ("ep4-zero1", ["mesh.dp=4", "mesh.pp=1", "mesh.ep=4", "train.zero=1"]),
+                ("ep2-moe-every2", ["mesh.dp=2", "mesh.pp=2", "mesh.ep=2", "model.moe_every=2", "model.n_layer=3"])]
+    return out
+
+
+@pytest.mark.parametrize("overrides", [o for _, o in bias_layouts(SIZE)], ids=[i for i, _ in bias_layouts(SIZE)])
+def test_expert_bias_matches_single_process_and_changes_routing(overrides):
+    """model.moe_expert_bias_rate > 0 (aux-loss-free balancing): every rank holds bitwise the
+    one-process model's bias after 3 steps (loads counted over the global batch), and the losses,
+    gradient norms, parameters and routing figures equal the one-process run's to 1e-10; the
+    bias did change the routing (the per-layer loads differ from the same run without it)."""
+    overrides = [BIAS] + overrides
+    trainer = make(overrides)
+    bias = trainer.expert_bias.bias
+    results, params, dp = run_and_free(trainer, STEPS)
+    model = tuple(o for o in overrides if o.startswith("model."))
+    steps, routing, ref_params, ref_bias = reference(model, 2 * dp)
+    problems = training_problems(results, steps, params, ref_params, 1e-10) + routing_problems(
+        results, routing, ("moe_dropped_fraction", "moe_aux_loss", "moe_layer_imbalance", "moe_expert_bias_max"))
+    every = WORLD.allgather(bias)
+    if not all(np.array_equal(b, ref_bias) for b in every) or not np.abs(ref_bias).max() > 0:
+        problems.append(f"bias {bias.tolist()} vs one process {ref_bias.tolist()}")
+    unbiased = reference(tuple(o for o in model if o != BIAS), 2 * dp)[1]
+    if [r["moe_layer_imbalance"] for r in routing][1:] == [r["moe_layer_imbalance"] for r in unbiased][1:]:
+        problems.append("the expert bias did not change the routing")
+    collective_assert(not problems, f"{overrides}: {problems[:4]}")
 
 
 def starved_layouts(world: int) -> list:
@@ -154,7 +200,7 @@ def test_experts_without_tokens_match_single_process(overrides, monkeypatch):
     results, params, dp = run_and_free(favour(make(overrides)), STEPS)
     monkeypatch.undo()
     model = tuple(o for o in overrides if o.startswith("model."))
-    steps, routing, ref_params = reference(model, 2 * dp, True)
+    steps, routing, ref_params, _ = reference(model, 2 * dp, True)
     problems = training_problems(results, steps, params, ref_params, 1e-10)
     dropped = [r["moe_dropped_fraction"] for r in routing]
     if (max(dropped) > 0) != (DROP in overrides):
@@ -256,3 +302,40 @@ def test_checkpoint_reshards_experts_ep4_to_ep1_and_back_bitwise(shared_dir):
                       f"round trip ep4 -> ep1 -> ep4 differs: {differ[:4]} ({len(experts)} expert tensors)")
     collective_assert(loss_middle == pytest.approx(loss_old, rel=1e-10) and loss_last == loss_old,
                       f"continued losses {loss_old!r}, {loss_middle!r}, {loss_last!r}")
+
+
+@pytest.mark.skipif(SIZE != 4, reason="needs 4 ranks")
+def test_expert_bias_resumes_bitwise_and_reshards(shared_dir):
+    """With the expert bias on: ep = 4 trains 1 step and saves (the bias nonzero); the same layout
+    resumed from it runs steps 1-2 bitwise as the uninterrupted run (losses, parameters, bias);
+    ep = 2 x tp = 2 (twice the micro-batches: the same global batch) loads the same bias bitwise
+    (replicated, in the checkpoint metadata) and continues to 1e-10."""
+    ep4, other = ["mesh.dp=4", "mesh.pp=1", "mesh.ep=4", BIAS], ["mesh.dp=2", "mesh.tp=2", "mesh.pp=1", "mesh.ep=2",
+                                                               BIAS]
+    old = make(ep4)
+    old.train_step(0)
+    path = old.save(os.path.join(shared_dir, "bias"), keep=1)
+    saved = old.expert_bias.bias.copy()
+    losses = [old.train_step(step).loss for step in (1, 2)]
+    bias, params = old.expert_bias.bias.copy(), old.global_parameters()
+    old.mesh.free()
+    problems = []
+    for overrides, bitwise in ((ep4, True), (other, False)):
+        new = make(overrides, microbatches=2 if bitwise else 4)
+        new.load(path)
+        loaded = new.expert_bias.bias.copy()
+        got = [new.train_step(step).loss for step in (1, 2)]
+        got_params = new.global_parameters()
+        new.mesh.free()
+        if not np.array_equal(loaded, saved) or not np.abs(saved).max() > 0:
+            problems.append(f"{overrides}: loaded bias {loaded.tolist()} vs saved {saved.tolist()}")
+        if bitwise:
+            same = got == losses and np.array_equal(new.expert_bias.bias, bias) and all(
+                np.array_equal(got_params[n], params[n]) for n in params)
+        else:
+            worst = max(float(np.max(np.abs(got_params[n] - params[n])) / np.max(np.abs(params[n]))) for n in params)
+            same = (got == pytest.approx(losses, rel=1e-10) and np.array_equal(new.expert_bias.bias, bias)
+                    and worst <= 1e-10)
+        if not same:
+            problems.append(f"{overrides}: continued losses {got} vs {losses}")
+    collective_assert(not problems, "; ".join(problems[:3]))

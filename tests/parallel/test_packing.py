@@ -24,7 +24,7 @@ from hpcpar.autograd.attention import document_attention
 from hpcpar.autograd.tensor import Tensor
 from hpcpar.config.load import load_config
 from hpcpar.data import balance, formats, packing
-from hpcpar.parallel.cp.attention import ContextParallel
+from hpcpar.parallel.cp.attention import ContextParallel, positions
 from hpcpar.runtime.comm import Communicator
 from hpcpar.training.run import build
 from hpcpar.training.trainer import Trainer
@@ -169,6 +169,33 @@ def test_packing_changes_the_run():
     collective_assert(abs(packed[0].loss - plain[0].loss) > 1e-6, f"same loss {packed[0].loss} either way")
 
 
+def cp_of_packed(documents, h: int, rng, impl: str = "ring", d: int = 3) -> tuple[list, dict, list]:
+    """`impl` attention over WORLD of random q, k, v [B, T, 3 h d] of the windows of `documents` (each
+    rank its columns, `cp.positions(T, documents)`), forward and backward, against `document_attention`
+    of the whole windows: (problems: output or gradient off by more than 1e-12, this rank's
+    `cp.stats`, every rank's positions)."""
+    b, t = len(documents.starts), documents.block_size
+    qkv, g = rng.standard_normal((b, t, 3 * h * d)), rng.standard_normal((b, t, h * d))
+    whole = Tensor(qkv.copy(), requires_grad=True)
+    want = document_attention(whole, h, documents)
+    want.backward(g)
+    comm = Communicator(WORLD.Dup(), "cp-packed-test")
+    try:
+        cp = ContextParallel(comm, impl)
+        cols = cp.positions(t, documents)
+        mine = Tensor(qkv[:, cols].copy(), requires_grad=True)
+        got = cp.attention(mine, h, documents=documents)
+        got.backward(g[:, cols])
+        stats, held = dict(cp.stats), cp.held(t, documents)
+    finally:
+        comm.free()
+    problems = [f"{what}: {err:.1e}" for what, err in
+                (("output", np.abs(got.data - want.data[:, cols]).max() / np.abs(want.data).max()),
+                 ("grad", np.abs(mine.grad - whole.grad[:, cols]).max() / np.abs(whole.grad).max()))
+                if not err <= 1e-12]
+    return problems, stats, held
+
+
 @pytest.mark.skipif(SIZE < 2, reason="context parallelism needs >= 2 ranks")
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
 def test_cp_attention_of_packed_windows_is_document_attention(impl):
@@ -179,24 +206,8 @@ def test_cp_attention_of_packed_windows_is_document_attention(impl):
     rng = np.random.default_rng(11)
     doc_starts = np.concatenate([[0], np.cumsum(rng.integers(1, 7, 4 * t))]).astype(np.int64)
     documents, _ = packing.Documents.of_windows(doc_starts, np.array([3, t + 5]), t)
-    qkv, g = rng.standard_normal((b, t, 3 * h * d)), rng.standard_normal((b, t, h * d))
-    whole = Tensor(qkv.copy(), requires_grad=True)
-    want = document_attention(whole, h, documents)
-    want.backward(g)
-    comm = Communicator(WORLD.Dup(), "cp-packing-test")
-    try:
-        cp = ContextParallel(comm, impl)
-        cols = cp.positions(t)
-        mine = Tensor(qkv[:, cols].copy(), requires_grad=True)
-        got = cp.attention(mine, h, documents=documents)
-        got.backward(g[:, cols])
-        stats = WORLD.allgather(dict(cp.stats))
-    finally:
-        comm.free()
-    problems = [f"{what}: {err:.1e}" for what, err in
-                (("output", np.abs(got.data - want.data[:, cols]).max() / np.abs(want.data).max()),
-                 ("grad", np.abs(mine.grad - whole.grad[:, cols]).max() / np.abs(whole.grad).max()))
-                if not err <= 1e-12]
+    problems, mine, _ = cp_of_packed(documents, h, rng, impl, d)   # ring: the chunks dealt by attention work
+    stats = WORLD.allgather(mine)
     unmasked = h * sum(len(rows) * n * (n + 1) // 2 for n, rows, _ in documents.segments())
     if sum(s["pairs"] for s in stats) != unmasked:
         problems.append(f"pairs {[s['pairs'] for s in stats]}, unmasked {unmasked}")
@@ -207,6 +218,68 @@ def test_cp_attention_of_packed_windows_is_document_attention(impl):
         if SIZE > 2 and not (sum(s["skipped"] for s in stats) and sent < unmasked_ring):
             problems.append(f"nothing skipped: {stats}")
     collective_assert(not problems, f"{impl}: " + "; ".join(problems))
+
+
+@pytest.mark.skipif(SIZE < 2, reason="context parallelism needs >= 2 ranks")
+def test_ring_deals_packed_chunks_by_attention_work():
+    """A micro-batch whose token-zigzag is unbalanced (a document starts 3/4 into each window, so
+    the last chunks are light): the ring runs on the work-balanced layout, every rank's unmasked
+    pairs (`cp.stats`) are its chunks' work, the busiest rank's below zigzag's, and the output and
+    gradient are still my rows of `document_attention` of the whole windows."""
+    t, h = 8 * SIZE, 2
+    doc_starts = np.array([0, 3 * t // 4, t + 3 * t // 4, 2 * t + 5], dtype=np.int64)
+    documents, _ = packing.Documents.of_windows(doc_starts, np.array([0, t]), t)
+    problems, stats, held = cp_of_packed(documents, h, np.random.default_rng(5))
+    pairs = np.array(WORLD.allgather(stats["pairs"]))
+    per_position = (documents.positions() + 1).sum(axis=0)          # unmasked pairs of each query column
+    balanced = np.array([per_position[p].sum() for p in held])
+    zigzag = np.array([per_position[positions("zigzag", t, SIZE, r)].sum() for r in range(SIZE)])
+    if not np.array_equal(pairs, h * balanced):
+        problems.append(f"pairs per rank {pairs.tolist()}, the balanced layout's {(h * balanced).tolist()}")
+    if not pairs.max() / pairs.mean() < zigzag.max() / zigzag.mean():
+        problems.append(f"max/mean {pairs.max() / pairs.mean():.3f}, token-zigzag {zigzag.max() / zigzag.mean():.3f}")
+    collective_assert(not problems, "; ".join(problems))
+
+
+def _box_elements(documents, held: list, rank: int, per_piece: bool) -> int:
+    """Score elements (per head) rank `rank`'s ring blocks compute over the windows of `documents`
+    with every rank's positions `held`: the smallest box holding a block's unmasked pairs, per row
+    and (chunk, chunk) of the block (`per_piece`), or one over all rows and chunks (times B)."""
+    first = np.arange(documents.block_size) - documents.positions()          # [B, T] segment starts
+    q, total = held[rank], 0
+    for k in held:
+        allowed = (q[:, None] >= k[None, :]) & (k[None, None, :] >= first[:, q][:, :, None])   # [B, Tq, Tk]
+        pieces = [allowed.any(axis=0)]
+        if per_piece:
+            half = len(q) // 2                                                   # my two zigzag chunks
+            pieces = [c for row in allowed for a in np.split(row, [half], axis=0) for c in np.split(a, [half], axis=1)]
+        for piece in pieces:
+            r, c = np.flatnonzero(piece.any(axis=1)), np.flatnonzero(piece.any(axis=0))
+            if r.size:
+                total += (1 if per_piece else len(allowed)) * (r[-1] - r[0] + 1) * (c[-1] - c[0] + 1)
+    return int(total)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="context parallelism needs >= 2 ranks")
+def test_ring_computes_a_box_per_row_and_chunk_of_packed_windows():
+    """Windows whose documents start at different places (a row of one segment, a row of short
+    documents, a row cut late): each rank's ring computes per row and (chunk, chunk) of a block the
+    smallest box of its pairs (`cp.stats["elements"]`), fewer elements than one box over all rows
+    and chunks, and its rows of `document_attention` and their gradient still."""
+    t, h = 8 * SIZE, 2
+    rng = np.random.default_rng(3)
+    short = np.cumsum(rng.integers(1, 5, t)) + 2 * t
+    doc_starts = np.concatenate([[0], [2 * t], short[short < 3 * t], [3 * t + t - 3, 5 * t]]).astype(np.int64)
+    documents, _ = packing.Documents.of_windows(doc_starts, np.array([t // 2, 2 * t, 3 * t]), t)
+    problems, stats, held = cp_of_packed(documents, h, rng)
+    rank = WORLD.Get_rank()
+    pieces, shared = _box_elements(documents, held, rank, True), _box_elements(documents, held, rank, False)
+    if not (stats["pairs"] <= stats["elements"] == h * pieces):
+        problems.append(f"elements {stats['elements']}, pairs {stats['pairs']}, per-piece boxes {h * pieces}")
+    fewer = WORLD.allreduce(int(pieces < shared), MPI.SUM)
+    if WORLD.allreduce(int(pieces > shared), MPI.SUM) or not fewer:
+        problems.append(f"per-piece boxes {pieces}, shared box {shared} (ranks with fewer: {fewer})")
+    collective_assert(not problems, f"rank {rank}: " + "; ".join(problems))
 
 
 # Synchronous parameter servers: (overrides, micro-batches per replica); the workers' mesh is 4 - servers ranks.

@@ -226,6 +226,11 @@ BAD = [
     (["model.moe_capacity_factor=-1"], 1, "model.moe_capacity_factor=-1.0 is invalid: must be >= 0 (0 = unlimited)"),
     (["model.moe_aux_loss=-0.1"], 1, "model.moe_aux_loss=-0.1 is invalid: must be >= 0 (0 = off)"),
     (["model.moe_z_loss=-1"], 1, "model.moe_z_loss=-1.0 is invalid: must be >= 0 (0 = off)"),
+    (["model.moe_expert_bias_rate=-0.01", "model.moe_experts=4"], 1,
+     "model.moe_expert_bias_rate=-0.01 is invalid: must be >= 0 (0 = off)"),
+    (["model.moe_expert_bias_rate=0.001"], 1, "model.moe_expert_bias_rate=0.001 balances the experts of a "
+     "mixture-of-experts model, but model.moe_experts=0 (dense); set model.moe_experts (e.g. 4) or "
+     "model.moe_expert_bias_rate=0"),
     (["model.moe_experts=4", "model.moe_top_k=5"], 1,
      "model.moe_top_k=5 exceeds model.moe_experts=4 (a token is routed to top_k different experts); choose "
      "moe_top_k in 1..4"),

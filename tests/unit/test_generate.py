@@ -106,3 +106,20 @@ def test_eval_defaults_to_the_checkpoints_data(tmp_path):
     with pytest.raises(DataError, match=r"the data ck was trained on, data.corpus='.*gone', is not here .* give "
                                         r"--data PATH"):
         eval_config(gone, "config stored in ck", None, None, "val", [])
+
+
+def test_sampling_loads_the_moe_routing_bias(tmp_path):
+    """The expert bias (model.moe_expert_bias_rate) is in the checkpoint's metadata: `hpcpar sample`'s
+    model routes with the bias the run trained to, not with zeros."""
+    from hpcpar.checkpoint.save import save
+    from hpcpar.runtime.comm import Communicator
+    model_cfg = GPTConfig(vocab_size=256, block_size=8, n_layer=2, n_head=2, n_embd=16, moe_experts=4,
+                          moe_expert_bias_rate=0.1)
+    model = GPT(model_cfg, seed=0)
+    bias = np.random.default_rng(0).standard_normal((2, 4)) / 3
+    cfg = dataclasses.replace(Config(), model=model_cfg)
+    path = save(str(tmp_path), 1, {f"model/{n}": (p.data, p.layout) for n, p in model.named_parameters()},
+                {"config": to_toml(cfg), "tokenizer": tokenizer.BYTES_RECORD, "step": 1,
+                 "moe_expert_bias": bias.tolist()}, Communicator.local(), keep=None)
+    loaded, _ = generate.load(path)
+    assert [layer.expert_bias.tolist() for layer in loaded.moe_layers()] == bias.tolist()

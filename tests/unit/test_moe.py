@@ -92,14 +92,15 @@ def test_a_token_dropped_by_every_expert_gets_a_zero_output():
     assert np.all(y[lost] == 0) and np.all(np.abs(y[~lost]).sum(axis=1) > 0)
 
 
-def numpy_moe(cfg, moe: MoE, x: np.ndarray):
-    """The layer's output and aux + z loss, written directly in NumPy from the weights."""
+def numpy_moe(cfg, moe: MoE, x: np.ndarray, choose=None):
+    """The layer's output and aux + z loss, written directly in NumPy from the weights; `choose`
+    (probs [N, E] -> experts [N, k]) replaces the top-k choice (an expert bias's)."""
     n = x.shape[0] * x.shape[1]
     tokens = x.reshape(n, -1)
     logits = tokens @ moe.router.weight.data.T
     probs = np.exp(logits - logits.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
-    choices = np.argsort(-probs, axis=1, kind="stable")[:, :cfg.moe_top_k]
+    choices = np.argsort(-probs, axis=1, kind="stable")[:, :cfg.moe_top_k] if choose is None else choose(probs)
     e, k = cfg.moe_experts, cfg.moe_top_k
     f = np.bincount(choices.reshape(-1), minlength=e) / (n * k)
     aux = cfg.moe_aux_loss * e * np.sum(f * probs.mean(axis=0))

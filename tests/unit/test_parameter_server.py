@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hpcpar.layout import Layout
-from hpcpar.parallel.ps.ownership import FlatSpace, server_ranges, sync_points
+from hpcpar.parallel.ps.ownership import FlatSpace, row_runs, run_positions, server_ranges, sync_points
 from hpcpar.parallel.ps.server import ParameterServer, _Segment
 
 
@@ -42,6 +42,25 @@ def test_local_indices_of_split_and_padded_layouts():
     padded = Layout.split_padded((5, 2), 0, 1, 2)                 # rows 3..4 of 5, padded to 3 rows
     idx = space.local_indices("z", padded)
     np.testing.assert_array_equal(idx, [18, 19, 20, 21, -1, -1])
+
+
+def test_row_runs_of_a_vocabulary_shard_cut_by_a_server_boundary():
+    """A padded vocabulary shard (rows 3..5 of a [5, 4] table, a padding row): each row's run in a
+    range that starts inside row 3 and ends inside row 4; the runs' positions back to back."""
+    space = FlatSpace({"a": (6,), "w": (5, 4)})                   # w at offsets 6 .. 25
+    idx = space.local_indices("w", Layout.split_padded((5, 4), 0, 1, 2))   # rows 3, 4 and padding
+    np.testing.assert_array_equal(idx[:8], np.arange(18, 26))
+    local, at, count = row_runs(idx, 4, 20, 23)                   # [20, 23): row 3's last 2, row 4's first
+    np.testing.assert_array_equal(count, [2, 1, 0])
+    np.testing.assert_array_equal(local, [2, 4, 0])               # local flat index of each run's start
+    np.testing.assert_array_equal(at, [0, 2, 0])                  # its position in the range
+    np.testing.assert_array_equal(run_positions(local, count, np.array([1, 0])), [4, 2, 3])
+    np.testing.assert_array_equal(run_positions(at, count, np.array([0, 1, 2])), [0, 1, 2])
+    assert run_positions(at, count, np.zeros(0, np.int64)).size == 0
+    local, at, count = row_runs(idx, 4, 0, space.total)           # one range: whole rows
+    np.testing.assert_array_equal(count, [4, 4, 0])
+    with pytest.raises(ValueError, match="not whole global rows"):
+        row_runs(space.local_indices("w", Layout.split((5, 4), 1, 0, 2)), 4, 0, space.total)   # columns split
 
 
 def test_sync_points():

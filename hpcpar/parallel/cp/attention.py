@@ -11,6 +11,7 @@ Sequence layouts (`positions`: the global positions of a rank's tokens, in its l
                  Under a causal mask chunk j attends to j+1 chunks' worth of keys, so pairing an
                  early chunk with a late one gives every rank the same work (Ring Attention's
                  causal balance, arXiv 2310.01889; Megatron-LM CP). Ring attention uses it.
+                 Packed documents (below) deal the same 2cp chunks two per rank by their work.
     contiguous   cp equal chunks, rank r holds chunk r. Ulysses uses it (its all-to-all gathers
                  the chunks back in order); for ring attention it is the naive split, whose last
                  rank does (2cp-1)/cp times the mean work (bench/context.py measures both).
@@ -32,12 +33,24 @@ steps every rank holds the complete gradient of its own K and V.
 
 Packed documents (`data.packing = "documents"`): `ContextParallel.attention(..., documents=)` takes
 the `Documents` of the whole windows, and each rank derives its masks from them and the layout's
-positions (a query attends a key at or before it and not before its segment's start). Ring: every
-block is masked by documents as well as causally; a block wholly masked (every row of the
-micro-batch) is not computed, and a K/V block travels the ring only as far as the last rank that
-attends to it (`_Plan`), so the forward and backward K/V figures above are upper bounds; the
-dK/dV accumulators always go the whole way. Ulysses: `document_attention` on the whole
-sequences of my heads; the messages are unchanged.
+positions (a query attends a key at or before it and not before its segment's start). A query at
+in-segment position p then does p + 1 pairs, so token-zigzag no longer balances the ring: under
+the zigzag layout a micro-batch whose windows hold document starts deals its 2cp chunks two per
+rank by that work instead (`balance.py`: the lightest with the heaviest, optimal for pairs; the
+same T/cp tokens per rank; windows of one segment keep zigzag exactly). `ContextParallel.
+positions(t, documents)` gives every user the micro-batch's layout: the data's columns
+(`data.balance.GlobalBatches`), wpe rows and dropout masks (`layers.py`, `GPT._embedding`), the
+ring's blocks and K/V routing (`_plan`). The balance is of unmasked pairs, and the ring computes
+close to them: with documents a block is cut by row of the micro-batch and by (my chunk, its
+chunk), and each piece with a pair gets its own box, the smallest holding its pairs (a [1, H, n, m]
+computation merged into that row's running maximum, sum and output; `_Block`). One box over all
+rows and both chunks would compute the union of the rows' boxes and the gap between a rank's
+chunks, and follow the layout's balance poorly (bench/varlen.py part 4 measures both). Ring:
+every block is masked by documents as well as causally; a piece with no pair is skipped, a
+block wholly masked (every row of the micro-batch) is not computed, and a K/V block travels the
+ring only as far as the last rank that attends to it (`_Plan`), so the forward and backward K/V
+figures above are upper bounds; the dK/dV accumulators always go the whole way. Ulysses:
+`document_attention` on the whole sequences of my heads; the messages are unchanged.
 
 Ulysses (`ulysses_attention`, arXiv 2309.14509): an all-to-all turns q, k, v from sequence-
 sharded [B, T/cp, 3, H, D] into head-sharded [B, T, 3, H/cp, D]; ordinary causal attention
@@ -66,6 +79,7 @@ from hpcpar.autograd.attention import causal_attention, document_attention
 from hpcpar.backend import array_module
 from hpcpar.backend.precision import down, up
 from hpcpar.autograd.tensor import Tensor
+from hpcpar.parallel.cp.balance import balanced_positions
 
 if TYPE_CHECKING:  # annotations only: model code never needs MPI loaded
     from hpcpar.runtime.comm import Communicator
@@ -75,6 +89,7 @@ IMPLS = (RING, ULYSSES)
 ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"
 LAYOUT_OF = {RING: ZIGZAG, ULYSSES: CONTIGUOUS}
 TRACE_TID = 99  # the timeline row (Chrome trace tid) of cp communication
+_KEEP = 16      # work-balanced layouts kept, one per Documents (a pipeline has several micro-batches in flight)
 
 # Message tags on the cp communicator (it carries nothing else).
 _TAG_KV, _TAG_KV_BACK, _TAG_DKV = 1501, 1502, 1503
@@ -107,27 +122,56 @@ def positions(layout: str, t: int, cp: int, rank: int) -> np.ndarray:
     return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks_of(layout, cp, rank)])
 
 
-class _Block:
-    """The part of the scores [my queries x the keys of one source rank] that the mask leaves:
-    query rows [r0, r1) and key columns [c0, c1) of the local sequences (the smallest box holding
-    every allowed pair), the additive mask of that box (None: nothing masked) and the number of
-    (query, key) pairs attended (the work, summed over the batch).
+class _Box:
+    """One rectangle of a block's scores that is computed: batch rows `rows` (a slice: all of them,
+    or one row b as b:b+1), query rows [r0, r1) and key columns [c0, c1) of the local sequences,
+    and its additive mask `bias` [n, m] (0 or -inf; None: nothing masked), broadcast over the
+    rows and heads of the [rows, H, n, m] scores. Built from `allowed` [n', m'], the pairs of a
+    sub-block whose first query and key are local rows `at` = (query, key): the smallest box
+    holding them."""
 
-    `allowed`: [Tl, Tl] bool, the causal mask every row of the batch shares (`batch` rows), or
-    [B, Tl, Tl] with packed documents (each row its own segments); the bias is then [B, 1, n, m].
+    __slots__ = ("rows", "r0", "r1", "c0", "c1", "bias")
+
+    def __init__(self, allowed: np.ndarray, rows: slice, at: tuple, xp, dtype):
+        r = np.flatnonzero(allowed.any(axis=1))
+        c = np.flatnonzero(allowed.any(axis=0))
+        sub = allowed[r[0]:r[-1] + 1, c[0]:c[-1] + 1]
+        self.rows = rows
+        self.r0, self.r1 = at[0] + int(r[0]), at[0] + int(r[-1]) + 1
+        self.c0, self.c1 = at[1] + int(c[0]), at[1] + int(c[-1]) + 1
+        self.bias = None if sub.all() else xp.asarray(np.where(sub, 0.0, -np.inf).astype(dtype))
+
+
+class _Block:
+    """The part of the scores [my queries x the keys of one source rank] that the mask leaves, as
+    the `_Box`es the kernels compute (in order), and the number of (query, key) pairs attended (the
+    work, summed over the batch) and of score elements computed (per head; pairs <= elements).
+
+    `allowed`: [Tl, Tl] bool, the causal mask every row of the batch shares (`batch` rows): one
+    box over all rows, the smallest holding every allowed pair. Or [B, Tl, Tl] with packed
+    documents (each row its own segments), with `runs`: the (query, key) sub-blocks [a0, a1) x
+    [k0, k1) of local rows, one per (my chunk, its chunk) of the layout. Then one box per row and
+    sub-block that holds an allowed pair, the smallest holding them (the others are skipped): one
+    box over all rows, or over a rank's two chunks, would compute the union of the rows' boxes, or
+    what lies between its chunks' pairs, which the balance of pairs (`balance.py`) does not see.
+    Merge order: `runs` as given, my chunks in increasing order, so in my own block (step 0)
+    every box row holds a pair: my first chunk's queries meet their own keys in its first box, and
+    those of my second chunk that attend my first are the first of its rows (its first segment's).
     """
 
-    __slots__ = ("r0", "r1", "c0", "c1", "bias", "pairs")
+    __slots__ = ("boxes", "pairs", "elements")
 
-    def __init__(self, allowed: np.ndarray, xp, dtype, batch: int = 1):
-        rows = np.flatnonzero(allowed.any(axis=-1).reshape(-1, allowed.shape[-2]).any(axis=0))
-        cols = np.flatnonzero(allowed.any(axis=-2).reshape(-1, allowed.shape[-1]).any(axis=0))
-        self.r0, self.r1 = int(rows[0]), int(rows[-1]) + 1
-        self.c0, self.c1 = int(cols[0]), int(cols[-1]) + 1
-        sub = allowed[..., self.r0:self.r1, self.c0:self.c1]
-        bias = np.where(sub, 0.0, -np.inf).astype(dtype)
-        self.bias = None if sub.all() else xp.asarray(bias if sub.ndim == 2 else bias[:, None])
-        self.pairs = int(allowed.sum()) * (batch if allowed.ndim == 2 else 1)
+    def __init__(self, allowed: np.ndarray, xp, dtype, batch: int = 1, runs: list | None = None):
+        if allowed.ndim == 2:
+            self.boxes = [_Box(allowed, slice(None), (0, 0), xp, dtype)]
+        else:
+            self.boxes = [_Box(a[a0:a1, k0:k1], slice(b, b + 1), (a0, k0), xp, dtype)
+                          for (a0, a1), (k0, k1) in runs for b, a in enumerate(allowed) if a[a0:a1, k0:k1].any()]
+        per_box = batch if allowed.ndim == 2 else 1                        # batch rows a box spans
+        self.pairs = int(allowed.sum()) * per_box
+        self.elements = per_box * sum((box.r1 - box.r0) * (box.c1 - box.c0) for box in self.boxes)
+
+
 
 
 class _Plan:
@@ -181,7 +225,9 @@ class ContextParallel:
             waited), per ring step, forward and backward ("back_..."). For the overlap test.
         stats: counters since the last `reset_stats()`: "bytes_sent" (this rank, all cp messages),
             "pairs" (causal (query, key) pairs whose scores this rank's forwards computed: the
-            attention work; a backward does the same pairs again), "calls" (forwards), "skipped"
+            attention work; a backward does the same pairs again), "elements" (score elements its ring
+            forwards computed: the pairs plus the masked ones inside the computed boxes, `_Block`),
+            "calls" (forwards), "skipped"
             (ring blocks of a forward wholly masked, so not computed, forward or backward).
     """
 
@@ -200,19 +246,45 @@ class ContextParallel:
         if tracer is not None and self.size > 1:
             tracer.thread_names[TRACE_TID] = f"context parallel ({impl})"
         self.events: list | None = None
-        self._positions: dict[int, np.ndarray] = {}
+        self._positions: dict[int, list] = {}
+        self._balanced: list[tuple] = []         # (Documents, every rank's positions), newest first
         self._plans: dict[tuple, _Plan] = {}
         self._documents_plan: tuple | None = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.stats = {"bytes_sent": 0, "pairs": 0, "calls": 0, "skipped": 0}
+        self.stats = {"bytes_sent": 0, "pairs": 0, "elements": 0, "calls": 0, "skipped": 0}
 
-    def positions(self, t: int) -> np.ndarray:
-        """My tokens' global positions in a sequence of `t` (cached; see the module's `positions`)."""
+    def positions(self, t: int, documents=None) -> np.ndarray:
+        """My tokens' global positions (int64 [t/cp], local order) in a sequence of `t`: the layout's
+        (the module's `positions`), or with packed `documents` (`data.packing.Documents` of the
+        whole [B, t] windows) the micro-batch's work-balanced ones (`held`)."""
+        return self.held(t, documents)[self.rank]
+
+    @property
+    def columns(self):
+        """What the data layer selects a micro-batch's columns with (`data.balance.GlobalBatches`):
+        `positions`, (T, Documents or None) -> my columns; None without context parallelism (all)."""
+        return self.positions if self.size > 1 else None
+
+    def held(self, t: int, documents=None) -> list:
+        """Every rank's positions (rank order) of a sequence of `t`. Under the zigzag layout with
+        `documents` that hold a document start, the 2cp chunks dealt by attention work
+        (`balance.balanced_positions`); else the layout's. Cached per length, and for the last
+        `_KEEP` Documents (every layer of a micro-batch, forward and backward, asks again)."""
+        if documents is not None and documents.block_size != t:
+            raise ValueError(f"packed documents of {documents.block_size}-token windows, but the sequence "
+                             f"has {t} tokens")
         if t not in self._positions:
-            self._positions[t] = positions(self.layout, t, self.size, self.rank)
-        return self._positions[t]
+            self._positions[t] = [positions(self.layout, t, self.size, r) for r in range(self.size)]
+        if documents is None or documents.whole or self.layout != ZIGZAG:
+            return self._positions[t]
+        for seen, held in self._balanced:
+            if seen is documents:
+                return held
+        held = balanced_positions(documents, self.size)
+        self._balanced = [(documents, held)] + self._balanced[:_KEEP - 1]
+        return held
 
     def attention(self, qkv: Tensor, n_head: int, recompute: bool = False, documents=None) -> Tensor:
         """Causal self-attention of my tokens over the whole sequence: [B, T/cp, 3 n_head D] ->
@@ -256,24 +328,23 @@ class ContextParallel:
         if documents is not None and last is not None and last[0] is documents and last[1] == key:
             return last[2]
         t = t_local * self.size
-        where = [positions(self.layout, t, self.size, r) for r in range(self.size)]
-        if documents is None:
-            first = None
-        else:
-            if documents.block_size != t:
-                raise ValueError(f"packed documents of {documents.block_size}-token windows, but the sequence "
-                                 f"has {t} tokens")
-            first = np.arange(t) - documents.positions()                        # [B, T] segment starts
+        where = self.held(t, documents)          # every rank's positions (checks the documents' length)
+        first = None if documents is None else np.arange(t) - documents.positions()   # [B, T] segment starts
         need = np.array([[_needs(q, k, first) for k in where] for q in where])
         q_pos, blocks = where[self.rank], []
+        per_rank = len(chunks_of(self.layout, self.size, self.rank))
+        c = t_local // per_rank
+        chunks = [(i * c, (i + 1) * c) for i in range(per_rank)]           # my chunks' local rows, as a source's
         for src in range(self.size):
             if not need[self.rank, src]:
                 blocks.append(None)
                 continue
             allowed = q_pos[:, None] >= where[src][None, :]                        # [Tl, Tl] causal
-            if first is not None:                                                  # and the same segment
-                allowed = allowed & (where[src][None, None, :] >= first[:, q_pos][:, :, None])
-            blocks.append(_Block(allowed, xp, dtype, batch))
+            if first is None:
+                blocks.append(_Block(allowed, xp, dtype, batch))
+                continue
+            allowed = allowed & (where[src][None, None, :] >= first[:, q_pos][:, :, None])   # and the same segment
+            blocks.append(_Block(allowed, xp, dtype, batch, [(q, k) for q in chunks for k in chunks]))
         plan = _Plan(need, self.rank, blocks)
         if documents is None:
             self._plans[key] = plan
@@ -329,12 +400,12 @@ class _Rotation:
         self.held, self._incoming = self._incoming, None
 
 
-def _scores(q, k, block: _Block, scale: float):
-    """Scaled, masked scores [B, H, r1-r0, c1-c0] of one block."""
-    s = q[:, :, block.r0:block.r1] @ k[:, :, block.c0:block.c1].swapaxes(-1, -2)
+def _scores(q, k, box: _Box, scale: float):
+    """Scaled, masked scores [rows, H, r1-r0, c1-c0] of one box (q, k: [B, H, Tl, D])."""
+    s = q[box.rows, :, box.r0:box.r1] @ k[box.rows, :, box.c0:box.c1].swapaxes(-1, -2)
     s *= scale
-    if block.bias is not None:
-        s += block.bias
+    if box.bias is not None:
+        s += box.bias
     return s
 
 
@@ -348,9 +419,10 @@ def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel, documents=None
 
     Masked blocks (`_Plan`): a block with no unmasked pair is not computed, and a K/V block is
     passed on only while a rank further along the ring attends to it. A row with no unmasked key
-    in a block scores -inf throughout: its running maximum is finite from step 0 on (my own block
-    comes first and holds each query's own key), so exp(-inf - m) = 0 adds nothing and the
-    rescale factor is exp(0) = 1: the merge is unchanged, exactly.
+    in a box scores -inf throughout: its running maximum is finite from step 0 on (my own block
+    comes first, each of its box rows holds a pair, and its boxes hold each query's own key), so
+    exp(-inf - m) = 0 adds nothing and the rescale factor is exp(0) = 1: the merge is unchanged,
+    exactly.
     """
     xp = array_module(qkv.data)
     comm, size, rank = cp.comm, cp.size, cp.rank
@@ -380,17 +452,21 @@ def ring_attention(qkv: Tensor, n_head: int, cp: ContextParallel, documents=None
         cp._event("compute", step)
         start = time.perf_counter()
         if block is not None:
-            r0, r1 = block.r0, block.r1
-            s = _scores(qf, up(held[0]), block, scale)
-            new_max = xp.maximum(row_max[:, :, r0:r1], s.max(axis=-1))
-            alpha = xp.exp(row_max[:, :, r0:r1] - new_max)                  # rescale what came before
-            s -= new_max[..., None]
-            xp.exp(s, out=s)                                               # unnormalised probabilities
-            row_sum[:, :, r0:r1] = row_sum[:, :, r0:r1] * alpha + s.sum(axis=-1)
-            acc[:, :, r0:r1] = acc[:, :, r0:r1] * alpha[..., None] + s @ up(held[1][:, :, block.c0:block.c1])
-            row_max[:, :, r0:r1] = new_max
+            k, v = up(held[0]), up(held[1])
+            for box in block.boxes:                                # all rows, or a row's sub-blocks
+                rows, r0, r1 = box.rows, box.r0, box.r1
+                s = _scores(qf, k, box, scale)
+                new_max = xp.maximum(row_max[rows, :, r0:r1], s.max(axis=-1))
+                alpha = xp.exp(row_max[rows, :, r0:r1] - new_max)          # rescale what came before
+                s -= new_max[..., None]
+                xp.exp(s, out=s)                                           # unnormalised probabilities
+                row_sum[rows, :, r0:r1] = row_sum[rows, :, r0:r1] * alpha + s.sum(axis=-1)
+                acc[rows, :, r0:r1] = acc[rows, :, r0:r1] * alpha[..., None] + s @ v[rows, :, box.c0:box.c1]
+                row_max[rows, :, r0:r1] = new_max
+                del s  # before the next box's scores exist: one [n, n] block at a time
             cp.stats["pairs"] += n_head * block.pairs
-            del s  # before the next block's scores exist: one [n, n] block at a time
+            cp.stats["elements"] += n_head * block.elements
+            del k, v
         else:
             cp.stats["skipped"] += 1
         cp._event("computed", step)
@@ -441,20 +517,22 @@ def _ring_backward(g, q, kv, out_heads, lse, n_head: int, scale: float, cp: Cont
         start = time.perf_counter()
         part = xp.zeros(kv.shape, dtype=acc_dtype)                          # my dK, dV of src's keys
         if block is not None:
-            r0, r1, c0, c1 = block.r0, block.r1, block.c0, block.c1
-            k = up(held[0])                                                # float32 under 16 bits
-            p = _scores(q, k, block, scale)
-            p -= lse[:, :, r0:r1, None]
-            xp.exp(p, out=p)                                               # P from the saved log-sum-exp
-            gy_rows = gy[:, :, r0:r1]
-            part[1][:, :, c0:c1] = p.swapaxes(-1, -2) @ gy_rows            # dV = P^T dO
-            ds = gy_rows @ up(held[1][:, :, c0:c1]).swapaxes(-1, -2)       # dP = dO V^T
-            ds -= delta[:, :, r0:r1, None]
-            ds *= p
-            ds *= scale                                                    # dS = P (dP - delta) / sqrt(D)
-            dq[:, :, r0:r1] += ds @ k[:, :, c0:c1]                         # dQ += dS K
-            part[0][:, :, c0:c1] = ds.swapaxes(-1, -2) @ q[:, :, r0:r1]    # dK = dS^T Q
-            del p, ds, k  # one block's P and dS at a time
+            k, v = up(held[0]), up(held[1])                                # float32 under 16 bits
+            for box in block.boxes:               # all rows, or a row's sub-blocks (which may share keys)
+                rows, r0, r1, c0, c1 = box.rows, box.r0, box.r1, box.c0, box.c1
+                p = _scores(q, k, box, scale)
+                p -= lse[rows, :, r0:r1, None]
+                xp.exp(p, out=p)                                           # P from the saved log-sum-exp
+                gy_rows = gy[rows, :, r0:r1]
+                part[1][rows, :, c0:c1] += p.swapaxes(-1, -2) @ gy_rows    # dV = P^T dO
+                ds = gy_rows @ v[rows, :, c0:c1].swapaxes(-1, -2)          # dP = dO V^T
+                ds -= delta[rows, :, r0:r1, None]
+                ds *= p
+                ds *= scale                                                # dS = P (dP - delta) / sqrt(D)
+                dq[rows, :, r0:r1] += ds @ k[rows, :, c0:c1]               # dQ += dS K
+                part[0][rows, :, c0:c1] += ds.swapaxes(-1, -2) @ q[rows, :, r0:r1]  # dK = dS^T Q
+                del p, ds  # one box's P and dS at a time
+            del k, v
         cp._event("back_computed", step)
         if cp._tracing():
             cp._span("cp_attention_block", "compute", start, {"step": step, "source": src, "backward": True})

@@ -3,8 +3,9 @@
 The model's global tensors (the checkpoint's names and shapes, `FlatSpace`) laid end to end in
 name order form one flat vector of P elements; server s of S owns the contiguous range
 `server_ranges(P, S)[s]`, about P/S elements: their values and their optimizer state.
-`ownership_report` describes the ranges (`hpcpar info --servers`); `sync_points` are the steps
-before which every replica waits. Pure arithmetic: no MPI, usable on a login node.
+`ownership_report` describes the ranges and an untied wte's rows (`hpcpar info --servers`); `sync_points` are the steps
+before which every replica waits; `row_runs` and `run_positions` locate a row-sparse parameter's
+rows (an untied wte) in a range. Pure arithmetic: no MPI, usable on a login node.
 """
 
 from __future__ import annotations
@@ -55,6 +56,37 @@ class FlatSpace:
         return out
 
 
+def row_runs(idx: np.ndarray, width: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each row of a local [rows, width] array lies in the range [lo, hi) of the flat vector.
+
+    `idx`: the array's global flat offsets (`FlatSpace.local_indices`) of a layout that splits
+    rows only: each local row a whole global row of `width` elements, consecutive (a padding row
+    all -1). A row's elements inside the range are one run, which a range boundary may cut.
+    Returns int64 [rows] each: `local`, the flat index in the local array of the run's first
+    element; `at`, its position in the range (offset - lo); `count`, the run's length (0 where the
+    row has no element in the range; local = at = 0 there)."""
+    rows = idx.size // max(width, 1)
+    grid = idx.reshape(rows, width) if rows * width == idx.size else None
+    real = grid[:, 0] >= 0 if grid is not None else None
+    if grid is None or np.any(grid[real] != grid[real, :1] + np.arange(width)) or np.any(grid[~real] >= 0):
+        raise ValueError(f"row_runs: the local array's rows are not whole global rows of {width} elements "
+                         "(a layout that splits columns?)")
+    start = np.where(real, grid[:, 0], hi)   # a padding row: nothing in the range
+    first, last = np.maximum(start, lo), np.minimum(start + width, hi)
+    count = np.maximum(last - first, 0)
+    has = count > 0
+    return (np.where(has, np.arange(rows) * width + first - start, 0), np.where(has, first - lo, 0),
+            count.astype(np.int64))
+
+
+def run_positions(first: np.ndarray, count: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The positions of runs `rows` back to back, in the order given: first[r] .. first[r] +
+    count[r] - 1 for each r, int64 [sum of count[rows]] (`row_runs`' local or at, and count)."""
+    c = count[rows]
+    ends = np.cumsum(c)
+    return np.repeat(first[rows] - ends + c, c) + np.arange(int(ends[-1]) if c.size else 0, dtype=np.int64)
+
+
 def ownership_report(shapes: dict[str, tuple], servers: int, first_rank: int, itemsize: int) -> str:
     """`hpcpar info --servers`: each server's range of the flat parameter vector, in elements,
     bytes and the tensors it starts and ends in."""
@@ -67,6 +99,14 @@ def ownership_report(shapes: dict[str, tuple], servers: int, first_rank: int, it
         lines.append(f"  server {s} (rank {first_rank + s}): [{lo:,}, {hi:,}), {hi - lo:,} elements, "
                      f"{(hi - lo) * itemsize / 2**20:.2f} MiB of parameters; {first}[{a}:] .. {last}[:{b}] "
                      f"({len(pieces)} tensor pieces)")
+    wte = "transformer.wte.weight"
+    if "lm_head.weight" in space.shapes and wte in space.shapes:   # untied: wte's gradient is row-sparse
+        (v, c), at = space.shapes[wte], space.offsets[wte]
+        lines.append(f"  untied {wte} [{v:,}, {c}] at [{at:,}, {at + v * c:,}): with train.sparse_embedding = "
+                     f"\"auto\" a worker holding it pushes each server per step 8 (2 + k + k') + {itemsize} x {c} k "
+                     f"bytes for its k touched rows there and pulls {itemsize} x {c} k' for the k' rows its next "
+                     f"step looks up, instead of {itemsize} x its elements there each way (every row before an "
+                     "evaluation, a checkpoint or the end)")
     return "\n".join(lines) + "\n"
 
 

@@ -40,6 +40,12 @@ preemption stop (`ownership.sync_points`) waits for every replica in every mode,
 model. A preemption signal travels in the pushes; server 0 picks the step every replica can still
 reach (`stop_at` in its pulls). When a worker's run ends it sends each server a push of empty
 pieces with clock -1 (`wire.BYE`), and the server's loop ends once every worker has.
+
+Row-sparse parameters (an untied wte, `client.RowRoutes`). A worker holding one pushes its
+nonzero rows (or all of them, dense) in two row messages before its header, added into its
+replica's gradient like a piece, and names the rows its next step looks up; its pull carries
+those rows only, or every row when the step it leads to is a sync point (or follows a preemption
+signal seen in a push: the stop is one) and when the wanted rows are not fewer bytes (`wire`).
 """
 
 from __future__ import annotations
@@ -50,9 +56,10 @@ from typing import Any, Callable
 import numpy as np
 
 from hpcpar.layout import Layout
-from hpcpar.parallel.ps.ownership import FlatSpace, server_ranges
+from hpcpar.parallel.ps.ownership import FlatSpace, run_positions, server_ranges
 from hpcpar.parallel.ps.wire import (
-    BYE, FLAG_PREEMPT, FLAG_SKIP, PULL_HEADER, PUSH_HEADER, TAG_PIECE, TAG_PULL, TAG_PUSH, TAG_SETUP,
+    BYE, DENSE, FLAG_PREEMPT, FLAG_SKIP, PULL_HEADER, PUSH_HEADER, TAG_PIECE, TAG_PULL, TAG_PUSH, TAG_ROW_IDS,
+    TAG_ROW_VALUES, TAG_SETUP,
 )
 from hpcpar.runtime.comm import Communicator
 from hpcpar.state import SavedState, StoredState
@@ -113,12 +120,19 @@ class ParameterServer:
         # Routes: what each worker rank pushes and pulls (positions in this range), its replica.
         self.replica_of, self.push_at, self.pull_at = [], [], []
         sizes = []   # per worker: the elements of each piece of its push, in order
+        # Per worker holding a row-sparse parameter's rows in this range (else None): per local
+        # row its (first position, count) here, and the positions of every row, back to back.
+        self.runs: list = [None] * workers
+        self.every_row: list = [None] * workers
         for w in range(workers):
-            head = job.recv(np.zeros(4, dtype=np.int64), w, TAG_SETUP)
+            head = job.recv(np.zeros(5, dtype=np.int64), w, TAG_SETUP)
             self.replica_of.append(int(head[0]))
             self.push_at.append(job.recv(np.zeros(int(head[1]), dtype=np.int64), w, TAG_SETUP))
             self.pull_at.append(job.recv(np.zeros(int(head[2]), dtype=np.int64), w, TAG_SETUP))
             sizes.append(job.recv(np.zeros(int(head[3]), dtype=np.int64), w, TAG_SETUP))
+            if head[4]:
+                first, count = self.runs[w] = job.recv(np.zeros((2, int(head[4])), dtype=np.int64), w, TAG_SETUP)
+                self.every_row[w] = run_positions(first, count, np.flatnonzero(count))
         self.replicas = max(self.replica_of) + 1
         self.members = [[w for w in range(workers) if self.replica_of[w] == r] for r in range(self.replicas)]
         self.push_bufs = [np.zeros(PUSH_HEADER + a.size, dtype=dtype) for a in self.push_at]
@@ -126,7 +140,15 @@ class ParameterServer:
         self.piece_views = [[buf[PUSH_HEADER + end - n:PUSH_HEADER + end] for n, end in zip(counts, np.cumsum(counts))]
                             for buf, counts in zip(self.push_bufs, sizes)]
         self.piece_recvs: list[list] = [[] for _ in range(workers)]
-        self.pull_bufs = [np.zeros(PULL_HEADER + a.size, dtype=dtype) for a in self.pull_at]
+        # Row messages: room for every row in the range (a sparse push fills a prefix); the
+        # rows each worker's next pull brings (None: every row).
+        self.row_bufs = [None if e is None else (np.zeros(2 + 2 * int(np.count_nonzero(r[1])), dtype=np.int64),
+                                                 np.zeros(e.size, dtype=dtype))
+                         for r, e in zip(self.runs, self.every_row)]
+        self.row_recvs: list[list] = [[] for _ in range(workers)]
+        self.wanted: list = [None] * workers
+        self.pull_bufs = [np.zeros(PULL_HEADER + a.size + (0 if e is None else e.size), dtype=dtype)
+                          for a, e in zip(self.pull_at, self.every_row)]
         self.grads = [np.zeros(self.hi - self.lo, dtype=dtype) for _ in range(self.replicas)]
         self.total = np.zeros(self.hi - self.lo, dtype=dtype)   # the summed pushes of the next step
         # SSP, async: the open step (its clock, replicas that pushed that clock, the weights of
@@ -140,28 +162,46 @@ class ParameterServer:
         self.staleness: list[tuple[int, int, int]] = []   # (step, replica, staleness) of every applied push
         self.late: list[int] = []                          # SSP, async: tau of every applied push
         self.bytes_in = self.bytes_out = 0.0   # of this `serve`
+        self.preempted = False                 # a push of this `serve` carried FLAG_PREEMPT
 
     # -- one replica's push ------------------------------------------------------------------------
 
     def _post(self, w: int):
-        """Post the receives of worker `w`'s next push (its pieces, then its header); returns the
-        header's handle: the push is in once it and `_take`'s wait for the pieces complete."""
+        """Post the receives of worker `w`'s next push (its pieces, its row messages, its header);
+        returns the header's handle: the push is in once it and `_take`'s wait for the rest complete."""
         self.piece_recvs[w] = [self.job.irecv(v, w, TAG_PIECE) for v in self.piece_views[w]]
+        if self.row_bufs[w] is not None:
+            ids, values = self.row_bufs[w]
+            self.row_recvs[w] = [self.job.irecv(ids, w, TAG_ROW_IDS), self.job.irecv(values, w, TAG_ROW_VALUES)]
         return self.job.irecv(self.push_bufs[w][:PUSH_HEADER], w, TAG_PUSH)
 
     def _take(self, w: int) -> tuple[int, float, int]:
-        """Worker `w`'s header is in: wait for its pieces (sent before it; a bye's are empty), add
-        its pushed gradient into its replica's buffer; (clock, loss, flags)."""
-        for h in self.piece_recvs[w]:
+        """Worker `w`'s header is in: wait for its pieces and row messages (sent before it; a bye's
+        are empty), add its pushed gradient into its replica's buffer; (clock, loss, flags)."""
+        for h in self.piece_recvs[w] + self.row_recvs[w]:
             h.wait()
-        self.piece_recvs[w] = []
+        self.piece_recvs[w], self.row_recvs[w] = [], []
         buf = self.push_bufs[w]
         clock, loss, flags = int(buf[0]), float(buf[1]), int(buf[2])
         if clock != BYE:
             # One owner per element per replica: positions are distinct within a replica.
             self.grads[self.replica_of[w]][self.push_at[w]] += buf[PUSH_HEADER:]
             self.bytes_in += buf.nbytes
+            if self.row_bufs[w] is not None:
+                self._take_rows(w)
         return clock, loss, flags
+
+    def _take_rows(self, w: int) -> None:
+        """Worker `w`'s row messages are in: add its pushed rows into its replica's buffer and
+        keep the rows its next pull asks for (`wire`)."""
+        ids, values = self.row_bufs[w]
+        n_push, n_want = int(ids[0]), int(ids[1])
+        pushed = max(n_push, 0)
+        first, count = self.runs[w]
+        at = self.every_row[w] if n_push == DENSE else run_positions(first, count, ids[2:2 + pushed])
+        self.grads[self.replica_of[w]][at] += values[:at.size]
+        self.wanted[w] = None if n_want == DENSE else ids[2 + pushed:2 + pushed + n_want].copy()
+        self.bytes_in += 8 * (2 + pushed + max(n_want, 0)) + values[:at.size].nbytes
 
     def _step(self, grad, lr: float) -> None:
         for seg in self.segments:
@@ -233,6 +273,7 @@ class ParameterServer:
         completed the steps before a sync point and been answered. Returns (the step the run
         ended at, whether a preemption stop ended it before `end`)."""
         self.staleness, self.late, self.bytes_in, self.bytes_out = [], [], 0.0, 0.0
+        self.preempted = False
         # SSP, async: the open step. Every replica holds the parameters of `start` (a sync point).
         self.open, self.fresh, self.pending, self.sent = start, 0, 0.0, [start] * self.replicas
         self.total[...] = 0
@@ -263,6 +304,7 @@ class ParameterServer:
             arrived[r] += 1
             loss[r] += w_loss
             flags[r] |= w_flags
+            self.preempted |= bool(w_flags & FLAG_PREEMPT)   # the stop is near: pull every row
             if w_flags & FLAG_PREEMPT and stop_at < 0 and self.index == 0:
                 # The first step every replica can still stop at: a replica waiting for its pull
                 # stops when it has it; one computing (or pushing) its step done[q] stops after it.
@@ -317,16 +359,34 @@ class ParameterServer:
             if not ready:
                 continue
             del waiting[r]
+            whole = nxt in points or nxt == stop_at or self.preempted   # every row of a row-sparse parameter
             read[r], self.sent[r] = slowest, self.open
             for w in self.members[r]:
                 if sends[w] is not None:
                     sends[w].wait()
                 buf = self.pull_bufs[w]
-                buf[:PULL_HEADER] = (mean_loss, norm, FLAG_SKIP if skipped else 0, staleness, stop_at)
-                np.take(self.params, self.pull_at[w], out=buf[PULL_HEADER:])
-                self.bytes_out += buf.nbytes
+                end = PULL_HEADER + self.pull_at[w].size
+                np.take(self.params, self.pull_at[w], out=buf[PULL_HEADER:end])
+                rows, end = self._pull_rows(w, buf, end, whole)
+                buf[:PULL_HEADER] = (mean_loss, norm, FLAG_SKIP if skipped else 0, staleness, stop_at, rows)
+                self.bytes_out += buf[:end].nbytes
                 recvs[w] = self._post(w)   # its next push, or its bye
-                sends[w] = self.job.isend(buf, w, TAG_PULL)
+                sends[w] = self.job.isend(buf[:end], w, TAG_PULL)
+
+    def _pull_rows(self, w: int, buf, end: int, whole: bool) -> tuple[int, int]:
+        """Put the row-sparse parameter's rows of worker `w`'s pull into `buf` from `end`: the
+        rows it asked for, or every row (`whole`, or when they are not fewer). Returns (the pull
+        header's rows: their count or DENSE, the message's end)."""
+        if self.every_row[w] is None:
+            return DENSE, end
+        first, count = self.runs[w]
+        wanted = self.wanted[w]
+        if whole or wanted is None or int(count[wanted].sum()) >= self.every_row[w].size:
+            rows, at = DENSE, self.every_row[w]
+        else:
+            rows, at = wanted.size, run_positions(first, count, wanted)
+        np.take(self.params, at, out=buf[end:end + at.size])
+        return rows, end + at.size
 
     # -- checkpoints (`Checkpointable`, hpcpar/state.py) ---------------------------------------------
 
