@@ -24,6 +24,11 @@ Three measurements, all on dp = 4 with the experts divided over ep = 4 (one expe
    has reacted to the router), then its timed steps each round (the same trainer, training on),
    against a dense twin treated alike (warmed up as long, kept through the rounds); on the default
    corpus; beside them the max / mean tokens per expert over their timed steps (mean of the steps).
+   Three more rows hold the routing where initialisation put it (train.lr = 1e-12: the router,
+   like every weight, does not move; max / mean tokens per expert about 1.3-1.6 on these tokens):
+   MoE at ep = 4 and ep = 1 against a dense twin run alike. They measure what the MoE layer itself
+   costs (router, dispatch, grouped expert GEMMs, all-to-alls, combine) at near-balanced routing,
+   apart from how this small model's router collapses in training (the rows above).
 2. all-to-all bytes per step and rank, measured (`Communicator.sent` of the ep group: the rows
    that leave the rank in the dispatch and combine all-to-all-v's, forward and backward, plus the
    per-expert count exchange) next to the formula for balanced routing:
@@ -69,6 +74,7 @@ TOKENS = np.random.default_rng(0).integers(0, 256, 1 << 16).astype(np.uint8)
 # This bench's ratios before issue #45 (commit 1402f7b, the default model options, 4 ranks on 2 cores).
 BEFORE = {"ratio_moe_over_dense": 0.53, "ratio_moe_ep1_over_dense": 0.74, "commit": "1402f7b"}
 CAPACITY = 1.25  # the fourth row's capacity factor (Switch Transformer's for training)
+FROZEN = ["train.lr=1e-12", "train.min_lr=0", "train.warmup=0"]   # the routing stays where init put it
 BIAS_RATE = 0.01  # the expert bias rows' model.moe_expert_bias_rate (the best of 1e-3, 1e-2, 5e-2 at lr 3e-3)
 
 
@@ -125,7 +131,9 @@ def throughput(args) -> dict:
             if name not in best or row["step_s"] < best[name]["step_s"]:
                 best[name] = row
         for name, overrides in (("dense", []), ("moe", moe), ("moe_ep1", moe[:2] + ["mesh.ep=1"]),
-                                ("moe_cap", moe + [f"model.moe_capacity_factor={CAPACITY}"])):
+                                ("moe_cap", moe + [f"model.moe_capacity_factor={CAPACITY}"]),
+                                ("dense_frozen", FROZEN), ("moe_frozen", moe + FROZEN),
+                                ("moe_ep1_frozen", moe[:2] + ["mesh.ep=1"] + FROZEN)):
             t = trainer(args, overrides)
             ep = t.mesh.comm(Axis.EP)
             before = ep.sent.copy()
@@ -153,6 +161,9 @@ def throughput(args) -> dict:
     best["ratio_moe_over_dense"] = best["moe"]["tokens_per_s"] / best["dense"]["tokens_per_s"]
     best["ratio_moe_ep1_over_dense"] = best["moe_ep1"]["tokens_per_s"] / best["dense"]["tokens_per_s"]
     best["ratio_moe_cap_over_dense"] = best["moe_cap"]["tokens_per_s"] / best["dense"]["tokens_per_s"]
+    best["ratio_moe_frozen_over_dense"] = best["moe_frozen"]["tokens_per_s"] / best["dense_frozen"]["tokens_per_s"]
+    best["ratio_moe_ep1_frozen_over_dense"] = (best["moe_ep1_frozen"]["tokens_per_s"]
+                                               / best["dense_frozen"]["tokens_per_s"])
     best["ratio_moe_bias_over_dense"] = best["moe_bias"]["tokens_per_s"] / best["dense_warm"]["tokens_per_s"]
     best["ratio_moe_ep1_bias_over_dense"] = best["moe_ep1_bias"]["tokens_per_s"] / best["dense_warm"]["tokens_per_s"]
     best["bias_rate"] = args.bias_rate
@@ -211,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':<10} {'tokens/s':>10} {'step ms':>8} {'params/rank':>12} {'active':>10}")
     for name, r in (("dense", d), (f"moe ep={n}", m), ("moe ep=1", m1), (f"cap {CAPACITY}", speed["moe_cap"]),
                     ("dense warm", speed["dense_warm"]), (f"bias ep={n}", speed["moe_bias"]),
-                    ("bias ep=1", speed["moe_ep1_bias"])):
+                    ("bias ep=1", speed["moe_ep1_bias"]), ("dense lr~0", speed["dense_frozen"]),
+                    (f"lr~0 ep={n}", speed["moe_frozen"]), ("lr~0 ep=1", speed["moe_ep1_frozen"])):
         print(f"{name:<10} {r['tokens_per_s']:>10.0f} {1e3 * r['step_s']:>8.1f} {r['params_per_rank']:>12,} "
               f"{r['active_params']:>10,}")
     print(f"MoE / dense tokens/s: {speed['ratio_moe_over_dense']:.2f}x with ep={n}, "
@@ -225,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{speed['ratio_moe_bias_over_dense']:.2f}x with ep={n} (max/mean tokens per expert over the timed "
           f"steps {b4['load_imbalance']:.2f}), {speed['ratio_moe_ep1_bias_over_dense']:.2f}x with ep=1 "
           f"({b1['load_imbalance']:.2f})")
+    f4, f1 = speed["moe_frozen"], speed["moe_ep1_frozen"]
+    print(f"routing frozen at initialisation (lr 1e-12): {speed['ratio_moe_frozen_over_dense']:.2f}x with ep={n} "
+          f"(max/mean tokens per expert {f4['load_imbalance']:.2f}), {speed['ratio_moe_ep1_frozen_over_dense']:.2f}x "
+          f"with ep=1 ({f1['load_imbalance']:.2f})")
     print(f"all-to-all-v bytes per step and rank: measured {m['all_to_all_v_bytes'] / 2**20:.3f} MiB, formula "
           f"(balanced routing) {speed['formula_all_to_all_v_bytes'] / 2**20:.3f} MiB; count exchange "
           f"{m['count_bytes']:.0f} B vs {speed['formula_count_bytes']:.0f} B")

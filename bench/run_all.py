@@ -724,7 +724,10 @@ def _moe(d: dict) -> list[str]:
             + (f"; with the expert bias (rate {t['bias_rate']}, after {t['moe_bias']['warmup_steps']} untimed steps, "
                f"default corpus): {t['ratio_moe_bias_over_dense']:.2f}x with ep={n} (max/mean tokens per expert "
                f"{t['moe_bias']['load_imbalance']:.2f}), {t['ratio_moe_ep1_bias_over_dense']:.2f}x with ep=1 "
-               f"({t['moe_ep1_bias']['load_imbalance']:.2f})" if "moe_bias" in t else ""),
+               f"({t['moe_ep1_bias']['load_imbalance']:.2f})" if "moe_bias" in t else "")
+            + (f"; routing frozen at initialisation (lr 1e-12): {t['ratio_moe_frozen_over_dense']:.2f}x with ep={n} "
+               f"(max/mean {t['moe_frozen']['load_imbalance']:.2f}), {t['ratio_moe_ep1_frozen_over_dense']:.2f}x "
+               "with ep=1" if "moe_frozen" in t else ""),
             f"all-to-all-v {t['moe']['all_to_all_v_bytes'] / MiB:.2f} MiB/step/rank vs "
             f"{t['formula_all_to_all_v_bytes'] / MiB:.2f} MiB formula (balanced routing)",
             f"max/mean tokens per expert after {with_aux['steps']} steps: "
@@ -755,6 +758,12 @@ def _moe_table(d: dict) -> list[str]:
         rows += [(f"dense ({warm.split(', ', 1)[1]}: the expert-bias rows' twin)", "dense_warm", None),
                  (f"MoE, ep={n}, expert bias ({warm})", "moe_bias", "ratio_moe_bias_over_dense"),
                  (f"MoE, ep=1, expert bias ({warm})", "moe_ep1_bias", "ratio_moe_ep1_bias_over_dense")]
+    if "moe_frozen" in t:
+        rows += [("dense, lr 1e-12 (the frozen rows' twin)", "dense_frozen", None),
+                 (f"MoE, ep={n}, routing frozen at initialisation (lr 1e-12)", "moe_frozen",
+                  "ratio_moe_frozen_over_dense"),
+                 ("MoE, ep=1, routing frozen at initialisation (lr 1e-12)", "moe_ep1_frozen",
+                  "ratio_moe_ep1_frozen_over_dense")]
     for name, key, ratio in rows:
         r = t[key]
         formula = f"{t['formula_all_to_all_v_bytes'] / MiB:.3f}" if key == "moe" else "–"
