@@ -263,6 +263,9 @@ def _check_outer_sync(cfg: Config, tp: int) -> None:
          f"train.outer_compression=\"int8\" with mesh.tp={tp}, train.zero={t.zero}",
          "its blocks follow the local arrays, which tp and ZeRO-3 cut differently from one process, so the "
          "result would depend on the layout", "train.outer_compression=\"bf16\", or mesh.tp=1 and train.zero <= 2"),
+        (cfg.model.moe_expert_bias_rate > 0, f"model.moe_expert_bias_rate={cfg.model.moe_expert_bias_rate}",
+         "the expert bias follows the whole global batch's loads every step, which would couple the replicas "
+         "between their synchronisations", "model.moe_expert_bias_rate=0 (the aux loss balances each replica)"),
     ]
     for bad, what, why, fix in refused:
         if bad:

@@ -149,8 +149,10 @@ class GlobalBatches:
             t = self.train
             dealing = deal(self.dataset, split, t.seed, index, self.dp, t.microbatches, t.micro_batch_size,
                            self.block_size, self.data.packing, self.data.balance)
-            self._last = {**dict(list(self._last.items())[-1:]), key: dealing}
-        return self._last[key]
+        else:
+            dealing = self._last.pop(key)
+        self._last = {**dict(list(self._last.items())[-1:]), key: dealing}   # the two most recently asked
+        return dealing
 
     def sample_ids(self, split: str = "train", index: int | None = None) -> list[np.ndarray]:
         """This rank's sample ids, one int64 array of micro_batch_size per micro-batch, of training step

@@ -82,7 +82,7 @@ class ExpertBias:
         self.modules = [moe for stage in stages for moe in stage.moe_layers()]
         self._push()
 
-    def step_figures(self, summed: np.ndarray, batches: int) -> dict:
+    def record_step(self, summed: np.ndarray, batches: int) -> dict:
         """The step's routing `figures` from the `table`s summed over the world, after which the
         bias takes the step's update (`update`); with a bias, `moe_expert_bias_max` is max |b| after it."""
         out = figures(summed, self.experts, batches)

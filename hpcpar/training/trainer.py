@@ -353,7 +353,7 @@ class Trainer:
             loss=math.fsum(every[:, 0]) / (batches * self.mesh.size(Axis.CP)),
             norm=self._norm(every[:, 1]), stop=bool(every[:, 2].any()),
             means=every[:, 3:n].mean(axis=0), compressing=compressing,
-            moe=(self.expert_bias.step_figures(every[:, n:].sum(axis=0).reshape(table.shape), batches)
+            moe=(self.expert_bias.record_step(every[:, n:].sum(axis=0).reshape(table.shape), batches)
                  if table is not None else {}))
 
     def _norm(self, parts: np.ndarray) -> float:

@@ -2,8 +2,9 @@
 
 Run: mpiexec -n 4 python -m pytest tests/parallel/test_packed_eval.py (other sizes skip).
 float64, a model trained 2 steps on packed documents of long-tailed lengths, then `evaluate` over
-the held-out windows with their document starts: on dp=4, dp=2 x tp=2, pp=2 x dp=2, cp=2 x dp=2
-(ring: columns dealt by attention work) and cp=4 Ulysses, the loss equals the one-process
+37 held-out windows (the last global batch padded) with their document starts: on dp=4, dp=2 x
+tp=2, pp=2 x dp=2, cp=2 x dp=2 (ring: columns dealt by attention work), cp=4 Ulysses, cp=2 x tp=2
+with sequence parallelism and ZeRO-3, the loss equals the one-process
 evaluation to 1e-10, and that one equals the mean over every window's segments run alone as
 sequences of their own (the boundary targets left out), so the packed figure is the documents'.
 """
@@ -30,7 +31,7 @@ TOKENS = _rng.integers(0, 256, 12_000).astype(np.uint16)
 LENGTHS = np.minimum(np.ceil(_rng.pareto(1.2, 3000) * 5), 120).astype(np.int64)
 STARTS = np.concatenate([[0], np.cumsum(LENGTHS)])
 DATA = formats.from_tokens(TOKENS, 0.1, STARTS[STARTS < len(TOKENS)])
-MAX_TOKENS = 40 * 16
+MAX_TOKENS = 37 * 16   # 37 windows: the last global batch of 8 holds 3 padding windows
 
 LAYOUTS = {
     "dp4": ["mesh.dp=4", "mesh.pp=1", "train.microbatches=1"],
@@ -38,6 +39,8 @@ LAYOUTS = {
     "pp2-dp2": ["mesh.dp=2", "mesh.pp=2", "train.microbatches=2"],
     "cp2-dp2-ring": ["mesh.dp=2", "mesh.cp=2", "mesh.pp=1", "train.microbatches=2"],
     "cp4-ulysses": ["mesh.cp=4", "mesh.cp_impl=ulysses", "mesh.pp=1", "train.microbatches=4"],
+    "cp2-tp2-sp-ring": ["mesh.cp=2", "mesh.tp=2", "mesh.pp=1", "mesh.sequence_parallel=true", "train.microbatches=4"],
+    "dp4-zero3": ["mesh.dp=4", "mesh.pp=1", "train.zero=3", "train.microbatches=1"],
 }
 
 

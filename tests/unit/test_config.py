@@ -231,6 +231,11 @@ BAD = [
     (["model.moe_expert_bias_rate=0.001"], 1, "model.moe_expert_bias_rate=0.001 balances the experts of a "
      "mixture-of-experts model, but model.moe_experts=0 (dense); set model.moe_experts (e.g. 4) or "
      "model.moe_expert_bias_rate=0"),
+    (["model.moe_experts=4", "model.moe_expert_bias_rate=0.01", "train.sync=local", "mesh.dp=4", "mesh.pp=1",
+      "mesh.dp_replicate=4"], 4,
+     "model.moe_expert_bias_rate=0.01 cannot be combined with train.sync=\"local\": the expert bias follows the "
+     "whole global batch's loads every step, which would couple the replicas between their synchronisations; use "
+     "model.moe_expert_bias_rate=0 (the aux loss balances each replica)"),
     (["model.moe_experts=4", "model.moe_top_k=5"], 1,
      "model.moe_top_k=5 exceeds model.moe_experts=4 (a token is routed to top_k different experts); choose "
      "moe_top_k in 1..4"),

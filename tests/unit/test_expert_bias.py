@@ -84,16 +84,16 @@ def test_each_moe_layer_gets_its_own_row_with_moe_every_2():
 def test_rate_zero_sets_no_bias_saves_nothing_and_reports_no_bias():
     bias, modules = biased(0.0)
     assert all(m.expert_bias is None for m in modules)
-    out = bias.step_figures(summed([[4, 0, 0, 0]] * 3), batches=1)
+    out = bias.record_step(summed([[4, 0, 0, 0]] * 3), batches=1)
     assert out == figures(summed([[4, 0, 0, 0]] * 3), 4, 1) and "moe_expert_bias_max" not in out
     assert bias.checkpoint_state().meta == {} and not bias.bias.any()
     bias.load_checkpoint_state(_Stored({ExpertBias.META: [[1.0] * 4] * 3}))
     assert all(m.expert_bias is None for m in modules)
 
 
-def test_step_figures_update_the_bias_and_report_its_largest_magnitude():
+def test_record_step_update_the_bias_and_report_its_largest_magnitude():
     bias, _ = biased(0.25, n_layer=1)
-    out = bias.step_figures(summed([[6, 2, 0, 0]]), batches=2)      # mean 2: expert 1 keeps its bias
+    out = bias.record_step(summed([[6, 2, 0, 0]]), batches=2)      # mean 2: expert 1 keeps its bias
     assert bias.bias.tolist() == [[-0.25, 0.0, 0.25, 0.25]]
     assert out["moe_expert_bias_max"] == 0.25 and out["moe_load_imbalance"] == 3.0
 

@@ -14,10 +14,14 @@ messages on the job communicator, seen by the watchdog and the flight recorder l
 
 A row-sparse parameter (`Parameter.sparse_grad`: an untied wte, with `sparse_rows`) leaves the
 pieces and the dense pull (`RowRoutes`, `wire`): after the backward the rank pushes its
-nonzero rows and names the rows its next step looks up, and the pull brings back those rows
+nonzero rows and names the rows its next step looks up (with tensor parallelism row 0 too, which
+the vocabulary-parallel lookup reads for other ranks' ids), and the pull brings back those rows
 only (every row at a sync point). The rows it is not sent keep older values, which is exact:
 nothing on a worker reads them before they are pulled again (no optimizer here, the untied head
-is a parameter of its own, and an evaluation or the run's end is a sync point).
+is a parameter of its own, and an evaluation or the run's end is a sync point; a preemption stop
+is one too under synchronous servers, while under SSP and async a server other than server 0 may
+answer the last pull before it learns of the stop, leaving rows stale on a worker that then saves
+nothing of them: the servers hold the model).
 """
 
 from __future__ import annotations
@@ -89,8 +93,10 @@ class RowRoutes:
         nonzero = backend.to_host(xp.flatnonzero(xp.any(grad != 0, axis=1))).astype(np.int64)
         wanted = None
         if tokens is not None:
-            local = self.table[tokens]
-            wanted = np.unique(local[local >= 0])
+            local = self.table[np.asarray(tokens).reshape(-1)]
+            # A vocabulary-parallel lookup reads local row 0 for the ids other tp ranks own (and
+            # multiplies it by 0): pulled too, so that no stale row is ever read.
+            wanted = np.unique(np.where(local >= 0, local, 0))
         flat, item = self.param.grad.reshape(-1), self.param.grad.dtype.itemsize
         sends = []
         for s, rank in enumerate(servers):

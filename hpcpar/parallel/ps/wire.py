@@ -17,7 +17,9 @@ the rank does not know its next batch (the run's last step). The pushed rows are
 ones; the wanted, those the rank's next step looks up. The pull appends, after the dense part,
 the wanted rows' elements in the range in the order asked (`rows` = n_want), or every row's
 (`rows` = -1): at a sync point (evaluation, checkpoint, the end, a preemption stop) and whenever
-the wanted rows are not fewer bytes, so every sync point sees the whole table.
+the wanted rows are not fewer bytes, so every sync point sees the whole table (a preemption stop
+under SSP or async: from each server once it has seen the signal, which a server other than 0 may
+learn after answering the last pull; the workers save nothing, the servers hold the model).
 
 Per server and step, bytes in = 8 * (3 W + R * P/S) (float64; float32 halves the values), bytes
 out = 8 * (6 W + sum over worker ranks of the elements each holds in the range): every replica
