@@ -122,21 +122,21 @@ def evaluate(trainer: Trainer, tokens, max_tokens: int = 0, starts: np.ndarray |
 
 
 def _window_batch(trainer: Trainer, tokens, sample_ids: list, windows: int, starts) -> tuple:
-    """Windows `sample_ids` of `tokens` as this rank's micro-batch: (x, y) of my columns, or packed
-    (`starts` given) (x, y, Documents), boundary targets -100 and the Documents counting the
-    micro-batch's kept targets, so that its loss is their mean (`GPT._head`)."""
+    """Windows `sample_ids` of `tokens` as this rank's micro-batch, its columns under context
+    parallelism (`ContextParallel.columns`): (x, y), or packed (`starts` given) (x, y, Documents),
+    boundary targets -100 and the Documents counting the micro-batch's kept targets, so that its
+    loss is their mean (`GPT._head`)."""
     t = trainer.cfg.model.block_size
-    if starts is None:
-        # A Trainer with context parallelism holds only its tokens' positions of each sample (None: all).
-        return corpus.get_window_batch(tokens, sample_ids, t, windows, getattr(trainer, "positions", None))
-    x, y = corpus.get_window_batch(tokens, sample_ids, t, windows)
     ks = np.asarray(sample_ids, dtype=np.int64)
-    documents, crossing = packing.Documents.of_windows(starts, np.where(ks < windows, ks, 0) * t, t)
-    y[crossing] = packing.IGNORE                     # (padding windows' targets are ignored already)
-    documents.targets, documents.losses = max(int(np.count_nonzero(y != packing.IGNORE)), 1), 1
-    if trainer.cp.columns is not None:               # my columns, dealt by these windows' documents
-        cols = trainer.cp.columns(t, documents)
-        x, y = np.ascontiguousarray(x[:, cols]), np.ascontiguousarray(y[:, cols])
+    documents = crossing = None
+    if starts is not None:
+        documents, crossing = packing.Documents.of_windows(starts, np.where(ks < windows, ks, 0) * t, t)
+        documents.targets, documents.losses = max(int(np.count_nonzero(~crossing[ks < windows])), 1), 1
+    cols = trainer.cp.columns(t, documents) if trainer.cp.columns is not None else None
+    x, y = corpus.get_window_batch(tokens, sample_ids, t, windows, cols)   # padding windows: targets -100
+    if documents is None:
+        return x, y
+    y[crossing if cols is None else crossing[:, cols]] = packing.IGNORE
     return x, y, documents
 
 

@@ -183,11 +183,9 @@ class Trainer:
 
     def _build_stages(self) -> None:
         """This rank's pipeline stages (`stages`, their `named_parameters`), their `placement`,
-        and the context parallelism they run under (`cp`, `positions`)."""
+        and the context parallelism they run under (`cp`: a rank holds the columns `cp.columns` gives)."""
         cfg = self.cfg
-        # Context parallelism: this rank holds the tokens at `positions` of every sample (None: all).
         self.cp = ContextParallel(self.mesh.comm(Axis.CP), cfg.mesh.cp_impl, tracer=self.tracer)
-        self.positions = self.cp.positions(cfg.model.block_size) if self.cp.size > 1 else None
         # Where the virtual stages live: the loop, or ZB-V's V (first and last stage on pp rank 0).
         self.placement = schedules.placement(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.chunks)
         self.stages = build_stages(cfg.model, self.mesh, chunks=cfg.pipeline.chunks, seed=cfg.train.seed,
